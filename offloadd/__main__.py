@@ -1,0 +1,3 @@
+from offloadd.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,841 @@
+"""The training-side client: saved-tensor hooks that move activations out and back in time.
+
+Vocabulary. A *block* is one storage being offloaded; it is cut into *chunks* of ``chunk_bytes``,
+the unit of staging slots, disk slots and I/O requests. A saved tensor becomes a *ref* to a block
+(plus its dtype, size, stride and storage offset) or, when it is not worth moving, a *kept* handle
+that holds the tensor itself. Both remember the tensor's version counter at pack time.
+
+Note: [never a silently wrong gradient] With saved-tensor hooks installed, autograd no longer
+checks version counters at unpack. Kept tensors are checked by us and raise PyTorch's own error.
+Offloaded CPU tensors are copied into staging inside pack, so unpack provably returns the value at
+save time. Offloaded CUDA tensors are copied on a side stream; the I/O thread checks the version
+after the copy's event completed: unchanged then means no in-place op was enqueued before the
+copy ran, otherwise unpack raises.
+
+Note: [freeing] Autograd drops a packed object when the graph frees that saved tensor (after the
+node ran, or when the graph is released). Our objects' ``__del__`` only appends to a deque; the
+bookkeeping runs under the lock at the next pack, unpack, stats() or close(), never inside a
+garbage-collector callback that might interrupt our own critical section.
+
+Note: [forwarding] A chunk still in staging when backward needs it is copied from the staging
+slot and its write is cancelled if it has not started: the last tensors of a forward are often
+never written at all.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+import time
+import warnings
+import weakref
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from offloadd.config import OffloadConfig
+from offloadd.engine import Engine, Op, PythonEngine, Request, RequestState
+from offloadd.staging import SlotPool, aligned_empty, round_up
+from offloadd.stats import Stats
+from offloadd.storage import DiskStore, default_offload_dir
+
+__all__ = ["Offloader"]
+
+log = logging.getLogger("offloadd")
+
+_INPLACE_HINT = (
+    "Hint: the backtrace further above shows the operation that failed to compute its gradient. "
+    "The variable in question was changed in there or anywhere later. Good luck!"
+)
+
+
+def _inplace_error(t_desc: str, saved: int, now: int) -> RuntimeError:
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace "
+        f"operation: [{t_desc}] is at version {now}; expected version {saved} instead. "
+        + _INPLACE_HINT
+    )
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{t.type()} {list(t.shape)}"
+
+
+class _Kept:
+    """A saved tensor kept as it is (small, parameter, unsupported, or tier keep)."""
+
+    __slots__ = ("tensor", "version", "nbytes", "released")
+
+    def __init__(self, tensor: torch.Tensor, nbytes: int, released: deque[Any]) -> None:
+        self.tensor = tensor
+        self.version = tensor._version
+        self.nbytes = nbytes
+        self.released = released
+
+    def __del__(self) -> None:
+        self.released.append(self.nbytes)
+
+
+class _Chunk:
+    __slots__ = ("index", "nbytes", "file", "offset", "slot", "request", "on_disk", "mem")
+
+    def __init__(self, index: int, nbytes: int) -> None:
+        self.index = index
+        self.nbytes = nbytes  # padded to 4096
+        self.file = -1  # index in DiskStore.files
+        self.offset = -1  # byte offset in that file
+        self.slot: int | None = None  # staging/host slot holding the data
+        self.request: Request | None = None  # write or read in flight
+        self.on_disk = False
+        self.mem: torch.Tensor | None = None  # fallback copy after a failed write
+
+
+class _Block:
+    """One storage's bytes, on their way out, out, or back in."""
+
+    __slots__ = (
+        "seq",
+        "nbytes",
+        "padded",
+        "device",
+        "chunks",
+        "refs",
+        "key",
+        "resident",
+        "resident_bytes",
+        "loading",
+        "gen",
+        "unconsumed",
+        "prefetched",
+        "pinned_resident",
+        "error",
+        "modified",
+        "freed",
+        "copy_done",
+    )
+
+    def __init__(self, seq: int, nbytes: int, device: torch.device, chunk_bytes: int) -> None:
+        self.seq = seq
+        self.nbytes = nbytes
+        self.padded = round_up(nbytes)
+        self.device = device
+        self.chunks = [
+            _Chunk(k, min(chunk_bytes, self.padded - start))
+            for k, start in enumerate(range(0, self.padded, chunk_bytes))
+        ]
+        self.refs = 0
+        self.key: tuple[Any, ...] | None = None
+        self.resident: torch.Tensor | None = None  # uint8, padded bytes, on host or device
+        self.resident_bytes = 0
+        self.loading = 0  # reads in flight into ``resident``
+        self.gen = 0  # bumped on each load; refs remember which load they consumed
+        self.unconsumed = 0
+        self.prefetched = False
+        self.pinned_resident = False  # the only copy is ``resident`` (a write was cancelled)
+        self.error: BaseException | None = None
+        self.modified = False
+        self.freed = False
+        self.copy_done: _CudaCopy | None = None  # CUDA: the D2H copy into staging
+
+
+class _CudaCopy:
+    """The D2H copy of a block into staging: the source lives until the copy completed.
+
+    Note: [CUDA ordering] The copy stream waits on an event recorded on the producer's stream at
+    pack; the source tensor is held until the copy's own event completed (then released, so the
+    device memory goes back to the caching allocator); the version counter is compared at that
+    moment (see [never a silently wrong gradient])."""
+
+    __slots__ = ("block", "source", "version", "event")
+
+    def __init__(self, block: _Block, source: torch.Tensor, copy_stream: Any) -> None:
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(source.device))
+        copy_stream.wait_event(ready)
+        self.block = block
+        self.source: torch.Tensor | None = source
+        self.version = source._version
+        self.event: Any = None  # recorded once every chunk's copy is enqueued
+
+    def done(self, *, wait: bool) -> bool:
+        """Finish the copy (waiting if ``wait``); True once the source is released."""
+        if self.source is None:
+            return True
+        if self.event is None or not (wait or self.event.query()):
+            return False
+        self.event.synchronize()
+        if self.source._version != self.version:
+            self.block.modified = True  # changed in place before the copy ran
+        self.source = None
+        return True
+
+    def __call__(self) -> None:  # run by an I/O thread before writing the block
+        self.done(wait=True)
+
+
+class _Ref:
+    """A saved tensor whose storage is a block (offloaded) or is held as is (tier keep)."""
+
+    __slots__ = (
+        "block",
+        "tensor",
+        "dtype",
+        "size",
+        "stride",
+        "offset",
+        "version",
+        "desc",
+        "gen",
+        "released",
+    )
+
+    def __init__(self, block: _Block, t: torch.Tensor, released: deque[Any], keep: bool) -> None:
+        self.block = block
+        self.tensor = t if keep else None
+        self.dtype = t.dtype
+        self.size = t.size()
+        self.stride = t.stride()
+        self.offset = t.storage_offset()
+        self.version = t._version
+        self.desc = _describe(t)
+        self.gen = -1
+        self.released = released
+
+    def __del__(self) -> None:
+        self.released.append(self)
+
+
+class Offloader:
+    """Saved-tensor hooks that offload activations; use as a context manager around forward.
+
+    ``Offloader(tier="ssd", ssd_dirs=[...])``, ``Offloader(OffloadConfig(...))``, or both
+    (keyword arguments override the config's fields). ``io_engine`` plugs in another engine.
+    """
+
+    def __init__(
+        self,
+        config: OffloadConfig | None = None,
+        *,
+        io_engine: Engine | None = None,
+        **overrides: Any,
+    ) -> None:
+        cfg = config if config is not None else OffloadConfig()
+        if overrides:
+            cfg = cfg.replace(**overrides)
+        self.config = cfg
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._released: deque[Any] = deque()
+        self._stats = Stats()
+        self._closed = False
+        self._seq = 0
+        self._blocks: dict[int, _Block] = {}  # live blocks by seq (pack order)
+        self._order: list[int] = []  # their seqs, sorted
+        self._dedup: dict[tuple[Any, ...], tuple[StorageWeakRef, _Block]] = {}
+        self._param_storages: dict[tuple[Any, ...], StorageWeakRef] = {}
+        self._prefetch_live = 0  # bytes held by prefetched blocks not yet consumed
+        self._writes_in_flight = 0
+        self._pending_copies: deque[_CudaCopy] = deque()  # D2H copies whose source is held
+        self._tls = threading.local()
+        self._active_scopes = 0
+        self._module_hook: Any = None
+        self._warned: set[str] = set()
+        self._copy_stream: Any = None
+        self._host_pool: SlotPool | None = None  # cpu tier (pinned)
+        self._staging: SlotPool | None = None  # ssd tier
+        self._disk: DiskStore | None = None
+        self._engine: Engine | None = None
+        if cfg.tier != "keep":
+            dirs = list(cfg.ssd_dirs) or [default_offload_dir()]
+            self._disk = DiskStore(dirs, cfg.chunk_bytes, cfg.direct_io)
+            self._stats.buffered_io = self._disk.buffered
+            self._engine = io_engine if io_engine is not None else PythonEngine(cfg.io_threads)
+        self._pools: list[SlotPool] = []
+        # Runs at close(), when the Offloader is collected, or at interpreter exit.
+        self._finalizer = weakref.finalize(
+            self, Offloader._shutdown, self._engine, self._disk, self._pools
+        )
+
+    # -- public API ------------------------------------------------------------------------
+
+    def __enter__(self) -> Offloader:
+        if self._closed:
+            raise RuntimeError("offloadd: this Offloader is closed")
+        stack = getattr(self._tls, "stack", None)
+        if stack is None:
+            stack = self._tls.stack = []
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        hooks.__enter__()
+        stack.append(hooks)
+        with self._lock:
+            self._active_scopes += 1
+            if self._module_hook is None:
+                self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(
+                    self._note_module
+                )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._tls.stack.pop().__exit__(*exc)
+        with self._lock:
+            self._active_scopes -= 1
+            if self._active_scopes == 0 and self._module_hook is not None:
+                self._module_hook.remove()
+                self._module_hook = None
+                self._param_storages.clear()
+            self._drain()
+
+    def stats(self) -> Stats:
+        """A snapshot of the counters (see :class:`~offloadd.Stats`)."""
+        with self._lock:
+            self._drain()
+            if self._disk is not None:
+                self._stats.disk_bytes = self._disk.used_bytes
+            return Stats(**self._stats.as_dict())
+
+    def close(self) -> None:
+        """Finish in-flight I/O, release files and memory. Idempotent; also runs at exit."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._engine is not None:
+            self._engine.close()
+        with self._lock:
+            self._drain()
+        self._finalizer()
+
+    @staticmethod
+    def _shutdown(engine: Engine | None, disk: DiskStore | None, pools: list[SlotPool]) -> None:
+        if engine is not None:
+            engine.close()
+        if disk is not None:
+            disk.close()
+        for pool in pools:
+            pool.close()
+
+    # -- pack ------------------------------------------------------------------------------
+
+    def _note_module(self, module: torch.nn.Module, args: Any) -> None:
+        """Global forward pre-hook: remember storages that back parameters and buffers."""
+        with self._lock:
+            for tensors in (module._parameters, module._buffers):
+                for p in tensors.values():
+                    if p is not None and p.layout is torch.strided and not p.is_meta:
+                        s = p.untyped_storage()
+                        self._param_storages[(p.device, s._cdata)] = StorageWeakRef(s)
+
+    def _backs_parameter(self, t: torch.Tensor, storage: torch.UntypedStorage) -> bool:
+        ref = self._param_storages.get((t.device, storage._cdata))
+        if ref is not None and not ref.expired():
+            return True
+        ptr = storage.data_ptr()
+        if t.requires_grad:
+            if t.is_leaf:
+                return True
+            # A view of a parameter (e.g. the transposed weight a linear layer saves).
+            fn = t.grad_fn
+            frontier = [fn] if fn is not None else []
+            for _ in range(3):
+                nxt = []
+                for node in frontier:
+                    for child, _ in node.next_functions:
+                        if child is None:
+                            continue
+                        var = getattr(child, "variable", None)
+                        if var is not None:
+                            if var.untyped_storage().data_ptr() == ptr:
+                                return True
+                        else:
+                            nxt.append(child)
+                frontier = nxt
+        return False
+
+    def _movable(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is a plain dense CPU/CUDA tensor whose storage can be moved and rebuilt."""
+        return (
+            type(t) is torch.Tensor
+            and t.layout is torch.strided
+            and t.device.type in ("cpu", "cuda")
+            and not (t.is_quantized or t.is_conj() or t.is_neg())
+        )
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        st = self._stats
+        nbytes = t.nbytes
+        st.saved_tensors += 1
+        st.saved_bytes += nbytes
+        tier = self.config.tier
+        if (
+            nbytes < self.config.min_bytes
+            or not self._movable(t)
+            or (tier == "cpu" and t.device.type == "cpu")  # host to host saves nothing
+        ):
+            return self._keep(t, nbytes)
+        storage = t.untyped_storage()
+        keep = tier == "keep"
+        with self._lock:
+            self._drain()
+            self._poll_copies()
+            if self._backs_parameter(t, storage):
+                return self._keep_locked(t, nbytes)
+            key = (t.device, storage._cdata, t._version)
+            hit = self._dedup.get(key) if self.config.dedup else None
+            # The weak reference pins the StorageImpl's address while the entry lives, so an
+            # equal ``_cdata`` means the same storage, never a new one at a reused address.
+            if hit is not None and not hit[0].expired():
+                block = hit[1]
+                block.refs += 1
+                st.deduplicated_bytes += nbytes
+                return _Ref(block, t, self._released, keep=keep)
+            self._seq += 1
+            block = _Block(self._seq, storage.nbytes(), t.device, self.config.chunk_bytes)
+            block.refs = 1
+            if keep:
+                block.resident_bytes = block.nbytes
+                self._add_resident(block.nbytes)
+                st.kept_bytes += nbytes
+                self._register(block, key, storage)
+                return _Ref(block, t, self._released, keep=True)
+        try:
+            self._write_out(block, t, storage)
+        except Exception as e:  # never fail the forward because of offloading
+            self._warn_once("pack", f"offloadd: offloading failed, keeping the tensor: {e!r}")
+            with self._lock:
+                self._free_block(block)
+                st.fallbacks += 1
+            return self._keep(t, nbytes)
+        with self._lock:
+            self._register(block, key, storage)
+            st.offloaded_bytes += block.nbytes
+        return _Ref(block, t, self._released, keep=False)
+
+    def _register(self, block: _Block, key: tuple[Any, ...], storage: torch.UntypedStorage) -> None:
+        self._blocks[block.seq] = block
+        self._order.append(block.seq)
+        if self.config.dedup:
+            block.key = key
+            self._dedup[key] = (StorageWeakRef(storage), block)
+
+    def _poll_copies(self) -> None:
+        """Release the sources of finished device-to-host copies (lock held)."""
+        q = self._pending_copies
+        while q and q[0].done(wait=False):
+            q.popleft()
+
+    def _keep(self, t: torch.Tensor, nbytes: int) -> _Kept:
+        with self._lock:
+            if self._released:
+                self._drain()
+            return self._keep_locked(t, nbytes)
+
+    def _keep_locked(self, t: torch.Tensor, nbytes: int) -> _Kept:
+        self._stats.kept_bytes += nbytes
+        self._add_resident(nbytes)
+        return _Kept(t, nbytes, self._released)
+
+    def _write_out(self, block: _Block, t: torch.Tensor, storage: torch.UntypedStorage) -> None:
+        """Copy the storage into staging (or host) slots, chunk by chunk, and start the writes."""
+        src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+        cuda = t.device.type == "cuda"
+        host_tier = self.config.tier == "cpu"
+        pool = self._pool(cuda, host_tier)
+        if cuda:
+            block.copy_done = _CudaCopy(block, t, self._copy_stream)
+        pos = 0
+        for chunk in block.chunks:
+            n = min(chunk.nbytes, block.nbytes - pos)
+            with self._lock:
+                chunk.slot = self._acquire_slot(pool, host_tier)
+                if chunk.slot is None:  # nothing can free a slot: keep this chunk in memory
+                    chunk.mem = src[pos : pos + n].to("cpu", copy=True)
+                    self._add_resident(chunk.nbytes)
+                    pos += n
+                    continue
+                self._add_resident(chunk.nbytes)
+            dst = pool.tensor(chunk.slot, n)
+            if cuda:
+                with torch.cuda.stream(self._copy_stream):
+                    dst.copy_(src[pos : pos + n], non_blocking=True)
+            else:
+                dst.copy_(src[pos : pos + n])
+            pos += n
+            if not host_tier:
+                with self._lock:
+                    self._submit_write(block, chunk, pool)
+        if block.copy_done is not None:
+            block.copy_done.event = torch.cuda.Event()
+            block.copy_done.event.record(self._copy_stream)
+            self._pending_copies.append(block.copy_done)
+
+    def _pool(self, cuda: bool, host_tier: bool) -> SlotPool:
+        cfg = self.config
+        if host_tier:
+            if self._host_pool is None:
+                self._host_pool = SlotPool(cfg.host_budget_bytes, cfg.chunk_bytes)
+                self._pools.append(self._host_pool)
+            pool = self._host_pool
+        else:
+            if self._staging is None:
+                self._staging = SlotPool(cfg.staging_bytes, cfg.chunk_bytes)
+                self._pools.append(self._staging)
+            pool = self._staging
+        if cuda:
+            pool.buffer.pin()
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(device=torch.cuda.current_device())
+        return pool
+
+    def _acquire_slot(self, pool: SlotPool, host_tier: bool) -> int | None:
+        """A free slot, waiting for writes (spilling the oldest host chunks on the cpu tier)."""
+        slot = pool.acquire()
+        if slot is not None:
+            return slot
+        start = time.perf_counter()
+        self._stats.backpressure_waits += 1
+        while slot is None:
+            busy = self._writes_in_flight > 0
+            if host_tier and not busy:
+                busy = self._spill_oldest(pool)
+            if not busy:
+                slot = None
+                break
+            self._cond.wait(timeout=1.0)
+            slot = pool.acquire()
+        self._stats.io_wait_s += time.perf_counter() - start
+        return slot
+
+    def _spill_oldest(self, pool: SlotPool) -> bool:
+        """cpu tier: start writing the oldest host-held chunks to disk; True if any was started."""
+        started = 0
+        for seq in self._order:
+            block = self._blocks[seq]
+            for chunk in block.chunks:
+                if chunk.slot is not None and chunk.request is None and not chunk.on_disk:
+                    self._submit_write(block, chunk, pool)
+                    started += 1
+            if started >= 4:
+                break
+        return started > 0
+
+    def _submit_write(self, block: _Block, chunk: _Chunk, pool: SlotPool) -> None:
+        assert self._disk is not None and self._engine is not None and chunk.slot is not None
+        chunk.file = (block.seq + chunk.index) % len(self._disk.files)
+        f = self._disk.files[chunk.file]
+        chunk.offset = f.alloc()
+        self._note_disk()
+        req = Request(
+            Op.WRITE,
+            f.fd,
+            f.path,
+            chunk.offset,
+            pool.address(chunk.slot),
+            chunk.nbytes,
+            self._on_write_done,
+            before=block.copy_done,
+            context=(block, chunk, pool),
+        )
+        chunk.request = req
+        self._writes_in_flight += 1
+        self._engine.submit(req)
+
+    def _on_write_done(self, req: Request) -> None:
+        block, chunk, pool = req.context
+        with self._lock:
+            chunk.request = None
+            self._writes_in_flight -= 1
+            if req.error is None:
+                chunk.on_disk = True
+                self._stats.bytes_written += chunk.nbytes
+            else:
+                self._write_failed(block, chunk, pool, req.error)
+            if chunk.slot is not None:
+                pool.release(chunk.slot)
+                chunk.slot = None
+                self._sub_resident(chunk.nbytes)
+            if block.freed:
+                self._free_chunk_disk(chunk)
+            self._cond.notify_all()
+
+    def _write_failed(self, block: _Block, chunk: _Chunk, pool: SlotPool, err: BaseException) -> None:
+        """Keep the chunk's bytes in memory: the step goes on with the same result."""
+        self._free_chunk_disk(chunk)
+        self._warn_once(
+            f"write:{getattr(err, 'errno', None)}",
+            f"offloadd: write failed ({err}); keeping the affected tensors in memory",
+        )
+        if block.freed or chunk.slot is None:
+            return
+        chunk.mem = pool.tensor(chunk.slot, chunk.nbytes).clone()
+        self._add_resident(chunk.nbytes)
+        self._stats.fallbacks += 1
+
+    # -- unpack ----------------------------------------------------------------------------
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if type(packed) is _Kept:
+            t = packed.tensor
+            if t._version != packed.version:
+                raise _inplace_error(_describe(t), packed.version, t._version)
+            return t
+        ref: _Ref = packed
+        if ref.tensor is not None:  # tier keep
+            t = ref.tensor
+            if t._version != ref.version:
+                raise _inplace_error(ref.desc, ref.version, t._version)
+            return t
+        block = ref.block
+        with self._lock:
+            if self._closed and block.resident is None:
+                raise RuntimeError("offloadd: unpack after Offloader.close()")
+            self._drain()
+            if block.copy_done is not None:
+                block.copy_done.done(wait=True)
+            if block.modified:
+                raise _inplace_error(ref.desc, ref.version, ref.version + 1)
+            if block.resident is None and block.loading == 0:
+                self._load(block, prefetch=False)
+            self._prefetch_below(block.seq)
+            if block.loading:
+                start = time.perf_counter()
+                while block.loading:
+                    self._cond.wait()
+                self._stats.io_wait_s += time.perf_counter() - start
+            if block.error is not None:
+                err = block.error
+                raise OSError(
+                    getattr(err, "errno", None),
+                    f"offloadd: reading back a saved activation failed: {err}",
+                    getattr(err, "filename", None),
+                ) from err
+            buf = self._finish_load(block)
+            self._consume(block, ref)
+        return _view(buf, ref)
+
+    def _load(self, block: _Block, *, prefetch: bool) -> None:
+        """Make ``block.resident``: copy chunks held in memory, read the others (async)."""
+        assert self._disk is not None and self._engine is not None
+        buf = aligned_empty(block.padded)
+        block.resident = buf
+        block.resident_bytes = block.padded
+        block.gen += 1
+        block.unconsumed = block.refs
+        block.prefetched = prefetch
+        block.error = None
+        self._add_resident(block.padded)
+        if prefetch:
+            self._prefetch_live += block.padded
+        on_demand = False
+        pos = 0
+        for chunk in block.chunks:
+            dst = buf[pos : pos + chunk.nbytes]
+            if chunk.mem is not None:
+                dst.copy_(chunk.mem)
+            elif chunk.slot is not None:
+                pool = self._host_pool if self.config.tier == "cpu" else self._staging
+                assert pool is not None
+                req = chunk.request
+                if req is not None and req.op is Op.WRITE and self._engine.cancel(req):
+                    self._on_write_cancelled(chunk)
+                    dst.copy_(pool.tensor(chunk.slot, chunk.nbytes))
+                    pool.release(chunk.slot)
+                    chunk.slot = None
+                    self._sub_resident(chunk.nbytes)
+                    block.pinned_resident = True
+                else:
+                    dst.copy_(pool.tensor(chunk.slot, chunk.nbytes))
+                self._stats.forwarded_bytes += chunk.nbytes
+            elif chunk.on_disk:
+                f = self._disk.files[chunk.file]
+                req = Request(
+                    Op.READ,
+                    f.fd,
+                    f.path,
+                    chunk.offset,
+                    dst.data_ptr(),
+                    chunk.nbytes,
+                    self._on_read_done,
+                    keepalive=buf,
+                    context=(block, chunk),
+                )
+                chunk.request = req
+                block.loading += 1
+                on_demand = True
+                self._engine.submit(req)
+            else:  # a write still running: its slot was released, wait and read
+                raise AssertionError("chunk without data")
+            pos += chunk.nbytes
+        if prefetch:
+            self._stats.prefetched_bytes += block.padded
+        elif on_demand:
+            self._stats.on_demand_reads += 1
+
+    def _on_write_cancelled(self, chunk: _Chunk) -> None:
+        chunk.request = None
+        self._writes_in_flight -= 1
+        self._free_chunk_disk(chunk)
+
+    def _on_read_done(self, req: Request) -> None:
+        block, chunk = req.context
+        with self._lock:
+            chunk.request = None
+            block.loading -= 1
+            if req.error is not None:
+                block.error = req.error
+            else:
+                self._stats.bytes_read += chunk.nbytes
+            if block.freed:
+                self._free_chunk_disk(chunk)
+            self._cond.notify_all()
+
+    def _finish_load(self, block: _Block) -> torch.Tensor:
+        buf = block.resident
+        assert buf is not None
+        if block.device.type == "cuda" and buf.device.type == "cpu":
+            dev = torch.empty(block.padded, dtype=torch.uint8, device=block.device)
+            dev.copy_(buf)
+            block.resident = buf = dev
+        return buf
+
+    def _consume(self, block: _Block, ref: _Ref) -> None:
+        if ref.gen != block.gen:
+            ref.gen = block.gen
+            block.unconsumed -= 1
+            if block.unconsumed <= 0 and not block.pinned_resident:
+                self._drop_resident(block)
+
+    def _drop_resident(self, block: _Block) -> None:
+        if block.resident is None or block.loading:
+            return
+        block.resident = None
+        self._sub_resident(block.resident_bytes)
+        if block.prefetched:
+            self._prefetch_live -= block.padded
+            block.prefetched = False
+
+    def _prefetch_below(self, seq: int) -> None:
+        """Read ahead, in reverse pack order from ``seq``, up to the prefetch window."""
+        window = self.config.prefetch_bytes
+        i = bisect.bisect_left(self._order, seq) - 1
+        while i >= 0 and self._prefetch_live < window:
+            block = self._blocks[self._order[i]]
+            i -= 1
+            if (
+                block.resident is None
+                and (block.gen == 0 or block.unconsumed > 0)  # not consumed by every ref yet
+                and not block.modified
+                and any(c.on_disk and c.request is None for c in block.chunks)
+            ):
+                self._load(block, prefetch=True)
+
+    # -- freeing ---------------------------------------------------------------------------
+
+    def _drain(self) -> None:
+        """Apply releases queued by ``__del__`` (lock held)."""
+        q = self._released
+        while q:
+            item = q.popleft()
+            if type(item) is int:
+                self._sub_resident(item)
+                continue
+            ref: _Ref = item
+            block = ref.block
+            if ref.tensor is not None:
+                block.refs -= 1
+                if block.refs == 0:
+                    self._sub_resident(block.resident_bytes)
+                    self._forget(block)
+                continue
+            block.refs -= 1
+            if block.resident is not None and ref.gen != block.gen:
+                block.unconsumed -= 1
+                if block.unconsumed <= 0 and not block.pinned_resident and block.refs:
+                    self._drop_resident(block)
+            if block.refs == 0:
+                self._free_block(block)
+
+    def _free_block(self, block: _Block) -> None:
+        block.freed = True
+        block.pinned_resident = False
+        self._drop_resident(block)
+        if block.resident is not None:  # still loading: the read callback frees the disk
+            block.resident = None
+            self._sub_resident(block.resident_bytes)
+            if block.prefetched:
+                self._prefetch_live -= block.padded
+        self._release_chunks(block)
+        self._forget(block)
+
+    def _release_chunks(self, block: _Block) -> None:
+        pool = self._host_pool if self.config.tier == "cpu" else self._staging
+        for chunk in block.chunks:
+            req = chunk.request
+            if req is not None and req.op is Op.WRITE and self._engine is not None:
+                if self._engine.cancel(req):
+                    self._on_write_cancelled(chunk)
+            if chunk.request is None and chunk.slot is not None and pool is not None:
+                pool.release(chunk.slot)
+                chunk.slot = None
+                self._sub_resident(chunk.nbytes)
+            if chunk.mem is not None:
+                chunk.mem = None
+                self._sub_resident(chunk.nbytes)
+            if chunk.request is None:
+                self._free_chunk_disk(chunk)
+        self._cond.notify_all()
+
+    def _free_chunk_disk(self, chunk: _Chunk) -> None:
+        if chunk.offset >= 0 and self._disk is not None:
+            self._disk.files[chunk.file].free(chunk.offset)
+            chunk.offset = -1
+            chunk.on_disk = False
+            self._note_disk()
+
+    def _forget(self, block: _Block) -> None:
+        if self._blocks.pop(block.seq, None) is not None:
+            i = bisect.bisect_left(self._order, block.seq)
+            if i < len(self._order) and self._order[i] == block.seq:
+                del self._order[i]
+        if block.key is not None:
+            hit = self._dedup.get(block.key)
+            if hit is not None and hit[1] is block:
+                del self._dedup[block.key]
+
+    # -- accounting ------------------------------------------------------------------------
+
+    def _add_resident(self, n: int) -> None:
+        st = self._stats
+        st.resident_bytes += n
+        if st.resident_bytes > st.peak_resident_bytes:
+            st.peak_resident_bytes = st.resident_bytes
+
+    def _sub_resident(self, n: int) -> None:
+        self._stats.resident_bytes -= n
+
+    def _note_disk(self) -> None:
+        assert self._disk is not None
+        used = self._disk.used_bytes
+        self._stats.disk_bytes = used
+        if used > self._stats.peak_disk_bytes:
+            self._stats.peak_disk_bytes = used
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+        log.debug(message)
+
+
+def _view(buf: torch.Tensor, ref: _Ref) -> torch.Tensor:
+    """The saved tensor, rebuilt on ``buf`` with its exact dtype, size, stride and offset."""
+    itemsize = ref.dtype.itemsize
+    byte_offset = buf.storage_offset() + ref.offset * itemsize
+    out = torch.empty(0, dtype=ref.dtype, device=buf.device)
+    out.set_(buf.untyped_storage(), byte_offset // itemsize, ref.size, ref.stride)
+    return out
+
+
+_ = RequestState  # re-exported for engines that subclass ours

@@ -1,0 +1,102 @@
+"""Page-aligned, pre-faulted host memory: the staging pool that every write goes through.
+
+Note: [why a pool] Pinning or even allocating host memory per tensor costs more than the copy
+it serves (torchtune#2076), and O_DIRECT needs 4096-aligned addresses, which torch's CPU
+allocator does not give (it aligns to 64). So the pool is one anonymous mmap, touched once at
+creation, cut into fixed-size slots; a block larger than a slot spans several slots, which need
+not be adjacent, so the pool never fragments.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+
+import torch
+
+__all__ = ["ALIGN", "AlignedBuffer", "SlotPool", "aligned_empty", "address_view", "round_up"]
+
+ALIGN = 4096
+
+
+def round_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+class AlignedBuffer:
+    """``nbytes`` of anonymous, page-aligned, pre-faulted memory, seen as a uint8 tensor."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = round_up(max(nbytes, ALIGN))
+        self._mmap = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self.tensor.fill_(0)  # pre-fault every page now, not on the I/O path
+        self.address = self.tensor.data_ptr()
+        assert self.address % ALIGN == 0
+        self._pinned = False
+
+    def pin(self) -> None:
+        """Register the buffer with CUDA as page-locked (no-op without CUDA or when done)."""
+        if self._pinned or not torch.cuda.is_available():
+            return
+        rc = torch.cuda.cudart().cudaHostRegister(self.address, self.nbytes, 0)
+        if int(rc) != 0:
+            raise RuntimeError(f"cudaHostRegister of {self.nbytes} bytes failed with code {rc}")
+        self._pinned = True
+
+    def close(self) -> None:
+        if self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.address)
+            self._pinned = False
+        del self.tensor
+        try:
+            self._mmap.close()
+        except BufferError:  # a view still exists somewhere; the GC will unmap it
+            pass
+
+
+class SlotPool:
+    """Fixed-size slots of one :class:`AlignedBuffer`. Not thread-safe: the owner's lock guards it."""
+
+    def __init__(self, total_bytes: int, slot_bytes: int) -> None:
+        if slot_bytes % ALIGN:
+            raise ValueError(f"slot size must be a multiple of {ALIGN}, got {slot_bytes}")
+        self.slot_bytes = slot_bytes
+        self.num_slots = max(1, total_bytes // slot_bytes)
+        self.buffer = AlignedBuffer(self.num_slots * slot_bytes)
+        self._free = list(range(self.num_slots - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def acquire(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def tensor(self, slot: int, nbytes: int) -> torch.Tensor:
+        start = slot * self.slot_bytes
+        return self.buffer.tensor[start : start + nbytes]
+
+    def address(self, slot: int) -> int:
+        return self.buffer.address + slot * self.slot_bytes
+
+    def close(self) -> None:
+        self.buffer.close()
+
+
+def aligned_empty(nbytes: int) -> torch.Tensor:
+    """A uint8 CPU tensor of ``round_up(nbytes)`` bytes, 4096-aligned, in its own mapping.
+
+    Restored tensors are built on its storage with ``set_`` (no second copy); when the last of
+    them dies the mapping is unmapped, so freed activations leave the process's RSS at once
+    instead of lingering in malloc's heap."""
+    padded = round_up(max(nbytes, 1))
+    return torch.frombuffer(mmap.mmap(-1, padded), dtype=torch.uint8)
+
+
+def address_view(address: int, nbytes: int) -> memoryview:
+    """A writable memoryview of raw memory (for os.pwrite/os.preadv). The caller keeps it alive."""
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")

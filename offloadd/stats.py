@@ -1,0 +1,72 @@
+"""What the offloader did: counts and bytes, as one plain dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["Stats", "format_bytes"]
+
+
+@dataclass(kw_only=True, slots=True)
+class Stats:
+    """A snapshot of an :class:`~offloadd.Offloader`'s counters (cumulative unless noted)."""
+
+    saved_tensors: int = 0
+    """Tensors autograd handed to the pack hook."""
+    saved_bytes: int = 0
+    """Their bytes (``numel * element_size``, views counted in full each time)."""
+    offloaded_bytes: int = 0
+    """Bytes of storages moved out of process memory (each shared storage once)."""
+    deduplicated_bytes: int = 0
+    """Bytes of saved tensors whose storage was already being moved (not moved again)."""
+    kept_bytes: int = 0
+    """Bytes of saved tensors kept in memory: small, parameters, unsupported, tier keep, fallbacks."""
+    resident_bytes: int = 0
+    """Now: bytes of saved activations held in process memory (kept, staging, read-back)."""
+    peak_resident_bytes: int = 0
+    """Most ``resident_bytes`` held at once."""
+    bytes_written: int = 0
+    """Bytes written to storage (padded to 4096)."""
+    bytes_read: int = 0
+    """Bytes read back from storage (padded to 4096)."""
+    forwarded_bytes: int = 0
+    """Bytes that backward took from staging before their write finished (never read back)."""
+    prefetched_bytes: int = 0
+    """Bytes read ahead of use by the backward prefetcher."""
+    disk_bytes: int = 0
+    """Now: bytes of storage space allocated in the offload files."""
+    peak_disk_bytes: int = 0
+    """Most ``disk_bytes`` at once."""
+    io_wait_s: float = 0.0
+    """Seconds the training thread waited on I/O (reads on demand, full staging pool)."""
+    backpressure_waits: int = 0
+    """Times forward waited because the staging pool was full."""
+    on_demand_reads: int = 0
+    """Unpacks whose data was neither prefetched nor in staging."""
+    fallbacks: int = 0
+    """Tensors kept in memory because their I/O failed (disk full, I/O error)."""
+    buffered_io: bool = False
+    """True when some file fell back from O_DIRECT to buffered I/O."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        """One line for logs: what was saved and what it cost."""
+        return (
+            f"saved {self.saved_tensors} tensors ({format_bytes(self.saved_bytes)}), "
+            f"offloaded {format_bytes(self.offloaded_bytes)}, "
+            f"dedup {format_bytes(self.deduplicated_bytes)}, kept {format_bytes(self.kept_bytes)}, "
+            f"peak resident {format_bytes(self.peak_resident_bytes)}, "
+            f"written {format_bytes(self.bytes_written)}, read {format_bytes(self.bytes_read)}, "
+            f"io wait {self.io_wait_s:.3f}s, fallbacks {self.fallbacks}"
+        )
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

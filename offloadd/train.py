@@ -1,0 +1,173 @@
+"""One measured training run of the built-in GPT: what the demo and the benchmarks execute.
+
+Each strategy runs in its own process (``python -m offloadd.train``) so that its peak RSS is its
+own; the parent compares the JSON each child prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import torch
+
+from offloadd.config import OffloadConfig
+from offloadd.models import GPT, GPTConfig
+from offloadd.offloader import Offloader
+from offloadd.staging import address_view
+
+__all__ = ["RunSpec", "STRATEGIES", "run", "run_in_subprocess"]
+
+STRATEGIES = ("none", "keep", "recompute", "ssd", "cpu")
+
+
+@dataclass(kw_only=True, slots=True)
+class RunSpec:
+    strategy: str = "ssd"
+    """none (no hooks), keep (hooks, nothing moved), recompute, ssd or cpu (offload tiers)."""
+    num_layers: int = 4
+    d_model: int = 256
+    num_heads: int = 4
+    seq_len: int = 256
+    batch_size: int = 8
+    steps: int = 4
+    """Timed steps; one untimed warm-up step runs first."""
+    seed: int = 0
+    device: str = "cpu"
+    ssd_dir: str | None = None
+    min_bytes: int = 1 << 20
+
+
+def _rss() -> int:
+    return int(psutil.Process().memory_info().rss)
+
+
+def _peak_rss() -> int:
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def run(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
+    """Train ``spec.steps + 1`` steps; return timings, memory, stats and a digest of the weights."""
+    if spec.strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {spec.strategy!r}")
+    torch.manual_seed(spec.seed)
+    device = torch.device(spec.device)
+    cfg = GPTConfig(
+        num_layers=spec.num_layers,
+        d_model=spec.d_model,
+        num_heads=spec.num_heads,
+        seq_len=spec.seq_len,
+        recompute=spec.strategy == "recompute",
+    )
+    model = GPT(cfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(spec.seed + 1)
+    batches = [
+        torch.randint(0, cfg.vocab_size, (spec.batch_size, spec.seq_len + 1), generator=gen)
+        for _ in range(spec.steps + 1)
+    ]
+    off = None
+    if spec.strategy in ("keep", "ssd", "cpu"):
+        ocfg = OffloadConfig.from_env(
+            base=OffloadConfig(
+                tier=spec.strategy,  # type: ignore[arg-type]
+                ssd_dirs=(spec.ssd_dir,) if spec.ssd_dir else (),
+                min_bytes=spec.min_bytes,
+            )
+        )
+        off = Offloader(ocfg)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    base_rss = _rss()
+    base_dev = torch.cuda.memory_allocated() if cuda else 0
+    times, losses = [], []
+    for step, batch in enumerate(batches):
+        batch = batch.to(device)
+        t0 = time.perf_counter()
+        if off is not None:
+            with off:
+                loss = model(batch[:, :-1], batch[:, 1:])
+        else:
+            loss = model(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        if step > 0:
+            times.append(dt)
+        if progress:
+            print(
+                f"  [{spec.strategy}] step {step}/{spec.steps}"
+                f"{' (warm-up)' if step == 0 else ''}: loss {losses[-1]:.4f}, {dt:.2f}s",
+                file=sys.stderr,
+                flush=True,
+            )
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        flat = p.detach().cpu().contiguous()
+        digest.update(address_view(flat.data_ptr(), flat.nbytes))
+    out: dict[str, Any] = {
+        "strategy": spec.strategy,
+        "batch_size": spec.batch_size,
+        "step_time_s": statistics.median(times) if times else float("nan"),
+        "step_times_s": times,
+        "losses": losses,
+        "weights_sha256": digest.hexdigest(),
+        "peak_rss_above_base": max(0, _peak_rss() - base_rss),
+        "params": sum(p.numel() for p in model.parameters()),
+        "tokens_per_step": spec.batch_size * spec.seq_len,
+        "flops_per_step": 6 * cfg.num_params() * spec.batch_size * spec.seq_len,
+    }
+    if cuda:
+        out["peak_device_above_base"] = torch.cuda.max_memory_allocated() - base_dev
+    if off is not None:
+        out["stats"] = off.stats().as_dict()
+        off.close()
+    return out
+
+
+def run_in_subprocess(spec: RunSpec, *, progress: bool = False, timeout: float | None = None) -> dict[str, Any]:
+    """Run ``spec`` in a fresh interpreter (clean peak RSS); raise with its stderr if it fails."""
+    import subprocess
+
+    args = [sys.executable, "-m", "offloadd.train", "--json", json.dumps(_spec_dict(spec))]
+    if progress:
+        args.append("--progress")
+    proc = subprocess.run(
+        args, stdout=subprocess.PIPE, stderr=None if progress else subprocess.PIPE, text=True, timeout=timeout, env=os.environ.copy()
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"training run {spec.strategy} failed (exit {proc.returncode}): {proc.stderr}")
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def _spec_dict(spec: RunSpec) -> dict[str, Any]:
+    return {name: getattr(spec, name) for name in RunSpec.__dataclass_fields__}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m offloadd.train")
+    parser.add_argument("--json", required=True, help="RunSpec fields as a JSON object")
+    parser.add_argument("--progress", action="store_true")
+    ns = parser.parse_args(argv)
+    spec = RunSpec(**json.loads(ns.json))
+    print(json.dumps(run(spec, progress=ns.progress)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,80 @@
+"""Shared pieces of the tests: reference runs, gradient comparison, a payload-saving Function."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from offloadd import Offloader
+
+
+def small_offloader(disk_dir: object, **kw: object) -> Offloader:
+    """An Offloader sized so tiny models still exercise chunking, staging and prefetch."""
+    opts: dict[str, object] = dict(
+        tier="ssd",
+        ssd_dirs=[str(disk_dir)],
+        min_bytes=4096,
+        chunk_bytes=64 << 10,
+        staging_bytes=1 << 20,
+        prefetch_bytes=512 << 10,
+        io_threads=2,
+    )
+    opts.update(kw)
+    if opts["tier"] == "keep":
+        opts.pop("ssd_dirs")
+    return Offloader(**opts)  # type: ignore[arg-type]
+
+
+def train(
+    make_model: Callable[[], nn.Module],
+    make_input: Callable[[torch.Generator], torch.Tensor],
+    off: Offloader | None,
+    *,
+    steps: int = 3,
+    seed: int = 0,
+) -> list[list[torch.Tensor]]:
+    """Run ``steps`` SGD steps from ``seed``; return each step's gradients (and the loss)."""
+    torch.manual_seed(seed)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(seed + 1)
+    out = []
+    for _ in range(steps):
+        x = make_input(gen)
+        if off is None:
+            loss = model(x).float().square().mean()
+        else:
+            with off:
+                loss = model(x).float().square().mean()
+        loss.backward()
+        out.append([loss.detach().clone()] + [p.grad.clone() for p in model.parameters()])
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+def assert_bitwise_equal(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> None:
+    assert len(a) == len(b)
+    for step, (ga, gb) in enumerate(zip(a, b, strict=True)):
+        for i, (x, y) in enumerate(zip(ga, gb, strict=True)):
+            assert x.dtype == y.dtype and x.shape == y.shape
+            assert torch.equal(x, y), f"step {step}, tensor {i} differs (max {(x - y).abs().max()})"
+
+
+class SavePayload(torch.autograd.Function):
+    """Saves an arbitrary tensor for backward and records what backward got back."""
+
+    seen: list[torch.Tensor] = []
+
+    @staticmethod
+    def forward(ctx, x, payload):  # type: ignore[no-untyped-def]
+        ctx.save_for_backward(payload)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def]
+        (payload,) = ctx.saved_tensors
+        SavePayload.seen.append(payload.clone())
+        return g, None

@@ -49,24 +49,47 @@ def main(ns: argparse.Namespace) -> int:
     )
     results = {}
     for strategy in ("keep", "ssd"):
-        results[strategy] = run_in_subprocess(RunSpec(strategy=strategy, **common), progress=True)  # type: ignore[arg-type]
+        results[strategy] = run_in_subprocess(RunSpec(strategy=strategy, **common), progress=True)
     keep, ssd = results["keep"], results["ssd"]
     mem_key = "peak_device_above_base" if device == "cuda" else "peak_rss_above_base"
     mem_label = "peak device memory" if device == "cuda" else "peak RSS above model"
     rows = [
-        ("median step time", f"{keep['step_time_s']:.3f} s", f"{ssd['step_time_s']:.3f} s",
-         f"{ssd['step_time_s'] / keep['step_time_s']:.3f}x"),
-        ("peak saved activations held", format_bytes(keep["stats"]["peak_resident_bytes"]),
-         format_bytes(ssd["stats"]["peak_resident_bytes"]),
-         f"{ssd['stats']['peak_resident_bytes'] / max(1, keep['stats']['peak_resident_bytes']):.3f}x"),
-        (mem_label, format_bytes(keep[mem_key]), format_bytes(ssd[mem_key]),
-         f"{ssd[mem_key] / max(1, keep[mem_key]):.3f}x"),
-        ("bytes written", format_bytes(keep["stats"]["bytes_written"]),
-         format_bytes(ssd["stats"]["bytes_written"]), ""),
-        ("bytes read back", format_bytes(keep["stats"]["bytes_read"]),
-         format_bytes(ssd["stats"]["bytes_read"]), ""),
-        ("time waiting on I/O", f"{keep['stats']['io_wait_s']:.3f} s",
-         f"{ssd['stats']['io_wait_s']:.3f} s", ""),
+        (
+            "median step time",
+            f"{keep['step_time_s']:.3f} s",
+            f"{ssd['step_time_s']:.3f} s",
+            f"{ssd['step_time_s'] / keep['step_time_s']:.3f}x",
+        ),
+        (
+            "peak saved activations held",
+            format_bytes(keep["stats"]["peak_resident_bytes"]),
+            format_bytes(ssd["stats"]["peak_resident_bytes"]),
+            f"{ssd['stats']['peak_resident_bytes'] / max(1, keep['stats']['peak_resident_bytes']):.3f}x",
+        ),
+        (
+            mem_label,
+            format_bytes(keep[mem_key]),
+            format_bytes(ssd[mem_key]),
+            f"{ssd[mem_key] / max(1, keep[mem_key]):.3f}x",
+        ),
+        (
+            "bytes written",
+            format_bytes(keep["stats"]["bytes_written"]),
+            format_bytes(ssd["stats"]["bytes_written"]),
+            "",
+        ),
+        (
+            "bytes read back",
+            format_bytes(keep["stats"]["bytes_read"]),
+            format_bytes(ssd["stats"]["bytes_read"]),
+            "",
+        ),
+        (
+            "time waiting on I/O",
+            f"{keep['stats']['io_wait_s']:.3f} s",
+            f"{ssd['stats']['io_wait_s']:.3f} s",
+            "",
+        ),
     ]
     print()
     print(f"{'':30s} {'keep':>14s} {'ssd offload':>14s} {'ssd/keep':>10s}")

@@ -41,18 +41,18 @@ class Request:
     """One contiguous transfer. ``address`` must stay valid until ``callback`` has run."""
 
     __slots__ = (
-        "op",
-        "fd",
-        "path",
-        "offset",
         "address",
-        "nbytes",
-        "callback",
         "before",
-        "state",
-        "error",
-        "keepalive",
+        "callback",
         "context",
+        "error",
+        "fd",
+        "keepalive",
+        "nbytes",
+        "offset",
+        "op",
+        "path",
+        "state",
     )
 
     def __init__(

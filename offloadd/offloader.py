@@ -31,7 +31,6 @@ import time
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -68,7 +67,7 @@ def _describe(t: torch.Tensor) -> str:
 class _Kept:
     """A saved tensor kept as it is (small, parameter, unsupported, or tier keep)."""
 
-    __slots__ = ("tensor", "version", "nbytes", "released")
+    __slots__ = ("nbytes", "released", "tensor", "version")
 
     def __init__(self, tensor: torch.Tensor, nbytes: int, released: deque[Any]) -> None:
         self.tensor = tensor
@@ -81,7 +80,7 @@ class _Kept:
 
 
 class _Chunk:
-    __slots__ = ("index", "nbytes", "file", "offset", "slot", "request", "on_disk", "mem")
+    __slots__ = ("file", "index", "mem", "nbytes", "offset", "on_disk", "request", "slot")
 
     def __init__(self, index: int, nbytes: int) -> None:
         self.index = index
@@ -98,24 +97,24 @@ class _Block:
     """One storage's bytes, on their way out, out, or back in."""
 
     __slots__ = (
-        "seq",
+        "chunks",
+        "copy_done",
+        "device",
+        "error",
+        "freed",
+        "gen",
+        "key",
+        "loading",
+        "modified",
         "nbytes",
         "padded",
-        "device",
-        "chunks",
+        "pinned_resident",
+        "prefetched",
         "refs",
-        "key",
         "resident",
         "resident_bytes",
-        "loading",
-        "gen",
+        "seq",
         "unconsumed",
-        "prefetched",
-        "pinned_resident",
-        "error",
-        "modified",
-        "freed",
-        "copy_done",
     )
 
     def __init__(self, seq: int, nbytes: int, device: torch.device, chunk_bytes: int) -> None:
@@ -150,7 +149,7 @@ class _CudaCopy:
     device memory goes back to the caching allocator); the version counter is compared at that
     moment (see [never a silently wrong gradient])."""
 
-    __slots__ = ("block", "source", "version", "event")
+    __slots__ = ("block", "event", "source", "version")
 
     def __init__(self, block: _Block, source: torch.Tensor, copy_stream: Any) -> None:
         ready = torch.cuda.Event()
@@ -182,15 +181,15 @@ class _Ref:
 
     __slots__ = (
         "block",
-        "tensor",
+        "desc",
         "dtype",
+        "gen",
+        "offset",
+        "released",
         "size",
         "stride",
-        "offset",
+        "tensor",
         "version",
-        "desc",
-        "gen",
-        "released",
     )
 
     def __init__(self, block: _Block, t: torch.Tensor, released: deque[Any], keep: bool) -> None:
@@ -296,6 +295,13 @@ class Offloader:
             if self._disk is not None:
                 self._stats.disk_bytes = self._disk.used_bytes
             return Stats(**self._stats.as_dict())
+
+    def synchronize(self) -> None:
+        """Wait until no write or read is in flight (e.g. before reading stats in a benchmark)."""
+        with self._lock:
+            while self._writes_in_flight or any(b.loading for b in self._blocks.values()):
+                self._cond.wait()
+            self._drain()
 
     def close(self) -> None:
         """Finish in-flight I/O, release files and memory. Idempotent; also runs at exit."""
@@ -560,7 +566,9 @@ class Offloader:
                 self._free_chunk_disk(chunk)
             self._cond.notify_all()
 
-    def _write_failed(self, block: _Block, chunk: _Chunk, pool: SlotPool, err: BaseException) -> None:
+    def _write_failed(
+        self, block: _Block, chunk: _Chunk, pool: SlotPool, err: BaseException
+    ) -> None:
         """Keep the chunk's bytes in memory: the step goes on with the same result."""
         self._free_chunk_disk(chunk)
         self._warn_once(
@@ -773,9 +781,13 @@ class Offloader:
         pool = self._host_pool if self.config.tier == "cpu" else self._staging
         for chunk in block.chunks:
             req = chunk.request
-            if req is not None and req.op is Op.WRITE and self._engine is not None:
-                if self._engine.cancel(req):
-                    self._on_write_cancelled(chunk)
+            if (
+                req is not None
+                and req.op is Op.WRITE
+                and self._engine is not None
+                and self._engine.cancel(req)
+            ):
+                self._on_write_cancelled(chunk)
             if chunk.request is None and chunk.slot is not None and pool is not None:
                 pool.release(chunk.slot)
                 chunk.slot = None

@@ -9,6 +9,7 @@ not be adjacent, so the pool never fragments.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 
@@ -49,10 +50,8 @@ class AlignedBuffer:
             torch.cuda.cudart().cudaHostUnregister(self.address)
             self._pinned = False
         del self.tensor
-        try:
+        with contextlib.suppress(BufferError):  # a view still exists; the GC unmaps it later
             self._mmap.close()
-        except BufferError:  # a view still exists somewhere; the GC will unmap it
-            pass
 
 
 class SlotPool:

@@ -8,6 +8,7 @@ that prefers the lowest offsets, so disk use follows what is live, not how long 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import heapq
 import logging
@@ -98,7 +99,9 @@ class SlotFile:
                 self.direct = False
                 fd = self._create(base)
             else:
-                raise ValueError(f"ssd_dirs: cannot create a file in {self.directory!r}: {e}") from e
+                raise ValueError(
+                    f"ssd_dirs: cannot create a file in {self.directory!r}: {e}"
+                ) from e
         if self.direct:
             fd = self._probe_direct(fd, direct_io)
         return fd
@@ -155,10 +158,8 @@ class SlotFile:
         while self._end and (self._end - 1) in self._free:
             self._end -= 1
             self._free.discard(self._end)
-        try:
+        with contextlib.suppress(OSError):  # the space is still reused; only the shrink failed
             os.ftruncate(self.fd, self._end * self.slot_bytes)
-        except OSError:  # the space is still reused; only the shrink failed
-            pass
 
     def close(self) -> None:
         if self.fd >= 0:

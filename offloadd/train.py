@@ -140,7 +140,9 @@ def run(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
     return out
 
 
-def run_in_subprocess(spec: RunSpec, *, progress: bool = False, timeout: float | None = None) -> dict[str, Any]:
+def run_in_subprocess(
+    spec: RunSpec, *, progress: bool = False, timeout: float | None = None
+) -> dict[str, Any]:
     """Run ``spec`` in a fresh interpreter (clean peak RSS); raise with its stderr if it fails."""
     import subprocess
 
@@ -148,10 +150,17 @@ def run_in_subprocess(spec: RunSpec, *, progress: bool = False, timeout: float |
     if progress:
         args.append("--progress")
     proc = subprocess.run(
-        args, stdout=subprocess.PIPE, stderr=None if progress else subprocess.PIPE, text=True, timeout=timeout, env=os.environ.copy()
+        args,
+        stdout=subprocess.PIPE,
+        stderr=None if progress else subprocess.PIPE,
+        text=True,
+        timeout=timeout,
+        env=os.environ.copy(),
     )
     if proc.returncode != 0:
-        raise RuntimeError(f"training run {spec.strategy} failed (exit {proc.returncode}): {proc.stderr}")
+        raise RuntimeError(
+            f"training run {spec.strategy} failed (exit {proc.returncode}): {proc.stderr}"
+        )
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 

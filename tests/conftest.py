@@ -24,7 +24,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def _disk_root() -> str:
     """A directory on real disk (ext4/xfs, not tmpfs: tmpfs does not enforce O_DIRECT rules)."""
-    for cand in (os.environ.get("OFFLOADD_TEST_DIR"), tempfile.gettempdir(), "/var/tmp", os.getcwd()):
+    for cand in (
+        os.environ.get("OFFLOADD_TEST_DIR"),
+        tempfile.gettempdir(),
+        "/var/tmp",
+        os.getcwd(),
+    ):
         if cand and os.path.isdir(cand) and filesystem_type(cand) not in _MEMORY_FS:
             return cand
     pytest.skip("no disk-backed directory for offload files")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -66,7 +67,7 @@ def assert_bitwise_equal(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]
 class SavePayload(torch.autograd.Function):
     """Saves an arbitrary tensor for backward and records what backward got back."""
 
-    seen: list[torch.Tensor] = []
+    seen: ClassVar[list[torch.Tensor]] = []
 
     @staticmethod
     def forward(ctx, x, payload):  # type: ignore[no-untyped-def]

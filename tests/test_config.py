@@ -16,7 +16,13 @@ def test_defaults_work_and_match_default_toml() -> None:
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("1048576", 1 << 20), ("4MiB", 4 << 20), ("256k", 256 << 10), ("1G", 1 << 30), ("2MB", 2_000_000)],
+    [
+        ("1048576", 1 << 20),
+        ("4MiB", 4 << 20),
+        ("256k", 256 << 10),
+        ("1G", 1 << 30),
+        ("2MB", 2_000_000),
+    ],
 )
 def test_sizes(text: str, expected: int) -> None:
     assert parse_size("min_bytes", text) == expected

@@ -16,15 +16,25 @@ from .helpers import assert_bitwise_equal, small_offloader, train
 
 def mlp() -> nn.Module:
     return nn.Sequential(
-        nn.Linear(64, 256), nn.ReLU(), nn.Dropout(0.1), nn.Linear(256, 256), nn.GELU(),
+        nn.Linear(64, 256),
+        nn.ReLU(),
+        nn.Dropout(0.1),
+        nn.Linear(256, 256),
+        nn.GELU(),
         nn.Linear(256, 8),
     )
 
 
 def convnet() -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.Dropout(0.1), nn.Flatten(),
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.Dropout(0.1),
+        nn.Flatten(),
         nn.Linear(32 * 8 * 8, 10),
     )
 

@@ -73,7 +73,9 @@ class GPT(nn.Module):
         self.ln = nn.LayerNorm(cfg.d_model)
         for name, p in self.named_parameters():
             if name.endswith("weight") and p.dim() == 2:
-                nn.init.normal_(p, std=0.02 / (math.sqrt(2 * cfg.num_layers) if "out" in name else 1))
+                nn.init.normal_(
+                    p, std=0.02 / (math.sqrt(2 * cfg.num_layers) if "out" in name else 1)
+                )
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits, or the mean cross-entropy loss when ``targets`` is given."""

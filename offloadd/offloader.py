@@ -371,7 +371,7 @@ class Offloader:
 
     def _pack(self, t: torch.Tensor) -> Any:
         st = self._stats
-        nbytes = t.nbytes
+        nbytes = t.nbytes if t.layout is torch.strided else 0
         st.saved_tensors += 1
         st.saved_bytes += nbytes
         tier = self.config.tier
@@ -387,7 +387,9 @@ class Offloader:
             self._drain()
             self._poll_copies()
             if self._backs_parameter(t, storage):
-                return self._keep_locked(t, nbytes)
+                # Held by the model anyway: kept, but not activation memory of ours.
+                self._stats.kept_bytes += nbytes
+                return _Kept(t, 0, self._released)
             key = (t.device, storage._cdata, t._version)
             hit = self._dedup.get(key) if self.config.dedup else None
             # The weak reference pins the StorageImpl's address while the entry lives, so an

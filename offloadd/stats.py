@@ -23,7 +23,8 @@ class Stats:
     kept_bytes: int = 0
     """Bytes of saved tensors kept in memory: small, parameters, unsupported, tier keep, fallbacks."""
     resident_bytes: int = 0
-    """Now: bytes of saved activations held in process memory (kept, staging, read-back)."""
+    """Now: bytes of saved activations held in process memory (kept, staging, read-back);
+    saved tensors that are parameters or views of one are not activations and not counted."""
     peak_resident_bytes: int = 0
     """Most ``resident_bytes`` held at once."""
     bytes_written: int = 0

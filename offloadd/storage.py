@@ -3,12 +3,13 @@
 Note: [files leave nothing behind] Each file is opened with O_TMPFILE (or created and unlinked at
 once where O_TMPFILE is refused), so it has no name: a crash, kill -9 included, leaves no file
 and the kernel returns the space. Space is handed out in ``slot_bytes`` units from a free list
-that prefers the lowest offsets, so disk use follows what is live, not how long the job ran.
+that prefers the lowest offsets, so a file grows to the most that was live at once and stays
+there: it never grows with the length of the job. It is not shrunk while training: ftruncate
+on an extent-mapped file costs milliseconds, and re-extending it costs more on the next step.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import heapq
 import logging
@@ -148,18 +149,11 @@ class SlotFile:
         return (self._end - 1) * self.slot_bytes
 
     def free(self, offset: int) -> None:
-        """Return a slot; free slots at the end of the file are given back to the file system."""
+        """Return a slot for reuse (the lowest free slots are handed out first)."""
         self.used_slots -= 1
         i = offset // self.slot_bytes
         self._free.add(i)
         heapq.heappush(self._heap, i)
-        if i != self._end - 1:
-            return
-        while self._end and (self._end - 1) in self._free:
-            self._end -= 1
-            self._free.discard(self._end)
-        with contextlib.suppress(OSError):  # the space is still reused; only the shrink failed
-            os.ftruncate(self.fd, self._end * self.slot_bytes)
 
     def close(self) -> None:
         if self.fd >= 0:

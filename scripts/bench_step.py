@@ -50,12 +50,17 @@ def hook_cost_us(n: int = 20000) -> dict[str, float]:
     base = timed(torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
     ours = timed(off)
     off.close()
-    return {"identity_us": base / n * 1e6, "offloadd_us": ours / n * 1e6,
-            "added_us": (ours - base) / n * 1e6}
+    return {
+        "identity_us": base / n * 1e6,
+        "offloadd_us": ours / n * 1e6,
+        "added_us": (ours - base) / n * 1e6,
+    }
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--d-model", type=int, default=768)
     p.add_argument("--heads", type=int, default=12)
@@ -63,14 +68,23 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--deep-layers", type=int, default=48, help="depth for the scaling check (0: skip)")
+    p.add_argument(
+        "--deep-layers", type=int, default=48, help="depth for the scaling check (0: skip)"
+    )
     p.add_argument("--ssd-dir", default=None)
     p.add_argument("--strategies", default="keep,recompute,ssd")
     p.add_argument("--out", default=None, help="write a markdown report here")
     ns = p.parse_args()
 
-    common = dict(num_layers=ns.layers, d_model=ns.d_model, num_heads=ns.heads, seq_len=ns.seq,
-                  batch_size=ns.batch, steps=ns.steps, ssd_dir=ns.ssd_dir)
+    common = dict(
+        num_layers=ns.layers,
+        d_model=ns.d_model,
+        num_heads=ns.heads,
+        seq_len=ns.seq,
+        batch_size=ns.batch,
+        steps=ns.steps,
+        ssd_dir=ns.ssd_dir,
+    )
     strategies = ns.strategies.split(",")
     results: dict[str, list[dict]] = {s: [] for s in strategies}
     for r in range(ns.rounds):
@@ -88,52 +102,78 @@ def main() -> int:
     cpu = platform.processor() or platform.machine()
     lines.append("# Core benchmark: keep vs recompute vs ssd offload (CPU)\n")
     lines.append(f"- date: {time.strftime('%Y-%m-%d')}")
-    lines.append(f"- machine: {os.cpu_count()} cores ({cpu}), "
-                 f"{format_bytes(psutil.virtual_memory().total)} RAM, torch {torch.__version__}")
+    lines.append(
+        f"- machine: {os.cpu_count()} cores ({cpu}), "
+        f"{format_bytes(psutil.virtual_memory().total)} RAM, torch {torch.__version__}"
+    )
     lines.append(f"- command: `python {' '.join(sys.argv)}`")
-    lines.append(f"- model: built-in GPT, {ns.layers} layers, d={ns.d_model}, seq {ns.seq}, "
-                 f"batch {ns.batch}; {ns.steps} timed steps after 1 warm-up, {ns.rounds} rounds "
-                 "interleaved, one process per run; medians over rounds\n")
-    lines.append("| strategy | step time (s) | peak RSS above model | peak saved bytes held "
-                 "(offloadd accounting) | written | read | io wait (s) |")
+    lines.append(
+        f"- model: built-in GPT, {ns.layers} layers, d={ns.d_model}, seq {ns.seq}, "
+        f"batch {ns.batch}; {ns.steps} timed steps after 1 warm-up, {ns.rounds} rounds "
+        "interleaved, one process per run; medians over rounds\n"
+    )
+    lines.append(
+        "| strategy | step time (s) | peak RSS above model | peak saved bytes held "
+        "(offloadd accounting) | written | read | io wait (s) |"
+    )
     lines.append("|---|---|---|---|---|---|---|")
     for s in strategies:
         held = format_bytes(med_stat(s, "peak_resident_bytes")) if "stats" in results[s][0] else "-"
         wr = format_bytes(med_stat(s, "bytes_written")) if "stats" in results[s][0] else "-"
         rd = format_bytes(med_stat(s, "bytes_read")) if "stats" in results[s][0] else "-"
         io = f"{med_stat(s, 'io_wait_s'):.3f}" if "stats" in results[s][0] else "-"
-        lines.append(f"| {s} | {med(s, 'step_time_s'):.3f} | "
-                     f"{format_bytes(med(s, 'peak_rss_above_base'))} | {held} | {wr} | {rd} | {io} |")
+        lines.append(
+            f"| {s} | {med(s, 'step_time_s'):.3f} | "
+            f"{format_bytes(med(s, 'peak_rss_above_base'))} | {held} | {wr} | {rd} | {io} |"
+        )
     lines.append("")
     if "keep" in results and "ssd" in results:
-        per_round = [o["step_time_s"] / k["step_time_s"] for o, k in zip(results["ssd"], results["keep"], strict=True)]
+        per_round = [
+            o["step_time_s"] / k["step_time_s"]
+            for o, k in zip(results["ssd"], results["keep"], strict=True)
+        ]
         lines.append("| ratio | value | target |")
         lines.append("|---|---|---|")
-        lines.append(f"| ssd step time / keep (median of per-round ratios; min..max) | "
-                     f"{statistics.median(per_round):.3f} ({min(per_round):.3f}..{max(per_round):.3f}) | <= 1.05 |")
+        lines.append(
+            f"| ssd step time / keep (median of per-round ratios; min..max) | "
+            f"{statistics.median(per_round):.3f} ({min(per_round):.3f}..{max(per_round):.3f}) | <= 1.05 |"
+        )
         if "recompute" in results:
-            rr = [o["step_time_s"] / k["step_time_s"] for o, k in zip(results["ssd"], results["recompute"], strict=True)]
+            rr = [
+                o["step_time_s"] / k["step_time_s"]
+                for o, k in zip(results["ssd"], results["recompute"], strict=True)
+            ]
             lines.append(f"| ssd step time / recompute | {statistics.median(rr):.3f} | < 1 |")
-        lines.append(f"| ssd peak_resident_bytes / keep | "
-                     f"{med_stat('ssd', 'peak_resident_bytes') / med_stat('keep', 'peak_resident_bytes'):.3f} | <= 0.25 |")
-        lines.append(f"| ssd peak RSS above model / keep | "
-                     f"{med('ssd', 'peak_rss_above_base') / med('keep', 'peak_rss_above_base'):.3f} | <= 0.5 |")
+        lines.append(
+            f"| ssd peak_resident_bytes / keep | "
+            f"{med_stat('ssd', 'peak_resident_bytes') / med_stat('keep', 'peak_resident_bytes'):.3f} | <= 0.25 |"
+        )
+        lines.append(
+            f"| ssd peak RSS above model / keep | "
+            f"{med('ssd', 'peak_rss_above_base') / med('keep', 'peak_rss_above_base'):.3f} | <= 0.5 |"
+        )
         same = len({x["weights_sha256"] for s in ("keep", "ssd") for x in results[s]}) == 1
-        lines.append(f"\nFinal weights bit-identical across keep and ssd runs: {'yes' if same else 'NO'}\n")
+        lines.append(
+            f"\nFinal weights bit-identical across keep and ssd runs: {'yes' if same else 'NO'}\n"
+        )
     hc = hook_cost_us()
-    lines.append(f"Hook cost per small kept tensor (pack + unpack, added over identity hooks): "
-                 f"{hc['added_us']:.2f} µs (identity hooks {hc['identity_us']:.2f} µs per op, "
-                 f"offloadd {hc['offloadd_us']:.2f} µs); target <= 3 µs\n")
+    lines.append(
+        f"Hook cost per small kept tensor (pack + unpack, added over identity hooks): "
+        f"{hc['added_us']:.2f} µs (identity hooks {hc['identity_us']:.2f} µs per op, "
+        f"offloadd {hc['offloadd_us']:.2f} µs); target <= 3 µs\n"
+    )
     if ns.deep_layers:
         deep = dict(common, num_layers=ns.deep_layers, steps=1)
         shallow = dict(common, steps=1)
         a = run_in_subprocess(RunSpec(strategy="ssd", **shallow))  # type: ignore[arg-type]
         b = run_in_subprocess(RunSpec(strategy="ssd", **deep))  # type: ignore[arg-type]
         ra, rb = a["stats"]["peak_resident_bytes"], b["stats"]["peak_resident_bytes"]
-        lines.append(f"Depth scaling (ssd): peak_resident_bytes {format_bytes(ra)} at {ns.layers} "
-                     f"layers, {format_bytes(rb)} at {ns.deep_layers} layers: ratio {rb / ra:.3f} "
-                     f"(target <= 1.2); saved bytes {format_bytes(a['stats']['saved_bytes'])} vs "
-                     f"{format_bytes(b['stats']['saved_bytes'])}\n")
+        lines.append(
+            f"Depth scaling (ssd): peak_resident_bytes {format_bytes(ra)} at {ns.layers} "
+            f"layers, {format_bytes(rb)} at {ns.deep_layers} layers: ratio {rb / ra:.3f} "
+            f"(target <= 1.2); saved bytes {format_bytes(a['stats']['saved_bytes'])} vs "
+            f"{format_bytes(b['stats']['saved_bytes'])}\n"
+        )
     report = "\n".join(lines)
     print(report)
     if ns.out:

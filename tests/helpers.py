@@ -50,7 +50,8 @@ def train(
             with off:
                 loss = model(x).float().square().mean()
         loss.backward()
-        out.append([loss.detach().clone()] + [p.grad.clone() for p in model.parameters()])
+        rng = torch.get_rng_state()  # same RNG use, e.g. by dropout
+        out.append([loss.detach().clone(), rng] + [p.grad.clone() for p in model.parameters()])
         opt.step()
         opt.zero_grad()
     return out

@@ -229,3 +229,44 @@ def test_real_enospc_on_small_filesystem(tmp_path: Path) -> None:
         assert not [p for p in mnt.iterdir() if p.name != "lost+found"]
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_buffered_fallback_when_o_direct_refused(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A file system that refuses O_DIRECT (EINVAL at open) gets buffered I/O, logged and counted."""
+    real_open = os.open
+
+    def fake_open(path, flags, *a, **k):  # type: ignore[no-untyped-def]
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", path)
+        return real_open(path, flags, *a, **k)
+
+    monkeypatch.setattr(os, "open", fake_open)
+    with caplog.at_level("WARNING", logger="offloadd"):
+        off = small_offloader(disk_dir)
+    assert off.stats().buffered_io
+    assert any("buffered" in r.message for r in caplog.records)
+    monkeypatch.undo()
+    _check_round_trip(off)
+    with pytest.raises(ValueError, match="cannot create"):
+        monkeypatch.setattr(os, "open", fake_open)
+        small_offloader(disk_dir, direct_io="on")
+
+
+def test_direct_io_off(disk_dir: Path) -> None:
+    off = small_offloader(disk_dir, direct_io="off")
+    assert off.stats().buffered_io
+    _check_round_trip(off)
+
+
+def _check_round_trip(off: Offloader) -> None:
+    x = torch.randn(512, 512, requires_grad=True)
+    expected = torch.autograd.grad((x * 2).sin().sum(), x)[0]
+    with off:
+        z = (x * 2).sin()
+    off.synchronize()
+    (g,) = torch.autograd.grad(z.sum(), x)
+    assert torch.equal(g, expected)
+    assert off.stats().bytes_read > 0
+    off.close()

@@ -226,6 +226,7 @@ class Offloader:
         if overrides:
             cfg = cfg.replace(**overrides)
         self.config = cfg
+        self._min_bytes = cfg.min_bytes
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._released: deque[Any] = deque()
@@ -376,11 +377,19 @@ class Offloader:
         st.saved_bytes += nbytes
         tier = self.config.tier
         if (
-            nbytes < self.config.min_bytes
+            nbytes < self._min_bytes
             or not self._movable(t)
             or (tier == "cpu" and t.device.type == "cpu")  # host to host saves nothing
         ):
-            return self._keep(t, nbytes)
+            # The hot path (most saved tensors are small): one lock, no further calls.
+            with self._lock:
+                if self._released:
+                    self._drain()
+                st.kept_bytes += nbytes
+                st.resident_bytes += nbytes
+                if st.resident_bytes > st.peak_resident_bytes:
+                    st.peak_resident_bytes = st.resident_bytes
+            return _Kept(t, nbytes, self._released)
         storage = t.untyped_storage()
         keep = tier == "keep"
         with self._lock:
@@ -436,13 +445,8 @@ class Offloader:
 
     def _keep(self, t: torch.Tensor, nbytes: int) -> _Kept:
         with self._lock:
-            if self._released:
-                self._drain()
-            return self._keep_locked(t, nbytes)
-
-    def _keep_locked(self, t: torch.Tensor, nbytes: int) -> _Kept:
-        self._stats.kept_bytes += nbytes
-        self._add_resident(nbytes)
+            self._stats.kept_bytes += nbytes
+            self._add_resident(nbytes)
         return _Kept(t, nbytes, self._released)
 
     def _write_out(self, block: _Block, t: torch.Tensor, storage: torch.UntypedStorage) -> None:

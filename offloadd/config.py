@@ -122,6 +122,12 @@ class OffloadConfig:
     """O_DIRECT use: ``"auto"`` tries it and falls back to buffered I/O where the file system refuses
     it (logged once, shown in stats); ``"on"`` fails instead; ``"off"`` always uses buffered I/O."""
 
+    trim_host_memory: bool = True
+    """CPU activations on glibc: hand freed heap pages back to the OS (``malloc_trim``) once per
+    ``staging_bytes`` moved out or back in. Without it glibc keeps the freed activations' pages
+    in its heap and the process's RSS hardly drops (measured: 0.83x of keep's instead of about
+    0.45x); each call costs a few milliseconds."""
+
     engine: EngineName = "auto"
     """I/O engine. ``"python"`` is the thread-pool reference engine; ``"auto"`` picks the best
     available."""
@@ -137,8 +143,9 @@ class OffloadConfig:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{key} must be a non-negative byte count, got {value!r}")
-        if not isinstance(self.dedup, bool):
-            raise ValueError(f"dedup must be true or false, got {self.dedup!r}")
+        for key in ("dedup", "trim_host_memory"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"{key} must be true or false, got {getattr(self, key)!r}")
         cb = self.chunk_bytes
         if not isinstance(cb, int) or isinstance(cb, bool) or cb <= 0 or cb % _ALIGN:
             raise ValueError(f"chunk_bytes must be a positive multiple of 4096, got {cb!r}")
@@ -240,7 +247,7 @@ def _convert(label: str, value: Any, key: str | None = None) -> Any:
         return parse_size(label, value)
     if key == "io_threads":
         return _parse_int(label, value)
-    if key == "dedup":
+    if key in ("dedup", "trim_host_memory"):
         return _parse_bool(label, value)
     if key == "ssd_dirs":
         return _parse_dirs(label, value)

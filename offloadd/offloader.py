@@ -25,19 +25,22 @@ never written at all.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import logging
+import platform
 import threading
 import time
 import warnings
 import weakref
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from offloadd.config import OffloadConfig
-from offloadd.engine import Engine, Op, PythonEngine, Request, RequestState
+from offloadd.engine import Engine, Op, PythonEngine, Request
 from offloadd.staging import SlotPool, aligned_empty, round_up
 from offloadd.stats import Stats
 from offloadd.storage import DiskStore, default_offload_dir
@@ -255,6 +258,8 @@ class Offloader:
             self._stats.buffered_io = self._disk.buffered
             self._engine = io_engine if io_engine is not None else PythonEngine(cfg.io_threads)
         self._pools: list[SlotPool] = []
+        self._trim = _malloc_trim() if cfg.trim_host_memory else None
+        self._moved_since_trim = 0  # CPU bytes moved out or in since the last trim
         # Runs at close(), when the Offloader is collected, or at interpreter exit.
         self._finalizer = weakref.finalize(
             self, Offloader._shutdown, self._engine, self._disk, self._pools
@@ -428,6 +433,8 @@ class Offloader:
         with self._lock:
             self._register(block, key, storage)
             st.offloaded_bytes += block.nbytes
+        if t.device.type == "cpu":
+            self._note_moved(block.nbytes)
         return _Ref(block, t, self._released, keep=False)
 
     def _register(self, block: _Block, key: tuple[Any, ...], storage: torch.UntypedStorage) -> None:
@@ -626,12 +633,26 @@ class Offloader:
                     getattr(err, "filename", None),
                 ) from err
             buf = self._finish_load(block)
+            fresh = ref.gen != block.gen
             self._consume(block, ref)
+        if fresh and buf.device.type == "cpu":
+            self._note_moved(block.padded)
         return _view(buf, ref)
+
+    def _note_moved(self, nbytes: int) -> None:
+        """Trim the C heap once per ``staging_bytes`` of CPU activations moved (see config)."""
+        if self._trim is None:
+            return
+        self._moved_since_trim += nbytes
+        if self._moved_since_trim >= self.config.staging_bytes:
+            self._moved_since_trim = 0
+            self._trim(0)
 
     def _load(self, block: _Block, *, prefetch: bool) -> None:
         """Make ``block.resident``: copy chunks held in memory, read the others (async)."""
         assert self._disk is not None and self._engine is not None
+        if block.copy_done is not None:  # CUDA: staging/host slots are complete only after this
+            block.copy_done.done(wait=True)
         buf = aligned_empty(block.padded)
         block.resident = buf
         block.resident_bytes = block.padded
@@ -847,6 +868,19 @@ class Offloader:
         log.debug(message)
 
 
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, or None elsewhere (musl, macOS)."""
+    if platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        fn = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return fn
+
+
 def _view(buf: torch.Tensor, ref: _Ref) -> torch.Tensor:
     """The saved tensor, rebuilt on ``buf`` with its exact dtype, size, stride and offset."""
     itemsize = ref.dtype.itemsize
@@ -854,6 +888,3 @@ def _view(buf: torch.Tensor, ref: _Ref) -> torch.Tensor:
     out = torch.empty(0, dtype=ref.dtype, device=buf.device)
     out.set_(buf.untyped_storage(), byte_offset // itemsize, ref.size, ref.stride)
     return out
-
-
-_ = RequestState  # re-exported for engines that subclass ours

@@ -73,10 +73,16 @@ def main() -> int:
     p.add_argument("--ssd-dir", default=None)
     p.add_argument("--strategies", default="keep,recompute,ssd")
     p.add_argument("--out", default=None, help="write a markdown report here")
-    p.add_argument("--malloc-mmap-threshold", type=int, default=None,
-                   help="set MALLOC_MMAP_THRESHOLD_ for every run (same for all strategies)")
+    p.add_argument(
+        "--malloc-mmap-threshold",
+        type=int,
+        default=None,
+        help="set MALLOC_MMAP_THRESHOLD_ for every run (same for all strategies)",
+    )
     ns = p.parse_args()
 
+    if ns.malloc_mmap_threshold is not None:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(ns.malloc_mmap_threshold)
     common = dict(
         num_layers=ns.layers,
         d_model=ns.d_model,
@@ -108,7 +114,9 @@ def main() -> int:
         f"{format_bytes(psutil.virtual_memory().total)} RAM, torch {torch.__version__}"
     )
     lines.append(f"- command: `python {' '.join(sys.argv)}`")
-    lines.append(f"- MALLOC_MMAP_THRESHOLD_: {os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset (glibc default)')}")
+    lines.append(
+        f"- MALLOC_MMAP_THRESHOLD_: {os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset (glibc default)')}"
+    )
     lines.append(
         f"- model: built-in GPT, {ns.layers} layers, d={ns.d_model}, seq {ns.seq}, "
         f"batch {ns.batch}; {ns.steps} timed steps after 1 warm-up, {ns.rounds} rounds "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 
 from offloadd import Offloader
+from offloadd.engine import Op, PythonEngine, Request
 
 
 def small_offloader(disk_dir: object, **kw: object) -> Offloader:
@@ -63,6 +65,19 @@ def assert_bitwise_equal(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]
         for i, (x, y) in enumerate(zip(ga, gb, strict=True)):
             assert x.dtype == y.dtype and x.shape == y.shape
             assert torch.equal(x, y), f"step {step}, tensor {i} differs (max {(x - y).abs().max()})"
+
+
+class SlowEngine(PythonEngine):
+    """The reference engine with every write delayed, so the staging pool must fill."""
+
+    def __init__(self, delay_s: float = 0.005) -> None:
+        super().__init__(2)
+        self.delay_s = delay_s
+
+    def submit(self, request: Request) -> None:
+        if request.op is Op.WRITE:
+            request.before = lambda: time.sleep(self.delay_s)
+        super().submit(request)
 
 
 class SavePayload(torch.autograd.Function):

@@ -11,7 +11,7 @@ from torch import nn
 
 from offloadd.models import GPT, GPTConfig
 
-from .helpers import assert_bitwise_equal, small_offloader, train
+from .helpers import SlowEngine, assert_bitwise_equal, small_offloader, train
 
 
 def mlp() -> nn.Module:
@@ -89,7 +89,11 @@ def test_chunk_and_pool_sizes(chunk_kib: int, disk_dir: Path) -> None:
     make_model, make_input = MODELS["gpt"]
     reference = train(make_model, make_input, None)
     off = small_offloader(
-        disk_dir, chunk_bytes=chunk_kib << 10, staging_bytes=chunk_kib << 11, prefetch_bytes=0
+        disk_dir,
+        chunk_bytes=chunk_kib << 10,
+        staging_bytes=chunk_kib << 11,
+        prefetch_bytes=0,
+        io_engine=SlowEngine(),
     )
     try:
         got = train(make_model, make_input, off)

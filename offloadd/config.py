@@ -122,11 +122,12 @@ class OffloadConfig:
     """O_DIRECT use: ``"auto"`` tries it and falls back to buffered I/O where the file system refuses
     it (logged once, shown in stats); ``"on"`` fails instead; ``"off"`` always uses buffered I/O."""
 
-    trim_host_memory: bool = True
-    """CPU activations on glibc: hand freed heap pages back to the OS (``malloc_trim``) once per
-    ``staging_bytes`` moved out or back in. Without it glibc keeps the freed activations' pages
-    in its heap and the process's RSS hardly drops (measured: 0.83x of keep's instead of about
-    0.45x); each call costs a few milliseconds."""
+    trim_host_bytes: int = 128 << 20
+    """CPU activations on glibc: hand freed heap pages back to the OS (``malloc_trim``) each time
+    this many bytes were moved out or back in; 0 disables it. Without it glibc keeps the freed
+    activations' pages in its heap and the process's RSS hardly drops. Each call costs a few
+    milliseconds, and pages handed back are faulted in again when reused: a trade of step time
+    for RSS, measured in docs/benchmarks/."""
 
     engine: EngineName = "auto"
     """I/O engine. ``"python"`` is the thread-pool reference engine; ``"auto"`` picks the best
@@ -139,13 +140,18 @@ class OffloadConfig:
             object.__setattr__(self, "ssd_dirs", _parse_dirs("ssd_dirs", self.ssd_dirs))
         else:
             object.__setattr__(self, "ssd_dirs", _parse_dirs("ssd_dirs", list(self.ssd_dirs)))
-        for key in ("min_bytes", "staging_bytes", "host_budget_bytes", "prefetch_bytes"):
+        for key in (
+            "min_bytes",
+            "staging_bytes",
+            "host_budget_bytes",
+            "prefetch_bytes",
+            "trim_host_bytes",
+        ):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{key} must be a non-negative byte count, got {value!r}")
-        for key in ("dedup", "trim_host_memory"):
-            if not isinstance(getattr(self, key), bool):
-                raise ValueError(f"{key} must be true or false, got {getattr(self, key)!r}")
+        if not isinstance(self.dedup, bool):
+            raise ValueError(f"dedup must be true or false, got {self.dedup!r}")
         cb = self.chunk_bytes
         if not isinstance(cb, int) or isinstance(cb, bool) or cb <= 0 or cb % _ALIGN:
             raise ValueError(f"chunk_bytes must be a positive multiple of 4096, got {cb!r}")
@@ -236,7 +242,14 @@ def _check_choice(label: str, value: object, key: str) -> str:
 
 
 _SIZE_FIELDS = frozenset(
-    {"min_bytes", "staging_bytes", "host_budget_bytes", "prefetch_bytes", "chunk_bytes"}
+    {
+        "min_bytes",
+        "staging_bytes",
+        "host_budget_bytes",
+        "prefetch_bytes",
+        "chunk_bytes",
+        "trim_host_bytes",
+    }
 )
 
 
@@ -247,7 +260,7 @@ def _convert(label: str, value: Any, key: str | None = None) -> Any:
         return parse_size(label, value)
     if key == "io_threads":
         return _parse_int(label, value)
-    if key in ("dedup", "trim_host_memory"):
+    if key == "dedup":
         return _parse_bool(label, value)
     if key == "ssd_dirs":
         return _parse_dirs(label, value)

@@ -258,7 +258,7 @@ class Offloader:
             self._stats.buffered_io = self._disk.buffered
             self._engine = io_engine if io_engine is not None else PythonEngine(cfg.io_threads)
         self._pools: list[SlotPool] = []
-        self._trim = _malloc_trim() if cfg.trim_host_memory else None
+        self._trim = _malloc_trim() if cfg.trim_host_bytes else None
         self._moved_since_trim = 0  # CPU bytes moved out or in since the last trim
         # Runs at close(), when the Offloader is collected, or at interpreter exit.
         self._finalizer = weakref.finalize(
@@ -640,11 +640,11 @@ class Offloader:
         return _view(buf, ref)
 
     def _note_moved(self, nbytes: int) -> None:
-        """Trim the C heap once per ``staging_bytes`` of CPU activations moved (see config)."""
+        """Trim the C heap once per ``trim_host_bytes`` of CPU activations moved (see config)."""
         if self._trim is None:
             return
         self._moved_since_trim += nbytes
-        if self._moved_since_trim >= self.config.staging_bytes:
+        if self._moved_since_trim >= self.config.trim_host_bytes:
             self._moved_since_trim = 0
             self._trim(0)
 

@@ -379,3 +379,23 @@ def test_unsupported_tensors_are_kept(disk_dir: Path) -> None:
                 want.to_dense() if want.is_sparse else want,
             )
     off.close()
+
+
+@pytest.mark.parametrize("trim_bytes", [0, 1 << 20])
+def test_heap_trim_cadence(trim_bytes: int, disk_dir: Path) -> None:
+    off = small_offloader(disk_dir, trim_host_bytes=trim_bytes)
+    calls: list[int] = []
+    if off._trim is not None:
+        off._trim = lambda pad: calls.append(pad) or 1  # type: ignore[assignment]
+    x = torch.randn(N, N, requires_grad=True)
+    with off:
+        h = x
+        for _ in range(8):
+            h = (h * 1.01).sin()  # 2 MiB saved per layer
+    h.sum().backward()
+    moved = off.stats().offloaded_bytes
+    if trim_bytes:
+        assert len(calls) >= moved // trim_bytes  # out and back in: about twice that
+    else:
+        assert off._trim is None and not calls
+    off.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import itertools
+import logging
 import os
 import queue
 import threading
@@ -23,6 +24,8 @@ from typing import Any, Protocol
 from offloadd.staging import address_view
 
 __all__ = ["Engine", "Op", "PythonEngine", "Request", "RequestState"]
+
+log = logging.getLogger("offloadd")
 
 
 class Op(IntEnum):
@@ -173,4 +176,7 @@ class PythonEngine:
                     e = OSError(e.errno, e.strerror, request.path)
                 request.error = e
             request.state = RequestState.DONE
-            request.callback(request)
+            try:
+                request.callback(request)
+            except BaseException:  # a callback must never take an I/O thread down with it
+                log.exception("offloadd: I/O completion callback failed for %s", request.path)

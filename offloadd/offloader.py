@@ -145,38 +145,55 @@ class _Block:
 
 
 class _CudaCopy:
-    """The D2H copy of a block into staging: the source lives until the copy completed.
+    """The D2H copies of a block's chunks into staging; the source lives until all completed.
 
-    Note: [CUDA ordering] The copy stream waits on an event recorded on the producer's stream at
-    pack; the source tensor is held until the copy's own event completed (then released, so the
-    device memory goes back to the caching allocator); the version counter is compared at that
-    moment (see [never a silently wrong gradient])."""
+    Note: [CUDA ordering] The copy stream (one per device) waits on an event recorded on the
+    producer's stream at pack. Each chunk's copy records its own event, and that chunk's write
+    waits on it (never on a later chunk's: a block larger than the staging pool must stream).
+    The source tensor is held until the last event completed, then released, so the device
+    memory goes back to the caching allocator; the version counter is compared at that moment
+    (see [never a silently wrong gradient]). I/O threads, the training thread and autograd's
+    device threads all call ``done``, hence the lock."""
 
-    __slots__ = ("block", "event", "source", "version")
+    __slots__ = ("block", "events", "lock", "source", "stream", "version")
 
-    def __init__(self, block: _Block, source: torch.Tensor, copy_stream: Any) -> None:
+    def __init__(self, block: _Block, source: torch.Tensor, stream: Any) -> None:
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(source.device))
-        copy_stream.wait_event(ready)
+        stream.wait_event(ready)
         self.block = block
+        self.stream = stream
         self.source: torch.Tensor | None = source
         self.version = source._version
-        self.event: Any = None  # recorded once every chunk's copy is enqueued
+        self.events: list[Any] = []  # one per chunk copied; complete once the block is packed
+        self.lock = threading.Lock()
+
+    def chunk_copied(self) -> Callable[[], None]:
+        """Record the event after one chunk's copy; returns what its write must wait on."""
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        self.events.append(ev)
+        return ev.synchronize
 
     def done(self, *, wait: bool) -> bool:
-        """Finish the copy (waiting if ``wait``); True once the source is released."""
-        if self.source is None:
-            return True
-        if self.event is None or not (wait or self.event.query()):
-            return False
-        self.event.synchronize()
-        if self.source._version != self.version:
-            self.block.modified = True  # changed in place before the copy ran
-        self.source = None
-        return True
+        """Finish the copy (waiting if ``wait``); True once the source is released.
 
-    def __call__(self) -> None:  # run by an I/O thread before writing the block
-        self.done(wait=True)
+        Only called once every chunk's copy is enqueued (the block is registered)."""
+        with self.lock:
+            src = self.source
+            if src is None:
+                return True
+            last = self.events[-1] if self.events else None
+            if last is not None and not wait and not last.query():
+                return False
+            if last is not None:
+                last.synchronize()
+            else:
+                self.stream.synchronize()
+            if src._version != self.version:
+                self.block.modified = True  # changed in place before the copy ran
+            self.source = None
+            return True
 
 
 class _Ref:
@@ -238,16 +255,19 @@ class Offloader:
         self._seq = 0
         self._blocks: dict[int, _Block] = {}  # live blocks by seq (pack order)
         self._order: list[int] = []  # their seqs, sorted
-        self._dedup: dict[tuple[Any, ...], tuple[StorageWeakRef, _Block]] = {}
+        self._dedup: dict[tuple[Any, ...], tuple[StorageWeakRef, Any, _Block]] = {}
         self._param_storages: dict[tuple[Any, ...], StorageWeakRef] = {}
         self._prefetch_live = 0  # bytes held by prefetched blocks not yet consumed
+        self._pf_low = 0  # prefetch sweep: blocks with seq in [_pf_low, _pf_high) were scanned
+        self._pf_high = 0
         self._writes_in_flight = 0
         self._pending_copies: deque[_CudaCopy] = deque()  # D2H copies whose source is held
         self._tls = threading.local()
         self._active_scopes = 0
         self._module_hook: Any = None
         self._warned: set[str] = set()
-        self._copy_stream: Any = None
+        self._warnings: deque[str] = deque()  # issued by _flush_warnings, outside the lock
+        self._copy_streams: dict[int, Any] = {}  # CUDA device index -> D2H side stream
         self._host_pool: SlotPool | None = None  # cpu tier (pinned)
         self._staging: SlotPool | None = None  # ssd tier
         self._disk: DiskStore | None = None
@@ -293,6 +313,8 @@ class Offloader:
                 self._module_hook = None
                 self._param_storages.clear()
             self._drain()
+            self._poll_copies()
+        self._flush_warnings()
 
     def stats(self) -> Stats:
         """A snapshot of the counters (see :class:`~offloadd.Stats`)."""
@@ -300,7 +322,9 @@ class Offloader:
             self._drain()
             if self._disk is not None:
                 self._stats.disk_bytes = self._disk.used_bytes
-            return Stats(**self._stats.as_dict())
+            snapshot = Stats(**self._stats.as_dict())
+        self._flush_warnings()
+        return snapshot
 
     def synchronize(self) -> None:
         """Wait until no write or read is in flight (e.g. before reading stats in a benchmark)."""
@@ -314,6 +338,8 @@ class Offloader:
         if self._closed:
             return
         self._closed = True
+        for stream in self._copy_streams.values():
+            stream.synchronize()  # no copy may still target the pinned pools
         if self._engine is not None:
             self._engine.close()
         with self._lock:
@@ -405,11 +431,14 @@ class Offloader:
                 self._stats.kept_bytes += nbytes
                 return _Kept(t, 0, self._released)
             key = (t.device, storage._cdata, t._version)
+            root = t._base if t._base is not None else t
             hit = self._dedup.get(key) if self.config.dedup else None
             # The weak reference pins the StorageImpl's address while the entry lives, so an
-            # equal ``_cdata`` means the same storage, never a new one at a reused address.
-            if hit is not None and not hit[0].expired():
-                block = hit[1]
+            # equal ``_cdata`` means the same storage, never a new one at a reused address. The
+            # root check keeps apart aliases that do not share a version counter (``.data``,
+            # ``set_``): one of them may have been changed in place since the first save.
+            if hit is not None and not hit[0].expired() and hit[1]() is root:
+                block = hit[2]
                 block.refs += 1
                 st.deduplicated_bytes += nbytes
                 return _Ref(block, t, self._released, keep=keep)
@@ -420,29 +449,39 @@ class Offloader:
                 block.resident_bytes = block.nbytes
                 self._add_resident(block.nbytes)
                 st.kept_bytes += nbytes
-                self._register(block, key, storage)
+                self._register(block, key, storage, root)
                 return _Ref(block, t, self._released, keep=True)
         try:
             self._write_out(block, t, storage)
         except Exception as e:  # never fail the forward because of offloading
             self._warn_once("pack", f"offloadd: offloading failed, keeping the tensor: {e!r}")
+            if block.copy_done is not None:
+                block.copy_done.stream.synchronize()
             with self._lock:
                 self._free_block(block)
                 st.fallbacks += 1
             return self._keep(t, nbytes)
         with self._lock:
-            self._register(block, key, storage)
+            self._register(block, key, storage, root)
             st.offloaded_bytes += block.nbytes
         if t.device.type == "cpu":
             self._note_moved(block.nbytes)
+        if self._warnings:
+            self._flush_warnings()
         return _Ref(block, t, self._released, keep=False)
 
-    def _register(self, block: _Block, key: tuple[Any, ...], storage: torch.UntypedStorage) -> None:
+    def _register(
+        self,
+        block: _Block,
+        key: tuple[Any, ...],
+        storage: torch.UntypedStorage,
+        root: torch.Tensor,
+    ) -> None:
         self._blocks[block.seq] = block
         self._order.append(block.seq)
         if self.config.dedup:
             block.key = key
-            self._dedup[key] = (StorageWeakRef(storage), block)
+            self._dedup[key] = (StorageWeakRef(storage), weakref.ref(root), block)
 
     def _poll_copies(self) -> None:
         """Release the sources of finished device-to-host copies (lock held)."""
@@ -461,36 +500,40 @@ class Offloader:
         src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
         cuda = t.device.type == "cuda"
         host_tier = self.config.tier == "cpu"
-        pool = self._pool(cuda, host_tier)
-        if cuda:
-            block.copy_done = _CudaCopy(block, t, self._copy_stream)
+        with self._lock:
+            pool = self._pool(cuda, host_tier)
+            if cuda:
+                block.copy_done = _CudaCopy(block, t, self._copy_stream(t.device))
         pos = 0
         for chunk in block.chunks:
             n = min(chunk.nbytes, block.nbytes - pos)
             with self._lock:
                 chunk.slot = self._acquire_slot(pool, host_tier)
-                if chunk.slot is None:  # nothing can free a slot: keep this chunk in memory
-                    chunk.mem = src[pos : pos + n].to("cpu", copy=True)
-                    self._add_resident(chunk.nbytes)
-                    pos += n
-                    continue
                 self._add_resident(chunk.nbytes)
+            if chunk.slot is None:  # nothing can free a slot: keep this chunk in memory
+                mem = torch.zeros(chunk.nbytes, dtype=torch.uint8)
+                mem[:n].copy_(src[pos : pos + n])
+                chunk.mem = mem
+                pos += n
+                continue
             dst = pool.tensor(chunk.slot, n)
-            if cuda:
-                with torch.cuda.stream(self._copy_stream):
+            ready = None
+            if block.copy_done is not None:
+                with torch.cuda.stream(block.copy_done.stream):
                     dst.copy_(src[pos : pos + n], non_blocking=True)
+                ready = block.copy_done.chunk_copied()
             else:
                 dst.copy_(src[pos : pos + n])
             pos += n
             if not host_tier:
                 with self._lock:
-                    self._submit_write(block, chunk, pool)
+                    self._submit_write(block, chunk, pool, ready)
         if block.copy_done is not None:
-            block.copy_done.event = torch.cuda.Event()
-            block.copy_done.event.record(self._copy_stream)
-            self._pending_copies.append(block.copy_done)
+            with self._lock:
+                self._pending_copies.append(block.copy_done)
 
     def _pool(self, cuda: bool, host_tier: bool) -> SlotPool:
+        """The slot pool for this tier, created on first use (lock held)."""
         cfg = self.config
         if host_tier:
             if self._host_pool is None:
@@ -504,9 +547,15 @@ class Offloader:
             pool = self._staging
         if cuda:
             pool.buffer.pin()
-            if self._copy_stream is None:
-                self._copy_stream = torch.cuda.Stream(device=torch.cuda.current_device())
         return pool
+
+    def _copy_stream(self, device: torch.device) -> Any:
+        """The side stream for D2H copies on ``device`` (lock held)."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = self._copy_streams.get(index)
+        if stream is None:
+            stream = self._copy_streams[index] = torch.cuda.Stream(device=index)
+        return stream
 
     def _acquire_slot(self, pool: SlotPool, host_tier: bool) -> int | None:
         """A free slot, waiting for writes (spilling the oldest host chunks on the cpu tier)."""
@@ -534,13 +583,19 @@ class Offloader:
             block = self._blocks[seq]
             for chunk in block.chunks:
                 if chunk.slot is not None and chunk.request is None and not chunk.on_disk:
-                    self._submit_write(block, chunk, pool)
+                    self._submit_write(block, chunk, pool, _copy_waiter(block))
                     started += 1
             if started >= 4:
                 break
         return started > 0
 
-    def _submit_write(self, block: _Block, chunk: _Chunk, pool: SlotPool) -> None:
+    def _submit_write(
+        self,
+        block: _Block,
+        chunk: _Chunk,
+        pool: SlotPool,
+        ready: Callable[[], None] | None = None,
+    ) -> None:
         assert self._disk is not None and self._engine is not None and chunk.slot is not None
         chunk.file = (block.seq + chunk.index) % len(self._disk.files)
         f = self._disk.files[chunk.file]
@@ -554,7 +609,7 @@ class Offloader:
             pool.address(chunk.slot),
             chunk.nbytes,
             self._on_write_done,
-            before=block.copy_done,
+            before=ready,
             context=(block, chunk, pool),
         )
         chunk.request = req
@@ -637,6 +692,8 @@ class Offloader:
             self._consume(block, ref)
         if fresh and buf.device.type == "cpu":
             self._note_moved(block.padded)
+        if self._warnings:
+            self._flush_warnings()
         return _view(buf, ref)
 
     def _note_moved(self, nbytes: int) -> None:
@@ -712,6 +769,7 @@ class Offloader:
         chunk.request = None
         self._writes_in_flight -= 1
         self._free_chunk_disk(chunk)
+        self._cond.notify_all()
 
     def _on_read_done(self, req: Request) -> None:
         block, chunk = req.context
@@ -752,9 +810,18 @@ class Offloader:
             block.prefetched = False
 
     def _prefetch_below(self, seq: int) -> None:
-        """Read ahead, in reverse pack order from ``seq``, up to the prefetch window."""
+        """Read ahead, in reverse pack order from ``seq``, up to the prefetch window.
+
+        A sweep remembers where it stopped: an unpack inside the range already scanned resumes
+        there, so backward costs O(blocks) in all, not O(blocks) per unpack."""
         window = self.config.prefetch_bytes
-        i = bisect.bisect_left(self._order, seq) - 1
+        if self._prefetch_live >= window:
+            return
+        if self._pf_low <= seq <= self._pf_high:
+            start = self._pf_low
+        else:  # a new sweep (a new backward, or a jump below what was scanned)
+            start = self._pf_high = seq
+        i = bisect.bisect_left(self._order, start) - 1
         while i >= 0 and self._prefetch_live < window:
             block = self._blocks[self._order[i]]
             i -= 1
@@ -765,6 +832,7 @@ class Offloader:
                 and any(c.on_disk and c.request is None for c in block.chunks)
             ):
                 self._load(block, prefetch=True)
+        self._pf_low = self._order[i] + 1 if i >= 0 else 0
 
     # -- freeing ---------------------------------------------------------------------------
 
@@ -805,6 +873,8 @@ class Offloader:
         self._forget(block)
 
     def _release_chunks(self, block: _Block) -> None:
+        if block.copy_done is not None:  # a slot may be reused only once its copy is complete
+            block.copy_done.done(wait=True)
         pool = self._host_pool if self.config.tier == "cpu" else self._staging
         for chunk in block.chunks:
             req = chunk.request
@@ -840,7 +910,7 @@ class Offloader:
                 del self._order[i]
         if block.key is not None:
             hit = self._dedup.get(block.key)
-            if hit is not None and hit[1] is block:
+            if hit is not None and hit[2] is block:
                 del self._dedup[block.key]
 
     # -- accounting ------------------------------------------------------------------------
@@ -862,10 +932,28 @@ class Offloader:
             self._stats.peak_disk_bytes = used
 
     def _warn_once(self, key: str, message: str) -> None:
+        """Log now; raise the Python warning later on the training thread, outside the lock
+        (I/O callbacks call this, and warnings may be configured to raise)."""
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
-        log.debug(message)
+            log.warning(message)
+            self._warnings.append(message)
+
+    def _flush_warnings(self) -> None:
+        while self._warnings:
+            warnings.warn(self._warnings.popleft(), RuntimeWarning, stacklevel=4)
+
+
+def _copy_waiter(block: _Block) -> Callable[[], None] | None:
+    """What a write of a registered block's chunk must wait on (CUDA), or None."""
+    copy = block.copy_done
+    if copy is None:
+        return None
+
+    def wait() -> None:
+        copy.done(wait=True)
+
+    return wait
 
 
 def _malloc_trim() -> Callable[[int], int] | None:

@@ -181,6 +181,7 @@ def test_disk_full_keeps_tensors_and_result(disk_dir: Path) -> None:
     with pytest.warns(RuntimeWarning, match="write failed"):
         got = train(make_model, make_input, off)
     assert_bitwise_equal(reference, got)
+    off.synchronize()
     st = off.stats()
     assert st.fallbacks > 0 and st.resident_bytes == 0 and st.disk_bytes == 0
     off.close()
@@ -270,3 +271,20 @@ def _check_round_trip(off: Offloader) -> None:
     assert torch.equal(g, expected)
     assert off.stats().bytes_read > 0
     off.close()
+
+
+def test_callback_exception_does_not_kill_io_thread(disk_dir: Path) -> None:
+    f = SlotFile(str(disk_dir), 4096, "auto")
+    engine = PythonEngine(1)
+    buf = AlignedBuffer(4096)
+    ok = threading.Event()
+
+    def bad(r: Request) -> None:
+        raise RuntimeError("callback bug")
+
+    engine.submit(Request(Op.WRITE, f.fd, f.path, 0, buf.address, 4096, bad))
+    engine.submit(Request(Op.WRITE, f.fd, f.path, 0, buf.address, 4096, lambda r: ok.set()))
+    assert ok.wait(10), "the I/O thread died with the first callback"
+    engine.close()
+    f.close()
+    buf.close()

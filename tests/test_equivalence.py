@@ -70,6 +70,7 @@ def test_gradients_bit_identical(model: str, tier: str, dedup: bool, disk_dir: P
     off = small_offloader(disk_dir, tier=tier, dedup=dedup)
     try:
         got = train(make_model, make_input, off)
+        off.synchronize()
         st = off.stats()
     finally:
         off.close()

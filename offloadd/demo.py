@@ -8,19 +8,13 @@ import sys
 import torch
 
 from offloadd.stats import format_bytes
-from offloadd.train import RunSpec, run_in_subprocess
+from offloadd.train import RunSpec, add_model_arguments, model_kwargs, run_in_subprocess
 
 __all__ = ["add_arguments", "main"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--layers", type=int, default=6, help="transformer blocks (default 6)")
-    p.add_argument("--d-model", type=int, default=384, help="model width (default 384)")
-    p.add_argument("--heads", type=int, default=6, help="attention heads (default 6)")
-    p.add_argument("--seq", type=int, default=256, help="sequence length (default 256)")
-    p.add_argument("--batch", type=int, default=8, help="batch size (default 8)")
-    p.add_argument("--steps", type=int, default=4, help="timed steps after a warm-up (default 4)")
-    p.add_argument("--ssd-dir", default=None, help="offload directory (default: per-user dir)")
+    add_model_arguments(p)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
 
 
@@ -28,20 +22,11 @@ def main(ns: argparse.Namespace) -> int:
     device = ns.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    for name in ("layers", "d_model", "heads", "seq", "batch", "steps"):
-        if getattr(ns, name) <= 0:
-            print(f"offloadd demo: --{name.replace('_', '-')} must be positive", file=sys.stderr)
-            return 2
-    common = dict(
-        num_layers=ns.layers,
-        d_model=ns.d_model,
-        num_heads=ns.heads,
-        seq_len=ns.seq,
-        batch_size=ns.batch,
-        steps=ns.steps,
-        device=device,
-        ssd_dir=ns.ssd_dir,
-    )
+    try:
+        common = model_kwargs(ns)
+    except ValueError as e:
+        print(f"offloadd demo: {e}", file=sys.stderr)
+        return 2
     print(
         f"offloadd demo: GPT {ns.layers} layers, d={ns.d_model}, seq {ns.seq}, batch {ns.batch}, "
         f"{ns.steps} steps + 1 warm-up on {device}; each run in its own process",
@@ -49,7 +34,8 @@ def main(ns: argparse.Namespace) -> int:
     )
     results = {}
     for strategy in ("keep", "ssd"):
-        results[strategy] = run_in_subprocess(RunSpec(strategy=strategy, **common), progress=True)
+        spec = RunSpec(strategy=strategy, device=device, **common)
+        results[strategy] = run_in_subprocess(spec, progress=True)
     keep, ssd = results["keep"], results["ssd"]
     mem_key = "peak_device_above_base" if device == "cuda" else "peak_rss_above_base"
     mem_label = "peak device memory" if device == "cuda" else "peak RSS above model"

@@ -25,7 +25,14 @@ from offloadd.models import GPT, GPTConfig
 from offloadd.offloader import Offloader
 from offloadd.staging import address_view
 
-__all__ = ["RunSpec", "STRATEGIES", "run", "run_in_subprocess"]
+__all__ = [
+    "STRATEGIES",
+    "RunSpec",
+    "add_model_arguments",
+    "model_kwargs",
+    "run",
+    "run_in_subprocess",
+]
 
 STRATEGIES = ("none", "keep", "recompute", "ssd", "cpu")
 
@@ -45,6 +52,37 @@ class RunSpec:
     device: str = "cpu"
     ssd_dir: str | None = None
     min_bytes: int = 1 << 20
+
+
+_SIZE_ARGS = ("layers", "d_model", "heads", "seq", "batch", "steps")
+
+
+def add_model_arguments(p: argparse.ArgumentParser, **defaults: int) -> None:
+    """The model and run options shared by ``offloadd demo`` and the benchmark scripts."""
+    d = {"layers": 6, "d_model": 384, "heads": 6, "seq": 256, "batch": 8, "steps": 4, **defaults}
+    p.add_argument("--layers", type=int, default=d["layers"], help="transformer blocks")
+    p.add_argument("--d-model", type=int, default=d["d_model"], help="model width")
+    p.add_argument("--heads", type=int, default=d["heads"], help="attention heads")
+    p.add_argument("--seq", type=int, default=d["seq"], help="sequence length")
+    p.add_argument("--batch", type=int, default=d["batch"], help="batch size")
+    p.add_argument("--steps", type=int, default=d["steps"], help="timed steps after a warm-up")
+    p.add_argument("--ssd-dir", default=None, help="offload directory (default: per-user dir)")
+
+
+def model_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
+    """RunSpec fields from ``add_model_arguments`` options; ValueError names a bad option."""
+    for name in _SIZE_ARGS:
+        if getattr(ns, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive")
+    return {
+        "num_layers": ns.layers,
+        "d_model": ns.d_model,
+        "num_heads": ns.heads,
+        "seq_len": ns.seq,
+        "batch_size": ns.batch,
+        "steps": ns.steps,
+        "ssd_dir": ns.ssd_dir,
+    }
 
 
 def _rss() -> int:

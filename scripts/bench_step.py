@@ -25,7 +25,7 @@ import torch
 
 from offloadd import Offloader
 from offloadd.stats import format_bytes
-from offloadd.train import RunSpec, run_in_subprocess
+from offloadd.train import RunSpec, add_model_arguments, model_kwargs, run_in_subprocess
 
 
 def hook_cost_us(ops: int = 5000, pairs: int = 15) -> dict[str, float]:
@@ -60,17 +60,11 @@ def main() -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--d-model", type=int, default=768)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--steps", type=int, default=3)
+    add_model_arguments(p, layers=12, d_model=768, heads=12, seq=512, batch=2, steps=3)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument(
         "--deep-layers", type=int, default=48, help="depth for the scaling check (0: skip)"
     )
-    p.add_argument("--ssd-dir", default=None)
     p.add_argument("--strategies", default="keep,recompute,ssd")
     p.add_argument("--out", default=None, help="write a markdown report here")
     p.add_argument(
@@ -83,15 +77,7 @@ def main() -> int:
 
     if ns.malloc_mmap_threshold is not None:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(ns.malloc_mmap_threshold)
-    common = dict(
-        num_layers=ns.layers,
-        d_model=ns.d_model,
-        num_heads=ns.heads,
-        seq_len=ns.seq,
-        batch_size=ns.batch,
-        steps=ns.steps,
-        ssd_dir=ns.ssd_dir,
-    )
+    common = model_kwargs(ns)
     strategies = ns.strategies.split(",")
     results: dict[str, list[dict]] = {s: [] for s in strategies}
     for r in range(ns.rounds):

@@ -478,7 +478,8 @@ class Offloader:
         root: torch.Tensor,
     ) -> None:
         self._blocks[block.seq] = block
-        self._order.append(block.seq)
+        # Usually the largest seq, but threads packing at once can register out of order.
+        bisect.insort(self._order, block.seq)
         if self.config.dedup:
             block.key = key
             self._dedup[key] = (StorageWeakRef(storage), weakref.ref(root), block)
@@ -569,7 +570,6 @@ class Offloader:
             if host_tier and not busy:
                 busy = self._spill_oldest(pool)
             if not busy:
-                slot = None
                 break
             self._cond.wait(timeout=1.0)
             slot = pool.acquire()
@@ -800,8 +800,8 @@ class Offloader:
             if block.unconsumed <= 0 and not block.pinned_resident:
                 self._drop_resident(block)
 
-    def _drop_resident(self, block: _Block) -> None:
-        if block.resident is None or block.loading:
+    def _drop_resident(self, block: _Block, *, loading_ok: bool = False) -> None:
+        if block.resident is None or (block.loading and not loading_ok):
             return
         block.resident = None
         self._sub_resident(block.resident_bytes)
@@ -846,13 +846,12 @@ class Offloader:
                 continue
             ref: _Ref = item
             block = ref.block
-            if ref.tensor is not None:
-                block.refs -= 1
+            block.refs -= 1
+            if ref.tensor is not None:  # tier keep: the block is only accounting
                 if block.refs == 0:
                     self._sub_resident(block.resident_bytes)
                     self._forget(block)
                 continue
-            block.refs -= 1
             if block.resident is not None and ref.gen != block.gen:
                 block.unconsumed -= 1
                 if block.unconsumed <= 0 and not block.pinned_resident and block.refs:
@@ -863,12 +862,9 @@ class Offloader:
     def _free_block(self, block: _Block) -> None:
         block.freed = True
         block.pinned_resident = False
-        self._drop_resident(block)
-        if block.resident is not None:  # still loading: the read callback frees the disk
-            block.resident = None
-            self._sub_resident(block.resident_bytes)
-            if block.prefetched:
-                self._prefetch_live -= block.padded
+        # Even while reads are in flight: each request keeps its buffer alive, and the read
+        # callback frees the disk slot of a freed block.
+        self._drop_resident(block, loading_ok=True)
         self._release_chunks(block)
         self._forget(block)
 

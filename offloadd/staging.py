@@ -65,10 +65,6 @@ class SlotPool:
         self.buffer = AlignedBuffer(self.num_slots * slot_bytes)
         self._free = list(range(self.num_slots - 1, -1, -1))
 
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
     def acquire(self) -> int | None:
         return self._free.pop() if self._free else None
 

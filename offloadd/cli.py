@@ -1,14 +1,29 @@
-"""The ``offloadd`` command."""
+"""The ``offloadd`` command.
+
+Each subcommand lives in its own module, which provides ``HELP`` (one line), ``add_arguments``
+(fills its argparse parser) and ``main`` (takes the parsed namespace, returns the exit status).
+Adding a subcommand is one entry in ``_COMMANDS``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 
-from offloadd import __version__, demo
+from offloadd import __version__
 
 __all__ = ["main"]
+
+# name -> module (imported lazily so that ``offloadd --help`` does not import torch)
+_COMMANDS: dict[str, str] = {
+    "demo": "offloadd.demo",
+}
+
+_HELP: dict[str, str] = {
+    "demo": "train the built-in GPT with keep and with ssd offload, and compare",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,16 +33,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"offloadd {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
-    p_demo = sub.add_parser(
-        "demo", help="train the built-in GPT with keep and with ssd offload, and compare"
+    args = sys.argv[1:] if argv is None else argv
+    # Only the chosen command's module is imported; the others only contribute their help line.
+    chosen = next((a for a in args if not a.startswith("-")), None)
+    modules = {}
+    for name, modname in _COMMANDS.items():
+        p = sub.add_parser(name, help=_HELP[name], description=_HELP[name])
+        if name == chosen:
+            modules[name] = importlib.import_module(modname)
+            modules[name].add_arguments(p)
+    ns = parser.parse_args(args)
+    logging.basicConfig(
+        level=logging.INFO if ns.verbose else logging.WARNING,
+        stream=sys.stderr,
+        format="offloadd %(levelname)s %(name)s: %(message)s",
     )
-    demo.add_arguments(p_demo)
-    ns = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if ns.verbose else logging.WARNING, stream=sys.stderr)
-    if ns.command == "demo":
-        return demo.main(ns)
-    parser.error(f"unknown command {ns.command}")
-    return 2
+    status: int = modules[ns.command].main(ns)
+    return status
 
 
 if __name__ == "__main__":

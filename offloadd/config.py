@@ -25,7 +25,8 @@ RESERVED_ENV = frozenset({"OFFLOADD", "OFFLOADD_CONFIG", "OFFLOADD_REPORT", "OFF
 
 Tier = Literal["keep", "cpu", "ssd"]
 DirectIO = Literal["auto", "on", "off"]
-EngineName = Literal["auto", "python"]
+EngineName = Literal["auto", "native", "python", "kvikio"]
+IoUring = Literal["auto", "on", "off"]
 
 _ALIGN = 4096
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -130,8 +131,15 @@ class OffloadConfig:
     for RSS, measured in docs/benchmarks/."""
 
     engine: EngineName = "auto"
-    """I/O engine. ``"python"`` is the thread-pool reference engine; ``"auto"`` picks the best
-    available."""
+    """I/O engine. ``"native"``: the C engine (csrc/), which never needs the GIL; ``"python"``: the
+    thread-pool reference engine; ``"kvikio"``: GPUDirect Storage for CUDA tensors (host tensors
+    use native); ``"auto"``: kvikio for CUDA tensors where kvikio and cuFile work, else native,
+    else python, logging what it picked and why. Naming an engine that cannot load is an error."""
+
+    io_uring: IoUring = "auto"
+    """Native engine backend: ``"on"`` drives an io_uring ring (error where the kernel or a seccomp
+    profile refuses it), ``"off"`` uses its pthread pool, ``"auto"`` uses io_uring where a probe
+    succeeds."""
 
     def __post_init__(self) -> None:
         for key in _CHOICES:
@@ -231,6 +239,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "tier": get_args(Tier),
     "direct_io": get_args(DirectIO),
     "engine": get_args(EngineName),
+    "io_uring": get_args(IoUring),
 }
 
 

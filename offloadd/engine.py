@@ -56,6 +56,7 @@ class Request:
         "op",
         "path",
         "state",
+        "token",
     )
 
     def __init__(
@@ -84,6 +85,7 @@ class Request:
         self.error: BaseException | None = None
         self.keepalive = keepalive  # what owns the memory at ``address``
         self.context = context  # the submitter's bookkeeping
+        self.token: int | None = None  # the engine's own handle, set when it is queued
 
 
 class Engine(Protocol):

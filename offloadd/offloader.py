@@ -40,7 +40,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from offloadd.config import OffloadConfig
-from offloadd.engine import Engine, Op, PythonEngine, Request
+from offloadd.engine import Engine, Op, Request
+from offloadd.engines import open_host_engine
 from offloadd.staging import SlotPool, aligned_empty, round_up
 from offloadd.stats import Stats
 from offloadd.storage import DiskStore, default_offload_dir
@@ -276,7 +277,12 @@ class Offloader:
             dirs = list(cfg.ssd_dirs) or [default_offload_dir()]
             self._disk = DiskStore(dirs, cfg.chunk_bytes, cfg.direct_io)
             self._stats.buffered_io = self._disk.buffered
-            self._engine = io_engine if io_engine is not None else PythonEngine(cfg.io_threads)
+            if io_engine is not None:
+                self._engine = io_engine
+                self._stats.engine = getattr(io_engine, "name", type(io_engine).__name__)
+            else:
+                self._engine, choice = open_host_engine(cfg)
+                self._stats.engine = choice.name
         self._pools: list[SlotPool] = []
         self._trim = _malloc_trim() if cfg.trim_host_bytes else None
         self._moved_since_trim = 0  # CPU bytes moved out or in since the last trim

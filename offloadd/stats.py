@@ -49,6 +49,8 @@ class Stats:
     """Tensors kept in memory because their I/O failed (disk full, I/O error)."""
     buffered_io: bool = False
     """True when some file fell back from O_DIRECT to buffered I/O."""
+    engine: str = ""
+    """The I/O engine in use ("native/uring", "native/threads", "python"; empty for tier keep)."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

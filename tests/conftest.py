@@ -8,9 +8,36 @@ from pathlib import Path
 import pytest
 import torch
 
+from offloadd import native
 from offloadd.storage import filesystem_type
+from tests import helpers
 
 _MEMORY_FS = {"tmpfs", "ramfs"}
+
+
+# Every test that does I/O (uses ``disk_dir``) runs once per engine: the native engine with each
+# backend, and the Python reference engine.
+ENGINES = ("native-uring", "native-threads", "python")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "engine_name" in metafunc.fixturenames:
+        metafunc.parametrize("engine_name", ENGINES, indirect=True)
+
+
+@pytest.fixture
+def engine_name(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The engine this test runs on; ``helpers.small_offloader`` uses it unless told otherwise."""
+    name: str = request.param
+    if name.startswith("native"):
+        ok, why = native.available()
+        if not ok:
+            pytest.fail(f"native engine unavailable: {why}")  # it must build wherever CI runs
+        if name == "native-uring" and not native.uring_available()[0]:
+            pytest.skip(f"io_uring unavailable: {native.uring_available()[1]}")
+    helpers.ENGINE = helpers.ENGINE_OPTIONS[name]
+    yield name
+    helpers.ENGINE = helpers.ENGINE_OPTIONS["python"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -36,7 +63,7 @@ def _disk_root() -> str:
 
 
 @pytest.fixture
-def disk_dir() -> Iterator[Path]:
+def disk_dir(engine_name: str) -> Iterator[Path]:
     """A fresh directory on a disk file system; asserts nothing is left in it afterwards."""
     d = Path(tempfile.mkdtemp(prefix="offloadd-test-", dir=_disk_root()))
     yield d

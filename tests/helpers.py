@@ -9,8 +9,22 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from offloadd import Offloader
-from offloadd.engine import Op, PythonEngine, Request
+from offloadd import OffloadConfig, Offloader
+from offloadd.engine import Engine, Op, PythonEngine, Request
+from offloadd.engines import open_host_engine
+
+ENGINE_OPTIONS: dict[str, dict[str, str]] = {
+    "native-uring": {"engine": "native", "io_uring": "on"},
+    "native-threads": {"engine": "native", "io_uring": "off"},
+    "python": {"engine": "python"},
+}
+ENGINE: dict[str, str] = ENGINE_OPTIONS["python"]  # set per test by the engine_name fixture
+
+
+def make_engine(num_threads: int) -> Engine:
+    """The engine the current test runs on (see ``engine_name``), standalone."""
+    engine, _ = open_host_engine(OffloadConfig(io_threads=num_threads, **ENGINE))  # type: ignore[arg-type]
+    return engine
 
 
 def small_offloader(disk_dir: object, **kw: object) -> Offloader:
@@ -24,6 +38,7 @@ def small_offloader(disk_dir: object, **kw: object) -> Offloader:
         prefetch_bytes=512 << 10,
         io_threads=2,
     )
+    opts.update(ENGINE)
     opts.update(kw)
     if opts["tier"] == "keep":
         opts.pop("ssd_dirs")

@@ -15,7 +15,8 @@ from offloadd.engine import Op, PythonEngine, Request
 from offloadd.staging import AlignedBuffer, aligned_empty
 from offloadd.storage import DiskStore, SlotFile
 
-from .helpers import SavePayload, small_offloader
+from . import helpers
+from .helpers import SavePayload, make_engine, small_offloader
 
 
 def test_o_direct_is_really_on(disk_dir: Path) -> None:
@@ -67,7 +68,7 @@ def _round_trip(nbytes: int, disk_dir: Path, chunk_bytes: int) -> None:
 def test_engine_concurrent_requests(disk_dir: Path) -> None:
     store = DiskStore([str(disk_dir)], 64 << 10, "auto")
     f = store.files[0]
-    engine = PythonEngine(4)
+    engine = make_engine(4)
     n = 64
     src = AlignedBuffer(n * (64 << 10))
     src.tensor.copy_(torch.randint(0, 256, (src.nbytes,), dtype=torch.uint8))
@@ -101,10 +102,10 @@ def test_engine_concurrent_requests(disk_dir: Path) -> None:
 
 
 def test_engine_error_names_path(disk_dir: Path) -> None:
+    engine = make_engine(1)  # first: engines open descriptors of their own (eventfd, ring)
     f = SlotFile(str(disk_dir), 4096, "auto")
     fd, path = f.fd, f.path
     f.close()  # the descriptor is now invalid
-    engine = PythonEngine(1)
     got: list[Request] = []
     buf = AlignedBuffer(4096)
     ev = threading.Event()
@@ -123,7 +124,11 @@ def test_striping_over_three_dirs(disk_dir: Path) -> None:
     for d in dirs:
         d.mkdir()
     off = Offloader(
-        ssd_dirs=[str(d) for d in dirs], min_bytes=1, chunk_bytes=64 << 10, staging_bytes=4 << 20
+        ssd_dirs=[str(d) for d in dirs],
+        min_bytes=1,
+        chunk_bytes=64 << 10,
+        staging_bytes=4 << 20,
+        **helpers.ENGINE,  # type: ignore[arg-type]
     )
     x = torch.ones(1, requires_grad=True)
     payload = torch.randn(1 << 18)  # 1 MiB = 16 chunks
@@ -275,7 +280,7 @@ def _check_round_trip(off: Offloader) -> None:
 
 def test_callback_exception_does_not_kill_io_thread(disk_dir: Path) -> None:
     f = SlotFile(str(disk_dir), 4096, "auto")
-    engine = PythonEngine(1)
+    engine = make_engine(1)
     buf = AlignedBuffer(4096)
     ok = threading.Event()
 

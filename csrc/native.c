@@ -1,0 +1,761 @@
+/*
+ * offloadd._native: the native I/O engine.
+ *
+ * Requests are (token, op, fd, offset, address, nbytes).  Each request is cut into chunks of at
+ * most `chunk_bytes`; chunks of the same request run concurrently.  Two backends move the chunks:
+ *
+ *   threads  a pool of pthreads doing pread/pwrite (the baseline, always available);
+ *   uring    one thread driving an io_uring ring with up to `depth` chunks in flight (compiled
+ *            when <linux/io_uring.h> exists; used only if io_uring_setup succeeds at run time,
+ *            since container seccomp profiles often refuse it).
+ *
+ * No backend thread ever takes the GIL.  When a request's last chunk finishes, (token, errno,
+ * bytes done) is appended to a completion list and an eventfd is signalled; Python collects the
+ * completions with reap(), which waits on the eventfd with the GIL released, or watches
+ * fileno() from an event loop.  Reads are handed out before writes.
+ *
+ * O_DIRECT: when the file was opened with O_DIRECT and a chunk's address or length is not a
+ * multiple of 4096, the chunk goes through an aligned bounce buffer (a write's tail is padded
+ * with zeros up to 4096 bytes; a read of a tail reads the padded length and copies what was
+ * asked for).  An unaligned file offset on an O_DIRECT file fails with EINVAL.
+ */
+#define PY_SSIZE_T_CLEAN
+#define _GNU_SOURCE
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#if defined(__has_include)
+#if __has_include(<linux/io_uring.h>)
+#include <linux/io_uring.h>
+#define OFFLOADD_HAVE_URING 1
+#endif
+#endif
+
+#define ALIGN 4096u
+#define OP_READ 0
+#define OP_WRITE 1
+
+typedef struct request {
+    uint64_t token;
+    int op;
+    int fd;
+    int direct;
+    int started;
+    int err;          /* first errno seen, 0 if none */
+    int inflight;     /* chunks being transferred */
+    uint64_t offset;  /* file offset of byte 0 */
+    char *addr;
+    uint64_t nbytes;
+    uint64_t next;    /* first byte not yet handed out */
+    uint64_t done;    /* bytes transferred */
+    struct request *qnext;
+} request_t;
+
+typedef struct {
+    uint64_t token;
+    int err;
+    uint64_t done;
+} completion_t;
+
+typedef struct {
+    request_t *req;
+    uint64_t pos;  /* offset of the chunk inside the request */
+    uint64_t len;
+} chunk_t;
+
+typedef struct engine {
+    PyObject_HEAD
+    pthread_mutex_t mu;
+    pthread_cond_t work_cv;
+    request_t *qhead[2], *qtail[2];  /* pending chunks: [OP_READ], [OP_WRITE] */
+    completion_t *comp;
+    size_t ncomp, capcomp;
+    int efd;
+    int stopping;
+    int closed;
+    int use_uring;
+    int nthreads;
+    pthread_t *threads;
+    uint64_t chunk_bytes;
+    unsigned depth;
+    uint64_t pending_requests; /* submitted and not completed */
+    uint64_t bytes_read, bytes_written;
+#ifdef OFFLOADD_HAVE_URING
+    int ring_fd;
+    void *sq_ptr, *cq_ptr, *sqes_ptr;
+    size_t sq_size, cq_size, sqes_size;
+    unsigned *sq_head, *sq_tail, *sq_mask, *sq_array;
+    unsigned *cq_head, *cq_tail, *cq_mask;
+    struct io_uring_cqe *cqes;
+    struct io_uring_sqe *sqes;
+#endif
+} engine_t;
+
+/* ---------------------------------------------------------------- queue (caller holds mu) -- */
+
+static void queue_push(engine_t *e, request_t *r) {
+    int q = r->op;
+    r->qnext = NULL;
+    if (e->qtail[q]) e->qtail[q]->qnext = r; else e->qhead[q] = r;
+    e->qtail[q] = r;
+}
+
+static void queue_remove(engine_t *e, request_t *r) {
+    int q = r->op;
+    request_t *prev = NULL, *cur = e->qhead[q];
+    while (cur && cur != r) { prev = cur; cur = cur->qnext; }
+    if (!cur) return;
+    if (prev) prev->qnext = cur->qnext; else e->qhead[q] = cur->qnext;
+    if (e->qtail[q] == cur) e->qtail[q] = prev;
+    cur->qnext = NULL;
+}
+
+/* Hand out the next chunk, reads first. Returns 0 if there is none. */
+static int take_chunk(engine_t *e, chunk_t *c) {
+    for (int q = OP_READ; q <= OP_WRITE; q++) {
+        request_t *r = e->qhead[q];
+        if (!r) continue;
+        uint64_t len = r->nbytes - r->next;
+        if (len > e->chunk_bytes) len = e->chunk_bytes;
+        c->req = r;
+        c->pos = r->next;
+        c->len = len;
+        r->next += len;
+        r->inflight++;
+        r->started = 1;
+        if (r->next >= r->nbytes) queue_remove(e, r);
+        return 1;
+    }
+    return 0;
+}
+
+static void signal_eventfd(engine_t *e) {
+    uint64_t one = 1;
+    ssize_t rc;
+    do { rc = write(e->efd, &one, sizeof one); } while (rc < 0 && errno == EINTR);
+}
+
+/* Record the end of a chunk; completes the request when it was the last one. Holds mu. */
+static void finish_chunk(engine_t *e, request_t *r, uint64_t moved, int err) {
+    r->inflight--;
+    r->done += moved;
+    if (err && !r->err) {
+        r->err = err;
+        if (r->next < r->nbytes) {  /* stop handing out the rest */
+            r->next = r->nbytes;
+            queue_remove(e, r);
+        }
+    }
+    if (r->inflight == 0 && r->next >= r->nbytes) {
+        if (e->ncomp == e->capcomp) {
+            size_t cap = e->capcomp ? e->capcomp * 2 : 64;
+            completion_t *grown = realloc(e->comp, cap * sizeof *grown);
+            if (!grown) abort(); /* out of memory while completing I/O: nothing sane remains */
+            e->comp = grown;
+            e->capcomp = cap;
+        }
+        e->comp[e->ncomp].token = r->token;
+        e->comp[e->ncomp].err = r->err;
+        e->comp[e->ncomp].done = r->done;
+        e->ncomp++;
+        if (r->op == OP_READ) e->bytes_read += r->done; else e->bytes_written += r->done;
+        e->pending_requests--;
+        free(r);
+        signal_eventfd(e);
+    }
+}
+
+/* ------------------------------------------------------------------ the blocking transfer -- */
+
+static int needs_bounce(const request_t *r, const chunk_t *c) {
+    if (!r->direct) return 0;
+    return ((uintptr_t)(r->addr + c->pos) % ALIGN) != 0 || (c->len % ALIGN) != 0;
+}
+
+/* Move one chunk with pread/pwrite, looping over short transfers. Returns 0 or an errno. */
+static int transfer_chunk(const request_t *r, const chunk_t *c, char **bounce, uint64_t cap,
+                          uint64_t *moved) {
+    char *src = r->addr + c->pos;
+    uint64_t off = r->offset + c->pos;
+    uint64_t len = c->len, io_len = c->len;
+    char *buf = src;
+    *moved = 0;
+    if (needs_bounce(r, c)) {
+        if (!*bounce) {
+            void *p = NULL;
+            if (posix_memalign(&p, ALIGN, cap)) return ENOMEM;
+            *bounce = p;
+        }
+        buf = *bounce;
+        io_len = (len + ALIGN - 1) / ALIGN * ALIGN;
+        if (r->op == OP_WRITE) {
+            memcpy(buf, src, len);
+            memset(buf + len, 0, io_len - len);
+        }
+    }
+    uint64_t got = 0;
+    while (got < io_len) {
+        ssize_t n;
+        if (r->op == OP_WRITE) n = pwrite(r->fd, buf + got, io_len - got, (off_t)(off + got));
+        else n = pread(r->fd, buf + got, io_len - got, (off_t)(off + got));
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return errno;
+        }
+        if (n == 0) break; /* end of file (read) or no progress (write) */
+        got += (uint64_t)n;
+        if (r->direct && got % ALIGN) break; /* O_DIRECT short transfer at EOF */
+    }
+    if (got < len) return EIO;
+    if (buf != src && r->op == OP_READ) memcpy(src, buf, len);
+    *moved = len;
+    return 0;
+}
+
+static void *thread_main(void *arg) {
+    engine_t *e = arg;
+    char *bounce = NULL;
+    pthread_mutex_lock(&e->mu);
+    for (;;) {
+        chunk_t c;
+        if (!take_chunk(e, &c)) {
+            if (e->stopping) break;
+            pthread_cond_wait(&e->work_cv, &e->mu);
+            continue;
+        }
+        pthread_mutex_unlock(&e->mu);
+        uint64_t moved = 0;
+        int err = transfer_chunk(c.req, &c, &bounce, e->chunk_bytes + ALIGN, &moved);
+        pthread_mutex_lock(&e->mu);
+        finish_chunk(e, c.req, moved, err);
+    }
+    pthread_mutex_unlock(&e->mu);
+    free(bounce);
+    return NULL;
+}
+
+/* ---------------------------------------------------------------------------- io_uring -- */
+
+#ifdef OFFLOADD_HAVE_URING
+typedef struct {
+    chunk_t c;
+    char *buf;        /* where the kernel transfers (the source or a bounce buffer) */
+    uint64_t io_len;  /* bytes the kernel must move */
+    uint64_t got;     /* bytes moved so far */
+    int busy;
+} uslot_t;
+
+static int ring_setup(engine_t *e, unsigned entries) {
+    struct io_uring_params p;
+    memset(&p, 0, sizeof p);
+    int fd = (int)syscall(__NR_io_uring_setup, entries, &p);
+    if (fd < 0) return errno;
+    e->ring_fd = fd;
+    e->sq_size = p.sq_off.array + p.sq_entries * sizeof(unsigned);
+    e->cq_size = p.cq_off.cqes + p.cq_entries * sizeof(struct io_uring_cqe);
+    e->sqes_size = p.sq_entries * sizeof(struct io_uring_sqe);
+    e->sq_ptr = mmap(NULL, e->sq_size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd,
+                     IORING_OFF_SQ_RING);
+    e->cq_ptr = mmap(NULL, e->cq_size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd,
+                     IORING_OFF_CQ_RING);
+    e->sqes_ptr = mmap(NULL, e->sqes_size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd,
+                       IORING_OFF_SQES);
+    if (e->sq_ptr == MAP_FAILED || e->cq_ptr == MAP_FAILED || e->sqes_ptr == MAP_FAILED) {
+        int err = errno;
+        if (e->sq_ptr != MAP_FAILED) munmap(e->sq_ptr, e->sq_size);
+        if (e->cq_ptr != MAP_FAILED) munmap(e->cq_ptr, e->cq_size);
+        if (e->sqes_ptr != MAP_FAILED) munmap(e->sqes_ptr, e->sqes_size);
+        close(fd);
+        e->ring_fd = -1;
+        return err;
+    }
+    char *sq = e->sq_ptr, *cq = e->cq_ptr;
+    e->sq_head = (unsigned *)(sq + p.sq_off.head);
+    e->sq_tail = (unsigned *)(sq + p.sq_off.tail);
+    e->sq_mask = (unsigned *)(sq + p.sq_off.ring_mask);
+    e->sq_array = (unsigned *)(sq + p.sq_off.array);
+    e->cq_head = (unsigned *)(cq + p.cq_off.head);
+    e->cq_tail = (unsigned *)(cq + p.cq_off.tail);
+    e->cq_mask = (unsigned *)(cq + p.cq_off.ring_mask);
+    e->cqes = (struct io_uring_cqe *)(cq + p.cq_off.cqes);
+    e->sqes = e->sqes_ptr;
+    return 0;
+}
+
+static void ring_teardown(engine_t *e) {
+    if (e->ring_fd < 0) return;
+    munmap(e->sq_ptr, e->sq_size);
+    munmap(e->cq_ptr, e->cq_size);
+    munmap(e->sqes_ptr, e->sqes_size);
+    close(e->ring_fd);
+    e->ring_fd = -1;
+}
+
+static void ring_prep(engine_t *e, uslot_t *s, unsigned idx) {
+    unsigned tail = *e->sq_tail;
+    unsigned i = tail & *e->sq_mask;
+    struct io_uring_sqe *sqe = &e->sqes[i];
+    memset(sqe, 0, sizeof *sqe);
+    sqe->opcode = s->c.req->op == OP_WRITE ? IORING_OP_WRITE : IORING_OP_READ;
+    sqe->fd = s->c.req->fd;
+    sqe->addr = (uint64_t)(uintptr_t)(s->buf + s->got);
+    sqe->len = (unsigned)(s->io_len - s->got);
+    sqe->off = s->c.req->offset + s->c.pos + s->got;
+    sqe->user_data = idx;
+    e->sq_array[i] = i;
+    __atomic_store_n(e->sq_tail, tail + 1, __ATOMIC_RELEASE);
+}
+
+/* Set up a slot for a new chunk; 0, or an errno for a chunk that fails before any I/O. */
+static int slot_start(engine_t *e, uslot_t *s, char **bounce) {
+    request_t *r = s->c.req;
+    s->got = 0;
+    s->buf = r->addr + s->c.pos;
+    s->io_len = s->c.len;
+    if (needs_bounce(r, &s->c)) {
+        if (!*bounce) {
+            void *p = NULL;
+            if (posix_memalign(&p, ALIGN, e->chunk_bytes + ALIGN)) return ENOMEM;
+            *bounce = p;
+        }
+        s->buf = *bounce;
+        s->io_len = (s->c.len + ALIGN - 1) / ALIGN * ALIGN;
+        if (r->op == OP_WRITE) {
+            memcpy(s->buf, r->addr + s->c.pos, s->c.len);
+            memset(s->buf + s->c.len, 0, s->io_len - s->c.len);
+        }
+    }
+    return 0;
+}
+
+static void *ring_main(void *arg) {
+    engine_t *e = arg;
+    unsigned depth = e->depth;
+    uslot_t *slots = calloc(depth, sizeof *slots);
+    char **bounce = calloc(depth, sizeof *bounce);
+    unsigned inflight = 0;
+    if (!slots || !bounce) abort();
+    for (;;) {
+        unsigned to_submit = 0;
+        pthread_mutex_lock(&e->mu);
+        for (unsigned i = 0; i < depth && inflight < depth; i++) {
+            if (slots[i].busy) continue;
+            if (!take_chunk(e, &slots[i].c)) break;
+            int err = slot_start(e, &slots[i], &bounce[i]);
+            if (err) {
+                finish_chunk(e, slots[i].c.req, 0, err);
+                continue;
+            }
+            slots[i].busy = 1;
+            inflight++;
+            ring_prep(e, &slots[i], i);
+            to_submit++;
+        }
+        if (inflight == 0) {
+            if (e->stopping && !e->qhead[0] && !e->qhead[1]) {
+                pthread_mutex_unlock(&e->mu);
+                break;
+            }
+            if (!e->qhead[0] && !e->qhead[1]) pthread_cond_wait(&e->work_cv, &e->mu);
+            pthread_mutex_unlock(&e->mu);
+            continue;
+        }
+        pthread_mutex_unlock(&e->mu);
+        int rc;
+        do {
+            rc = (int)syscall(__NR_io_uring_enter, e->ring_fd, to_submit, 1,
+                              IORING_ENTER_GETEVENTS, NULL, 0);
+            if (rc >= 0) { to_submit -= (unsigned)rc < to_submit ? (unsigned)rc : to_submit; }
+        } while (rc < 0 && (errno == EINTR || errno == EAGAIN || errno == EBUSY));
+        if (rc < 0) abort(); /* the ring itself broke: cannot deliver completions any more */
+        unsigned head = *e->cq_head;
+        unsigned tail = __atomic_load_n(e->cq_tail, __ATOMIC_ACQUIRE);
+        pthread_mutex_lock(&e->mu);
+        while (head != tail) {
+            struct io_uring_cqe *cqe = &e->cqes[head & *e->cq_mask];
+            uslot_t *s = &slots[cqe->user_data];
+            int res = cqe->res;
+            head++;
+            int err = 0, more = 0;
+            if (res == -EAGAIN || res == -EINTR) more = 1;
+            else if (res < 0) err = -res;
+            else if (res == 0) err = s->got >= s->c.len ? 0 : EIO;
+            else {
+                s->got += (uint64_t)res;
+                if (s->got < s->io_len) {
+                    if (s->c.req->direct && s->got % ALIGN) err = s->got >= s->c.len ? 0 : EIO;
+                    else more = 1;
+                }
+            }
+            if (more) { /* short transfer: resubmit the rest */
+                ring_prep(e, s, (unsigned)(s - slots));
+                to_submit++;
+                continue;
+            }
+            if (!err && s->got < s->c.len) err = EIO;
+            if (!err && s->c.req->op == OP_READ && s->buf != s->c.req->addr + s->c.pos)
+                memcpy(s->c.req->addr + s->c.pos, s->buf, s->c.len);
+            s->busy = 0;
+            inflight--;
+            finish_chunk(e, s->c.req, err ? 0 : s->c.len, err);
+        }
+        __atomic_store_n(e->cq_head, head, __ATOMIC_RELEASE);
+        pthread_mutex_unlock(&e->mu);
+        if (to_submit) { /* resubmissions go out with the next enter */
+            do {
+                rc = (int)syscall(__NR_io_uring_enter, e->ring_fd, to_submit, 0, 0, NULL, 0);
+            } while (rc < 0 && (errno == EINTR || errno == EAGAIN || errno == EBUSY));
+            if (rc < 0) abort();
+        }
+    }
+    for (unsigned i = 0; i < depth; i++) free(bounce[i]);
+    free(bounce);
+    free(slots);
+    return NULL;
+}
+#endif
+
+/* ------------------------------------------------------------------------ Python object -- */
+
+static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"threads", "chunk_bytes", "backend", "depth", NULL};
+    int threads = 4;
+    unsigned long long chunk = 1u << 20;
+    const char *backend = "threads";
+    unsigned depth = 32;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$iKsI", kwlist, &threads, &chunk, &backend,
+                                     &depth))
+        return NULL;
+    if (threads < 1 || threads > 256) {
+        PyErr_Format(PyExc_ValueError, "threads must be in 1..256, got %d", threads);
+        return NULL;
+    }
+    if (chunk < ALIGN || chunk % ALIGN || chunk > (1ull << 30)) {
+        PyErr_Format(PyExc_ValueError,
+                     "chunk_bytes must be a multiple of 4096 between 4096 and 1 GiB, got %llu",
+                     chunk);
+        return NULL;
+    }
+    if (depth < 1 || depth > 4096) {
+        PyErr_Format(PyExc_ValueError, "depth must be in 1..4096, got %u", depth);
+        return NULL;
+    }
+    int want_uring;
+    if (strcmp(backend, "threads") == 0) want_uring = 0;
+    else if (strcmp(backend, "uring") == 0) want_uring = 1;
+    else {
+        PyErr_Format(PyExc_ValueError, "backend must be 'threads' or 'uring', got '%s'", backend);
+        return NULL;
+    }
+    engine_t *e = (engine_t *)type->tp_alloc(type, 0);
+    if (!e) return NULL;
+    e->efd = -1;
+    e->chunk_bytes = chunk;
+    e->depth = depth;
+    pthread_mutex_init(&e->mu, NULL);
+    pthread_cond_init(&e->work_cv, NULL);
+    e->efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (e->efd < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        Py_DECREF(e);
+        return NULL;
+    }
+#ifdef OFFLOADD_HAVE_URING
+    e->ring_fd = -1;
+    if (want_uring) {
+        int err = ring_setup(e, depth);
+        if (err) {
+            errno = err;
+            PyErr_SetFromErrno(PyExc_OSError);
+            Py_DECREF(e);
+            return NULL;
+        }
+        e->use_uring = 1;
+        threads = 1;
+    }
+#else
+    if (want_uring) {
+        PyErr_SetString(PyExc_OSError, "offloadd._native was built without io_uring support");
+        Py_DECREF(e);
+        return NULL;
+    }
+#endif
+    e->threads = calloc((size_t)threads, sizeof(pthread_t));
+    if (!e->threads) {
+        Py_DECREF(e);
+        return PyErr_NoMemory();
+    }
+    for (int i = 0; i < threads; i++) {
+        void *(*fn)(void *) = thread_main;
+#ifdef OFFLOADD_HAVE_URING
+        if (e->use_uring) fn = ring_main;
+#endif
+        int rc = pthread_create(&e->threads[i], NULL, fn, e);
+        if (rc) {
+            /* stop the ones already started */
+            pthread_mutex_lock(&e->mu);
+            e->stopping = 1;
+            pthread_cond_broadcast(&e->work_cv);
+            pthread_mutex_unlock(&e->mu);
+            for (int j = 0; j < i; j++) pthread_join(e->threads[j], NULL);
+            e->nthreads = 0;
+            e->closed = 1;
+            errno = rc;
+            PyErr_SetFromErrno(PyExc_OSError);
+            Py_DECREF(e);
+            return NULL;
+        }
+        e->nthreads = i + 1;
+    }
+    return (PyObject *)e;
+}
+
+static void engine_stop(engine_t *e) {
+    if (e->closed) return;
+    e->closed = 1;
+    pthread_mutex_lock(&e->mu);
+    e->stopping = 1;
+    pthread_cond_broadcast(&e->work_cv);
+    pthread_mutex_unlock(&e->mu);
+    for (int i = 0; i < e->nthreads; i++) pthread_join(e->threads[i], NULL);
+    e->nthreads = 0;
+#ifdef OFFLOADD_HAVE_URING
+    ring_teardown(e);
+#endif
+}
+
+static void Engine_dealloc(engine_t *e) {
+    Py_BEGIN_ALLOW_THREADS
+    engine_stop(e);
+    Py_END_ALLOW_THREADS
+    free(e->threads);
+    free(e->comp);
+    if (e->efd >= 0) close(e->efd);
+    pthread_cond_destroy(&e->work_cv);
+    pthread_mutex_destroy(&e->mu);
+    Py_TYPE(e)->tp_free((PyObject *)e);
+}
+
+static PyObject *Engine_submit(engine_t *e, PyObject *args) {
+    unsigned long long token, offset, address, nbytes;
+    int op, fd;
+    if (!PyArg_ParseTuple(args, "KiiKKK", &token, &op, &fd, &offset, &address, &nbytes))
+        return NULL;
+    if (e->closed) {
+        PyErr_SetString(PyExc_RuntimeError, "offloadd: native engine is closed");
+        return NULL;
+    }
+    if (op != OP_READ && op != OP_WRITE) {
+        PyErr_Format(PyExc_ValueError, "op must be 0 (read) or 1 (write), got %d", op);
+        return NULL;
+    }
+    int flags = fcntl(fd, F_GETFL);
+    if (flags < 0) return PyErr_SetFromErrno(PyExc_OSError);
+    int direct = (flags & O_DIRECT) != 0;
+    if (direct && offset % ALIGN) {
+        PyObject *exc = Py_BuildValue(
+            "(is)", EINVAL, "file offset is not a multiple of 4096 on an O_DIRECT file");
+        if (exc) {
+            PyErr_SetObject(PyExc_OSError, exc);
+            Py_DECREF(exc);
+        }
+        return NULL;
+    }
+    request_t *r = calloc(1, sizeof *r);
+    if (!r) return PyErr_NoMemory();
+    r->token = token;
+    r->op = op;
+    r->fd = fd;
+    r->direct = direct;
+    r->offset = offset;
+    r->addr = (char *)(uintptr_t)address;
+    r->nbytes = nbytes;
+    pthread_mutex_lock(&e->mu);
+    e->pending_requests++;
+    if (nbytes == 0) {
+        r->inflight = 1; /* complete at once through the normal path */
+        finish_chunk(e, r, 0, 0);
+    } else {
+        queue_push(e, r);
+        pthread_cond_signal(&e->work_cv);
+        if (!e->use_uring && e->nthreads > 1 && nbytes > e->chunk_bytes)
+            pthread_cond_broadcast(&e->work_cv);
+    }
+    pthread_mutex_unlock(&e->mu);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Engine_cancel(engine_t *e, PyObject *arg) {
+    unsigned long long token = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred()) return NULL;
+    int found = 0;
+    pthread_mutex_lock(&e->mu);
+    for (int q = OP_READ; q <= OP_WRITE && !found; q++) {
+        for (request_t *r = e->qhead[q]; r; r = r->qnext) {
+            if (r->token == token && !r->started) {
+                queue_remove(e, r);
+                e->pending_requests--;
+                free(r);
+                found = 1;
+                break;
+            }
+        }
+    }
+    pthread_mutex_unlock(&e->mu);
+    return PyBool_FromLong(found);
+}
+
+static PyObject *Engine_reap(engine_t *e, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"timeout", NULL};
+    double timeout = -1.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|d", kwlist, &timeout)) return NULL;
+    completion_t *got = NULL;
+    size_t n = 0;
+    int poll_err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (;;) {
+        pthread_mutex_lock(&e->mu);
+        if (e->ncomp) {
+            got = e->comp;
+            n = e->ncomp;
+            e->comp = NULL;
+            e->ncomp = e->capcomp = 0;
+        }
+        pthread_mutex_unlock(&e->mu);
+        uint64_t v;
+        if (read(e->efd, &v, sizeof v) < 0 && errno != EAGAIN) { poll_err = errno; break; }
+        if (n || timeout == 0.0) break;
+        struct pollfd pfd = {.fd = e->efd, .events = POLLIN};
+        int ms = timeout < 0 ? -1 : (int)(timeout * 1000.0 + 0.999);
+        int rc = poll(&pfd, 1, ms);
+        if (rc < 0 && errno != EINTR) { poll_err = errno; break; }
+        if (rc == 0) timeout = 0.0; /* one last look, then return empty */
+    }
+    Py_END_ALLOW_THREADS
+    if (poll_err) {
+        free(got);
+        errno = poll_err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    PyObject *list = PyList_New((Py_ssize_t)n);
+    if (!list) { free(got); return NULL; }
+    for (size_t i = 0; i < n; i++) {
+        PyObject *t = Py_BuildValue("(KiK)", (unsigned long long)got[i].token, got[i].err,
+                                    (unsigned long long)got[i].done);
+        if (!t) { free(got); Py_DECREF(list); return NULL; }
+        PyList_SET_ITEM(list, (Py_ssize_t)i, t);
+    }
+    free(got);
+    return list;
+}
+
+static PyObject *Engine_close(engine_t *e, PyObject *Py_UNUSED(ignored)) {
+    Py_BEGIN_ALLOW_THREADS
+    engine_stop(e);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *Engine_fileno(engine_t *e, PyObject *Py_UNUSED(ignored)) {
+    return PyLong_FromLong(e->efd);
+}
+
+static PyObject *Engine_counters(engine_t *e, PyObject *Py_UNUSED(ignored)) {
+    pthread_mutex_lock(&e->mu);
+    unsigned long long rd = e->bytes_read, wr = e->bytes_written, pend = e->pending_requests;
+    pthread_mutex_unlock(&e->mu);
+    return Py_BuildValue("{sKsKsK}", "bytes_read", rd, "bytes_written", wr, "pending", pend);
+}
+
+static PyObject *Engine_get_backend(engine_t *e, void *Py_UNUSED(closure)) {
+    return PyUnicode_FromString(e->use_uring ? "uring" : "threads");
+}
+
+static PyMethodDef Engine_methods[] = {
+    {"submit", (PyCFunction)Engine_submit, METH_VARARGS,
+     "submit(token, op, fd, offset, address, nbytes): queue one transfer"},
+    {"cancel", (PyCFunction)Engine_cancel, METH_O,
+     "cancel(token) -> bool: drop a request none of whose chunks has started"},
+    {"reap", (PyCFunction)(void (*)(void))Engine_reap, METH_VARARGS | METH_KEYWORDS,
+     "reap(timeout=-1) -> list[(token, errno, bytes)]: wait (GIL released) for completions"},
+    {"close", (PyCFunction)Engine_close, METH_NOARGS,
+     "close(): finish every submitted request, then stop the threads"},
+    {"fileno", (PyCFunction)Engine_fileno, METH_NOARGS,
+     "fileno() -> int: an eventfd that is readable when completions are waiting"},
+    {"counters", (PyCFunction)Engine_counters, METH_NOARGS,
+     "counters() -> dict: bytes read and written, requests pending"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Engine_getset[] = {
+    {"backend", (getter)Engine_get_backend, NULL, "'threads' or 'uring'", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject EngineType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "offloadd._native.Engine",
+    .tp_basicsize = sizeof(engine_t),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Native I/O engine: pthread pool or io_uring, completions through an eventfd.",
+    .tp_new = Engine_new,
+    .tp_dealloc = (destructor)Engine_dealloc,
+    .tp_methods = Engine_methods,
+    .tp_getset = Engine_getset,
+};
+
+static PyObject *probe_uring(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(ignored)) {
+#ifdef OFFLOADD_HAVE_URING
+    struct io_uring_params p;
+    memset(&p, 0, sizeof p);
+    int fd = (int)syscall(__NR_io_uring_setup, 4, &p);
+    if (fd < 0) {
+        int err = errno;
+        return Py_BuildValue("(Os)", Py_False, strerror(err));
+    }
+    close(fd);
+    return Py_BuildValue("(Os)", Py_True, "io_uring_setup succeeded");
+#else
+    return Py_BuildValue("(Os)", Py_False, "built without <linux/io_uring.h>");
+#endif
+}
+
+static PyMethodDef module_methods[] = {
+    {"probe_uring", probe_uring, METH_NOARGS,
+     "probe_uring() -> (bool, str): whether io_uring works in this process, and why not"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT, "offloadd._native", "offloadd's native I/O engine.", -1,
+    module_methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    if (PyType_Ready(&EngineType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&moduledef);
+    if (!m) return NULL;
+    Py_INCREF(&EngineType);
+    if (PyModule_AddObject(m, "Engine", (PyObject *)&EngineType) < 0) {
+        Py_DECREF(&EngineType);
+        Py_DECREF(m);
+        return NULL;
+    }
+#ifdef OFFLOADD_HAVE_URING
+    PyModule_AddIntConstant(m, "HAVE_URING", 1);
+#else
+    PyModule_AddIntConstant(m, "HAVE_URING", 0);
+#endif
+    PyModule_AddIntConstant(m, "ALIGN", ALIGN);
+    return m;
+}

@@ -1,0 +1,213 @@
+"""The native I/O engine (csrc/native.c) behind the :class:`~offloadd.engine.Engine` protocol.
+
+The C side moves the bytes: a pthread pool doing ``pread``/``pwrite``, or one thread driving an
+io_uring ring, splitting each request into chunks that run concurrently, never touching the GIL.
+It reports finished requests through an eventfd. This wrapper adds what needs Python:
+
+* a *dispatcher* thread that waits on that eventfd with the GIL released and runs the requests'
+  callbacks (one GIL acquisition per finished request, not one per system call as in
+  :class:`~offloadd.engine.PythonEngine`);
+* a *gate* thread for requests with a ``before`` hook (e.g. wait for a CUDA copy's event), which
+  runs the hook and then hands the request to the C side;
+* native errno values turned into ``OSError(errno, strerror, path)``.
+
+The extension is optional: :func:`available` says whether it was built and imports, and why not.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+from typing import Any
+
+from offloadd.engine import Request, RequestState
+
+__all__ = ["NativeEngine", "available", "uring_available"]
+
+log = logging.getLogger("offloadd")
+
+_SENTINEL = 0  # token of the empty request that wakes the dispatcher at close()
+
+
+def _load() -> tuple[Any, str]:
+    try:
+        from offloadd import _native  # type: ignore[attr-defined]
+    except ImportError as e:
+        return None, f"the native extension offloadd._native is not built or does not load ({e})"
+    return _native, "ok"
+
+
+def available() -> tuple[bool, str]:
+    """(True, "ok") if the native extension imports, else (False, why)."""
+    mod, why = _load()
+    return mod is not None, why
+
+
+def uring_available() -> tuple[bool, str]:
+    """(True, why) if io_uring was compiled in and ``io_uring_setup`` works in this process."""
+    mod, why = _load()
+    if mod is None:
+        return False, why
+    ok, reason = mod.probe_uring()
+    return bool(ok), str(reason)
+
+
+class NativeEngine:
+    """Engine backed by offloadd._native. ``backend`` is "threads", "uring" or "auto"."""
+
+    name = "native"
+
+    def __init__(
+        self,
+        num_threads: int = 4,
+        *,
+        chunk_bytes: int = 1 << 20,
+        backend: str = "auto",
+        depth: int = 32,
+    ) -> None:
+        mod, why = _load()
+        if mod is None:
+            raise ImportError(why)
+        if backend not in ("auto", "threads", "uring"):
+            raise ValueError(f"backend must be 'auto', 'threads' or 'uring', got {backend!r}")
+        if backend == "auto":
+            ok, reason = mod.probe_uring()
+            backend = "uring" if ok else "threads"
+            if not ok:
+                log.info("offloadd: io_uring unavailable (%s); native engine uses threads", reason)
+        self._native = mod.Engine(
+            threads=num_threads, chunk_bytes=chunk_bytes, backend=backend, depth=depth
+        )
+        self.backend: str = self._native.backend
+        self._lock = threading.Lock()
+        self._tokens = itertools.count(_SENTINEL + 1)
+        self._pending: dict[int, Request] = {}  # token -> request handed to the C side
+        self._closing = False  # no new submissions
+        self._drained = False  # and the gate is empty: the dispatcher may leave when idle
+        self._closed = False
+        self._gate: queue.SimpleQueue[tuple[Request, BaseException | None] | None] = (
+            queue.SimpleQueue()
+        )
+        self._gate_thread: threading.Thread | None = None
+        self._dispatcher = threading.Thread(
+            target=self._dispatch, name="offloadd-native-completions", daemon=True
+        )
+        self._dispatcher.start()
+
+    # -- Engine protocol -------------------------------------------------------------------
+
+    def submit(self, request: Request) -> None:
+        if self._closing:
+            raise RuntimeError("offloadd: I/O engine is closed")
+        if request.before is not None:
+            self._gate_put(request, None)
+            return
+        self._hand_over(request)
+
+    def cancel(self, request: Request) -> bool:
+        with self._lock:
+            if request.state is not RequestState.PENDING:
+                return False
+            token = request.token
+            if token is None:  # still at the gate: the gate thread will skip it
+                request.state = RequestState.CANCELLED
+                return True
+            if self._native.cancel(token):
+                del self._pending[token]
+                request.state = RequestState.CANCELLED
+                return True
+            return False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closing = True
+        if self._gate_thread is not None:
+            self._gate.put(None)
+            self._gate_thread.join()
+        with self._lock:
+            self._drained = True
+        # Wake the dispatcher with an empty request; it leaves once nothing is pending.
+        self._native.submit(_SENTINEL, 0, self._native.fileno(), 0, 0, 0)
+        self._dispatcher.join()
+        self._native.close()
+        self._closed = True
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _hand_over(self, request: Request) -> None:
+        token = next(self._tokens)
+        with self._lock:
+            if request.state is not RequestState.PENDING:
+                return  # cancelled at the gate
+            self._pending[token] = request
+            request.token = token
+        try:
+            self._native.submit(
+                token,
+                int(request.op),
+                request.fd,
+                request.offset,
+                request.address,
+                request.nbytes,
+            )
+        except BaseException as e:  # refused before any I/O: deliver it like any other failure
+            with self._lock:
+                self._pending.pop(token, None)
+            self._gate_put(request, e)
+
+    def _gate_put(self, request: Request, error: BaseException | None) -> None:
+        with self._lock:
+            if self._gate_thread is None:
+                self._gate_thread = threading.Thread(
+                    target=self._run_gate, name="offloadd-native-gate", daemon=True
+                )
+                self._gate_thread.start()
+        self._gate.put((request, error))
+
+    def _run_gate(self) -> None:
+        while True:
+            item = self._gate.get()
+            if item is None:
+                return
+            request, error = item
+            if error is None:
+                if request.state is not RequestState.PENDING:
+                    continue
+                try:
+                    assert request.before is not None
+                    request.before()
+                except BaseException as e:
+                    error = e
+                else:
+                    request.before = None
+                    self._hand_over(request)
+                    continue
+            self._complete(request, error)
+
+    def _dispatch(self) -> None:
+        while True:
+            for token, err, _done in self._native.reap():
+                if token == _SENTINEL:
+                    continue
+                with self._lock:
+                    request = self._pending.pop(token)
+                error = OSError(err, os.strerror(err), request.path) if err else None
+                self._complete(request, error)
+            with self._lock:
+                if self._drained and not self._pending:
+                    return
+
+    @staticmethod
+    def _complete(request: Request, error: BaseException | None) -> None:
+        if isinstance(error, OSError) and error.filename is None:
+            error = OSError(error.errno, error.strerror, request.path)
+        request.error = error
+        request.state = RequestState.DONE
+        try:
+            request.callback(request)
+        except BaseException:  # a callback must never take the dispatcher down with it
+            log.exception("offloadd: I/O completion callback failed for %s", request.path)

@@ -564,8 +564,8 @@ static PyObject *Engine_submit(engine_t *e, PyObject *args) {
     if (flags < 0) return PyErr_SetFromErrno(PyExc_OSError);
     int direct = (flags & O_DIRECT) != 0;
     if (direct && offset % ALIGN) {
-        PyObject *exc = Py_BuildValue(
-            "(is)", EINVAL, "file offset is not a multiple of 4096 on an O_DIRECT file");
+        PyObject *exc = PyObject_CallFunction(
+            PyExc_OSError, "is", EINVAL, "file offset is not a multiple of 4096 on an O_DIRECT file");
         if (exc) {
             PyErr_SetObject(PyExc_OSError, exc);
             Py_DECREF(exc);

@@ -34,7 +34,7 @@ _SENTINEL = 0  # token of the empty request that wakes the dispatcher at close()
 
 def _load() -> tuple[Any, str]:
     try:
-        from offloadd import _native  # type: ignore[attr-defined]
+        from offloadd import _native
     except ImportError as e:
         return None, f"the native extension offloadd._native is not built or does not load ({e})"
     return _native, "ok"

@@ -22,7 +22,9 @@ ENGINES = ("native-uring", "native-threads", "python")
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "engine_name" in metafunc.fixturenames:
-        metafunc.parametrize("engine_name", ENGINES, indirect=True)
+        # a module that picks its engines itself sets ENGINE_PARAMS (e.g. test_native.py)
+        params = getattr(metafunc.module, "ENGINE_PARAMS", ENGINES)
+        metafunc.parametrize("engine_name", params, indirect=True)
 
 
 @pytest.fixture

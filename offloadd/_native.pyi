@@ -1,0 +1,34 @@
+"""Type stub for the C extension built from csrc/native.c."""
+
+HAVE_URING: int
+ALIGN: int
+
+def probe_uring() -> tuple[bool, str]:
+    """Whether io_uring works in this process, and why not."""
+
+class Engine:
+    """Native I/O engine: a pthread pool or one io_uring ring; completions via an eventfd."""
+
+    backend: str
+    def __init__(
+        self,
+        *,
+        threads: int = 4,
+        chunk_bytes: int = 1048576,
+        backend: str = "threads",
+        depth: int = 32,
+    ) -> None: ...
+    def submit(
+        self, token: int, op: int, fd: int, offset: int, address: int, nbytes: int, /
+    ) -> None:
+        """Queue one transfer (op 0 = read, 1 = write); raises OSError if the file cannot take it."""
+    def cancel(self, token: int, /) -> bool:
+        """Drop a request none of whose chunks has started; True if it will never complete."""
+    def reap(self, timeout: float = -1.0) -> list[tuple[int, int, int]]:
+        """Wait (GIL released) for finished requests: [(token, errno or 0, bytes moved)]."""
+    def close(self) -> None:
+        """Finish every submitted request, then stop the backend threads."""
+    def fileno(self) -> int:
+        """An eventfd, readable while completions are waiting."""
+    def counters(self) -> dict[str, int]:
+        """bytes_read, bytes_written, pending."""

@@ -104,6 +104,9 @@ class _Block:
         "chunks",
         "copy_done",
         "device",
+        "direct",
+        "direct_pending",
+        "direct_source",
         "error",
         "freed",
         "gen",
@@ -143,6 +146,9 @@ class _Block:
         self.modified = False
         self.freed = False
         self.copy_done: _CudaCopy | None = None  # CUDA: the D2H copy into staging
+        self.direct = False  # CUDA with GDS: written from and read into device memory
+        self.direct_pending = 0  # GDS writes in flight
+        self.direct_source: tuple[torch.Tensor, int] | None = None  # (tensor, version at pack)
 
 
 class _CudaCopy:
@@ -273,6 +279,9 @@ class Offloader:
         self._staging: SlotPool | None = None  # ssd tier
         self._disk: DiskStore | None = None
         self._engine: Engine | None = None
+        self._engines: list[Engine] = []  # every engine opened, closed at shutdown
+        self._gds: Engine | None = None  # CUDA tensors with GPUDirect Storage (kvikio)
+        self._gds_checked = cfg.engine not in ("auto", "kvikio") or cfg.tier != "ssd"
         if cfg.tier != "keep":
             dirs = list(cfg.ssd_dirs) or [default_offload_dir()]
             self._disk = DiskStore(dirs, cfg.chunk_bytes, cfg.direct_io)
@@ -283,12 +292,15 @@ class Offloader:
             else:
                 self._engine, choice = open_host_engine(cfg)
                 self._stats.engine = choice.name
+            self._engines.append(self._engine)
+            if cfg.engine == "kvikio" and cfg.tier == "ssd":
+                self._open_gds()  # named explicitly: fail now, not at the first CUDA tensor
         self._pools: list[SlotPool] = []
         self._trim = _malloc_trim() if cfg.trim_host_bytes else None
         self._moved_since_trim = 0  # CPU bytes moved out or in since the last trim
         # Runs at close(), when the Offloader is collected, or at interpreter exit.
         self._finalizer = weakref.finalize(
-            self, Offloader._shutdown, self._engine, self._disk, self._pools
+            self, Offloader._shutdown, self._engines, self._disk, self._pools
         )
 
     # -- public API ------------------------------------------------------------------------
@@ -346,15 +358,15 @@ class Offloader:
         self._closed = True
         for stream in self._copy_streams.values():
             stream.synchronize()  # no copy may still target the pinned pools
-        if self._engine is not None:
-            self._engine.close()
+        for engine in self._engines:
+            engine.close()
         with self._lock:
             self._drain()
         self._finalizer()
 
     @staticmethod
-    def _shutdown(engine: Engine | None, disk: DiskStore | None, pools: list[SlotPool]) -> None:
-        if engine is not None:
+    def _shutdown(engines: list[Engine], disk: DiskStore | None, pools: list[SlotPool]) -> None:
+        for engine in engines:
             engine.close()
         if disk is not None:
             disk.close()
@@ -507,6 +519,11 @@ class Offloader:
         src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
         cuda = t.device.type == "cuda"
         host_tier = self.config.tier == "cpu"
+        if cuda and not host_tier:
+            gds = self._gds if self._gds_checked else self._open_gds()
+            if gds is not None:
+                self._write_out_direct(block, t, src, gds)
+                return
         with self._lock:
             pool = self._pool(cuda, host_tier)
             if cuda:
@@ -538,6 +555,49 @@ class Offloader:
         if block.copy_done is not None:
             with self._lock:
                 self._pending_copies.append(block.copy_done)
+
+    def _open_gds(self) -> Engine | None:
+        """The GDS engine for CUDA tensors, opened on first use; None where GDS is unavailable."""
+        from offloadd import gds
+
+        with self._lock:
+            if self._gds_checked:
+                return self._gds
+            ok, why = gds.probe()
+            if not ok and self.config.engine == "kvikio":
+                raise RuntimeError(f"offloadd: engine = kvikio, but {why}")
+            if ok:
+                self._gds = gds.KvikioEngine(self.config.io_threads)
+                self._engines.append(self._gds)
+                self._stats.engine += "+kvikio"
+            log.info(
+                "offloadd: CUDA tensors %s (%s)",
+                "use GDS" if ok else "go through host staging",
+                why,
+            )
+            self._gds_checked = True
+            return self._gds
+
+    def _write_out_direct(
+        self, block: _Block, t: torch.Tensor, src: torch.Tensor, gds: Engine
+    ) -> None:
+        """GDS: write each chunk straight from device memory, after the producer's event.
+
+        The source is held until its last chunk is written; its version counter is compared
+        then, as for the D2H copy (see [never a silently wrong gradient])."""
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(t.device))
+        block.direct = True
+        block.direct_source = (t, t._version)
+        pos = 0
+        for chunk in block.chunks:
+            n = min(chunk.nbytes, block.nbytes - pos)
+            piece = src[pos : pos + n]
+            with self._lock:
+                self._add_resident(chunk.nbytes)  # device memory held until written
+                block.direct_pending += 1
+                self._submit_write(block, chunk, None, ready.synchronize, piece=piece, engine=gds)
+            pos += n
 
     def _pool(self, cuda: bool, host_tier: bool) -> SlotPool:
         """The slot pool for this tier, created on first use (lock held)."""
@@ -599,28 +659,39 @@ class Offloader:
         self,
         block: _Block,
         chunk: _Chunk,
-        pool: SlotPool,
+        pool: SlotPool | None,
         ready: Callable[[], None] | None = None,
+        *,
+        piece: torch.Tensor | None = None,
+        engine: Engine | None = None,
     ) -> None:
-        assert self._disk is not None and self._engine is not None and chunk.slot is not None
+        """Write a chunk from its slot in ``pool``, or (GDS) from the device tensor ``piece``."""
+        engine = engine or self._engine
+        assert self._disk is not None and engine is not None
         chunk.file = (block.seq + chunk.index) % len(self._disk.files)
         f = self._disk.files[chunk.file]
         chunk.offset = f.alloc()
         self._note_disk()
+        if piece is not None:
+            address, nbytes = piece.data_ptr(), piece.numel()
+        else:
+            assert pool is not None and chunk.slot is not None
+            address, nbytes = pool.address(chunk.slot), chunk.nbytes
         req = Request(
             Op.WRITE,
             f.fd,
             f.path,
             chunk.offset,
-            pool.address(chunk.slot),
-            chunk.nbytes,
+            address,
+            nbytes,
             self._on_write_done,
             before=ready,
+            keepalive=piece,
             context=(block, chunk, pool),
         )
         chunk.request = req
         self._writes_in_flight += 1
-        self._engine.submit(req)
+        engine.submit(req)
 
     def _on_write_done(self, req: Request) -> None:
         block, chunk, pool = req.context
@@ -631,17 +702,31 @@ class Offloader:
                 chunk.on_disk = True
                 self._stats.bytes_written += chunk.nbytes
             else:
-                self._write_failed(block, chunk, pool, req.error)
+                self._write_failed(block, chunk, pool, req.error, req.keepalive)
             if chunk.slot is not None:
                 pool.release(chunk.slot)
                 chunk.slot = None
                 self._sub_resident(chunk.nbytes)
+            if pool is None:  # GDS: the device memory was the source
+                if chunk.mem is None:
+                    self._sub_resident(chunk.nbytes)
+                block.direct_pending -= 1
+                if block.direct_pending == 0 and block.direct_source is not None:
+                    t, version = block.direct_source
+                    if t._version != version:
+                        block.modified = True  # changed in place before it was written
+                    block.direct_source = None
             if block.freed:
                 self._free_chunk_disk(chunk)
             self._cond.notify_all()
 
     def _write_failed(
-        self, block: _Block, chunk: _Chunk, pool: SlotPool, err: BaseException
+        self,
+        block: _Block,
+        chunk: _Chunk,
+        pool: SlotPool | None,
+        err: BaseException,
+        piece: torch.Tensor | None = None,
     ) -> None:
         """Keep the chunk's bytes in memory: the step goes on with the same result."""
         self._free_chunk_disk(chunk)
@@ -649,10 +734,15 @@ class Offloader:
             f"write:{getattr(err, 'errno', None)}",
             f"offloadd: write failed ({err}); keeping the affected tensors in memory",
         )
-        if block.freed or chunk.slot is None:
+        if block.freed:
             return
-        chunk.mem = pool.tensor(chunk.slot, chunk.nbytes).clone()
-        self._add_resident(chunk.nbytes)
+        if pool is None:  # GDS: keep the device bytes (already counted as resident)
+            chunk.mem = piece
+        elif chunk.slot is not None:
+            chunk.mem = pool.tensor(chunk.slot, chunk.nbytes).clone()
+            self._add_resident(chunk.nbytes)
+        else:
+            return
         self._stats.fallbacks += 1
 
     # -- unpack ----------------------------------------------------------------------------
@@ -676,6 +766,9 @@ class Offloader:
             self._drain()
             if block.copy_done is not None:
                 block.copy_done.done(wait=True)
+            source = block.direct_source  # GDS: writes may still read the device source
+            if source is not None and source[0]._version != source[1]:
+                block.modified = True
             if block.modified:
                 raise _inplace_error(ref.desc, ref.version, ref.version + 1)
             if block.resident is None and block.loading == 0:
@@ -716,7 +809,12 @@ class Offloader:
         assert self._disk is not None and self._engine is not None
         if block.copy_done is not None:  # CUDA: staging/host slots are complete only after this
             block.copy_done.done(wait=True)
-        buf = aligned_empty(block.padded)
+        engine = self._gds if block.direct else self._engine
+        assert engine is not None
+        if block.direct:
+            buf = torch.empty(block.padded, dtype=torch.uint8, device=block.device)
+        else:
+            buf = aligned_empty(block.padded)
         block.resident = buf
         block.resident_bytes = block.padded
         block.gen += 1
@@ -730,8 +828,14 @@ class Offloader:
         pos = 0
         for chunk in block.chunks:
             dst = buf[pos : pos + chunk.nbytes]
+            if block.direct:  # GDS chunks hold their real length, not the padded one
+                dst = dst[: max(0, min(chunk.nbytes, block.nbytes - pos))]
+            write = chunk.request
             if chunk.mem is not None:
-                dst.copy_(chunk.mem)
+                dst.copy_(chunk.mem[: dst.numel()])
+            elif block.direct and write is not None and write.op is Op.WRITE:
+                dst.copy_(write.keepalive)  # still being written: take the device source
+                self._stats.forwarded_bytes += chunk.nbytes
             elif chunk.slot is not None:
                 pool = self._host_pool if self.config.tier == "cpu" else self._staging
                 assert pool is not None
@@ -754,15 +858,15 @@ class Offloader:
                     f.path,
                     chunk.offset,
                     dst.data_ptr(),
-                    chunk.nbytes,
+                    dst.numel(),
                     self._on_read_done,
-                    keepalive=buf,
+                    keepalive=dst if block.direct else buf,
                     context=(block, chunk),
                 )
                 chunk.request = req
                 block.loading += 1
                 on_demand = True
-                self._engine.submit(req)
+                engine.submit(req)
             else:  # a write still running: its slot was released, wait and read
                 raise AssertionError("chunk without data")
             pos += chunk.nbytes
@@ -883,6 +987,7 @@ class Offloader:
             if (
                 req is not None
                 and req.op is Op.WRITE
+                and not block.direct  # GDS writes finish; their callback frees the slot
                 and self._engine is not None
                 and self._engine.cancel(req)
             ):

@@ -339,6 +339,20 @@ static int slot_start(engine_t *e, uslot_t *s, char **bounce) {
     return 0;
 }
 
+/* SQEs written to the ring and not yet consumed by the kernel. */
+static unsigned ring_unsubmitted(engine_t *e) {
+    return *e->sq_tail - __atomic_load_n(e->sq_head, __ATOMIC_ACQUIRE);
+}
+
+static int ring_enter(engine_t *e, unsigned min_complete) {
+    int rc;
+    do {
+        rc = (int)syscall(__NR_io_uring_enter, e->ring_fd, ring_unsubmitted(e), min_complete,
+                          min_complete ? IORING_ENTER_GETEVENTS : 0, NULL, 0);
+    } while (rc < 0 && (errno == EINTR || errno == EAGAIN || errno == EBUSY));
+    return rc;
+}
+
 static void *ring_main(void *arg) {
     engine_t *e = arg;
     unsigned depth = e->depth;
@@ -347,7 +361,6 @@ static void *ring_main(void *arg) {
     unsigned inflight = 0;
     if (!slots || !bounce) abort();
     for (;;) {
-        unsigned to_submit = 0;
         pthread_mutex_lock(&e->mu);
         for (unsigned i = 0; i < depth && inflight < depth; i++) {
             if (slots[i].busy) continue;
@@ -360,7 +373,6 @@ static void *ring_main(void *arg) {
             slots[i].busy = 1;
             inflight++;
             ring_prep(e, &slots[i], i);
-            to_submit++;
         }
         if (inflight == 0) {
             if (e->stopping && !e->qhead[0] && !e->qhead[1]) {
@@ -372,13 +384,8 @@ static void *ring_main(void *arg) {
             continue;
         }
         pthread_mutex_unlock(&e->mu);
-        int rc;
-        do {
-            rc = (int)syscall(__NR_io_uring_enter, e->ring_fd, to_submit, 1,
-                              IORING_ENTER_GETEVENTS, NULL, 0);
-            if (rc >= 0) { to_submit -= (unsigned)rc < to_submit ? (unsigned)rc : to_submit; }
-        } while (rc < 0 && (errno == EINTR || errno == EAGAIN || errno == EBUSY));
-        if (rc < 0) abort(); /* the ring itself broke: cannot deliver completions any more */
+        /* the ring itself broke: completions can no longer be delivered */
+        if (ring_enter(e, 1) < 0) abort();
         unsigned head = *e->cq_head;
         unsigned tail = __atomic_load_n(e->cq_tail, __ATOMIC_ACQUIRE);
         pthread_mutex_lock(&e->mu);
@@ -398,9 +405,8 @@ static void *ring_main(void *arg) {
                     else more = 1;
                 }
             }
-            if (more) { /* short transfer: resubmit the rest */
+            if (more) { /* short transfer: resubmit the rest (next enter) */
                 ring_prep(e, s, (unsigned)(s - slots));
-                to_submit++;
                 continue;
             }
             if (!err && s->got < s->c.len) err = EIO;
@@ -412,12 +418,6 @@ static void *ring_main(void *arg) {
         }
         __atomic_store_n(e->cq_head, head, __ATOMIC_RELEASE);
         pthread_mutex_unlock(&e->mu);
-        if (to_submit) { /* resubmissions go out with the next enter */
-            do {
-                rc = (int)syscall(__NR_io_uring_enter, e->ring_fd, to_submit, 0, 0, NULL, 0);
-            } while (rc < 0 && (errno == EINTR || errno == EAGAIN || errno == EBUSY));
-            if (rc < 0) abort();
-        }
     }
     for (unsigned i = 0; i < depth; i++) free(bounce[i]);
     free(bounce);
@@ -714,17 +714,70 @@ static PyTypeObject EngineType = {
     .tp_getset = Engine_getset,
 };
 
+#ifdef OFFLOADD_HAVE_URING
+/* Set up a ring and read 8 bytes of /dev/zero through it (IORING_OP_READ needs Linux 5.6). */
+static const char *uring_selftest(void) {
+    static char why[160];
+    engine_t e;
+    memset(&e, 0, sizeof e);
+    e.ring_fd = -1;
+    int err = ring_setup(&e, 4);
+    if (err) {
+        snprintf(why, sizeof why, "io_uring_setup: %s", strerror(err));
+        return why;
+    }
+    const char *result = NULL;
+    int zfd = open("/dev/zero", O_RDONLY | O_CLOEXEC);
+    if (zfd < 0) {
+        snprintf(why, sizeof why, "open /dev/zero: %s", strerror(errno));
+        ring_teardown(&e);
+        return why;
+    }
+    char buf[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+    uslot_t slot;
+    memset(&slot, 0, sizeof slot);
+    request_t req;
+    memset(&req, 0, sizeof req);
+    req.op = OP_READ;
+    req.fd = zfd;
+    req.addr = buf;
+    req.nbytes = sizeof buf;
+    slot.c.req = &req;
+    slot.c.len = sizeof buf;
+    slot.buf = buf;
+    slot.io_len = sizeof buf;
+    ring_prep(&e, &slot, 0);
+    if (ring_enter(&e, 1) < 0) {
+        snprintf(why, sizeof why, "io_uring_enter: %s", strerror(errno));
+        result = why;
+    } else {
+        unsigned head = *e.cq_head;
+        if (head == __atomic_load_n(e.cq_tail, __ATOMIC_ACQUIRE)) {
+            result = "io_uring: no completion";
+        } else {
+            int res = e.cqes[head & *e.cq_mask].res;
+            __atomic_store_n(e.cq_head, head + 1, __ATOMIC_RELEASE);
+            if (res != (int)sizeof buf || buf[0] != 0) {
+                snprintf(why, sizeof why, "io_uring read test failed: %s",
+                         res < 0 ? strerror(-res) : "short read");
+                result = why;
+            }
+        }
+    }
+    close(zfd);
+    ring_teardown(&e);
+    return result;
+}
+#endif
+
 static PyObject *probe_uring(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(ignored)) {
 #ifdef OFFLOADD_HAVE_URING
-    struct io_uring_params p;
-    memset(&p, 0, sizeof p);
-    int fd = (int)syscall(__NR_io_uring_setup, 4, &p);
-    if (fd < 0) {
-        int err = errno;
-        return Py_BuildValue("(Os)", Py_False, strerror(err));
-    }
-    close(fd);
-    return Py_BuildValue("(Os)", Py_True, "io_uring_setup succeeded");
+    const char *why;
+    Py_BEGIN_ALLOW_THREADS
+    why = uring_selftest();
+    Py_END_ALLOW_THREADS
+    if (why) return Py_BuildValue("(Os)", Py_False, why);
+    return Py_BuildValue("(Os)", Py_True, "io_uring read test succeeded");
 #else
     return Py_BuildValue("(Os)", Py_False, "built without <linux/io_uring.h>");
 #endif

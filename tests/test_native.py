@@ -263,3 +263,13 @@ def test_deleted_directory_while_training(disk_dir: Path) -> None:
     y.sum().backward()
     assert torch.equal(SavePayload.seen[0], payload)
     off.close()
+
+
+def test_refused_io_uring_falls_back_to_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a seccomp profile refuses io_uring, auto uses the thread pool and says why; on errors."""
+    monkeypatch.setattr(native, "uring_available", lambda: (False, "simulated: EPERM"))
+    eng, choice = open_host_engine(OffloadConfig(io_uring="auto"))
+    eng.close()
+    assert choice.name == "native/threads" and "simulated: EPERM" in choice.reason
+    with pytest.raises(RuntimeError, match="io_uring = on, but .*simulated: EPERM"):
+        open_host_engine(OffloadConfig(io_uring="on"))

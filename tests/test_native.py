@@ -271,5 +271,5 @@ def test_refused_io_uring_falls_back_to_threads(monkeypatch: pytest.MonkeyPatch)
     eng, choice = open_host_engine(OffloadConfig(io_uring="auto"))
     eng.close()
     assert choice.name == "native/threads" and "simulated: EPERM" in choice.reason
-    with pytest.raises(RuntimeError, match="io_uring = on, but .*simulated: EPERM"):
+    with pytest.raises(RuntimeError, match=r"io_uring = on, but .*simulated: EPERM"):
         open_host_engine(OffloadConfig(io_uring="on"))

@@ -214,8 +214,15 @@ static int transfer_chunk(const request_t *r, const chunk_t *c, char **bounce, u
             return errno;
         }
         if (n == 0) break; /* end of file (read) or no progress (write) */
+        uint64_t before = got;
         got += (uint64_t)n;
-        if (r->direct && got % ALIGN) break; /* O_DIRECT short transfer at EOF */
+        if (r->direct && got % ALIGN) {
+            if (r->op == OP_READ) break; /* O_DIRECT short read: end of file */
+            /* Short O_DIRECT write (the disk filled up): go on from the last aligned byte, so
+             * the next call keeps the alignment and reports the real errno (ENOSPC). */
+            got -= got % ALIGN;
+            if (got <= before) return EIO;
+        }
     }
     if (got < len) return EIO;
     if (buf != src && r->op == OP_READ) memcpy(src, buf, len);
@@ -399,10 +406,15 @@ static void *ring_main(void *arg) {
             else if (res < 0) err = -res;
             else if (res == 0) err = s->got >= s->c.len ? 0 : EIO;
             else {
+                uint64_t before = s->got;
                 s->got += (uint64_t)res;
                 if (s->got < s->io_len) {
-                    if (s->c.req->direct && s->got % ALIGN) err = s->got >= s->c.len ? 0 : EIO;
-                    else more = 1;
+                    if (!s->c.req->direct || s->got % ALIGN == 0) more = 1;
+                    else if (s->c.req->op == OP_READ) err = s->got >= s->c.len ? 0 : EIO;
+                    else { /* short O_DIRECT write: resume aligned (see transfer_chunk) */
+                        s->got -= s->got % ALIGN;
+                        if (s->got <= before) err = EIO; else more = 1;
+                    }
                 }
             }
             if (more) { /* short transfer: resubmit the rest (next enter) */
@@ -461,6 +473,9 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     engine_t *e = (engine_t *)type->tp_alloc(type, 0);
     if (!e) return NULL;
     e->efd = -1;
+#ifdef OFFLOADD_HAVE_URING
+    e->ring_fd = -1; /* before anything can fail: dealloc tears the ring down */
+#endif
     e->chunk_bytes = chunk;
     e->depth = depth;
     pthread_mutex_init(&e->mu, NULL);
@@ -472,7 +487,6 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
         return NULL;
     }
 #ifdef OFFLOADD_HAVE_URING
-    e->ring_fd = -1;
     if (want_uring) {
         int err = ring_setup(e, depth);
         if (err) {
@@ -502,15 +516,7 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
         if (e->use_uring) fn = ring_main;
 #endif
         int rc = pthread_create(&e->threads[i], NULL, fn, e);
-        if (rc) {
-            /* stop the ones already started */
-            pthread_mutex_lock(&e->mu);
-            e->stopping = 1;
-            pthread_cond_broadcast(&e->work_cv);
-            pthread_mutex_unlock(&e->mu);
-            for (int j = 0; j < i; j++) pthread_join(e->threads[j], NULL);
-            e->nthreads = 0;
-            e->closed = 1;
+        if (rc) { /* dealloc stops the threads already started and tears the ring down */
             errno = rc;
             PyErr_SetFromErrno(PyExc_OSError);
             Py_DECREF(e);
@@ -522,9 +528,12 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 }
 
 static void engine_stop(engine_t *e) {
-    if (e->closed) return;
-    e->closed = 1;
     pthread_mutex_lock(&e->mu);
+    if (e->closed) { /* another close() got here first */
+        pthread_mutex_unlock(&e->mu);
+        return;
+    }
+    e->closed = 1;
     e->stopping = 1;
     pthread_cond_broadcast(&e->work_cv);
     pthread_mutex_unlock(&e->mu);
@@ -552,10 +561,6 @@ static PyObject *Engine_submit(engine_t *e, PyObject *args) {
     int op, fd;
     if (!PyArg_ParseTuple(args, "KiiKKK", &token, &op, &fd, &offset, &address, &nbytes))
         return NULL;
-    if (e->closed) {
-        PyErr_SetString(PyExc_RuntimeError, "offloadd: native engine is closed");
-        return NULL;
-    }
     if (op != OP_READ && op != OP_WRITE) {
         PyErr_Format(PyExc_ValueError, "op must be 0 (read) or 1 (write), got %d", op);
         return NULL;
@@ -582,6 +587,12 @@ static PyObject *Engine_submit(engine_t *e, PyObject *args) {
     r->addr = (char *)(uintptr_t)address;
     r->nbytes = nbytes;
     pthread_mutex_lock(&e->mu);
+    if (e->stopping) { /* checked under the lock: a request can never be stranded by close() */
+        pthread_mutex_unlock(&e->mu);
+        free(r);
+        PyErr_SetString(PyExc_RuntimeError, "offloadd: native engine is closed");
+        return NULL;
+    }
     e->pending_requests++;
     if (nbytes == 0) {
         r->inflight = 1; /* complete at once through the normal path */
@@ -625,6 +636,10 @@ static PyObject *Engine_reap(engine_t *e, PyObject *args, PyObject *kw) {
     int poll_err = 0;
     Py_BEGIN_ALLOW_THREADS
     for (;;) {
+        /* Clear the eventfd before draining: a completion added after the drain signals it
+         * again, so poll() below can never sleep on a completion already queued. */
+        uint64_t v;
+        if (read(e->efd, &v, sizeof v) < 0 && errno != EAGAIN) { poll_err = errno; break; }
         pthread_mutex_lock(&e->mu);
         if (e->ncomp) {
             got = e->comp;
@@ -633,8 +648,6 @@ static PyObject *Engine_reap(engine_t *e, PyObject *args, PyObject *kw) {
             e->ncomp = e->capcomp = 0;
         }
         pthread_mutex_unlock(&e->mu);
-        uint64_t v;
-        if (read(e->efd, &v, sizeof v) < 0 && errno != EAGAIN) { poll_err = errno; break; }
         if (n || timeout == 0.0) break;
         struct pollfd pfd = {.fd = e->efd, .events = POLLIN};
         int ms = timeout < 0 ? -1 : (int)(timeout * 1000.0 + 0.999);

@@ -106,8 +106,11 @@ def _options(ns: argparse.Namespace) -> dict[str, Any]:
     for s in sizes:
         if s <= 0 or s % 4096:
             raise ValueError(f"--request-bytes: {s} is not a positive multiple of 4096")
-        if s > total:
-            raise ValueError(f"--request-bytes {s} is larger than --total-bytes {total}")
+        if 4 * s > total:  # fio's grid runs 4 jobs, each moving total / 4
+            raise ValueError(
+                f"--total-bytes {total} must be at least 4 x --request-bytes ({s}): "
+                "fio runs up to 4 jobs and each must move whole requests"
+            )
     engines = [e for e in ns.engine.split(",") if e]
     for e in engines:
         if e not in ENGINES:
@@ -271,12 +274,13 @@ FIO_GRID = tuple(
 )
 
 
-def run_fio(fio: str, directory: str, cfg: FioConfig, rw: str, total: int, request: int) -> Timing:
-    per_job = max(request, total // cfg.numjobs // request * request)
+def run_fio(fio: str, dirs: list[str], cfg: FioConfig, rw: str, total: int, request: int) -> Timing:
+    """One fio run over the same directories as the engine (fio spreads its files over them)."""
+    per_job = total // cfg.numjobs // request * request
     cmd = [
         fio,
         "--name=offloadd-bench",
-        f"--directory={directory}",
+        "--directory=" + ":".join(d.replace(":", "\\:") for d in dirs),
         "--filename_format=offloadd-bench-fio.$jobnum",
         f"--rw={rw}",
         f"--bs={request}",
@@ -346,7 +350,7 @@ def run_bench(
                 for rw in ("write", "read"):
                     grid = {}
                     for cfg in FIO_GRID:
-                        grid[cfg] = run_fio(fio, dirs[0], cfg, rw, total_bytes, request)
+                        grid[cfg] = run_fio(fio, dirs, cfg, rw, total_bytes, request)
                     fio_best[rw] = max(grid, key=lambda c: grid[c].gbps)
                     entry[f"fio_grid_{rw}"] = {c.label(): round(t.gbps, 3) for c, t in grid.items()}
                     _progress(
@@ -359,7 +363,8 @@ def run_bench(
         finally:
             target.close()
             if fio is not None:
-                _fio_cleanup(dirs[0])
+                for d in dirs:
+                    _fio_cleanup(d)
         result["sizes"].append(entry)
     return result
 
@@ -386,7 +391,7 @@ def _measure_engine(
                 if fio is not None:
                     cfg = fio_best[rw]
                     runs[f"fio_{rw}"].append(
-                        run_fio(fio, dirs[0], cfg, rw, target.n * target.request, target.request)
+                        run_fio(fio, dirs, cfg, rw, target.n * target.request, target.request)
                     )
             _progress(
                 f"{name} pair {i + 1}/{pairs}: write {runs['write'][-1].gbps:.2f} read "
@@ -471,5 +476,9 @@ def format_summary(result: dict[str, Any]) -> str:
             )
     lines.append(
         "GB/s = 1e9 bytes/s, medians over the pairs; w/fio, r/fio: engine / fio-best per pair"
+    )
+    lines.append(
+        "CPU-s/GB: the engine's whole process (io_uring's kernel workers included); "
+        "fio reports its job threads only"
     )
     return "\n".join(lines)

@@ -39,6 +39,8 @@ def open_host_engine(cfg: OffloadConfig) -> tuple[Engine, EngineChoice]:
     if not ok:
         if cfg.engine == "native":
             raise RuntimeError(f"offloadd: engine = native, but {why}")
+        if cfg.io_uring == "on":
+            raise RuntimeError(f"offloadd: io_uring = on needs the native engine, but {why}")
         choice = EngineChoice("python", f"native engine unavailable: {why}")
         log.info("offloadd: I/O engine python (%s)", choice.reason)
         return PythonEngine(cfg.io_threads), choice
@@ -52,12 +54,16 @@ def open_host_engine(cfg: OffloadConfig) -> tuple[Engine, EngineChoice]:
             raise RuntimeError(f"offloadd: io_uring = on, but io_uring is unavailable: {uring_why}")
         else:
             backend, reason = "threads", f"io_uring unavailable: {uring_why}"
-    engine = native.NativeEngine(
-        cfg.io_threads,
-        chunk_bytes=cfg.chunk_bytes,
-        backend=backend,
-        depth=max(8, 2 * cfg.io_threads),
-    )
+    depth = max(8, 2 * cfg.io_threads)
+    try:
+        engine = native.NativeEngine(
+            cfg.io_threads, chunk_bytes=cfg.chunk_bytes, backend=backend, depth=depth
+        )
+    except OSError as e:  # e.g. a ring of this depth refused (memlock limits on old kernels)
+        if backend != "uring" or cfg.io_uring == "on":
+            raise
+        backend, reason = "threads", f"io_uring ring of depth {depth} refused: {e}"
+        engine = native.NativeEngine(cfg.io_threads, chunk_bytes=cfg.chunk_bytes, backend=backend)
     choice = EngineChoice(f"native/{backend}", reason)
     log.info("offloadd: I/O engine %s (%s)", choice.name, choice.reason)
     return engine, choice

@@ -21,6 +21,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from typing import Any
 
 from offloadd.engine import Request, RequestState
@@ -138,11 +139,11 @@ class NativeEngine:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _hand_over(self, request: Request) -> None:
+    def _hand_over(self, request: Request, *, from_gate: bool = False) -> None:
         token = next(self._tokens)
         with self._lock:
-            if request.state is not RequestState.PENDING:
-                return  # cancelled at the gate
+            if request.state is RequestState.CANCELLED:
+                return
             self._pending[token] = request
             request.token = token
         try:
@@ -157,7 +158,12 @@ class NativeEngine:
         except BaseException as e:  # refused before any I/O: deliver it like any other failure
             with self._lock:
                 self._pending.pop(token, None)
-            self._gate_put(request, e)
+            if isinstance(e, RuntimeError) and not from_gate:
+                raise  # the engine is closed: the caller's mistake, not an I/O failure
+            if from_gate:  # already on the gate thread, which may be draining for close()
+                self._complete(request, e)
+            else:
+                self._gate_put(request, e)
 
     def _gate_put(self, request: Request, error: BaseException | None) -> None:
         with self._lock:
@@ -175,8 +181,10 @@ class NativeEngine:
                 return
             request, error = item
             if error is None:
-                if request.state is not RequestState.PENDING:
-                    continue
+                with self._lock:  # from here on cancel() says no, as for a started request
+                    if request.state is not RequestState.PENDING:
+                        continue
+                    request.state = RequestState.RUNNING
                 try:
                     assert request.before is not None
                     request.before()
@@ -184,13 +192,19 @@ class NativeEngine:
                     error = e
                 else:
                     request.before = None
-                    self._hand_over(request)
+                    self._hand_over(request, from_gate=True)
                     continue
             self._complete(request, error)
 
     def _dispatch(self) -> None:
         while True:
-            for token, err, _done in self._native.reap():
+            try:
+                finished = self._native.reap()
+            except OSError:  # never lose the dispatcher: every later callback would be lost
+                log.exception("offloadd: waiting for native completions failed; retrying")
+                time.sleep(0.01)
+                continue
+            for token, err, _done in finished:
                 if token == _SENTINEL:
                     continue
                 with self._lock:

@@ -563,11 +563,16 @@ class Offloader:
         with self._lock:
             if self._gds_checked:
                 return self._gds
+            self._gds_checked = True  # whatever happens below: probe once
             ok, why = gds.probe()
+            if ok:
+                try:
+                    self._gds = gds.KvikioEngine(self.config.io_threads)
+                except Exception as e:
+                    ok, why = False, f"kvikio engine failed to start ({e!r})"
             if not ok and self.config.engine == "kvikio":
                 raise RuntimeError(f"offloadd: engine = kvikio, but {why}")
-            if ok:
-                self._gds = gds.KvikioEngine(self.config.io_threads)
+            if self._gds is not None:
                 self._engines.append(self._gds)
                 self._stats.engine += "+kvikio"
             log.info(
@@ -575,7 +580,6 @@ class Offloader:
                 "use GDS" if ok else "go through host staging",
                 why,
             )
-            self._gds_checked = True
             return self._gds
 
     def _write_out_direct(
@@ -715,7 +719,10 @@ class Offloader:
                     t, version = block.direct_source
                     if t._version != version:
                         block.modified = True  # changed in place before it was written
-                    block.direct_source = None
+                    # A failed chunk keeps a view of the source (chunk.mem): keep checking its
+                    # version at unpack for as long as that view is the data.
+                    if all(c.mem is None for c in block.chunks):
+                        block.direct_source = None
             if block.freed:
                 self._free_chunk_disk(chunk)
             self._cond.notify_all()
@@ -811,8 +818,14 @@ class Offloader:
             block.copy_done.done(wait=True)
         engine = self._gds if block.direct else self._engine
         assert engine is not None
+        ready: Callable[[], None] | None = None
         if block.direct:
             buf = torch.empty(block.padded, dtype=torch.uint8, device=block.device)
+            # The caching allocator may hand out memory that kernels queued on this stream
+            # still use; a GDS read from another thread ignores stream order, so wait for them.
+            allocated = torch.cuda.Event()
+            allocated.record(torch.cuda.current_stream(block.device))
+            ready = allocated.synchronize
         else:
             buf = aligned_empty(block.padded)
         block.resident = buf
@@ -860,6 +873,7 @@ class Offloader:
                     dst.data_ptr(),
                     dst.numel(),
                     self._on_read_done,
+                    before=ready,
                     keepalive=dst if block.direct else buf,
                     context=(block, chunk),
                 )

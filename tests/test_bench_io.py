@@ -26,7 +26,7 @@ def _bench(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_bench_io_end_to_end(disk_dir: Path) -> None:
     out = disk_dir.parent / f"{disk_dir.name}.json"
-    args = ["--dir", str(disk_dir), "--total-bytes", "8MiB", "--request-bytes", "4MiB"]
+    args = ["--dir", str(disk_dir), "--total-bytes", "16MiB", "--request-bytes", "4MiB"]
     proc = _bench(*args, "--pairs", "1", "--gil", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
@@ -57,6 +57,6 @@ def test_bench_io_end_to_end(disk_dir: Path) -> None:
     ],
 )
 def test_bench_io_bad_arguments(args: list[str], message: str) -> None:
-    proc = _bench("--total-bytes", "8MiB", "--request-bytes", "4MiB", *args)  # the last one wins
+    proc = _bench("--total-bytes", "16MiB", "--request-bytes", "4MiB", *args)  # the last one wins
     assert proc.returncode == 2
     assert message in proc.stderr

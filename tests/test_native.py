@@ -273,3 +273,61 @@ def test_refused_io_uring_falls_back_to_threads(monkeypatch: pytest.MonkeyPatch)
     assert choice.name == "native/threads" and "simulated: EPERM" in choice.reason
     with pytest.raises(RuntimeError, match=r"io_uring = on, but .*simulated: EPERM"):
         open_host_engine(OffloadConfig(io_uring="on"))
+
+
+def test_cancel_while_before_hook_runs_is_refused(disk_dir: Path) -> None:
+    """Once the gate runs a request's hook it counts as started: cancel says no, and the request
+    completes exactly once (here with the hook's error)."""
+    eng = NativeEngine(1, chunk_bytes=64 << 10, backend="threads")
+    fd, path = _direct_file(disk_dir)
+    entered, release = threading.Event(), threading.Event()
+
+    def hook() -> None:
+        entered.set()
+        release.wait(10)
+        raise OSError(errno.EIO, "hook failed")
+
+    buf = _bytes(4096, 5)
+    w = Waiter()
+    req = Request(Op.WRITE, fd, path, 0, buf.data_ptr(), 4096, w, before=hook)
+    eng.submit(req)
+    assert entered.wait(10)
+    assert not eng.cancel(req)
+    release.set()
+    (done,) = w.wait(1)
+    eng.close()
+    assert len(w.done) == 1 and isinstance(done.error, OSError) and done.error.filename == path
+    os.close(fd)
+    os.unlink(path)
+
+
+def test_engine_creation_failing_on_emfile_leaves_other_fds_alone() -> None:
+    """No descriptors left: Engine() raises OSError and closes nothing it does not own."""
+    code = """
+import os, resource
+from offloadd import _native
+keep = []
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+try:
+    while True:
+        keep.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+for backend in ("threads", "uring"):
+    try:
+        _native.Engine(backend=backend)
+    except OSError:
+        pass
+    else:
+        raise SystemExit("Engine() did not fail")
+os.fstat(0); os.fstat(1); os.fstat(2)
+print("ok")
+"""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr

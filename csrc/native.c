@@ -93,6 +93,10 @@ typedef struct engine {
     uint64_t bytes_read, bytes_written;
 #ifdef OFFLOADD_HAVE_URING
     int ring_fd;
+    int kick_fd;       /* eventfd read through the ring: wakes the ring thread for new work */
+    uint64_t kick_buf;
+    int ring_sleeping; /* the ring thread waits in io_uring_enter (guarded by mu) */
+    int use_kick;
     void *sq_ptr, *cq_ptr, *sqes_ptr;
     size_t sq_size, cq_size, sqes_size;
     unsigned *sq_head, *sq_tail, *sq_mask, *sq_array;
@@ -301,6 +305,10 @@ static int ring_setup(engine_t *e, unsigned entries) {
 }
 
 static void ring_teardown(engine_t *e) {
+    if (e->kick_fd >= 0) {
+        close(e->kick_fd);
+        e->kick_fd = -1;
+    }
     if (e->ring_fd < 0) return;
     munmap(e->sq_ptr, e->sq_size);
     munmap(e->cq_ptr, e->cq_size);
@@ -315,6 +323,9 @@ static void ring_prep(engine_t *e, uslot_t *s, unsigned idx) {
     struct io_uring_sqe *sqe = &e->sqes[i];
     memset(sqe, 0, sizeof *sqe);
     sqe->opcode = s->c.req->op == OP_WRITE ? IORING_OP_WRITE : IORING_OP_READ;
+    /* Issued from io_uring's workers, never inline: submitting a large O_DIRECT request blocks
+     * until the device queue has room, and the ring thread must stay free to take reads. */
+    sqe->flags = IOSQE_ASYNC;
     sqe->fd = s->c.req->fd;
     sqe->addr = (uint64_t)(uintptr_t)(s->buf + s->got);
     sqe->len = (unsigned)(s->io_len - s->got);
@@ -360,6 +371,25 @@ static int ring_enter(engine_t *e, unsigned min_complete) {
     return rc;
 }
 
+#define KICK_TOKEN UINT64_MAX
+
+/* Keep one read of kick_fd in flight: submit() writes kick_fd when the ring thread is waiting
+ * for completions, so new work (reads above all) is taken at once, not after the next I/O. */
+static void ring_arm_kick(engine_t *e) {
+    unsigned tail = *e->sq_tail;
+    unsigned i = tail & *e->sq_mask;
+    struct io_uring_sqe *sqe = &e->sqes[i];
+    memset(sqe, 0, sizeof *sqe);
+    sqe->opcode = IORING_OP_READ;
+    sqe->fd = e->kick_fd;
+    sqe->addr = (uint64_t)(uintptr_t)&e->kick_buf;
+    sqe->len = sizeof e->kick_buf;
+    sqe->off = (uint64_t)-1; /* current position: eventfds have none */
+    sqe->user_data = KICK_TOKEN;
+    e->sq_array[i] = i;
+    __atomic_store_n(e->sq_tail, tail + 1, __ATOMIC_RELEASE);
+}
+
 static void *ring_main(void *arg) {
     engine_t *e = arg;
     unsigned depth = e->depth;
@@ -367,8 +397,13 @@ static void *ring_main(void *arg) {
     char **bounce = calloc(depth, sizeof *bounce);
     unsigned inflight = 0;
     if (!slots || !bounce) abort();
+    pthread_mutex_lock(&e->mu);
+    e->use_kick = 1;
+    pthread_mutex_unlock(&e->mu);
+    ring_arm_kick(e);
     for (;;) {
         pthread_mutex_lock(&e->mu);
+        e->ring_sleeping = 0;
         for (unsigned i = 0; i < depth && inflight < depth; i++) {
             if (slots[i].busy) continue;
             if (!take_chunk(e, &slots[i].c)) break;
@@ -390,6 +425,7 @@ static void *ring_main(void *arg) {
             pthread_mutex_unlock(&e->mu);
             continue;
         }
+        e->ring_sleeping = 1;
         pthread_mutex_unlock(&e->mu);
         /* the ring itself broke: completions can no longer be delivered */
         if (ring_enter(e, 1) < 0) abort();
@@ -398,6 +434,12 @@ static void *ring_main(void *arg) {
         pthread_mutex_lock(&e->mu);
         while (head != tail) {
             struct io_uring_cqe *cqe = &e->cqes[head & *e->cq_mask];
+            if (cqe->user_data == KICK_TOKEN) { /* woken for new work: re-arm */
+                head++;
+                if (cqe->res > 0) ring_arm_kick(e);
+                else e->use_kick = 0; /* the kick read fails here: wake on completions only */
+                continue;
+            }
             uslot_t *s = &slots[cqe->user_data];
             int res = cqe->res;
             head++;
@@ -475,6 +517,7 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     e->efd = -1;
 #ifdef OFFLOADD_HAVE_URING
     e->ring_fd = -1; /* before anything can fail: dealloc tears the ring down */
+    e->kick_fd = -1;
 #endif
     e->chunk_bytes = chunk;
     e->depth = depth;
@@ -488,7 +531,13 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     }
 #ifdef OFFLOADD_HAVE_URING
     if (want_uring) {
-        int err = ring_setup(e, depth);
+        e->kick_fd = eventfd(0, EFD_CLOEXEC);
+        if (e->kick_fd < 0) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            Py_DECREF(e);
+            return NULL;
+        }
+        int err = ring_setup(e, depth + 1); /* + the kick read */
         if (err) {
             errno = err;
             PyErr_SetFromErrno(PyExc_OSError);
@@ -600,6 +649,13 @@ static PyObject *Engine_submit(engine_t *e, PyObject *args) {
     } else {
         queue_push(e, r);
         pthread_cond_signal(&e->work_cv);
+#ifdef OFFLOADD_HAVE_URING
+        if (e->use_uring && e->use_kick && e->ring_sleeping) {
+            uint64_t one = 1;
+            e->ring_sleeping = 0;
+            if (write(e->kick_fd, &one, sizeof one) < 0) { /* the ring thread wakes later */ }
+        }
+#endif
         if (!e->use_uring && e->nthreads > 1 && nbytes > e->chunk_bytes)
             pthread_cond_broadcast(&e->work_cv);
     }
@@ -734,6 +790,7 @@ static const char *uring_selftest(void) {
     engine_t e;
     memset(&e, 0, sizeof e);
     e.ring_fd = -1;
+    e.kick_fd = -1;
     int err = ring_setup(&e, 4);
     if (err) {
         snprintf(why, sizeof why, "io_uring_setup: %s", strerror(err));

@@ -1,0 +1,47 @@
+"""Build steps that pyproject.toml cannot express.
+
+offloadd.pth: the start-up hook (see offloadd_boot.py) must land at the top of site-packages,
+for ``pip install .`` (a wheel) and ``pip install -e .`` (an editable wheel) alike.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from offloadd_boot import PTH_LINE  # noqa: E402  (standard library only: safe at build time)
+
+PTH_NAME = "offloadd.pth"
+
+
+class BuildPyWithPth(build_py):
+    """build_py that also writes offloadd.pth at the root of what becomes site-packages.
+
+    A regular build puts it into build_lib, the wheel's root. An editable build does not copy
+    build_lib into the wheel; there the ``install`` command's install_lib is the directory that
+    is zipped into the editable wheel (setuptools' editable_wheel sets it up that way for
+    data, headers and scripts), so the .pth goes there."""
+
+    def run(self) -> None:
+        super().run()
+        if getattr(self, "editable_mode", False):
+            root = self.get_finalized_command("install").install_lib
+        else:
+            root = self.build_lib
+        os.makedirs(root, exist_ok=True)
+        path = os.path.join(root, PTH_NAME)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(PTH_LINE)
+
+    def get_outputs(self, include_bytecode: bool = True) -> list[str]:
+        outputs = list(super().get_outputs(include_bytecode))
+        if not getattr(self, "editable_mode", False):
+            outputs.append(os.path.join(self.build_lib, PTH_NAME))
+        return outputs
+
+
+setup(cmdclass={"build_py": BuildPyWithPth})

@@ -133,6 +133,9 @@ class AutoOffload:
 
     def _after_fork(self) -> None:
         self.scope.enabled = False
+        if self.offloader is not None:
+            # The parent's I/O threads do not exist here: closing at exit would wait for them.
+            self.offloader._finalizer.detach()
 
     def _enter(self, module: nn.Module) -> bool:
         off = self.offloader or self._create()

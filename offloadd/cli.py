@@ -19,10 +19,12 @@ __all__ = ["main"]
 # name -> module (imported lazily so that ``offloadd --help`` does not import torch)
 _COMMANDS: dict[str, str] = {
     "demo": "offloadd.demo",
+    "run": "offloadd.launch",
 }
 
 _HELP: dict[str, str] = {
     "demo": "train the built-in GPT with keep and with ssd offload, and compare",
+    "run": "run a command (training script, torchrun, deepspeed) with offloading switched on",
 }
 
 

@@ -13,7 +13,7 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from offloadd_boot import PTH_LINE  # noqa: E402  (standard library only: safe at build time)
+from offloadd_boot import PTH_LINE  # standard library only: safe at build time
 
 PTH_NAME = "offloadd.pth"
 

@@ -24,6 +24,7 @@ they are switched off in the child, and the child writes no summary and no repor
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import sys
@@ -75,7 +76,9 @@ class EnvSettings:
         elif flag.strip().lower() in (*_OFF, ""):
             enabled = False
         else:
-            raise ValueError(f"OFFLOADD must be one of 1, true, yes, on, 0, false, no, off; got {flag!r}")
+            raise ValueError(
+                f"OFFLOADD must be one of 1, true, yes, on, 0, false, no, off; got {flag!r}"
+            )
         config = OffloadConfig.from_env(env)
         for d in config.ssd_dirs:
             _check_dir(d)
@@ -205,7 +208,7 @@ class AutoOffload:
             st = self.settings
             if st.report is not None and (st.report_every_rank or st.ranks.rank == 0):
                 write_report(
-                    self.settings.report,
+                    st.report,
                     stats=stats,
                     ranks=self.settings.ranks,
                     config=off.config,
@@ -215,10 +218,8 @@ class AutoOffload:
         except Exception as e:  # never change how the program exits
             print(f"offloadd: writing the exit summary failed: {e!r}", file=sys.stderr)
         for d in reversed(self._created_dirs):
-            try:
+            with contextlib.suppress(OSError):  # not empty (in use by another process) or gone
                 os.rmdir(d)
-            except OSError:
-                pass  # not empty (another process uses it) or already gone
 
 
 _state: AutoOffload | None = None

@@ -53,9 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS ...]")
 
 
-def build_env(
-    base: Mapping[str, str], *, config: str | None, report: str | None
-) -> dict[str, str]:
+def build_env(base: Mapping[str, str], *, config: str | None, report: str | None) -> dict[str, str]:
     """The command's environment; raises LaunchError naming what is wrong with it."""
     from offloadd.autoload import EnvSettings
 

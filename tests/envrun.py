@@ -40,9 +40,7 @@ def run(
     args: list[str], env: dict[str, str], *, timeout: float = 300, cwd: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
     """Run a client to completion; fail with its output if it fails."""
-    proc = subprocess.run(
-        args, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd
-    )
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
     if proc.returncode != 0:
         raise AssertionError(
             f"{args} exited with {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
@@ -60,4 +58,6 @@ def last_json(text: str) -> dict[str, Any]:
 
 
 def summary_lines(stderr: str) -> list[str]:
-    return [ln for ln in stderr.splitlines() if ln.startswith("offloadd") and "forwards offloaded" in ln]
+    return [
+        ln for ln in stderr.splitlines() if ln.startswith("offloadd") and "forwards offloaded" in ln
+    ]

@@ -208,7 +208,18 @@ def test_run_wrapper_matches_env_var(
     cfg = tmp_path / "offload.toml"
     cfg.write_text(f'ssd_dirs = ["{disk_dir}"]\nmin_bytes = "16KiB"\nchunk_bytes = "256KiB"\n')
     report = tmp_path / "run.json"
-    cmd = [*_offloadd(), "run", "--config", str(cfg), "--report", str(report), "--", PYTHON, PLAIN, "2"]
+    cmd = [
+        *_offloadd(),
+        "run",
+        "--config",
+        str(cfg),
+        "--report",
+        str(report),
+        "--",
+        PYTHON,
+        PLAIN,
+        "2",
+    ]
     proc = run(cmd, clean_env())
     assert last_json(proc.stdout) == base
     assert json.loads(report.read_text())["stats"]["offloaded_bytes"] > 0
@@ -216,7 +227,9 @@ def test_run_wrapper_matches_env_var(
 
 def test_run_wrapper_errors() -> None:
     def status(*args: str) -> tuple[int, str]:
-        p = subprocess.run([*_offloadd(), "run", *args], env=clean_env(), capture_output=True, text=True)
+        p = subprocess.run(
+            [*_offloadd(), "run", *args], env=clean_env(), capture_output=True, text=True
+        )
         return p.returncode, p.stderr
 
     code, err = status("--daemon", "--", "true")

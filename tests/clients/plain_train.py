@@ -18,8 +18,7 @@ class Net(nn.Module):
         super().__init__()
         self.emb = nn.Embedding(64, 128)
         self.layers = nn.ModuleList(
-            nn.TransformerEncoderLayer(128, 4, 256, dropout=0.1, batch_first=True)
-            for _ in range(2)
+            nn.TransformerEncoderLayer(128, 4, 256, dropout=0.1, batch_first=True) for _ in range(2)
         )
         self.head = nn.Linear(128, 64)
 
@@ -52,11 +51,15 @@ def main() -> None:
             model(xs[0])
         model.train()
         # torch.func refuses saved-tensor hooks: offloadd must stay out of it.
-        params = {k: v.detach() for k, v in model.named_parameters()}
-        g = torch.func.grad(
-            lambda p: torch.func.functional_call(model.head, {"weight": p, "bias": params["head.bias"]}, (torch.ones(2, 128),)).sum()
-        )(params["head.weight"])
-        assert g.shape == params["head.weight"].shape
+        bias = model.head.bias.detach()
+
+        def head_sum(w: torch.Tensor, bias: torch.Tensor = bias) -> torch.Tensor:
+            return torch.func.functional_call(
+                model.head, {"weight": w, "bias": bias}, (torch.ones(2, 128),)
+            ).sum()
+
+        g = torch.func.grad(head_sum)(model.head.weight.detach())
+        assert g.shape == model.head.weight.shape
     digest = hashlib.sha256()
     for p in model.parameters():
         digest.update(p.detach().contiguous().numpy().tobytes())

@@ -67,7 +67,6 @@ def main() -> int:
                 "install",
                 "-q",
                 "--no-deps",
-                "--no-build-isolation",
                 str(ROOT),
             ],
             check=True,

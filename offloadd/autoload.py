@@ -253,5 +253,5 @@ def _configure_log(level: str) -> None:
     logger.setLevel(level.upper())
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("offloadd %(levelname)s: %(message)s"))
+        handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
         logger.addHandler(handler)

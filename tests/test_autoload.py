@@ -220,8 +220,9 @@ def test_run_wrapper_matches_env_var(
         PLAIN,
         "2",
     ]
-    proc = run(cmd, clean_env())
+    proc = run(cmd, clean_env(OFFLOADD_LOG="info"))
     assert last_json(proc.stdout) == base
+    assert f"INFO offloadd: active, tier ssd, dirs {disk_dir}" in proc.stderr
     assert json.loads(report.read_text())["stats"]["offloaded_bytes"] > 0
 
 

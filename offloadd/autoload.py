@@ -167,7 +167,9 @@ class AutoOffload:
                 cfg.tier,
                 ", ".join(self.ssd_dirs) or "-",
             )
-            # Registered after the Offloader's own finalizer, so it runs first at exit (LIFO).
+            # atexit runs handlers last-in first-out, and weakref.finalize registered its own exit
+            # handler no later than the Offloader's creation: this runs before the Offloader's
+            # finalizer, while stats can still be read.
             atexit.register(self.finish)
             return self.offloader
 

@@ -1,13 +1,54 @@
-"""Build hook for the optional native I/O engine (csrc/); everything else is in pyproject.toml.
+"""Build steps that pyproject.toml cannot express.
 
-The extension is optional: if the compiler or headers are missing, ``pip install`` still
-succeeds, ``import offloadd`` still works, and ``engine = "auto"`` logs that it fell back to
-the Python engine and why.
+1. The optional native I/O engine (csrc/native.c -> offloadd._native). If the compiler or the
+   headers are missing, ``pip install`` still succeeds, ``import offloadd`` still works, and
+   ``engine = "auto"`` logs that it fell back to the Python engine and why.
+2. offloadd.pth: the start-up hook (see offloadd_boot.py) must land at the top of site-packages,
+   for ``pip install .`` (a wheel) and ``pip install -e .`` (an editable wheel) alike.
 """
 
+from __future__ import annotations
+
+import os
+import sys
+
 from setuptools import Extension, setup
+from setuptools.command.build_py import build_py
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from offloadd_boot import PTH_LINE  # standard library only: safe at build time
+
+PTH_NAME = "offloadd.pth"
+
+
+class BuildPyWithPth(build_py):
+    """build_py that also writes offloadd.pth at the root of what becomes site-packages.
+
+    A regular build puts it into build_lib, the wheel's root. An editable build does not copy
+    build_lib into the wheel; there the ``install`` command's install_lib is the directory that
+    is zipped into the editable wheel (setuptools' editable_wheel sets it up that way for
+    data, headers and scripts), so the .pth goes there."""
+
+    def run(self) -> None:
+        super().run()
+        if getattr(self, "editable_mode", False):
+            root = self.get_finalized_command("install").install_lib
+        else:
+            root = self.build_lib
+        os.makedirs(root, exist_ok=True)
+        path = os.path.join(root, PTH_NAME)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(PTH_LINE)
+
+    def get_outputs(self, include_bytecode: bool = True) -> list[str]:
+        outputs = list(super().get_outputs(include_bytecode))
+        if not getattr(self, "editable_mode", False):
+            outputs.append(os.path.join(self.build_lib, PTH_NAME))
+        return outputs
+
 
 setup(
+    cmdclass={"build_py": BuildPyWithPth},
     ext_modules=[
         Extension(
             "offloadd._native",
@@ -16,5 +57,5 @@ setup(
             extra_link_args=["-pthread"],
             optional=True,
         )
-    ]
+    ],
 )

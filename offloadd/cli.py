@@ -20,11 +20,13 @@ __all__ = ["main"]
 _COMMANDS: dict[str, str] = {
     "demo": "offloadd.demo",
     "bench": "offloadd.bench",
+    "run": "offloadd.launch",
 }
 
 _HELP: dict[str, str] = {
     "demo": "train the built-in GPT with keep and with ssd offload, and compare",
     "bench": "benchmarks: `offloadd bench io` measures the I/O engines against fio",
+    "run": "run a command (training script, torchrun, deepspeed) with offloading switched on",
 }
 
 

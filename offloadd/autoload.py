@@ -1,0 +1,259 @@
+"""Offloading switched on by the environment, for training scripts that never import offloadd.
+
+``offloadd_boot`` (run from ``offloadd.pth`` at start-up) calls :func:`activate` right after the
+program imported torch. Activation reads and validates the environment at once, so a typo fails
+the ``import torch`` with an error naming the variable, long before the first forward. It then
+installs the :mod:`offloadd.scope` hooks. The :class:`~offloadd.Offloader` itself is created
+at the first training forward, so processes that import torch but never train (launchers,
+data-loader workers, tools) open no files and print nothing.
+
+Variables: ``OFFLOADD`` (1/true/yes/on, or 0/false/no/off), ``OFFLOADD_CONFIG`` (a TOML file),
+``OFFLOADD_<FIELD>`` (any :class:`~offloadd.OffloadConfig` field), ``OFFLOADD_REPORT`` (a JSON
+path written at exit, ``{rank}`` substituted) and ``OFFLOADD_LOG`` (the level of offloadd's
+log on stderr: debug, info, warning, error).
+
+Note: [per-rank namespace] In a multi-rank job each rank offloads into ``<dir>/rank-<N>`` of
+every ``ssd_dirs`` entry (created with mode 0700, removed at exit when empty), so ranks that
+share a node and a directory never share a directory entry, and what is on disk can be told
+apart per rank. A daemon session, when that backend exists, is named after the rank the same way.
+
+Note: [fork] A child made with ``os.fork`` (data-loader workers on Linux) inherits the hooks;
+they are switched off in the child, and the child writes no summary and no report.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from torch import nn
+
+from offloadd.config import OffloadConfig
+from offloadd.offloader import Offloader
+from offloadd.ranks import RankInfo, rank_info
+from offloadd.report import summary_line, write_report
+from offloadd.scope import ModuleScope
+
+__all__ = ["AutoOffload", "EnvSettings", "activate", "current"]
+
+log = logging.getLogger("offloadd")
+
+_ON = ("1", "true", "yes", "on")
+_OFF = ("0", "false", "no", "off")
+_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class EnvSettings:
+    """Everything activation reads from the environment, validated."""
+
+    enabled: bool
+    config: OffloadConfig
+    ranks: RankInfo
+    report: str | None = None
+    """``OFFLOADD_REPORT`` with ``{rank}`` substituted (None: no report)."""
+    report_every_rank: bool = False
+    """The path held ``{rank}``: every rank writes its own report (else only rank 0 writes)."""
+    log_level: str | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> EnvSettings:
+        """Read and check the environment; every error names the variable and its value."""
+        env = os.environ if environ is None else environ
+        flag = env.get("OFFLOADD")
+        if flag is None:
+            enabled = bool(env.get("OFFLOADD_CONFIG"))
+        elif flag.strip().lower() in _ON:
+            enabled = True
+        elif flag.strip().lower() in (*_OFF, ""):
+            enabled = False
+        else:
+            raise ValueError(
+                f"OFFLOADD must be one of 1, true, yes, on, 0, false, no, off; got {flag!r}"
+            )
+        config = OffloadConfig.from_env(env)
+        for d in config.ssd_dirs:
+            _check_dir(d)
+        ranks = rank_info(env)
+        report = env.get("OFFLOADD_REPORT") or None
+        every_rank = report is not None and "{rank}" in report
+        if report is not None:
+            report = report.replace("{rank}", str(ranks.rank))
+            parent = Path(report).expanduser().parent
+            if not parent.is_dir():
+                raise ValueError(
+                    f"OFFLOADD_REPORT={env['OFFLOADD_REPORT']!r}: directory {str(parent)!r} "
+                    "does not exist"
+                )
+        level = env.get("OFFLOADD_LOG") or None
+        if level is not None and level.strip().lower() not in _LEVELS:
+            raise ValueError(f"OFFLOADD_LOG must be one of {', '.join(_LEVELS)}; got {level!r}")
+        return cls(
+            enabled=enabled,
+            config=config,
+            ranks=ranks,
+            report=report,
+            report_every_rank=every_rank,
+            log_level=level.strip().lower() if level else None,
+        )
+
+
+def _check_dir(d: str) -> None:
+    p = Path(d)
+    if not p.is_dir():
+        raise ValueError(f"OFFLOADD_SSD_DIRS: directory {d!r} does not exist")
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise ValueError(f"OFFLOADD_SSD_DIRS: directory {d!r} is not writable")
+
+
+class AutoOffload:
+    """One process's environment-activated offloading: scope hooks, a lazy Offloader, exit."""
+
+    def __init__(self, settings: EnvSettings) -> None:
+        self.settings = settings
+        self.offloader: Offloader | None = None
+        self.ssd_dirs: tuple[str, ...] = ()
+        self._created_dirs: list[str] = []
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._started = time.monotonic()
+        self._finished = False
+        self.scope = ModuleScope(self._enter, self._leave)
+
+    def install(self) -> None:
+        if self.settings.log_level is not None:
+            _configure_log(self.settings.log_level)
+        self.scope.install()
+        os.register_at_fork(after_in_child=self._after_fork)
+
+    def _after_fork(self) -> None:
+        self.scope.enabled = False
+        if self.offloader is not None:
+            # The parent's I/O threads do not exist here: closing at exit would wait for them.
+            self.offloader._finalizer.detach()
+
+    def _enter(self, module: nn.Module) -> bool:
+        off = self.offloader or self._create()
+        off.__enter__()
+        # Offloader notes parameter storages from a global pre-hook that it registers on entry,
+        # which is too late for the module whose call is starting.
+        off._note_module(module, ())
+        return True
+
+    def _leave(self) -> None:
+        assert self.offloader is not None
+        self.offloader.__exit__(None, None, None)
+
+    def _create(self) -> Offloader:
+        with self._lock:
+            if self.offloader is not None:
+                return self.offloader
+            cfg = self.settings.config
+            if cfg.tier != "keep":
+                self.ssd_dirs = self._rank_dirs(cfg)
+                cfg = replace(cfg, ssd_dirs=self.ssd_dirs)
+            self.offloader = Offloader(cfg)
+            log.info(
+                "offloadd: active%s, tier %s, dirs %s",
+                f" ({self.settings.ranks.label()})" if self.settings.ranks.multi else "",
+                cfg.tier,
+                ", ".join(self.ssd_dirs) or "-",
+            )
+            # atexit runs handlers last-in first-out, and weakref.finalize registered its own exit
+            # handler no later than the Offloader's creation: this runs before the Offloader's
+            # finalizer, while stats can still be read.
+            atexit.register(self.finish)
+            return self.offloader
+
+    def _rank_dirs(self, cfg: OffloadConfig) -> tuple[str, ...]:
+        from offloadd.storage import default_offload_dir
+
+        dirs = list(cfg.ssd_dirs) or [default_offload_dir()]
+        ranks = self.settings.ranks
+        if not ranks.multi:
+            return tuple(dirs)
+        out = []
+        for d in dirs:
+            sub = os.path.join(d, f"rank-{ranks.rank}")
+            try:
+                os.mkdir(sub, 0o700)
+                self._created_dirs.append(sub)
+            except FileExistsError:
+                pass
+            out.append(sub)
+        return tuple(out)
+
+    def finish(self) -> None:
+        """Close the Offloader, print the summary line and write the report (once, at exit)."""
+        if self._finished or os.getpid() != self._pid or self.offloader is None:
+            return
+        self._finished = True
+        self.scope.enabled = False
+        off = self.offloader
+        try:
+            stats = off.stats()
+            off.close()
+            wall = time.monotonic() - self._started
+            print(
+                summary_line(stats, self.settings.ranks, self.scope.scopes, wall),
+                file=sys.stderr,
+                flush=True,
+            )
+            st = self.settings
+            if st.report is not None and (st.report_every_rank or st.ranks.rank == 0):
+                write_report(
+                    st.report,
+                    stats=stats,
+                    ranks=self.settings.ranks,
+                    config=off.config,
+                    forwards=self.scope.scopes,
+                    wall_s=wall,
+                )
+        except Exception as e:  # never change how the program exits
+            print(f"offloadd: writing the exit summary failed: {e!r}", file=sys.stderr)
+        for d in reversed(self._created_dirs):
+            with contextlib.suppress(OSError):  # not empty (in use by another process) or gone
+                os.rmdir(d)
+
+
+_state: AutoOffload | None = None
+_state_lock = threading.Lock()
+
+
+def activate(environ: Mapping[str, str] | None = None) -> AutoOffload | None:
+    """Validate the environment and install the hooks (once per process); None when disabled."""
+    global _state
+    with _state_lock:
+        if _state is not None:
+            return _state
+        try:
+            settings = EnvSettings.from_env(environ)
+        except ValueError as e:
+            raise ValueError(f"offloadd (activated by the environment): {e}") from None
+        if not settings.enabled:
+            return None
+        _state = AutoOffload(settings)
+        _state.install()
+        return _state
+
+
+def current() -> AutoOffload | None:
+    """The active environment offloading of this process, if any."""
+    return _state
+
+
+def _configure_log(level: str) -> None:
+    logger = logging.getLogger("offloadd")
+    logger.setLevel(level.upper())
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+        logger.addHandler(handler)

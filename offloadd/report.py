@@ -1,0 +1,64 @@
+"""What environment activation prints and writes at exit: one stderr line and a JSON report."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+from typing import Any
+
+from offloadd.config import OffloadConfig
+from offloadd.ranks import RankInfo
+from offloadd.stats import Stats, format_bytes
+
+__all__ = ["report_dict", "summary_line", "write_report"]
+
+
+def summary_line(stats: Stats, ranks: RankInfo, forwards: int, wall_s: float) -> str:
+    """``offloadd [rank r/n]: <N> forwards offloaded, <Stats.summary()>, disk peak ..., <t>s``."""
+    who = f"offloadd [{ranks.label()}]" if ranks.multi else "offloadd"
+    return (
+        f"{who}: {forwards} forwards offloaded in {wall_s:.1f}s; {stats.summary()}, "
+        f"peak disk {format_bytes(stats.peak_disk_bytes)}"
+        + (", buffered I/O" if stats.buffered_io else "")
+    )
+
+
+def report_dict(
+    *, stats: Stats, ranks: RankInfo, config: OffloadConfig, forwards: int, wall_s: float
+) -> dict[str, Any]:
+    return {
+        "rank": ranks.rank,
+        "world_size": ranks.world_size,
+        "local_rank": ranks.local_rank,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "forwards": forwards,
+        "wall_s": wall_s,
+        "config": {k: list(v) if isinstance(v, tuple) else v for k, v in config.as_dict().items()},
+        "stats": stats.as_dict(),
+    }
+
+
+def write_report(
+    path: str,
+    *,
+    stats: Stats,
+    ranks: RankInfo,
+    config: OffloadConfig,
+    forwards: int,
+    wall_s: float,
+) -> None:
+    """Write the report atomically (a reader never sees half a file)."""
+    data = report_dict(stats=stats, ranks=ranks, config=config, forwards=forwards, wall_s=wall_s)
+    target = os.path.expanduser(path)
+    fd, tmp = tempfile.mkstemp(prefix=".offloadd-report-", dir=os.path.dirname(target) or ".")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, target)
+    except BaseException:
+        os.unlink(tmp)
+        raise

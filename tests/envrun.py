@@ -1,0 +1,63 @@
+"""Running real client programs with and without ``OFFLOADD=1``: environments and results."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+CLIENTS = Path(__file__).resolve().parent / "clients"
+PYTHON = sys.executable
+BIN = Path(sys.executable).parent
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without any ``OFFLOADD*`` variable (and with ``extra`` added)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OFFLOADD")}
+    env.pop("PYTHONPATH", None)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"  # torchrun, deepspeed, offloadd
+    env.update(extra)
+    return env
+
+
+def offload_env(disk_dir: Path, report: Path, **extra: str) -> dict[str, str]:
+    """``OFFLOADD=1`` into ``disk_dir`` with sizes small enough for test models."""
+    return clean_env(
+        OFFLOADD="1",
+        OFFLOADD_SSD_DIRS=str(disk_dir),
+        OFFLOADD_MIN_BYTES="16KiB",
+        OFFLOADD_CHUNK_BYTES="256KiB",
+        OFFLOADD_STAGING_BYTES="8MiB",
+        OFFLOADD_REPORT=str(report),
+        **extra,
+    )
+
+
+def run(
+    args: list[str], env: dict[str, str], *, timeout: float = 300, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run a client to completion; fail with its output if it fails."""
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"{args} exited with {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
+            f"--- stderr\n{proc.stderr[-8000:]}"
+        )
+    return proc
+
+
+def last_json(text: str) -> dict[str, Any]:
+    """The last line of ``text`` that is a JSON object."""
+    for line in reversed(text.strip().splitlines()):
+        if line.startswith("{"):
+            return dict(json.loads(line))
+    raise AssertionError(f"no JSON line in output:\n{text[-4000:]}")
+
+
+def summary_lines(stderr: str) -> list[str]:
+    return [
+        ln for ln in stderr.splitlines() if ln.startswith("offloadd") and "forwards offloaded" in ln
+    ]

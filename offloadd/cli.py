@@ -19,10 +19,16 @@ __all__ = ["main"]
 # name -> module (imported lazily so that ``offloadd --help`` does not import torch)
 _COMMANDS: dict[str, str] = {
     "demo": "offloadd.demo",
+    "serve": "offloadd.daemon.cmd_serve",
+    "status": "offloadd.daemon.cmd_status",
+    "stop": "offloadd.daemon.cmd_stop",
 }
 
 _HELP: dict[str, str] = {
     "demo": "train the built-in GPT with keep and with ssd offload, and compare",
+    "serve": "run the offload daemon in the foreground (one per node, shared by every rank)",
+    "status": "show a running daemon's sessions, bytes held, throughput, queues and disk space",
+    "stop": "stop a running daemon cleanly",
 }
 
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 from collections.abc import Iterator
@@ -9,6 +10,9 @@ import pytest
 import torch
 
 from offloadd.storage import filesystem_type
+
+from . import helpers
+from .daemon_proc import DaemonProc, held_descriptors
 
 _MEMORY_FS = {"tmpfs", "ramfs"}
 
@@ -45,3 +49,40 @@ def disk_dir() -> Iterator[Path]:
         p.unlink()
     d.rmdir()
     assert not leftovers, f"files left behind: {leftovers}"
+
+
+@pytest.fixture(scope="session")
+def daemon() -> Iterator[DaemonProc]:
+    """One real ``offloadd serve`` subprocess shared by the tests that run in daemon mode."""
+    root = Path(tempfile.mkdtemp(prefix="offloadd-daemon-", dir=_disk_root()))
+    proc = DaemonProc(root).start()
+    yield proc
+    assert proc.stop() == 0, proc.log_text()
+    assert not os.path.exists(proc.socket), "socket left behind"
+    leftovers = [p for d in proc.dirs for p in d.iterdir()]
+    assert not leftovers, f"files left behind: {leftovers}"
+    for d in proc.dirs:
+        d.rmdir()
+    (root / "run").rmdir()
+    (root / "daemon.log").unlink()
+    root.rmdir()
+
+
+@pytest.fixture(params=["embedded", "daemon"])
+def backend(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run a test with the embedded engine and again through a real daemon (``small_offloader``
+    picks the daemon up); in daemon mode, afterwards no session, file or memfd may be left."""
+    if request.param == "embedded":
+        yield "embedded"
+        return
+    proc: DaemonProc = request.getfixturevalue("daemon")
+    helpers.BACKEND["daemon_socket"] = proc.socket
+    try:
+        yield "daemon"
+    finally:
+        helpers.BACKEND.clear()
+    gc.collect()  # Offloaders a test did not close end their sessions when collected
+    doc = proc.wait_idle()
+    assert not doc["sessions"], f"sessions left open: {doc['sessions']}"
+    assert proc.held() == {"files": 0, "memfds": 0, "mappings": 0}
+    assert held_descriptors(os.getpid(), [])["memfds"] == 0, "client kept a memfd"

@@ -6,15 +6,20 @@ import time
 from collections.abc import Callable
 from typing import ClassVar
 
+import pytest
 import torch
 from torch import nn
 
 from offloadd import Offloader
 from offloadd.engine import Op, PythonEngine, Request
 
+#: Options set by the ``backend`` fixture (tests/conftest.py) to route offloaders to a daemon.
+BACKEND: dict[str, object] = {}
+
 
 def small_offloader(disk_dir: object, **kw: object) -> Offloader:
-    """An Offloader sized so tiny models still exercise chunking, staging and prefetch."""
+    """An Offloader sized so tiny models still exercise chunking, staging and prefetch
+    (through a daemon when the ``backend`` fixture says so)."""
     opts: dict[str, object] = dict(
         tier="ssd",
         ssd_dirs=[str(disk_dir)],
@@ -24,7 +29,10 @@ def small_offloader(disk_dir: object, **kw: object) -> Offloader:
         prefetch_bytes=512 << 10,
         io_threads=2,
     )
+    opts.update(BACKEND)
     opts.update(kw)
+    if opts.get("daemon_socket") and "io_engine" in opts:
+        pytest.skip("an injected engine is embedded-only; tests/test_daemon.py covers the daemon")
     if opts["tier"] == "keep":
         opts.pop("ssd_dirs")
     return Offloader(**opts)  # type: ignore[arg-type]

@@ -353,9 +353,8 @@ class DaemonBackend:
             return
         with self._lock:
             self._current = gen
-        self._warn(
-            f"daemon-back:{gen.session}",
-            f"offloadd: reconnected to the daemon at {self.socket_path} (session {gen.session})",
+        log.warning(
+            "offloadd: reconnected to the daemon at %s (session %d)", self.socket_path, gen.session
         )
 
     # -- the engine ------------------------------------------------------------------------

@@ -86,7 +86,8 @@ class DaemonProc:
 
 def held_descriptors(pid: int, dirs: list[str]) -> dict[str, int]:
     """Open offload files (in ``dirs``) and memfds of process ``pid``, from /proc."""
-    files = memfds = 0
+    files = 0
+    memfds: set[str] = set()  # by name: Python's mmap keeps a duplicate descriptor of its own
     fd_dir = f"/proc/{pid}/fd"
     for name in os.listdir(fd_dir):
         try:
@@ -94,7 +95,7 @@ def held_descriptors(pid: int, dirs: list[str]) -> dict[str, int]:
         except OSError:
             continue
         if target.startswith("/memfd:offloadd"):
-            memfds += 1
+            memfds.add(target)
         elif any(target.startswith(d.rstrip("/") + "/") for d in dirs):
             files += 1
     maps = 0
@@ -102,7 +103,7 @@ def held_descriptors(pid: int, dirs: list[str]) -> dict[str, int]:
         for line in f:
             if "/memfd:offloadd" in line:
                 maps += 1
-    return {"files": files, "memfds": memfds, "mappings": maps}
+    return {"files": files, "memfds": len(memfds), "mappings": maps}
 
 
 class RawSession:

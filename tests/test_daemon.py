@@ -469,3 +469,36 @@ def test_unreachable_daemon_raises_at_construction(tmp_path: Path) -> None:
         from offloadd.engine import PythonEngine
 
         Offloader(daemon_socket=str(tmp_path / "none.sock"), io_engine=PythonEngine(1))
+
+
+def test_runs_on_uvloop_and_without_it(tmp_path: Path, daemon: DaemonProc) -> None:
+    assert "event loop: uvloop" in daemon.log_text()
+    sock = str(tmp_path / "run" / "d.sock")
+    (tmp_path / "data").mkdir()
+    code = (
+        "import sys; sys.modules['uvloop'] = None\n"  # import uvloop now raises ImportError
+        "from offloadd.cli import main; raise SystemExit(main(sys.argv[1:]))"
+    )
+    cmd = [sys.executable, "-c", code, "serve", "--socket", sock, "--dir", str(tmp_path / "data")]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        from offloadd.daemon.client import DaemonError
+        from offloadd.daemon.cmd_status import query
+
+        for _ in range(1200):
+            try:
+                query(sock)
+                break
+            except DaemonError:
+                time.sleep(0.05)
+        raw = RawSession(sock)
+        data = os.urandom(4096)
+        r, got = raw.read(raw.write(data).block)
+        assert r.status == 0 and got == data
+        raw.close()
+    finally:
+        proc.send_signal(2)  # SIGINT stops it cleanly too
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "uvloop is not installed; using asyncio's default event loop" in err
+    assert not os.path.exists(sock) and not list((tmp_path / "data").iterdir())

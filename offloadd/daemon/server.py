@@ -731,6 +731,7 @@ def _loop_factory() -> Any:
     except ImportError:
         log.warning("uvloop is not installed; using asyncio's default event loop")
         return asyncio.new_event_loop
+    log.info("event loop: uvloop %s", uvloop.__version__)
     return uvloop.new_event_loop
 
 

@@ -502,3 +502,22 @@ def test_runs_on_uvloop_and_without_it(tmp_path: Path, daemon: DaemonProc) -> No
     assert proc.returncode == 0, err
     assert "uvloop is not installed; using asyncio's default event loop" in err
     assert not os.path.exists(sock) and not list((tmp_path / "data").iterdir())
+
+
+def test_offloader_dropped_without_close_ends_its_session(daemon: DaemonProc) -> None:
+    import gc
+
+    off = small_offloader(daemon.dirs[0], daemon_socket=daemon.socket)
+    x = torch.ones(1, requires_grad=True)
+    with off:
+        y = SavePayload.apply(x, torch.randn(1 << 16))
+    off.synchronize()
+    assert daemon.status()["bytes_held"] > 0
+    del off, y
+    gc.collect()
+    assert not daemon.wait_idle()["sessions"]
+    assert held_descriptors(os.getpid(), [str(daemon.dirs[0])]) == {
+        "files": 0,
+        "memfds": 0,
+        "mappings": 0,
+    }

@@ -35,6 +35,7 @@ import queue
 import socket
 import sys
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -260,7 +261,10 @@ class DaemonBackend:
         self.staging_bytes = slots * config.chunk_bytes
         num_read = max(4, 2 * config.io_threads)
         self.read_bytes = num_read * config.chunk_bytes
-        self._warn = warn
+        # Weakly: our threads must not keep the Offloader alive (its finalizer closes us).
+        self._warn_ref: Callable[[], Callable[[str, str], None] | None] = (
+            weakref.WeakMethod(warn) if hasattr(warn, "__self__") else lambda: warn
+        )
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._ids = itertools.count(1)
@@ -439,7 +443,9 @@ class DaemonBackend:
                 data = self._prepare(gen, item)
             except BaseException as e:  # a write's before() failed (e.g. a CUDA error)
                 self._complete(item, e)
-                continue
+                data = None
+            # Not kept while waiting: a request's callback would keep its Offloader alive.
+            item = None
             if data is None:
                 continue
             try:
@@ -654,8 +660,9 @@ class DaemonBackend:
             closing = self._closed
             gen.sendq.put(None)
         gen.closed_event.set()
-        if not closing:
-            self._warn(
+        warn = self._warn_ref()
+        if not closing and warn is not None:
+            warn(
                 f"daemon-lost:{gen.session}",
                 f"offloadd: lost the daemon at {self.socket_path} ({err}); this step goes on "
                 "without it (reads from the session's files, writes kept in memory); "

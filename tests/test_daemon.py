@@ -350,7 +350,9 @@ def test_real_disk_full_falls_back(tmp_path: Path, own_daemon: Callable[..., Dae
         subprocess.run(["umount", str(mnt)], check=False)
 
 
-def test_status_json_and_metrics(own_daemon: Callable[..., DaemonProc]) -> None:
+def test_status_json_and_metrics(
+    own_daemon: Callable[..., DaemonProc], capsys: pytest.CaptureFixture[str]
+) -> None:
     with socket.socket() as s:  # a free port
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -369,30 +371,22 @@ def test_status_json_and_metrics(own_daemon: Callable[..., DaemonProc]) -> None:
     for key in ("write_bytes_per_s", "read_bytes_per_s", "queue", "io_errors", "recent_errors"):
         assert key in doc
     assert doc["dirs"][0]["free_bytes"] > 0
-    human = subprocess.run(
-        [sys.executable, "-m", "offloadd", "status", "--socket", d.socket],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    from offloadd.cli import main as cli
+
+    assert cli(["status", "--socket", d.socket]) == 0
+    human = capsys.readouterr().out
     assert "1 session(s)" in human and "free" in human
     time.sleep(1.2)  # the metrics document is refreshed every second
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert "offloadd_sessions 1.0" in text
     assert "offloadd_session_bytes_held{" in text and "offloadd_dir_free_bytes{" in text
     raw.close()
-    stop = subprocess.run(
-        [sys.executable, "-m", "offloadd", "stop", "--socket", d.socket], capture_output=True
-    )
-    assert stop.returncode == 0
+    assert cli(["stop", "--socket", d.socket]) == 0
     assert d.proc is not None and d.proc.wait(30) == 0
     assert not os.path.exists(d.socket)
-    gone = subprocess.run(
-        [sys.executable, "-m", "offloadd", "status", "--socket", d.socket],
-        capture_output=True,
-        text=True,
-    )
-    assert gone.returncode == 1 and "cannot reach a daemon" in gone.stderr
+    capsys.readouterr()
+    assert cli(["status", "--socket", d.socket]) == 1
+    assert "cannot reach a daemon" in capsys.readouterr().err
 
 
 def test_a_client_that_does_not_read_never_stalls_others(daemon: DaemonProc) -> None:

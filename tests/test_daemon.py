@@ -515,3 +515,22 @@ def test_offloader_dropped_without_close_ends_its_session(daemon: DaemonProc) ->
         "memfds": 0,
         "mappings": 0,
     }
+
+
+def test_env_variable_selects_the_daemon(daemon: DaemonProc) -> None:
+    from offloadd import OffloadConfig
+
+    cfg = OffloadConfig.from_env(
+        {"OFFLOADD_DAEMON_SOCKET": daemon.socket, "OFFLOADD_MIN_BYTES": "4096"}
+    )
+    assert cfg.daemon_socket == daemon.socket
+    off = Offloader(cfg)
+    x = torch.randn(256, 256, requires_grad=True)
+    expected = torch.autograd.grad((x * 2).sin().sum(), x)[0]
+    with off:
+        z = (x * 2).sin()
+    off.synchronize()
+    assert [s["bytes_held"] for s in daemon.status()["sessions"]] == [cfg.chunk_bytes]  # 1 slot
+    (g,) = torch.autograd.grad(z.sum(), x)
+    assert torch.equal(g, expected)
+    off.close()

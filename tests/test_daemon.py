@@ -534,3 +534,35 @@ def test_env_variable_selects_the_daemon(daemon: DaemonProc) -> None:
     (g,) = torch.autograd.grad(z.sum(), x)
     assert torch.equal(g, expected)
     off.close()
+
+
+def test_dispatch_order_reads_first_round_robin(tmp_path: Path) -> None:
+    """The daemon's queue policy: every waiting read before any write, sessions taking turns."""
+    import asyncio
+    from collections import deque
+    from types import SimpleNamespace
+
+    from offloadd.daemon.server import Server, _Op
+
+    async def order() -> list[tuple[str, int]]:
+        srv = Server(DaemonConfig(dirs=(str(tmp_path),), io_threads=1))
+        try:
+            for sid in (1, 2):
+                sess = SimpleNamespace(id=sid, queued_reads=0, queued_writes=0)
+                srv._rr.append(sid)
+                srv._reads[sid], srv._writes[sid] = deque(), deque()
+                for kind, q, n in (
+                    (proto.Msg.WRITE, srv._writes, 3),
+                    (proto.Msg.READ, srv._reads, 2),
+                ):
+                    for i in range(n):
+                        q[sid].append(_Op(None, sess, kind, i, 0, None, 0, 4096))  # type: ignore[arg-type]
+            out = []
+            while (op := srv._next_op()) is not None:
+                out.append((op.kind.name, op.session.id))
+            return out
+        finally:
+            srv.engine.close()
+
+    got = asyncio.run(order())
+    assert got == [("READ", 1), ("READ", 2)] * 2 + [("WRITE", 1), ("WRITE", 2)] * 3

@@ -259,7 +259,8 @@ class DaemonBackend:
         self.chunk_bytes = config.chunk_bytes
         slots = max(1, config.staging_bytes // config.chunk_bytes)
         self.staging_bytes = slots * config.chunk_bytes
-        num_read = max(4, 2 * config.io_threads)
+        # Read slots: enough to keep the daemon busy while earlier chunks are being copied out.
+        num_read = max(4, min(16, config.prefetch_bytes // config.chunk_bytes))
         self.read_bytes = num_read * config.chunk_bytes
         # Weakly: our threads must not keep the Offloader alive (its finalizer closes us).
         self._warn_ref: Callable[[], Callable[[str, str], None] | None] = (
@@ -277,9 +278,20 @@ class DaemonBackend:
         self._closed = False
         self._outstanding = 0  # requests submitted and not yet completed or cancelled
         self._buffer: _SharedBuffer | None = None
+        # Copying read chunks out of their slots (and running the Offloader's callbacks) is
+        # done by two threads, so that the reader thread is never behind a copy.
+        self._copyq: queue.SimpleQueue[tuple[Request, int, OSError | None] | None] = (
+            queue.SimpleQueue()
+        )
+        self._copiers = [
+            threading.Thread(target=self._copy_loop, name=f"offloadd-daemon-copy-{i}", daemon=True)
+            for i in range(2)
+        ]
         self.disk = _VirtualDisk(self, config.chunk_bytes)
         self.engine = _Engine(self)
         gen = self._connect()  # raises DaemonError: like a missing ssd_dir, fail at construction
+        for t in self._copiers:
+            t.start()
         assert self._buffer is not None
         self.staging = _StagingPool(self._buffer, self.staging_bytes, config.chunk_bytes)
         self._current = gen
@@ -426,6 +438,11 @@ class DaemonBackend:
                     t.join(timeout=_CONNECT_TIMEOUT_S)
             g.sock.close()
             self._close_files(g)
+        for _ in self._copiers:
+            self._copyq.put(None)
+        for t in self._copiers:
+            if t is not threading.current_thread():
+                t.join(timeout=_CONNECT_TIMEOUT_S)
         if self._local is not None:
             self._local.close()
         self._records.clear()
@@ -543,12 +560,24 @@ class DaemonBackend:
                     self._records[req.offset] = _Placed(gen, r.block, r.file, r.offset, r.checksum)
                     gen.live += 1
         else:
+            self._copyq.put((req, slot, err))
+            return
+        self._complete(req, err)
+
+    def _copy_loop(self) -> None:
+        while True:
+            item = self._copyq.get()
+            if item is None:
+                return
+            req, slot, err = item
+            item = None  # see _send_loop
             if err is None:
                 assert self._buffer is not None
                 src = self._buffer.address + self.staging_bytes + slot * self.chunk_bytes
                 ctypes.memmove(req.address, src, req.nbytes)
             self._release_read_slot(slot)
-        self._complete(req, err)
+            self._complete(req, err)
+            req = None  # type: ignore[assignment]
 
     # -- helpers ---------------------------------------------------------------------------
 

@@ -36,6 +36,7 @@ import psutil
 
 from offloadd.daemon import protocol as proto
 from offloadd.daemon.checksum import checksum_function
+from offloadd.daemon.connection import MAX_FDS, Connection, close_all, fds_of
 from offloadd.daemon.session import (
     Block,
     Session,
@@ -52,9 +53,7 @@ __all__ = ["Server", "make_engine", "serve"]
 
 log = logging.getLogger("offloadd.daemon")
 
-_MAX_OUTBUF = 4 << 20  # replies buffered for a client that does not read, before dropping it
 _MAX_QUEUED = 4096  # requests one session may have waiting; more is hostile
-_MAX_FDS = 16  # descriptors accepted with one message (only OPEN may carry one)
 _UCRED = struct.Struct("3i")
 
 
@@ -67,7 +66,7 @@ def make_engine(config: DaemonConfig) -> Engine:
 class _Op:
     """One request of a session, waiting for or in the engine."""
 
-    conn: _Conn
+    conn: Connection
     session: Session
     kind: proto.Msg
     req: int
@@ -79,67 +78,6 @@ class _Op:
     status: int = 0
     message: str = ""
     checksum: int = 0
-
-
-class _Conn:
-    """One client connection: a non-blocking socket read and written from the loop."""
-
-    def __init__(self, server: Server, sock: socket.socket, uid: int, pid: int) -> None:
-        self.server = server
-        self.sock = sock
-        self.uid = uid
-        self.pid = pid
-        self.identity = ""
-        self.inbuf = bytearray()
-        self.out: deque[tuple[bytes, list[int]]] = deque()
-        self.out_bytes = 0
-        self.writing = False
-        self.hello = False
-        self.session: Session | None = None
-        self.closed = False
-
-    def send(self, data: bytes, fds: list[int] | None = None) -> None:
-        if self.closed:
-            return
-        self.out.append((data, fds or []))
-        self.out_bytes += len(data)
-        if self.out_bytes > _MAX_OUTBUF:
-            self.server.drop(self, f"{self.out_bytes} bytes of replies not read; dropping")
-            return
-        self.flush()
-
-    def reply(self, r: proto.Reply) -> None:
-        self.send(proto.encode_reply(r))
-
-    def flush(self) -> None:
-        while self.out and not self.closed:
-            data, fds = self.out[0]
-            try:
-                if fds:
-                    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
-                    n = self.sock.sendmsg([data], anc)
-                else:
-                    n = self.sock.send(data)
-            except (BlockingIOError, InterruptedError):
-                n = 0
-            except OSError as e:
-                self.server.drop(self, f"send failed: {e}")
-                return
-            if n == 0:
-                break
-            self.out_bytes -= n
-            if n < len(data):
-                self.out[0] = (data[n:], [])  # descriptors went with the first byte
-                break
-            self.out.popleft()
-        want = bool(self.out) and not self.closed
-        if want != self.writing:
-            loop = self.server.loop
-            if want:
-                loop.add_writer(self.sock.fileno(), self.flush)
-            else:
-                loop.remove_writer(self.sock.fileno())
-            self.writing = want
 
 
 class Server:
@@ -155,7 +93,7 @@ class Server:
         self.engine = make_engine(config)
         self.depth = 2 * config.io_threads
         self.loop: asyncio.AbstractEventLoop = asyncio.get_running_loop()
-        self.conns: set[_Conn] = set()
+        self.conns: set[Connection] = set()
         self.sessions: dict[int, Session] = {}
         self.block_owner: dict[int, int] = {}  # block id -> session id
         self._session_ids = itertools.count(1)
@@ -257,23 +195,23 @@ class Server:
                 sock.close()
                 continue
             sock.setblocking(False)
-            conn = _Conn(self, sock, uid, pid)
+            conn = Connection(self, sock, uid, pid)
             self.conns.add(conn)
             self.loop.add_reader(sock.fileno(), self._readable, conn)
 
-    def _readable(self, conn: _Conn) -> None:
+    def _readable(self, conn: Connection) -> None:
         try:
             data, anc, _flags, _ = conn.sock.recvmsg(
-                65536, socket.CMSG_SPACE(_MAX_FDS * array.array("i").itemsize)
+                65536, socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
             )
         except (BlockingIOError, InterruptedError):
             return
         except OSError as e:
             self.drop(conn, f"receive failed: {e}")
             return
-        fds = _fds_of(anc)
+        fds = fds_of(anc)
         if not data:
-            _close_all(fds)
+            close_all(fds)
             self.drop(conn, "client closed the connection", error=False)
             return
         conn.inbuf += data
@@ -285,13 +223,13 @@ class Server:
                 if conn.closed:
                     break
                 self._handle(conn, proto.decode_request(body), fds if i == 0 else [])
-                _close_all(fds)  # any that OPEN did not take
+                close_all(fds)  # any that OPEN did not take
         except (proto.ProtocolError, SessionError) as e:
             self.drop(conn, f"protocol error: {e}")
         finally:
-            _close_all(fds)
+            close_all(fds)
 
-    def drop(self, conn: _Conn, why: str, *, error: bool = True) -> None:
+    def drop(self, conn: Connection, why: str, *, error: bool = True) -> None:
         """Close a connection; its session's blocks and files are freed (see _end_session)."""
         if conn.closed:
             return
@@ -313,7 +251,7 @@ class Server:
             self._end_session(conn.session)
 
     def _handle(
-        self, conn: _Conn, msg: proto.Hello | proto.Open | proto.Request, fds: list[int]
+        self, conn: Connection, msg: proto.Hello | proto.Open | proto.Request, fds: list[int]
     ) -> None:
         if not conn.hello:
             if not isinstance(msg, proto.Hello):
@@ -360,7 +298,7 @@ class Server:
 
     # -- sessions --------------------------------------------------------------------------
 
-    def _open(self, conn: _Conn, msg: proto.Open, fds: list[int]) -> None:
+    def _open(self, conn: Connection, msg: proto.Open, fds: list[int]) -> None:
         cfg = self.config
         if conn.session is not None:
             raise proto.ProtocolError("OPEN sent twice")
@@ -462,7 +400,7 @@ class Server:
 
     # -- requests --------------------------------------------------------------------------
 
-    def _request(self, conn: _Conn, s: Session, msg: proto.Request) -> None:
+    def _request(self, conn: Connection, s: Session, msg: proto.Request) -> None:
         if s.queued_reads + s.queued_writes + s.inflight >= _MAX_QUEUED:
             raise SessionError(errno.EBUSY, f"more than {_MAX_QUEUED} requests outstanding")
         if msg.kind is proto.Msg.WRITE:
@@ -706,23 +644,6 @@ class Server:
             "refused_connections": self.totals["refused_connections"],
             "recent_errors": list(self.errors),
         }
-
-
-def _fds_of(anc: list[tuple[int, int, bytes]]) -> list[int]:
-    fds: list[int] = []
-    for level, kind, data in anc:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            a = array.array("i")
-            a.frombytes(data[: len(data) - len(data) % a.itemsize])
-            fds.extend(a)
-    return fds
-
-
-def _close_all(fds: list[int]) -> None:
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    fds.clear()
 
 
 def _loop_factory() -> Any:

@@ -75,6 +75,10 @@ def backend(request: pytest.FixtureRequest) -> Iterator[str]:
     if request.param == "embedded":
         yield "embedded"
         return
+    params = getattr(request.node, "callspec", None)
+    tier = params.params.get("tier", "ssd") if params is not None else "ssd"
+    if tier != "ssd":
+        pytest.skip(f"tier {tier} does not use the daemon: the embedded run covers it")
     proc: DaemonProc = request.getfixturevalue("daemon")
     helpers.BACKEND["daemon_socket"] = proc.socket
     try:

@@ -64,7 +64,8 @@ class DaemonError(ConnectionError):
 def _identity() -> str:
     rank = os.environ.get("RANK")
     prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
-    return f"{prog} pid {os.getpid()}" + (f" rank {rank}" if rank is not None else "")
+    ident = f"{prog} pid {os.getpid()}" + (f" rank {rank}" if rank is not None else "")
+    return "".join(c for c in ident if c.isprintable())[: proto.MAX_IDENTITY // 4]
 
 
 def _recv_frame(sock: socket.socket, buf: bytearray, fds: list[int] | None = None) -> bytes:

@@ -274,12 +274,19 @@ def main() -> int:
     try:
         for r in range(ns.rounds):
             print(f"round {r + 1}/{ns.rounds}", file=sys.stderr, flush=True)
-            rows["embedded"].append(throughput(run_clients(ns, 1, None)))
-            c0 = d.cpu_s()
-            rows["daemon"].append(throughput(run_clients(ns, 1, d.socket)))
-            daemon_cpu["daemon"] += d.cpu_s() - c0
-            rows["one"].append(rows["daemon"][-1])
-            rows["two"].append(throughput(run_clients(ns, 2, d.socket)))
+            # the order alternates from round to round, so drift does not favour either side
+            for what in (
+                ("embedded", "daemon", "two") if r % 2 == 0 else ("two", "daemon", "embedded")
+            ):
+                if what == "embedded":
+                    rows["embedded"].append(throughput(run_clients(ns, 1, None)))
+                elif what == "daemon":
+                    c0 = d.cpu_s()
+                    rows["daemon"].append(throughput(run_clients(ns, 1, d.socket)))
+                    daemon_cpu["daemon"] += d.cpu_s() - c0
+                    rows["one"].append(rows["daemon"][-1])
+                else:
+                    rows["two"].append(throughput(run_clients(ns, 2, d.socket)))
         lat = latency(d.socket, ns.dir, ns.latency_n)
     finally:
         d.stop()
@@ -299,12 +306,21 @@ def main() -> int:
         return statistics.median(x[f] for x in rows[k])
 
     moved_gb = 2 * ns.mib * (1 << 20) * ns.rounds / 1e9
+
+    def paired(a: str, b: str, f: str = "MBps") -> float:
+        """Median over rounds of the ratio of two configurations measured in the same round."""
+        return statistics.median(x[f] / y[f] for x, y in zip(rows[a], rows[b], strict=True))
+
     result = {
         "embedded_MBps": med("embedded"),
         "daemon_MBps": med("daemon"),
         "daemon_vs_embedded": med("daemon") / med("embedded"),
         "daemon_vs_embedded_write": med("daemon", "write_MBps") / med("embedded", "write_MBps"),
         "daemon_vs_embedded_read": med("daemon", "read_MBps") / med("embedded", "read_MBps"),
+        "paired_daemon_vs_embedded": paired("daemon", "embedded"),
+        "paired_daemon_vs_embedded_write": paired("daemon", "embedded", "write_MBps"),
+        "paired_daemon_vs_embedded_read": paired("daemon", "embedded", "read_MBps"),
+        "paired_two_vs_one": paired("two", "one"),
         "one_client_MBps": med("one"),
         "two_clients_MBps": med("two"),
         "two_vs_one": med("two") / med("one"),
@@ -340,7 +356,8 @@ def write_report(ns: argparse.Namespace, r: dict[str, Any]) -> None:
         f"Workload per client: {ns.mib} MiB in 64 MiB saved tensors, written in forward "
         "(staging 128 MiB, 4 MiB chunks) and read back in backward, after one warm-up round; "
         "throughput = (bytes written + bytes read) / wall time. "
-        f"{ns.rounds} rounds, the configurations interleaved in every round; medians.",
+        f"{ns.rounds} rounds, the configurations interleaved in every round (order reversed "
+        "every other round); medians of the figures and of the per-round ratios.",
         "",
         "| figure | value | target |",
         "|---|---|---|",
@@ -349,9 +366,13 @@ def write_report(ns: argparse.Namespace, r: dict[str, Any]) -> None:
         f"| **daemon / embedded** | **{r['daemon_vs_embedded']:.2f}** | ≥ 0.9 |",
         f"| daemon / embedded, write phase | {r['daemon_vs_embedded_write']:.2f} | |",
         f"| daemon / embedded, read phase | {r['daemon_vs_embedded_read']:.2f} | |",
+        f"| daemon / embedded, median of per-round ratios (all, write, read) | "
+        f"{r['paired_daemon_vs_embedded']:.2f}, {r['paired_daemon_vs_embedded_write']:.2f}, "
+        f"{r['paired_daemon_vs_embedded_read']:.2f} | |",
         f"| one client on the daemon (MB/s) | {r['one_client_MBps']:.0f} | |",
         f"| two concurrent clients, together (MB/s) | {r['two_clients_MBps']:.0f} | |",
         f"| **two clients / one client** | **{r['two_vs_one']:.2f}** | ≥ 0.9 |",
+        f"| two / one, median of per-round ratios | {r['paired_two_vs_one']:.2f} | |",
         f"| client CPU-s per GB moved, embedded | {r['client_cpu_s_per_GB_embedded']:.2f} | |",
         f"| client CPU-s per GB moved, daemon mode | {r['client_cpu_s_per_GB_daemon']:.2f} | |",
         f"| daemon CPU-s per GB moved | {r['daemon_cpu_s_per_GB']:.2f} | |",

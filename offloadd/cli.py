@@ -21,12 +21,18 @@ _COMMANDS: dict[str, str] = {
     "demo": "offloadd.demo",
     "bench": "offloadd.bench",
     "run": "offloadd.launch",
+    "serve": "offloadd.daemon.cmd_serve",
+    "status": "offloadd.daemon.cmd_status",
+    "stop": "offloadd.daemon.cmd_stop",
 }
 
 _HELP: dict[str, str] = {
     "demo": "train the built-in GPT with keep and with ssd offload, and compare",
     "bench": "benchmarks: `offloadd bench io` measures the I/O engines against fio",
     "run": "run a command (training script, torchrun, deepspeed) with offloading switched on",
+    "serve": "run the offload daemon in the foreground (one per node, shared by every rank)",
+    "status": "show a running daemon's sessions, bytes held, throughput, queues and disk space",
+    "stop": "stop a running daemon cleanly",
 }
 
 

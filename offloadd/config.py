@@ -141,6 +141,11 @@ class OffloadConfig:
     profile refuses it), ``"off"`` uses its pthread pool, ``"auto"`` uses io_uring where a probe
     succeeds."""
 
+    daemon_socket: str = ""
+    """Unix socket of an ``offloadd serve`` daemon. When set (and the tier is ``ssd``), the daemon
+    does the I/O: staging memory is shared with it, and ``ssd_dirs``/``engine`` are the daemon's
+    business. Empty: the embedded engine. An unreachable daemon raises at construction."""
+
     def __post_init__(self) -> None:
         for key in _CHOICES:
             _check_choice(key, getattr(self, key), key)
@@ -158,6 +163,9 @@ class OffloadConfig:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{key} must be a non-negative byte count, got {value!r}")
+        if not isinstance(self.daemon_socket, str):
+            raise ValueError(f"daemon_socket must be a socket path, got {self.daemon_socket!r}")
+        object.__setattr__(self, "daemon_socket", os.path.expanduser(self.daemon_socket.strip()))
         if not isinstance(self.dedup, bool):
             raise ValueError(f"dedup must be true or false, got {self.dedup!r}")
         cb = self.chunk_bytes
@@ -273,4 +281,8 @@ def _convert(label: str, value: Any, key: str | None = None) -> Any:
         return _parse_bool(label, value)
     if key == "ssd_dirs":
         return _parse_dirs(label, value)
+    if key == "daemon_socket":
+        if not isinstance(value, str):
+            raise ValueError(f"{label} must be a socket path, got {value!r}")
+        return value
     return _check_choice(label, value, key)

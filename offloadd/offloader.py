@@ -281,8 +281,22 @@ class Offloader:
         self._engine: Engine | None = None
         self._engines: list[Engine] = []  # every engine opened, closed at shutdown
         self._gds: Engine | None = None  # CUDA tensors with GPUDirect Storage (kvikio)
-        self._gds_checked = cfg.engine not in ("auto", "kvikio") or cfg.tier != "ssd"
-        if cfg.tier != "keep":
+        self._gds_checked = (
+            cfg.engine not in ("auto", "kvikio") or cfg.tier != "ssd" or bool(cfg.daemon_socket)
+        )
+        # Daemon mode (offloadd/daemon/client.py): staging memory, disk and engine of a daemon.
+        self._daemon: Any = None
+        if cfg.tier == "ssd" and cfg.daemon_socket:
+            if io_engine is not None:
+                raise ValueError("io_engine cannot be combined with daemon_socket")
+            from offloadd.daemon.client import DaemonBackend
+
+            self._daemon = DaemonBackend(cfg, warn=self._warn_once)
+            self._disk, self._engine = self._daemon.disk, self._daemon.engine
+            self._stats.buffered_io = self._daemon.disk.buffered
+            self._stats.engine = "daemon"
+            self._engines.append(self._daemon.engine)
+        elif cfg.tier != "keep":
             dirs = list(cfg.ssd_dirs) or [default_offload_dir()]
             self._disk = DiskStore(dirs, cfg.chunk_bytes, cfg.direct_io)
             self._stats.buffered_io = self._disk.buffered
@@ -311,6 +325,8 @@ class Offloader:
         stack = getattr(self._tls, "stack", None)
         if stack is None:
             stack = self._tls.stack = []
+        if self._daemon is not None:
+            self._daemon.begin_step()  # reconnects after a daemon loss
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()
         stack.append(hooks)
@@ -613,7 +629,11 @@ class Offloader:
             pool = self._host_pool
         else:
             if self._staging is None:
-                self._staging = SlotPool(cfg.staging_bytes, cfg.chunk_bytes)
+                self._staging = (
+                    self._daemon.staging
+                    if self._daemon is not None
+                    else SlotPool(cfg.staging_bytes, cfg.chunk_bytes)
+                )
                 self._pools.append(self._staging)
             pool = self._staging
         if cuda:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 from collections.abc import Iterator
@@ -10,20 +11,33 @@ import torch
 
 from offloadd import native
 from offloadd.storage import filesystem_type
-from tests import helpers
+
+from . import helpers
+from .daemon_proc import DaemonProc, held_descriptors
 
 _MEMORY_FS = {"tmpfs", "ramfs"}
 
 
 # Every test that does I/O (uses ``disk_dir``) runs once per engine: the native engine with each
-# backend, and the Python reference engine.
+# backend, and the Python reference engine. Tests that also use the ``backend`` fixture run once
+# more through a real daemon (which does the I/O with its own engine).
 ENGINES = ("native-uring", "native-threads", "python")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "engine_name" in metafunc.fixturenames:
-        # a module that picks its engines itself sets ENGINE_PARAMS (e.g. test_native.py)
-        params = getattr(metafunc.module, "ENGINE_PARAMS", ENGINES)
+    if "engine_name" not in metafunc.fixturenames:
+        return
+    # a module that picks its engines itself sets ENGINE_PARAMS (e.g. test_native.py)
+    params = getattr(metafunc.module, "ENGINE_PARAMS", ENGINES)
+    if "backend" in metafunc.fixturenames:
+        combos = [(e, "embedded") for e in params] + [(params[0], "daemon")]
+        metafunc.parametrize(
+            ("engine_name", "backend"),
+            combos,
+            indirect=True,
+            ids=[e if b == "embedded" else b for e, b in combos],
+        )
+    else:
         metafunc.parametrize("engine_name", params, indirect=True)
 
 
@@ -39,7 +53,7 @@ def engine_name(request: pytest.FixtureRequest) -> Iterator[str]:
             pytest.skip(f"io_uring unavailable: {native.uring_available()[1]}")
     helpers.ENGINE = helpers.ENGINE_OPTIONS[name]
     yield name
-    helpers.ENGINE = helpers.ENGINE_OPTIONS["python"]
+    helpers.ENGINE = helpers.ENGINE_OPTIONS["default"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -74,3 +88,44 @@ def disk_dir(engine_name: str) -> Iterator[Path]:
         p.unlink()
     d.rmdir()
     assert not leftovers, f"files left behind: {leftovers}"
+
+
+@pytest.fixture(scope="session")
+def daemon() -> Iterator[DaemonProc]:
+    """One real ``offloadd serve`` subprocess shared by the tests that run in daemon mode."""
+    root = Path(tempfile.mkdtemp(prefix="offloadd-daemon-", dir=_disk_root()))
+    proc = DaemonProc(root).start()
+    yield proc
+    assert proc.stop() == 0, proc.log_text()
+    assert not os.path.exists(proc.socket), "socket left behind"
+    leftovers = [p for d in proc.dirs for p in d.iterdir()]
+    assert not leftovers, f"files left behind: {leftovers}"
+    for d in proc.dirs:
+        d.rmdir()
+    (root / "run").rmdir()
+    (root / "daemon.log").unlink()
+    root.rmdir()
+
+
+@pytest.fixture
+def backend(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run a test with the embedded engine and again through a real daemon (``small_offloader``
+    picks the daemon up); in daemon mode, afterwards no session, file or memfd may be left."""
+    if request.param == "embedded":
+        yield "embedded"
+        return
+    params = getattr(request.node, "callspec", None)
+    tier = params.params.get("tier", "ssd") if params is not None else "ssd"
+    if tier != "ssd":
+        pytest.skip(f"tier {tier} does not use the daemon: the embedded run covers it")
+    proc: DaemonProc = request.getfixturevalue("daemon")
+    helpers.BACKEND["daemon_socket"] = proc.socket
+    try:
+        yield "daemon"
+    finally:
+        helpers.BACKEND.clear()
+    gc.collect()  # Offloaders a test did not close end their sessions when collected
+    doc = proc.wait_idle()
+    assert not doc["sessions"], f"sessions left open: {doc['sessions']}"
+    assert proc.held() == {"files": 0, "memfds": 0, "mappings": 0}
+    assert held_descriptors(os.getpid(), [])["memfds"] == 0, "client kept a memfd"

@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 from typing import ClassVar
 
+import pytest
 import torch
 from torch import nn
 
@@ -17,8 +18,9 @@ ENGINE_OPTIONS: dict[str, dict[str, str]] = {
     "native-uring": {"engine": "native", "io_uring": "on"},
     "native-threads": {"engine": "native", "io_uring": "off"},
     "python": {"engine": "python"},
+    "default": {},  # what users get: engine = auto
 }
-ENGINE: dict[str, str] = ENGINE_OPTIONS["python"]  # set per test by the engine_name fixture
+ENGINE: dict[str, str] = ENGINE_OPTIONS["default"]  # set per test by the engine_name fixture
 
 
 def make_engine(num_threads: int) -> Engine:
@@ -27,8 +29,13 @@ def make_engine(num_threads: int) -> Engine:
     return engine
 
 
+#: Options set by the ``backend`` fixture (tests/conftest.py) to route offloaders to a daemon.
+BACKEND: dict[str, object] = {}
+
+
 def small_offloader(disk_dir: object, **kw: object) -> Offloader:
-    """An Offloader sized so tiny models still exercise chunking, staging and prefetch."""
+    """An Offloader sized so tiny models still exercise chunking, staging and prefetch
+    (through a daemon when the ``backend`` fixture says so)."""
     opts: dict[str, object] = dict(
         tier="ssd",
         ssd_dirs=[str(disk_dir)],
@@ -39,7 +46,10 @@ def small_offloader(disk_dir: object, **kw: object) -> Offloader:
         io_threads=2,
     )
     opts.update(ENGINE)
+    opts.update(BACKEND)
     opts.update(kw)
+    if opts.get("daemon_socket") and "io_engine" in opts:
+        pytest.skip("an injected engine is embedded-only; tests/test_daemon.py covers the daemon")
     if opts["tier"] == "keep":
         opts.pop("ssd_dirs")
     return Offloader(**opts)  # type: ignore[arg-type]

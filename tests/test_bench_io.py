@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-ENGINE_PARAMS = ("python",)  # disk_dir once: the benchmark runs every engine itself
+ENGINE_PARAMS = ("default",)  # disk_dir once: the benchmark runs every engine itself
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess[str]:

@@ -18,6 +18,8 @@ import pytest
 
 from tests.envrun import CLIENTS, PYTHON, clean_env, last_json, offload_env, run, summary_lines
 
+ENGINE_PARAMS = ("default",)  # the processes under test choose the engine (auto)
+
 
 def _free_port() -> str:
     with socket.socket() as s:

@@ -10,7 +10,7 @@ from torch import nn
 
 from .helpers import assert_bitwise_equal, small_offloader
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("backend")]
 
 
 def _train_cuda(off: object, steps: int = 3) -> list[list[torch.Tensor]]:

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+ENGINE_PARAMS = ("default",)  # the demo runs the default engine (auto)
+
 
 def test_demo_runs_and_reports(disk_dir: Path) -> None:
     cmd = [

@@ -13,6 +13,8 @@ from offloadd.models import GPT, GPTConfig
 
 from .helpers import SlowEngine, assert_bitwise_equal, small_offloader, train
 
+pytestmark = pytest.mark.usefixtures("backend")
+
 
 def mlp() -> nn.Module:
     return nn.Sequential(

@@ -17,7 +17,7 @@ from offloadd.engine import Op, Request
 
 from .helpers import assert_bitwise_equal, small_offloader
 
-ENGINE_PARAMS = ("python",)  # the host engine does not matter here
+ENGINE_PARAMS = ("default",)  # the host engine does not matter here
 
 
 def test_kvikio_named_without_gds_fails_with_reason(disk_dir: Path) -> None:

@@ -17,6 +17,8 @@ from offloadd.staging import round_up
 
 from .helpers import SavePayload, assert_bitwise_equal, small_offloader, train
 
+pytestmark = pytest.mark.usefixtures("backend")
+
 N = 512  # 512 x 512 float32 = 1 MiB
 
 

@@ -22,7 +22,7 @@ from offloadd.staging import AlignedBuffer
 from .helpers import SavePayload
 
 BACKENDS = ["threads", "uring"]
-ENGINE_PARAMS = ("python",)  # disk_dir once: these tests choose their engines themselves
+ENGINE_PARAMS = ("default",)  # disk_dir once: these tests choose their engines themselves
 
 
 @pytest.fixture(params=BACKENDS)

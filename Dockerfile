@@ -1,0 +1,29 @@
+# offloadd daemon: one I/O service per node, shared by every training rank on it.
+#
+#   docker build -t offloadd .
+#   docker run -d --name offloadd --user "$(id -u):$(id -g)" \
+#       -v /run/user/$(id -u)/offloadd:/run/offloadd \
+#       -v /mnt/nvme0/offloadd:/nvme0 -v /mnt/nvme1/offloadd:/nvme1 \
+#       offloadd --dir /nvme0 --dir /nvme1
+#   # ranks on the host: OFFLOADD_DAEMON_SOCKET=/run/user/$(id -u)/offloadd/daemon.sock
+#
+# Run it as the training jobs' user (--user): the daemon accepts only its own uid (SO_PEERCRED)
+# unless allowed_uids says otherwise, and the socket directory (first volume) must be that
+# user's, mode 0700. Ranks receive their shared memory and file descriptors over the socket, so
+# no --ipc or /dev/shm sharing is needed. The I/O engine is a thread pool (no io_uring, which
+# Docker's default seccomp profile blocks).
+FROM python:3.11-slim
+
+# The daemon needs torch only as a host-memory library: the CPU wheel is enough.
+RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+
+COPY pyproject.toml README.md /src/
+COPY offloadd /src/offloadd
+COPY configs /src/configs
+RUN pip install --no-cache-dir '/src[daemon]' && cp /src/configs/daemon.toml /etc/offloadd.toml \
+    && rm -rf /src
+
+VOLUME ["/run/offloadd"]
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["offloadd", "serve", "--config", "/etc/offloadd.toml", "--socket", "/run/offloadd/daemon.sock"]
+CMD ["--dir", "/nvme0"]

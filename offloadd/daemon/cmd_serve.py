@@ -1,0 +1,54 @@
+"""``offloadd serve``: run the daemon in the foreground (logs to stderr; SIGTERM/SIGINT stop it)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from offloadd.config import parse_size
+from offloadd.daemon.settings import DaemonConfig
+
+__all__ = ["add_arguments", "main"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML file of daemon settings (see configs/daemon.toml)")
+    p.add_argument("--socket", help="Unix socket path (default: per-user runtime directory)")
+    p.add_argument(
+        "--dir", action="append", dest="dirs", metavar="DIR", help="offload directory (repeatable)"
+    )
+    p.add_argument("--quota-bytes", help="disk bytes one session may hold (e.g. 8GiB; 0: none)")
+    p.add_argument("--checksum", choices=["xxh3", "crc32", "none"], help="per-chunk checksum")
+    p.add_argument("--io-threads", type=int, help="requests in flight at once")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
+
+
+def config_from_args(ns: argparse.Namespace) -> DaemonConfig:
+    cfg = DaemonConfig.from_toml(ns.config) if ns.config else DaemonConfig()
+    changes: dict[str, object] = {}
+    if ns.socket:
+        changes["socket"] = ns.socket
+    if ns.dirs:
+        changes["dirs"] = tuple(ns.dirs)
+    if ns.quota_bytes is not None:
+        changes["quota_bytes"] = parse_size("--quota-bytes", ns.quota_bytes)
+    if ns.checksum:
+        changes["checksum"] = ns.checksum
+    if ns.io_threads is not None:
+        changes["io_threads"] = ns.io_threads
+    if ns.metrics_port is not None:
+        changes["metrics_port"] = ns.metrics_port
+    return cfg.replace(**changes) if changes else cfg
+
+
+def main(ns: argparse.Namespace) -> int:
+    logging.getLogger("offloadd").setLevel(logging.DEBUG if ns.verbose else logging.INFO)
+    try:
+        cfg = config_from_args(ns)
+        from offloadd.daemon.server import serve
+
+        return serve(cfg)
+    except ValueError as e:
+        print(f"offloadd serve: {e}", file=sys.stderr)
+        return 2

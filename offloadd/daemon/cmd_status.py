@@ -1,0 +1,70 @@
+"""``offloadd status``: what a running daemon holds and does (``--json`` for the raw document)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from offloadd.daemon import protocol as proto
+from offloadd.daemon.client import DaemonError, _recv_frame, connect_control
+from offloadd.daemon.settings import default_socket_path
+from offloadd.stats import format_bytes
+
+__all__ = ["add_arguments", "main", "query"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--socket", default=None, help="daemon socket (default: per-user path)")
+    p.add_argument("--json", action="store_true", help="print the status document as JSON")
+
+
+def query(path: str, kind: proto.Msg = proto.Msg.STATS) -> proto.Reply:
+    """Send one STATS or STOP request to the daemon at ``path``; return its reply."""
+    sock = connect_control(path)
+    try:
+        sock.sendall(proto.encode_request(proto.Request(kind, 1)))
+        return proto.decode_reply(_recv_frame(sock, bytearray()))
+    except (OSError, proto.ProtocolError) as e:
+        raise DaemonError(f"daemon at {path!r} did not answer: {e}") from e
+    finally:
+        sock.close()
+
+
+def _table(doc: dict[str, Any]) -> str:
+    lines = [
+        f"offloadd daemon pid {doc['pid']} on {doc['socket']}, up {doc['uptime_s']:.0f}s, "
+        f"engine {doc['engine']}, checksum {doc['checksum']}",
+        f"held {format_bytes(doc['bytes_held'])}; written {format_bytes(doc['bytes_written'])} "
+        f"({format_bytes(doc['write_bytes_per_s'])}/s), read {format_bytes(doc['bytes_read'])} "
+        f"({format_bytes(doc['read_bytes_per_s'])}/s)",
+        f"queue: {doc['queue']['in_engine']} in engine, {doc['queue']['reads']} reads and "
+        f"{doc['queue']['writes']} writes waiting; errors {doc['io_errors']}, refused "
+        f"{doc['refused_requests']}, dropped connections {doc['dropped_connections']}",
+    ]
+    for d in doc["dirs"]:
+        free = format_bytes(d["free_bytes"]) if "free_bytes" in d else d.get("error", "?")
+        lines.append(f"dir {d['path']}: {free} free")
+    lines.append(f"{len(doc['sessions'])} session(s)")
+    for s in doc["sessions"]:
+        lines.append(
+            f"  #{s['id']} {s['identity']} (uid {s['uid']}): holds {format_bytes(s['bytes_held'])}"
+            f" in {s['blocks']} blocks, wrote {format_bytes(s['bytes_written'])}, read "
+            f"{format_bytes(s['bytes_read'])}, queued {s['queued_reads']}r/{s['queued_writes']}w,"
+            f" errors {s['errors']}"
+        )
+    lines.extend(f"error: {e}" for e in doc["recent_errors"])
+    return "\n".join(lines)
+
+
+def main(ns: argparse.Namespace) -> int:
+    path = ns.socket or default_socket_path()
+    try:
+        r = query(path)
+    except DaemonError as e:
+        print(f"offloadd status: {e}", file=sys.stderr)
+        return 1
+    doc = json.loads(r.tail)
+    print(json.dumps(doc, indent=2) if ns.json else _table(doc))
+    return 0

@@ -1,0 +1,28 @@
+"""``offloadd stop``: ask a running daemon to shut down cleanly (as SIGTERM does)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from offloadd.daemon import protocol as proto
+from offloadd.daemon.client import DaemonError
+from offloadd.daemon.cmd_status import query
+from offloadd.daemon.settings import default_socket_path
+
+__all__ = ["add_arguments", "main"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--socket", default=None, help="daemon socket (default: per-user path)")
+
+
+def main(ns: argparse.Namespace) -> int:
+    path = ns.socket or default_socket_path()
+    try:
+        query(path, proto.Msg.STOP)
+    except DaemonError as e:
+        print(f"offloadd stop: {e}", file=sys.stderr)
+        return 1
+    print(f"offloadd: daemon at {path} is stopping")
+    return 0

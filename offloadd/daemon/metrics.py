@@ -1,0 +1,84 @@
+"""Optional Prometheus endpoint (``--metrics-port``): the figures of ``offloadd status``.
+
+prometheus-client is an optional extra (``offloadd[daemon]``), imported only when asked for.
+The collector reads the status document that the daemon refreshes every second on its loop, so
+the HTTP thread never touches live daemon state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+__all__ = ["start_metrics"]
+
+
+class _HasStatus(Protocol):
+    status_doc: dict[str, Any]
+
+
+class _Handle:
+    def __init__(self, server: Any, thread: Any) -> None:
+        self._server = server
+        self._thread = thread
+
+    def shutdown(self) -> None:
+        self._server.shutdown()
+        self._thread.join(timeout=5)
+
+
+def start_metrics(daemon: _HasStatus, port: int) -> _Handle:
+    """Serve the daemon's figures on http://127.0.0.1:``port``/metrics."""
+    try:
+        from prometheus_client import start_http_server
+        from prometheus_client.core import CollectorRegistry, GaugeMetricFamily
+    except ImportError:
+        raise ValueError(
+            "metrics_port needs the prometheus-client package: pip install 'offloadd[daemon]'"
+        ) from None
+
+    class Collector:
+        def collect(self) -> Iterator[Any]:
+            doc = daemon.status_doc
+            for key, help_text in (
+                ("bytes_held", "Disk bytes held by all sessions"),
+                ("bytes_written", "Bytes written since start"),
+                ("bytes_read", "Bytes read since start"),
+                ("write_bytes_per_s", "Write throughput over the last 10 s"),
+                ("read_bytes_per_s", "Read throughput over the last 10 s"),
+                ("io_errors", "Failed reads and writes since start"),
+                ("refused_requests", "Requests refused (quota, bad block) since start"),
+                ("dropped_connections", "Connections dropped for protocol errors"),
+                ("connections", "Open connections"),
+            ):
+                yield GaugeMetricFamily(f"offloadd_{key}", help_text, value=doc.get(key, 0))
+            g = GaugeMetricFamily(
+                "offloadd_sessions", "Open sessions", value=len(doc.get("sessions", []))
+            )
+            yield g
+            q = GaugeMetricFamily(
+                "offloadd_queue_depth", "Requests waiting or running", labels=["queue"]
+            )
+            for name, v in doc.get("queue", {}).items():
+                q.add_metric([name], v)
+            yield q
+            held = GaugeMetricFamily(
+                "offloadd_session_bytes_held",
+                "Disk bytes held per session",
+                labels=["session", "identity"],
+            )
+            for s in doc.get("sessions", []):
+                held.add_metric([str(s["id"]), s["identity"]], s["bytes_held"])
+            yield held
+            free = GaugeMetricFamily(
+                "offloadd_dir_free_bytes", "Free bytes per offload directory", labels=["dir"]
+            )
+            for d in doc.get("dirs", []):
+                if "free_bytes" in d:
+                    free.add_metric([d["path"]], d["free_bytes"])
+            yield free
+
+    registry = CollectorRegistry()
+    registry.register(Collector())
+    server, thread = start_http_server(port, addr="127.0.0.1", registry=registry)
+    return _Handle(server, thread)

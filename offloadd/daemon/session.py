@@ -1,0 +1,164 @@
+"""One client's state in the daemon: its shared memory, its offload files and its blocks.
+
+Note: [per-session files] Each session gets its own unnamed file per offload directory, and its
+descriptors are passed to the client with the shared memory. A session therefore never shares a
+file with another one: it cannot reach another session's bytes even with its own descriptors,
+and when the daemon dies the client still holds its files and reads its blocks back itself (the
+embedded fallback). When the client dies, the daemon closes the session's files and the kernel
+frees the space at once: no name exists to leave behind.
+
+Note: [sealed memory] The daemon creates the shared memory as a memfd sealed against shrinking
+and growing, so a client cannot truncate it under the daemon's mapping (which would kill the
+daemon with SIGBUS). A reconnecting client may offer the memfd of its previous session instead
+of getting a new one; the daemon accepts it only if it carries these seals and has a valid size.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import mmap
+import os
+import stat
+from dataclasses import dataclass, field
+
+from offloadd.staging import ALIGN
+from offloadd.storage import SlotFile
+
+__all__ = ["Block", "Session", "SessionError", "create_memfd", "check_memfd"]
+
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+class SessionError(Exception):
+    """A refused request: ``errno`` goes back to the client in the reply."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.errno = code
+
+
+def create_memfd(nbytes: int, name: str) -> int:
+    """A sealed memfd of ``nbytes`` (see [sealed memory])."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_memfd(fd: int, low: int, high: int) -> int:
+    """Size of a client-offered memfd, if it is sealed and ``low <= size <= high``."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError("the offered descriptor is not a regular memory file")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        raise ValueError("the offered descriptor is not a memfd") from None
+    if seals & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW) != fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW:
+        raise ValueError("the offered memfd is not sealed against resizing")
+    if not low <= st.st_size <= high or st.st_size % ALIGN:
+        raise ValueError(f"the offered memfd has a bad size {st.st_size}")
+    return st.st_size
+
+
+@dataclass(slots=True)
+class Block:
+    file: int
+    offset: int
+    nbytes: int
+    checksum: int
+    busy: int = 0  # engine requests using its disk slot
+    freed: bool = False
+
+
+@dataclass(slots=True)
+class Session:
+    """A connected client's session. All fields are touched on the event loop only."""
+
+    id: int
+    identity: str
+    pid: int
+    uid: int
+    chunk_bytes: int
+    shm_fd: int
+    shm_bytes: int
+    files: list[SlotFile]
+    quota_bytes: int
+    blocks: dict[int, Block] = field(default_factory=dict)
+    used_bytes: int = 0
+    inflight: int = 0  # requests in the engine
+    queued_reads: int = 0
+    queued_writes: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    errors: int = 0
+    refused: int = 0
+    closing: bool = False
+    next_file: int = 0
+    _mmap: mmap.mmap | None = None
+    _window: ctypes.Array[ctypes.c_char] | None = None
+    address: int = 0
+
+    def map(self) -> None:
+        self._mmap = mmap.mmap(self.shm_fd, self.shm_bytes, flags=mmap.MAP_SHARED)
+        self._window = (ctypes.c_char * self.shm_bytes).from_buffer(self._mmap)
+        self.address = ctypes.addressof(self._window)
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        assert self._mmap is not None
+        return memoryview(self._mmap)[offset : offset + nbytes]
+
+    def check_range(self, offset: int, nbytes: int) -> None:
+        """A chunk-sized, aligned range inside the shared memory, or SessionError(EINVAL)."""
+        import errno
+
+        if (
+            nbytes <= 0
+            or nbytes > self.chunk_bytes
+            or nbytes % ALIGN
+            or offset % ALIGN
+            or offset + nbytes > self.shm_bytes
+        ):
+            raise SessionError(
+                errno.EINVAL,
+                f"range offset={offset} nbytes={nbytes} is not an aligned chunk inside the "
+                f"{self.shm_bytes}-byte shared memory (chunk {self.chunk_bytes})",
+            )
+
+    def alloc(self) -> tuple[int, int]:
+        """A disk slot (file index, offset), striping over the files, honouring the quota."""
+        import errno
+
+        if self.quota_bytes and self.used_bytes + self.chunk_bytes > self.quota_bytes:
+            raise SessionError(
+                errno.EDQUOT,
+                f"session quota of {self.quota_bytes} bytes exceeded (holding {self.used_bytes})",
+            )
+        i = self.next_file
+        self.next_file = (i + 1) % len(self.files)
+        self.used_bytes += self.chunk_bytes
+        return i, self.files[i].alloc()
+
+    def release(self, file: int, offset: int) -> None:
+        self.files[file].free(offset)
+        self.used_bytes -= self.chunk_bytes
+
+    def close(self) -> None:
+        """Close the files (the kernel frees their space) and the shared memory."""
+        for f in self.files:
+            f.close()
+        self.files = []
+        self.blocks.clear()
+        self.used_bytes = 0
+        self._window = None
+        if self._mmap is not None:
+            self._mmap.close()
+            self._mmap = None
+        if self.shm_fd >= 0:
+            os.close(self.shm_fd)
+            self.shm_fd = -1

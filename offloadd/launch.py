@@ -7,22 +7,21 @@ first on ``PYTHONPATH``, so activation does not depend on ``offloadd.pth`` being
 the interpreter that ``CMD`` starts. Launchers started by ``CMD`` (torchrun, deepspeed) pass the
 environment on to their ranks. The exit status is ``CMD``'s.
 
-``--daemon`` runs ``CMD`` against a node daemon started for it; the daemon lives in
-``offloadd.daemon``, and a build without that module says so and exits with status 2.
+``--daemon`` starts a node daemon (``offloadd serve`` on a private socket) for the command's
+lifetime and points every process of ``CMD`` at it (``OFFLOADD_DAEMON_SOCKET``); the daemon is
+stopped when ``CMD`` ends.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import os
 import signal
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
 
 __all__ = ["HELP", "add_arguments", "bootstrap_dir", "build_env", "main"]
 
@@ -80,21 +79,14 @@ def build_env(base: Mapping[str, str], *, config: str | None, report: str | None
 
 @contextlib.contextmanager
 def _daemon_session(env: dict[str, str]) -> Iterator[None]:
-    """Start the node daemon for the command's lifetime (``offloadd.daemon.session_for_run``)."""
+    """Start the node daemon for the command's lifetime; it sets the socket in ``env``."""
+    from offloadd.daemon.runner import DaemonStartError, session_for_run
+
     try:
-        daemon: Any = importlib.import_module("offloadd.daemon")
-    except ImportError:
-        raise LaunchError(
-            "--daemon is not available in this build (offloadd.daemon is not installed); "
-            "run without --daemon to offload from each process"
-        ) from None
-    session = getattr(daemon, "session_for_run", None)
-    if session is None:
-        raise LaunchError(
-            "--daemon is not available in this build (offloadd.daemon has no session_for_run)"
-        )
-    with session(env):  # sets the daemon's socket in env, stops the daemon afterwards
-        yield
+        with session_for_run(env):
+            yield
+    except DaemonStartError as e:
+        raise LaunchError(f"--daemon: {e}") from None
 
 
 def main(ns: argparse.Namespace) -> int:

@@ -228,6 +228,20 @@ def test_run_wrapper_matches_env_var(
     assert json.loads(report.read_text())["stats"]["offloaded_bytes"] > 0
 
 
+def test_run_wrapper_with_a_daemon(
+    disk_dir: Path, tmp_path: Path, plain_baseline: dict[str, object]
+) -> None:
+    """``offloadd run --daemon``: a real daemon for the command's lifetime does the I/O."""
+    report = tmp_path / "run.json"
+    env = clean_env(OFFLOADD_SSD_DIRS=str(disk_dir), OFFLOADD_MIN_BYTES="16KiB")
+    cmd = [*_offloadd(), "run", "--daemon", "--report", str(report), "--", PYTHON, PLAIN, "2"]
+    proc = run(cmd, env)
+    assert last_json(proc.stdout) == plain_baseline
+    stats = json.loads(report.read_text())["stats"]
+    assert stats["engine"] == "daemon" and stats["offloaded_bytes"] > 0
+    assert not list(disk_dir.iterdir())  # the daemon was stopped and left nothing
+
+
 def test_run_wrapper_errors() -> None:
     def status(*args: str) -> tuple[int, str]:
         p = subprocess.run(
@@ -236,7 +250,15 @@ def test_run_wrapper_errors() -> None:
         return p.returncode, p.stderr
 
     code, err = status("--daemon", "--", "true")
-    assert code == 2 and "--daemon is not available in this build" in err
+    assert code == 0, err  # a daemon was started for `true`, and stopped
+    bad = {"OFFLOADD_SSD_DIRS": "/proc"}  # exists, so only the daemon finds it unusable
+    p = subprocess.run(
+        [*_offloadd(), "run", "--daemon", "--", "true"],
+        env=clean_env(**bad),
+        capture_output=True,
+        text=True,
+    )
+    assert p.returncode == 2 and "--daemon: the daemon exited" in p.stderr and "/proc" in p.stderr
     code, err = status("--config", "/nonexistent.toml", "--", "true")
     assert code == 2 and "/nonexistent.toml" in err
     code, err = status()

@@ -19,10 +19,12 @@ __all__ = ["main"]
 # name -> module (imported lazily so that ``offloadd --help`` does not import torch)
 _COMMANDS: dict[str, str] = {
     "demo": "offloadd.demo",
+    "rok": "offloadd.rok",
 }
 
 _HELP: dict[str, str] = {
     "demo": "train the built-in GPT with keep and with ssd offload, and compare",
+    "rok": "measure and plot recompute-offload-keep curves (memory vs throughput)",
 }
 
 

@@ -1,0 +1,97 @@
+"""What a ROK sweep says: offload against recompute and keep, at equal batch and equal memory.
+
+Works on the typed point rows of ``offloadd rok`` (see ``offloadd.rok.FIELDS``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+__all__ = ["OFFLOAD", "compare", "interpolate", "summary_lines"]
+
+OFFLOAD = ("offload-ssd", "offload-cpu")
+
+Row = dict[str, Any]
+
+
+def _ok(rows: list[Row], strategy: str) -> dict[int, Row]:
+    return {r["batch_size"]: r for r in rows if r["strategy"] == strategy and r["status"] == "ok"}
+
+
+def interpolate(points: list[tuple[float, float]], x: float) -> float | None:
+    """Piecewise-linear y at ``x`` through ``points`` sorted by x; None outside their range."""
+    pts = sorted(points)
+    if not pts or x < pts[0][0] or x > pts[-1][0]:
+        return None
+    for (x0, y0), (x1, y1) in itertools.pairwise(pts):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return pts[0][1]  # a single point, equal to x
+
+
+def compare(rows: list[Row], offload: str) -> list[Row]:
+    """Per batch size: ``offload``'s memory and throughput as ratios of keep's and recompute's,
+    and recompute's throughput interpolated at offload's memory."""
+    keep, rec, off = _ok(rows, "keep"), _ok(rows, "recompute"), _ok(rows, offload)
+    rec_curve = [(r["activation_peak_bytes"], r["samples_per_s"]) for r in rec.values()]
+    out = []
+    for b in sorted(off):
+        o = off[b]
+        c: Row = {"batch_size": b, "strategy": offload}
+        if b in keep:
+            k = keep[b]
+            c["mem_vs_keep"] = o["activation_peak_bytes"] / max(1, k["activation_peak_bytes"])
+            c["thr_vs_keep"] = o["samples_per_s"] / k["samples_per_s"]
+            c["keep_target"] = c["thr_vs_keep"] >= 0.95 and c["mem_vs_keep"] <= 0.5
+        if b in rec:
+            r = rec[b]
+            c["mem_vs_recompute"] = o["activation_peak_bytes"] / max(1, r["activation_peak_bytes"])
+            c["thr_vs_recompute"] = o["samples_per_s"] / r["samples_per_s"]
+            c["dominates_recompute"] = c["mem_vs_recompute"] <= 1.10 and c["thr_vs_recompute"] > 1
+        at_mem = interpolate(rec_curve, o["activation_peak_bytes"])
+        if at_mem is not None:
+            c["thr_vs_recompute_at_equal_memory"] = o["samples_per_s"] / at_mem
+        out.append(c)
+    return out
+
+
+def _fmt(c: Row, key: str) -> str:
+    return f"{c[key]:.2f}x" if key in c else "-"
+
+
+def summary_lines(rows: list[Row]) -> list[str]:
+    """A short text summary of the sweep, one line per offload point plus target verdicts."""
+    lines = []
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"{r['strategy']} batch {r['batch_size']}: {r['status']} ({r['error']})")
+    for offload in OFFLOAD:
+        comps = compare(rows, offload)
+        if not comps:
+            continue
+        lines.append(
+            f"{offload}, per batch size: memory and throughput vs keep | vs recompute | "
+            "throughput vs recompute at equal memory"
+        )
+        for c in comps:
+            lines.append(
+                f"  batch {c['batch_size']:>4}: mem {_fmt(c, 'mem_vs_keep')}, "
+                f"thr {_fmt(c, 'thr_vs_keep')} | mem {_fmt(c, 'mem_vs_recompute')}, "
+                f"thr {_fmt(c, 'thr_vs_recompute')} | {_fmt(c, 'thr_vs_recompute_at_equal_memory')}"
+            )
+        dom = [c for c in comps if "dominates_recompute" in c]
+        if dom:
+            yes = [c["batch_size"] for c in dom if c["dominates_recompute"]]
+            lines.append(
+                f"  dominates recompute (memory <= 1.10x and higher throughput at equal batch): "
+                f"{len(yes)}/{len(dom)} batch sizes {yes}"
+            )
+        tgt = [c for c in comps if "keep_target" in c]
+        if tgt:
+            yes = [c["batch_size"] for c in tgt if c["keep_target"]]
+            lines.append(
+                f"  >= 0.95x keep's throughput at <= 0.5x keep's memory: "
+                f"{len(yes)}/{len(tgt)} batch sizes {yes}"
+            )
+    return lines

@@ -31,7 +31,7 @@ from offloadd.config import OffloadConfig, parse_size
 from offloadd.machine import describe_machine, machine_line
 from offloadd.models.build import MODELS, default_vocab
 from offloadd.models.hf import HF_FAMILIES
-from offloadd.rok_summary import summary_lines
+from offloadd.rok_summary import aggregate, summary_lines
 from offloadd.stats import format_bytes
 from offloadd.storage import default_offload_dir
 from offloadd.train import RunFailed, RunSpec, run_in_subprocess
@@ -53,6 +53,7 @@ FIELDS: dict[str, type] = {
     "steps": int,
     "strategy": str,
     "batch_size": int,
+    "round": int,  # 1..--repeats
     "status": str,  # ok, oom or error
     "step_time_s": float,  # median of the timed steps
     "step_time_min_s": float,
@@ -97,6 +98,7 @@ class Sweep:
     strategies: list[str]
     device: str
     steps: int
+    repeats: int
     out: Path
     ssd_dir: str | None
     offload_dir: str | None
@@ -117,11 +119,13 @@ class Sweep:
             "steps": self.steps,
         }
 
-    def points(self) -> Iterator[tuple[int, str]]:
-        """Batch size by batch size, every strategy in turn, so drift hits all alike."""
-        for b in self.batch_sizes:
-            for s in self.strategies:
-                yield b, s
+    def points(self) -> Iterator[tuple[int, int, str]]:
+        """(round, batch size, strategy): round by round, batch size by batch size, every
+        strategy in turn, so that drift and other load hit all strategies alike."""
+        for n in range(1, self.repeats + 1):
+            for b in self.batch_sizes:
+                for s in self.strategies:
+                    yield n, b, s
 
     def title(self) -> str:
         return (
@@ -156,6 +160,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--ssd-dir", default=None, help="offload directory (default: per-user dir)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per point, after a warm-up")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="measure every point this many times, in rounds; plot and summary use the "
+        "median over rounds (noisy or shared machines)",
+    )
     p.add_argument("--out", default="rok", help="output directory (default: ./rok)")
     p.add_argument(
         "--quick",
@@ -219,6 +230,7 @@ def resolve(ns: argparse.Namespace) -> Sweep:
         ("--heads", heads),
         ("--seq", seq),
         ("--steps", steps),
+        ("--repeats", ns.repeats),
     ):
         if value <= 0:
             raise UsageError(f"{name} must be positive, got {value}")
@@ -289,6 +301,7 @@ def resolve(ns: argparse.Namespace) -> Sweep:
         strategies=strategies,
         device=device,
         steps=steps,
+        repeats=ns.repeats,
         out=out,
         ssd_dir=ns.ssd_dir,
         offload_dir=offload_dir,
@@ -302,8 +315,7 @@ def resolve(ns: argparse.Namespace) -> Sweep:
 def _parse(name: str, text: str) -> Any:
     if text == "":
         return None
-    kind = FIELDS[name]
-    return kind(float(text)) if kind is int else kind(text)
+    return FIELDS[name](text)
 
 
 def read_points(path: Path) -> list[dict[str, Any]]:
@@ -325,8 +337,8 @@ def _write_points(path: Path, rows: list[dict[str, Any]]) -> None:
     os.replace(tmp, path)
 
 
-def _row(sw: Sweep, strategy: str, batch: int, res: dict[str, Any]) -> dict[str, Any]:
-    row: dict[str, Any] = {**sw.key(), "strategy": strategy, "batch_size": batch}
+def _row(sw: Sweep, strategy: str, batch: int, n: int, res: dict[str, Any]) -> dict[str, Any]:
+    row: dict[str, Any] = {**sw.key(), "strategy": strategy, "batch_size": batch, "round": n}
     cuda = sw.device == "cuda"
     st = res.get("stats") or {}
     step = res["step_time_s"]
@@ -357,11 +369,20 @@ def _row(sw: Sweep, strategy: str, batch: int, res: dict[str, Any]) -> dict[str,
     return row
 
 
-def _failed_row(sw: Sweep, strategy: str, batch: int, status: str, error: str) -> dict[str, Any]:
-    return {**sw.key(), "strategy": strategy, "batch_size": batch, "status": status, "error": error}
+def _failed_row(
+    sw: Sweep, strategy: str, batch: int, n: int, status: str, error: str
+) -> dict[str, Any]:
+    return {
+        **sw.key(),
+        "strategy": strategy,
+        "batch_size": batch,
+        "round": n,
+        "status": status,
+        "error": error,
+    }
 
 
-def _measure(sw: Sweep, strategy: str, batch: int) -> dict[str, Any]:
+def _measure(sw: Sweep, strategy: str, batch: int, n: int) -> dict[str, Any]:
     spec = RunSpec(
         strategy=STRATEGIES[strategy],
         model=sw.model,
@@ -377,20 +398,22 @@ def _measure(sw: Sweep, strategy: str, batch: int) -> dict[str, Any]:
         memory_limit_bytes=sw.memory_limit,
     )
     try:
-        return _row(sw, strategy, batch, run_in_subprocess(spec, timeout=sw.point_timeout))
+        return _row(sw, strategy, batch, n, run_in_subprocess(spec, timeout=sw.point_timeout))
     except subprocess.TimeoutExpired:
-        return _failed_row(sw, strategy, batch, "error", f"timed out after {sw.point_timeout} s")
+        return _failed_row(sw, strategy, batch, n, "error", f"timed out after {sw.point_timeout} s")
     except RunFailed as e:
         if e.returncode == -signal.SIGKILL:
             # What the kernel's OOM killer does to a process that outgrew the machine.
-            return _failed_row(sw, strategy, batch, "oom", "killed by SIGKILL (out of memory?)")
+            return _failed_row(sw, strategy, batch, n, "oom", "killed by SIGKILL (out of memory?)")
         last = [ln for ln in e.stderr.strip().splitlines() if ln.strip()]
         msg = last[-1] if last else f"exit {e.returncode}"
-        return _failed_row(sw, strategy, batch, "error", msg[:300])
+        return _failed_row(sw, strategy, batch, n, "error", msg[:300])
 
 
 def _point_line(r: dict[str, Any]) -> str:
-    head = f"{r['strategy']:>12} batch {r['batch_size']:>4}: "
+    head = f"{r['strategy']:>12} batch {r['batch_size']:>4}" + (
+        f" round {r['round']}: " if r.get("round", 1) > 1 else ": "
+    )
     if r["status"] != "ok":
         return head + f"{r['status'].upper()} ({r['error']})"
     held = r["peak_resident_bytes"]
@@ -460,12 +483,14 @@ def main(ns: argparse.Namespace) -> int:
         print(f"offloadd rok: replacing {csv_path} (pass --resume to continue it)", flush=True)
     _write_points(csv_path, rows)
     machine = describe_machine(sw.device, sw.offload_dir)
-    have = {(r["strategy"], r["batch_size"]) for r in rows}
-    todo = [(b, s) for b, s in sw.points() if (s, b) not in have]
+    have = {(r["round"], r["batch_size"], r["strategy"]) for r in rows}
+    todo = [p for p in sw.points() if p not in have]
     total = len(todo) + len(have)
     print(
         f"offloadd rok: {sw.title()}; strategies {', '.join(sw.strategies)}, batch sizes "
-        f"{', '.join(map(str, sw.batch_sizes))}: {len(todo)} points to measure"
+        f"{', '.join(map(str, sw.batch_sizes))}"
+        + (f", {sw.repeats} rounds" if sw.repeats > 1 else "")
+        + f": {len(todo)} points to measure"
         + (f" ({len(have)} already in {csv_path})" if have else "")
         + f"; {machine_line(machine)}",
         flush=True,
@@ -473,18 +498,21 @@ def main(ns: argparse.Namespace) -> int:
     started = time.time()
     progress = _Progress(total, len(have))
     try:
-        for b, s in todo:
-            progress.start(f"{s} batch {b}")
-            row = _measure(sw, s, b)
+        for n, b, s in todo:
+            progress.start(f"{s} batch {b}" + (f" round {n}" if sw.repeats > 1 else ""))
+            row = _measure(sw, s, b, n)
             rows.append(row)
             _write_points(csv_path, rows)
             progress.done(_point_line(row))
     finally:
         progress.close()
     order = {s: i for i, s in enumerate(sw.strategies)}
-    rows.sort(key=lambda r: (order.get(r["strategy"], 99), r["batch_size"]))
+    rows.sort(key=lambda r: (order.get(r["strategy"], 99), r["batch_size"], r["round"]))
     _write_points(csv_path, rows)
-    lines = summary_lines(rows)
+    points = aggregate(rows)
+    lines = summary_lines(points)
+    if sw.repeats > 1:
+        lines.insert(0, f"medians over {sw.repeats} rounds")
     (sw.out / "summary.txt").write_text("\n".join([sw.title(), *lines]) + "\n")
     report = {
         "machine": machine,
@@ -492,6 +520,7 @@ def main(ns: argparse.Namespace) -> int:
             **sw.key(),
             "strategies": sw.strategies,
             "batch_sizes": sw.batch_sizes,
+            "repeats": sw.repeats,
             "memory_limit_bytes": sw.memory_limit,
             "offload_dir": sw.offload_dir,
             "command": sys.argv,
@@ -499,13 +528,14 @@ def main(ns: argparse.Namespace) -> int:
             "measuring_s": round(time.time() - started, 1),
         },
         "summary": lines,
-        "points": rows,
+        "points": points,
+        "rounds": rows,
     }
     (sw.out / "rok.json").write_text(json.dumps(report, indent=2) + "\n")
     if sw.plot:
         from offloadd.rok_plot import plot
 
-        plot(rows, sw.out / "rok.png", f"{sw.title()}\n{machine_line(machine)}")
+        plot(points, sw.out / "rok.png", f"{sw.title()}\n{machine_line(machine)}")
     print()
     print("\n".join(lines))
     print(

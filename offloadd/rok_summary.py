@@ -6,13 +6,48 @@ Works on the typed point rows of ``offloadd rok`` (see ``offloadd.rok.FIELDS``).
 from __future__ import annotations
 
 import itertools
+import statistics
 from typing import Any
 
-__all__ = ["OFFLOAD", "compare", "interpolate", "summary_lines"]
+__all__ = ["OFFLOAD", "aggregate", "compare", "interpolate", "summary_lines"]
 
 OFFLOAD = ("offload-ssd", "offload-cpu")
 
 Row = dict[str, Any]
+
+
+_MEDIAN_KEYS = (
+    "step_time_s",
+    "samples_per_s",
+    "tokens_per_s",
+    "model_tflops",
+    "activation_peak_bytes",
+    "peak_rss_above_base",
+    "peak_device_above_base",
+    "peak_resident_bytes",
+    "io_wait_s",
+)
+
+
+def aggregate(rows: list[Row]) -> list[Row]:
+    """One row per (strategy, batch size): medians over the rounds that ran (status ok), the
+    fastest step of any round, and ``rounds``/``ok_rounds``. A point none of whose rounds
+    succeeded keeps its first round's status and error."""
+    groups: dict[tuple[str, int], list[Row]] = {}
+    for r in rows:
+        groups.setdefault((r["strategy"], r["batch_size"]), []).append(r)
+    out = []
+    for group in groups.values():
+        ok = [r for r in group if r["status"] == "ok"]
+        agg = dict(ok[0] if ok else group[0])
+        agg["rounds"], agg["ok_rounds"] = len(group), len(ok)
+        if ok:
+            for key in _MEDIAN_KEYS:
+                values = [r[key] for r in ok if r.get(key) is not None]
+                agg[key] = statistics.median(values) if values else None
+            agg["step_time_min_s"] = min(r["step_time_min_s"] for r in ok)
+        out.append(agg)
+    return out
 
 
 def _ok(rows: list[Row], strategy: str) -> dict[int, Row]:

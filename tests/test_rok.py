@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from offloadd import cli
-from offloadd.rok_summary import compare, interpolate
+from offloadd.rok_summary import aggregate, compare, interpolate
 from offloadd.train import RunSpec, run
 
 TINY = ["--layers", "2", "--hidden", "64", "--heads", "2", "--seq", "64", "--device", "cpu"]
@@ -90,15 +90,28 @@ def test_out_of_memory_point_is_recorded(tmp_path: Path) -> None:
         "1",
         "--memory-limit",
         "64MiB",
+        "--repeats",
+        "2",
         "--out",
         str(out),
     )
     assert proc.returncode == 0, proc.stderr
-    by = {int(r["batch_size"]): r for r in _rows(out)}
-    assert by[1]["status"] == "ok"
-    assert by[512]["status"] == "oom" and "allocate" in by[512]["error"]
-    assert by[512]["step_time_s"] == ""
+    rows = _rows(out)
+    assert sorted((int(r["batch_size"]), int(r["round"])) for r in rows) == [
+        (1, 1),
+        (1, 2),
+        (512, 1),
+        (512, 2),
+    ]
+    for r in rows:
+        if r["batch_size"] == "1":
+            assert r["status"] == "ok"
+        else:
+            assert r["status"] == "oom" and "allocate" in r["error"]
+            assert r["step_time_s"] == ""
     assert "OOM" in proc.stdout
+    points = {p["batch_size"]: p for p in json.loads((out / "rok.json").read_text())["points"]}
+    assert points[1]["ok_rounds"] == 2 and points[512]["status"] == "oom"
     assert (out / "rok.png").stat().st_size > 0
 
 
@@ -113,6 +126,7 @@ def test_out_of_memory_point_is_recorded(tmp_path: Path) -> None:
         (["--hidden", "65"], "--heads (2) must divide --hidden (65)"),
         (["--strategies", "keep,offload-cpu"], "offload-cpu needs --device cuda"),
         (["--memory-limit", "lots"], "--memory-limit must be a byte count"),
+        (["--repeats", "0"], "--repeats must be positive"),
     ],
 )
 def test_bad_arguments_fail_before_any_work(
@@ -186,3 +200,23 @@ def test_comparisons() -> None:
     assert c["mem_vs_keep"] == pytest.approx(0.42) and c["thr_vs_keep"] == pytest.approx(0.96)
     assert c["keep_target"] and c["dominates_recompute"]
     assert c["thr_vs_recompute_at_equal_memory"] == pytest.approx(9.6 / 7.05)
+
+
+def test_aggregate_takes_medians_over_ok_rounds() -> None:
+    def row(n: int, status: str, step: float | None) -> dict[str, object]:
+        return {
+            "strategy": "keep",
+            "batch_size": 4,
+            "round": n,
+            "status": status,
+            "error": None if status == "ok" else "boom",
+            "step_time_s": step,
+            "step_time_min_s": step,
+            "samples_per_s": None if step is None else 4 / step,
+        }
+
+    (p,) = aggregate([row(1, "ok", 2.0), row(2, "error", None), row(3, "ok", 4.0)])
+    assert p["step_time_s"] == 3.0 and p["step_time_min_s"] == 2.0
+    assert p["rounds"] == 3 and p["ok_rounds"] == 2 and p["status"] == "ok"
+    (q,) = aggregate([row(1, "oom", None)])
+    assert q["status"] == "oom" and q["ok_rounds"] == 0

@@ -41,6 +41,10 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         xs = [r["activation_peak_bytes"] / _MIB for r in ok]
         ys = [r["samples_per_s"] for r in ok]
         rok.plot(xs, ys, color=color, marker=marker, label=label)
+        if any(r.get("rounds", 1) > 1 for r in ok):  # the spread over rounds
+            lo = [y - r.get("samples_per_s_lo", y) for r, y in zip(ok, ys, strict=True)]
+            hi = [r.get("samples_per_s_hi", y) - y for r, y in zip(ok, ys, strict=True)]
+            rok.errorbar(xs, ys, yerr=[lo, hi], fmt="none", ecolor=color, alpha=0.5, capsize=3)
         for r, x, y in zip(ok, xs, ys, strict=True):
             rok.annotate(
                 f"b={r['batch_size']}",
@@ -70,7 +74,10 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
                     color=color,
                 )
     rok.set_xlabel("peak activation memory (MiB above the built model and optimizer)")
-    rok.set_ylabel("throughput (samples/s)")
+    rounds = max((r.get("rounds", 1) for r in rows), default=1)
+    rok.set_ylabel(
+        "throughput (samples/s)" + (f", median and range of {rounds} rounds" if rounds > 1 else "")
+    )
     rok.set_title("ROK: recompute / offload / keep")
     rok.grid(alpha=0.3)
     rok.set_xlim(left=0)

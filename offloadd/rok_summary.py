@@ -31,7 +31,8 @@ _MEDIAN_KEYS = (
 
 def aggregate(rows: list[Row]) -> list[Row]:
     """One row per (strategy, batch size): medians over the rounds that ran (status ok), the
-    fastest step of any round, and ``rounds``/``ok_rounds``. A point none of whose rounds
+    fastest step of any round, the range of throughput over rounds (``samples_per_s_lo``/``_hi``)
+    and ``rounds``/``ok_rounds``. A point none of whose rounds
     succeeded keeps its first round's status and error."""
     groups: dict[tuple[str, int], list[Row]] = {}
     for r in rows:
@@ -44,8 +45,10 @@ def aggregate(rows: list[Row]) -> list[Row]:
         if ok:
             for key in _MEDIAN_KEYS:
                 values = [r[key] for r in ok if r.get(key) is not None]
-                agg[key] = statistics.median(values) if values else None
+                agg[key] = type(values[0])(statistics.median(values)) if values else None
             agg["step_time_min_s"] = min(r["step_time_min_s"] for r in ok)
+            thr = [r["samples_per_s"] for r in ok]
+            agg["samples_per_s_lo"], agg["samples_per_s_hi"] = min(thr), max(thr)
         out.append(agg)
     return out
 

@@ -85,6 +85,24 @@ def main() -> int:
             f"{_bytes(r, 'activation_peak_bytes')} | {_bytes(r, 'peak_resident_bytes')} | "
             f"{_bytes(r, 'bytes_written')} | {_bytes(r, 'bytes_read')} |"
         )
+    raw = read_points(ns.rok_dir / "rok.csv")
+    same = []
+    for r in raw:
+        if r["strategy"].startswith("offload") and r["status"] == "ok":
+            keep = [
+                k
+                for k in raw
+                if k["strategy"] == "keep"
+                and k["status"] == "ok"
+                and k["batch_size"] == r["batch_size"]
+            ]
+            same += [k["weights_sha256"] == r["weights_sha256"] for k in keep]
+    if same:
+        lines += [
+            "",
+            f"Final weights bit-identical between keep and offload at equal batch size: "
+            f"{sum(same)}/{len(same)} pairs of runs.",
+        ]
     lines += [
         "",
         "Summary printed by `offloadd rok` (ratios are offload ÷ keep, offload ÷ recompute):",

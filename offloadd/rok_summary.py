@@ -70,7 +70,9 @@ def interpolate(points: list[tuple[float, float]], x: float) -> float | None:
 
 def compare(rows: list[Row], offload: str) -> list[Row]:
     """Per batch size: ``offload``'s memory and throughput as ratios of keep's and recompute's,
-    and recompute's throughput interpolated at offload's memory."""
+    recompute's throughput interpolated at offload's memory, and the same throughput ratios
+    from the fastest step of each point (``fastest_vs_*``), which other load on a shared
+    machine disturbs less than the median."""
     keep, rec, off = _ok(rows, "keep"), _ok(rows, "recompute"), _ok(rows, offload)
     rec_curve = [(r["activation_peak_bytes"], r["samples_per_s"]) for r in rec.values()]
     out = []
@@ -82,11 +84,15 @@ def compare(rows: list[Row], offload: str) -> list[Row]:
             c["mem_vs_keep"] = o["activation_peak_bytes"] / max(1, k["activation_peak_bytes"])
             c["thr_vs_keep"] = o["samples_per_s"] / k["samples_per_s"]
             c["keep_target"] = c["thr_vs_keep"] >= 0.95 and c["mem_vs_keep"] <= 0.5
+            if o.get("step_time_min_s") and k.get("step_time_min_s"):
+                c["fastest_vs_keep"] = k["step_time_min_s"] / o["step_time_min_s"]
         if b in rec:
             r = rec[b]
             c["mem_vs_recompute"] = o["activation_peak_bytes"] / max(1, r["activation_peak_bytes"])
             c["thr_vs_recompute"] = o["samples_per_s"] / r["samples_per_s"]
             c["dominates_recompute"] = c["mem_vs_recompute"] <= 1.10 and c["thr_vs_recompute"] > 1
+            if o.get("step_time_min_s") and r.get("step_time_min_s"):
+                c["fastest_vs_recompute"] = r["step_time_min_s"] / o["step_time_min_s"]
         at_mem = interpolate(rec_curve, o["activation_peak_bytes"])
         if at_mem is not None:
             c["thr_vs_recompute_at_equal_memory"] = o["samples_per_s"] / at_mem
@@ -110,13 +116,14 @@ def summary_lines(rows: list[Row]) -> list[str]:
             continue
         lines.append(
             f"{offload}, per batch size: memory and throughput vs keep | vs recompute | "
-            "throughput vs recompute at equal memory"
+            "throughput vs recompute at equal memory | fastest-step throughput vs keep, recompute"
         )
         for c in comps:
             lines.append(
                 f"  batch {c['batch_size']:>4}: mem {_fmt(c, 'mem_vs_keep')}, "
                 f"thr {_fmt(c, 'thr_vs_keep')} | mem {_fmt(c, 'mem_vs_recompute')}, "
                 f"thr {_fmt(c, 'thr_vs_recompute')} | {_fmt(c, 'thr_vs_recompute_at_equal_memory')}"
+                f" | {_fmt(c, 'fastest_vs_keep')}, {_fmt(c, 'fastest_vs_recompute')}"
             )
         dom = [c for c in comps if "dominates_recompute" in c]
         if dom:

@@ -24,6 +24,7 @@ _COMMANDS: dict[str, str] = {
     "serve": "offloadd.daemon.cmd_serve",
     "status": "offloadd.daemon.cmd_status",
     "stop": "offloadd.daemon.cmd_stop",
+    "rok": "offloadd.rok",
 }
 
 _HELP: dict[str, str] = {
@@ -33,6 +34,7 @@ _HELP: dict[str, str] = {
     "serve": "run the offload daemon in the foreground (one per node, shared by every rank)",
     "status": "show a running daemon's sessions, bytes held, throughput, queues and disk space",
     "stop": "stop a running daemon cleanly",
+    "rok": "measure and plot recompute-offload-keep curves (memory vs throughput)",
 }
 
 

@@ -1,7 +1,8 @@
-"""One measured training run of the built-in GPT: what the demo and the benchmarks execute.
+"""One measured training run of a model: what the demo, ``offloadd rok`` and the benchmarks execute.
 
 Each strategy runs in its own process (``python -m offloadd.train``) so that its peak RSS is its
-own; the parent compares the JSON each child prints.
+own; the parent compares the JSON each child prints. A run that runs out of memory reports
+``"oom": true`` instead of failing.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ import psutil
 import torch
 
 from offloadd.config import OffloadConfig
-from offloadd.models import GPT, GPTConfig
+from offloadd.models.build import build_model, default_vocab
 from offloadd.offloader import Offloader
 from offloadd.staging import address_view
 
 __all__ = [
     "STRATEGIES",
+    "RunFailed",
     "RunSpec",
     "add_model_arguments",
     "model_kwargs",
@@ -52,6 +54,22 @@ class RunSpec:
     device: str = "cpu"
     ssd_dir: str | None = None
     min_bytes: int = 1 << 20
+    model: str = "mini-gpt"
+    """mini-gpt (built in), or gpt, bert, t5 (transformers, random weights); see models.build."""
+    vocab_size: int | None = None
+    """None: the model's usual vocabulary."""
+    memory_limit_bytes: int = 0
+    """Simulates a smaller machine: memory allowed above what the built model holds (0: no
+    limit). CPU: an RLIMIT_AS on address space, so approximate; CUDA: a per-process fraction."""
+
+
+class RunFailed(RuntimeError):
+    """A run's process failed; ``returncode`` is negative when a signal killed it."""
+
+    def __init__(self, message: str, returncode: int, stderr: str) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+        self.stderr = stderr
 
 
 _SIZE_ARGS = ("layers", "d_model", "heads", "seq", "batch", "steps")
@@ -93,24 +111,47 @@ def _peak_rss() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+_unlimited_as = resource.getrlimit(resource.RLIMIT_AS)
+
+
+def _limit_memory(limit: int, cuda: bool, base_dev: int) -> None:
+    """Let the process hold about ``limit`` more bytes than it holds now."""
+    if cuda:
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (base_dev + limit) / total))
+        return
+    vms = int(psutil.Process().memory_info().vms)
+    resource.setrlimit(resource.RLIMIT_AS, (vms + limit, _unlimited_as[1]))
+
+
+def _is_oom(e: BaseException) -> bool:
+    if isinstance(e, torch.OutOfMemoryError | MemoryError):
+        return True
+    text = str(e)
+    return "can't allocate memory" in text or "out of memory" in text.lower()
+
+
 def run(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
     """Train ``spec.steps + 1`` steps; return timings, memory, stats and a digest of the weights."""
     if spec.strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {spec.strategy!r}")
     torch.manual_seed(spec.seed)
     device = torch.device(spec.device)
-    cfg = GPTConfig(
+    built = build_model(
+        spec.model,
         num_layers=spec.num_layers,
         d_model=spec.d_model,
         num_heads=spec.num_heads,
         seq_len=spec.seq_len,
+        vocab_size=spec.vocab_size,
         recompute=spec.strategy == "recompute",
     )
-    model = GPT(cfg).to(device)
+    model = built.module.to(device)
+    vocab = spec.vocab_size or default_vocab(spec.model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(spec.seed + 1)
     batches = [
-        torch.randint(0, cfg.vocab_size, (spec.batch_size, spec.seq_len + 1), generator=gen)
+        torch.randint(0, vocab, (spec.batch_size, spec.seq_len + 1), generator=gen)
         for _ in range(spec.steps + 1)
     ]
     off = None
@@ -134,46 +175,63 @@ def run(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     base_rss = _rss()
     base_dev = torch.cuda.memory_allocated() if cuda else 0
-    times, losses = [], []
-    for step, batch in enumerate(batches):
-        batch = batch.to(device)
-        t0 = time.perf_counter()
-        if off is not None:
-            with off:
-                loss = model(batch[:, :-1], batch[:, 1:])
-        else:
-            loss = model(batch[:, :-1], batch[:, 1:])
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        losses.append(loss.item())
-        if cuda:
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        if step > 0:
-            times.append(dt)
-        if progress:
-            print(
-                f"  [{spec.strategy}] step {step}/{spec.steps}"
-                f"{' (warm-up)' if step == 0 else ''}: loss {losses[-1]:.4f}, {dt:.2f}s",
-                file=sys.stderr,
-                flush=True,
-            )
+    if spec.memory_limit_bytes > 0:
+        _limit_memory(spec.memory_limit_bytes, cuda, base_dev)
+    times: list[float] = []
+    losses: list[float] = []
+    oom_error = None
+    loss: torch.Tensor | None = None
+    try:
+        for step, batch in enumerate(batches):
+            batch = batch.to(device)
+            t0 = time.perf_counter()
+            if off is not None:
+                with off:
+                    loss = built.loss(batch[:, :-1], batch[:, 1:])
+            else:
+                loss = built.loss(batch[:, :-1], batch[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            losses.append(loss.item())
+            loss = None
+            if cuda:
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            if step > 0:
+                times.append(dt)
+            if progress:
+                print(
+                    f"  [{spec.strategy}] step {step}/{spec.steps}"
+                    f"{' (warm-up)' if step == 0 else ''}: loss {losses[-1]:.4f}, {dt:.2f}s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
+        if not _is_oom(e):
+            raise
+        oom_error = f"{type(e).__name__}: {e}"[:500]
+        loss = None  # drop the half-built graph before the offloader closes
+    if spec.memory_limit_bytes > 0 and not cuda:
+        resource.setrlimit(resource.RLIMIT_AS, _unlimited_as)
     digest = hashlib.sha256()
     for p in model.parameters():
         flat = p.detach().cpu().contiguous()
         digest.update(address_view(flat.data_ptr(), flat.nbytes))
     out: dict[str, Any] = {
+        "model": spec.model,
         "strategy": spec.strategy,
         "batch_size": spec.batch_size,
+        "oom": oom_error is not None,
+        "error": oom_error,
         "step_time_s": statistics.median(times) if times else float("nan"),
         "step_times_s": times,
         "losses": losses,
         "weights_sha256": digest.hexdigest(),
         "peak_rss_above_base": max(0, _peak_rss() - base_rss),
-        "params": sum(p.numel() for p in model.parameters()),
+        "params": built.num_params,
         "tokens_per_step": spec.batch_size * spec.seq_len,
-        "flops_per_step": 6 * cfg.num_params() * spec.batch_size * spec.seq_len,
+        "flops_per_step": built.flops_per_step(spec.batch_size, spec.seq_len),
     }
     if cuda:
         out["peak_device_above_base"] = torch.cuda.max_memory_allocated() - base_dev
@@ -201,8 +259,10 @@ def run_in_subprocess(
         env=os.environ.copy(),
     )
     if proc.returncode != 0:
-        raise RuntimeError(
-            f"training run {spec.strategy} failed (exit {proc.returncode}): {proc.stderr}"
+        raise RunFailed(
+            f"training run {spec.strategy} failed (exit {proc.returncode}): {proc.stderr}",
+            proc.returncode,
+            proc.stderr or "",
         )
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 

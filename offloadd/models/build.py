@@ -1,0 +1,96 @@
+"""Build a trainable model by name, with what a measured run needs to know about it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from offloadd.models.gpt import GPT, GPTConfig
+from offloadd.models.hf import HF_FAMILIES, HF_VOCAB, build_hf
+
+__all__ = ["MODELS", "TrainModel", "build_model", "default_vocab"]
+
+MODELS = ("mini-gpt", *HF_FAMILIES)
+"""``mini-gpt`` is the built-in GPT; ``gpt``, ``bert`` and ``t5`` need transformers."""
+
+
+@dataclass(kw_only=True)
+class TrainModel:
+    module: nn.Module
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """(inputs, next tokens), both (batch, seq) token ids -> scalar loss."""
+    num_params: int
+    attention_layers: int
+    """seq x seq attentions per token: blocks, plus the T5 decoder's cross-attentions."""
+    d_model: int
+
+    def flops_per_step(self, batch_size: int, seq_len: int) -> int:
+        """Model FLOPs of one training step: 6·N per token for the weights, plus attention
+        (QKᵀ and AV, 4·seq·d per token and layer forward, times 3 for forward and backward)."""
+        tokens = batch_size * seq_len
+        attention = 12 * self.attention_layers * self.d_model * seq_len
+        return (6 * self.num_params + attention) * tokens
+
+
+def default_vocab(name: str) -> int:
+    return GPTConfig().vocab_size if name == "mini-gpt" else HF_VOCAB[name]
+
+
+def build_model(
+    name: str,
+    *,
+    num_layers: int,
+    d_model: int,
+    num_heads: int,
+    seq_len: int,
+    vocab_size: int | None = None,
+    recompute: bool = False,
+) -> TrainModel:
+    """Build ``name`` (one of MODELS) with random weights from the current torch seed."""
+    if name not in MODELS:
+        raise ValueError(f"model must be one of {', '.join(MODELS)}, got {name!r}")
+    vocab = vocab_size or default_vocab(name)
+    if name == "mini-gpt":
+        cfg = GPTConfig(
+            num_layers=num_layers,
+            d_model=d_model,
+            num_heads=num_heads,
+            seq_len=seq_len,
+            vocab_size=vocab,
+            recompute=recompute,
+        )
+        gpt = GPT(cfg)
+        return TrainModel(
+            module=gpt,
+            loss=lambda x, y: gpt(x, y),
+            num_params=cfg.num_params(),
+            attention_layers=num_layers,
+            d_model=d_model,
+        )
+    module = build_hf(
+        name,
+        num_layers=num_layers,
+        d_model=d_model,
+        num_heads=num_heads,
+        seq_len=seq_len,
+        vocab_size=vocab,
+        recompute=recompute,
+    )
+
+    def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        # GPT-2 shifts its labels itself; BERT (every position masked-LM) and T5 take them as is.
+        x, y = x.contiguous(), y.contiguous()
+        out = module(input_ids=x, labels=x if name == "gpt" else y)
+        loss: torch.Tensor = out.loss
+        return loss
+
+    return TrainModel(
+        module=module,
+        loss=loss,
+        num_params=sum(p.numel() for p in module.parameters()),
+        attention_layers=3 * num_layers if name == "t5" else num_layers,
+        d_model=d_model,
+    )

@@ -1,0 +1,142 @@
+"""What a ROK sweep says: offload against recompute and keep, at equal batch and equal memory.
+
+Works on the typed point rows of ``offloadd rok`` (see ``offloadd.rok.FIELDS``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from typing import Any
+
+__all__ = ["OFFLOAD", "aggregate", "compare", "interpolate", "summary_lines"]
+
+OFFLOAD = ("offload-ssd", "offload-cpu")
+
+Row = dict[str, Any]
+
+
+_MEDIAN_KEYS = (
+    "step_time_s",
+    "samples_per_s",
+    "tokens_per_s",
+    "model_tflops",
+    "activation_peak_bytes",
+    "peak_rss_above_base",
+    "peak_device_above_base",
+    "peak_resident_bytes",
+    "io_wait_s",
+)
+
+
+def aggregate(rows: list[Row]) -> list[Row]:
+    """One row per (strategy, batch size): medians over the rounds that ran (status ok), the
+    fastest step of any round, the range of throughput over rounds (``samples_per_s_lo``/``_hi``)
+    and ``rounds``/``ok_rounds``. A point none of whose rounds
+    succeeded keeps its first round's status and error."""
+    groups: dict[tuple[str, int], list[Row]] = {}
+    for r in rows:
+        groups.setdefault((r["strategy"], r["batch_size"]), []).append(r)
+    out = []
+    for group in groups.values():
+        ok = [r for r in group if r["status"] == "ok"]
+        agg = dict(ok[0] if ok else group[0])
+        agg["rounds"], agg["ok_rounds"] = len(group), len(ok)
+        if ok:
+            for key in _MEDIAN_KEYS:
+                values = [r[key] for r in ok if r.get(key) is not None]
+                agg[key] = type(values[0])(statistics.median(values)) if values else None
+            agg["step_time_min_s"] = min(r["step_time_min_s"] for r in ok)
+            thr = [r["samples_per_s"] for r in ok]
+            agg["samples_per_s_lo"], agg["samples_per_s_hi"] = min(thr), max(thr)
+        out.append(agg)
+    return out
+
+
+def _ok(rows: list[Row], strategy: str) -> dict[int, Row]:
+    return {r["batch_size"]: r for r in rows if r["strategy"] == strategy and r["status"] == "ok"}
+
+
+def interpolate(points: list[tuple[float, float]], x: float) -> float | None:
+    """Piecewise-linear y at ``x`` through ``points`` sorted by x; None outside their range."""
+    pts = sorted(points)
+    if not pts or x < pts[0][0] or x > pts[-1][0]:
+        return None
+    for (x0, y0), (x1, y1) in itertools.pairwise(pts):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return pts[0][1]  # a single point, equal to x
+
+
+def compare(rows: list[Row], offload: str) -> list[Row]:
+    """Per batch size: ``offload``'s memory and throughput as ratios of keep's and recompute's,
+    recompute's throughput interpolated at offload's memory, and the same throughput ratios
+    from the fastest step of each point (``fastest_vs_*``), which other load on a shared
+    machine disturbs less than the median."""
+    keep, rec, off = _ok(rows, "keep"), _ok(rows, "recompute"), _ok(rows, offload)
+    rec_curve = [(r["activation_peak_bytes"], r["samples_per_s"]) for r in rec.values()]
+    out = []
+    for b in sorted(off):
+        o = off[b]
+        c: Row = {"batch_size": b, "strategy": offload}
+        if b in keep:
+            k = keep[b]
+            c["mem_vs_keep"] = o["activation_peak_bytes"] / max(1, k["activation_peak_bytes"])
+            c["thr_vs_keep"] = o["samples_per_s"] / k["samples_per_s"]
+            c["keep_target"] = c["thr_vs_keep"] >= 0.95 and c["mem_vs_keep"] <= 0.5
+            if o.get("step_time_min_s") and k.get("step_time_min_s"):
+                c["fastest_vs_keep"] = k["step_time_min_s"] / o["step_time_min_s"]
+        if b in rec:
+            r = rec[b]
+            c["mem_vs_recompute"] = o["activation_peak_bytes"] / max(1, r["activation_peak_bytes"])
+            c["thr_vs_recompute"] = o["samples_per_s"] / r["samples_per_s"]
+            c["dominates_recompute"] = c["mem_vs_recompute"] <= 1.10 and c["thr_vs_recompute"] > 1
+            if o.get("step_time_min_s") and r.get("step_time_min_s"):
+                c["fastest_vs_recompute"] = r["step_time_min_s"] / o["step_time_min_s"]
+        at_mem = interpolate(rec_curve, o["activation_peak_bytes"])
+        if at_mem is not None:
+            c["thr_vs_recompute_at_equal_memory"] = o["samples_per_s"] / at_mem
+        out.append(c)
+    return out
+
+
+def _fmt(c: Row, key: str) -> str:
+    return f"{c[key]:.2f}x" if key in c else "-"
+
+
+def summary_lines(rows: list[Row]) -> list[str]:
+    """A short text summary of the sweep, one line per offload point plus target verdicts."""
+    lines = []
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"{r['strategy']} batch {r['batch_size']}: {r['status']} ({r['error']})")
+    for offload in OFFLOAD:
+        comps = compare(rows, offload)
+        if not comps:
+            continue
+        lines.append(
+            f"{offload}, per batch size: memory and throughput vs keep | vs recompute | "
+            "throughput vs recompute at equal memory | fastest-step throughput vs keep, recompute"
+        )
+        for c in comps:
+            lines.append(
+                f"  batch {c['batch_size']:>4}: mem {_fmt(c, 'mem_vs_keep')}, "
+                f"thr {_fmt(c, 'thr_vs_keep')} | mem {_fmt(c, 'mem_vs_recompute')}, "
+                f"thr {_fmt(c, 'thr_vs_recompute')} | {_fmt(c, 'thr_vs_recompute_at_equal_memory')}"
+                f" | {_fmt(c, 'fastest_vs_keep')}, {_fmt(c, 'fastest_vs_recompute')}"
+            )
+        dom = [c for c in comps if "dominates_recompute" in c]
+        if dom:
+            yes = [c["batch_size"] for c in dom if c["dominates_recompute"]]
+            lines.append(
+                f"  dominates recompute (memory <= 1.10x and higher throughput at equal batch): "
+                f"{len(yes)}/{len(dom)} batch sizes {yes}"
+            )
+        tgt = [c for c in comps if "keep_target" in c]
+        if tgt:
+            yes = [c["batch_size"] for c in tgt if c["keep_target"]]
+            lines.append(
+                f"  >= 0.95x keep's throughput at <= 0.5x keep's memory: "
+                f"{len(yes)}/{len(tgt)} batch sizes {yes}"
+            )
+    return lines

@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""Turn an ``offloadd rok`` output directory into a results page under docs/benchmarks/.
+
+Copies rok.csv, rok.json and rok.png next to the page as ``<stem>.csv`` / ``.json`` / ``.png`` and
+writes ``<stem>.md``: the machine, the exact command, every point, and the sweep's summary.
+
+    python scripts/rok_report.py /tmp/rok-bench/mini-gpt \
+        docs/benchmarks/rok_mini-gpt_cpu-2core_2026-11-22 --note "other agents' tests ran too"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import shutil
+from pathlib import Path
+from typing import Any
+
+from offloadd.machine import machine_line
+from offloadd.rok import read_points
+from offloadd.rok_summary import aggregate
+from offloadd.stats import format_bytes
+
+
+def _cell(r: dict[str, Any], key: str, fmt: str) -> str:
+    v = r.get(key)
+    return "-" if v is None else format(v, fmt)
+
+
+def _bytes(r: dict[str, Any], key: str) -> str:
+    v = r.get(key)
+    return "-" if v is None else format_bytes(v)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("rok_dir", type=Path, help="an offloadd rok --out directory")
+    p.add_argument("stem", type=Path, help="output path without suffix")
+    p.add_argument("--note", action="append", default=[], help="a line for the page's notes")
+    ns = p.parse_args()
+    report = json.loads((ns.rok_dir / "rok.json").read_text())
+    rows = aggregate(read_points(ns.rok_dir / "rok.csv"))
+    stem: Path = ns.stem
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    for suffix in (".csv", ".json", ".png"):
+        src = ns.rok_dir / f"rok{suffix}"
+        if src.exists():
+            shutil.copyfile(src, stem.with_suffix(suffix))
+    m, sw = report["machine"], report["sweep"]
+    cmd = sw["command"]
+    if cmd and cmd[0].endswith("__main__.py"):
+        cmd = ["offloadd", *cmd[1:]]
+    disk = m.get("disk", {})
+    lines = [
+        f"# ROK curves: {sw['model']} on CPU ({m['logical_cores']} cores)",
+        "",
+        f"- finished: {sw['finished']} (measuring took {sw['measuring_s']:.0f} s)",
+        f"- machine: {machine_line(m)}; {m['os']}; python {m['python']}"
+        + (f", transformers {m['transformers']}" if "transformers" in m else ""),
+        f"- offload directory: {disk.get('path', '-')} ({disk.get('fs', '?')} on "
+        f"{disk.get('device', '?')})",
+        f"- command: `{shlex.join(cmd)}`",
+        f"- model: {sw['model']}, {sw['layers']} layers, hidden {sw['hidden']}, {sw['heads']} heads, "
+        f"seq {sw['seq']}, vocab {sw['vocab']}; {sw['steps']} timed steps after one warm-up, each "
+        f"point in its own process, {sw.get('repeats', 1)} round(s), strategies interleaved batch "
+        "size by batch size; medians over rounds",
+        "- memory: peak RSS above the RSS after the model, gradients and optimizer state were "
+        "built (CPU has no allocator counter); offloadd's own `peak_resident_bytes` beside it",
+        *[f"- note: {n}" for n in ns.note],
+        "",
+        f"![ROK curves]({stem.with_suffix('.png').name})",
+        "",
+        "| strategy | batch | status (ok rounds) | median step time (s) | fastest step (s) | samples/s | model GFLOP/s | activation "
+        "peak (RSS) | offloadd peak resident | written | read |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        gflops = None if r["model_tflops"] is None else r["model_tflops"] * 1e3
+        lines.append(
+            f"| {r['strategy']} | {r['batch_size']} | {r['status']} ({r['ok_rounds']}/{r['rounds']}) | "
+            f"{_cell(r, 'step_time_s', '.3f')} | {_cell(r, 'step_time_min_s', '.3f')} | "
+            f"{_cell(r, 'samples_per_s', '.3f')} | "
+            f"{'-' if gflops is None else f'{gflops:.1f}'} | "
+            f"{_bytes(r, 'activation_peak_bytes')} | {_bytes(r, 'peak_resident_bytes')} | "
+            f"{_bytes(r, 'bytes_written')} | {_bytes(r, 'bytes_read')} |"
+        )
+    raw = read_points(ns.rok_dir / "rok.csv")
+    same = []
+    for r in raw:
+        if r["strategy"].startswith("offload") and r["status"] == "ok":
+            keep = [
+                k
+                for k in raw
+                if k["strategy"] == "keep"
+                and k["status"] == "ok"
+                and k["batch_size"] == r["batch_size"]
+            ]
+            same += [k["weights_sha256"] == r["weights_sha256"] for k in keep]
+    if same:
+        lines += [
+            "",
+            f"Final weights bit-identical between keep and offload at equal batch size: "
+            f"{sum(same)}/{len(same)} pairs of runs.",
+        ]
+    lines += [
+        "",
+        "Summary printed by `offloadd rok` (ratios are offload ÷ keep, offload ÷ recompute):",
+        "",
+    ]
+    lines += ["```", *report["summary"], "```", ""]
+    stem.with_suffix(".md").write_text("\n".join(lines))
+    print(f"wrote {stem.with_suffix('.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,224 @@
+"""``offloadd rok``: the sweep end to end in real subprocesses, OOM points, bad arguments, and the
+transformers model families."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from offloadd import cli
+from offloadd.rok_summary import aggregate, compare, interpolate
+from offloadd.train import RunSpec, run
+
+ENGINE_PARAMS = ("default",)  # the runs under test choose the engine (auto)
+
+TINY = ["--layers", "2", "--hidden", "64", "--heads", "2", "--seq", "64", "--device", "cpu"]
+
+
+def _rok(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OFFLOADD_MIN_BYTES": "16k"}  # tiny tensors still get offloaded
+    return subprocess.run(
+        [sys.executable, "-m", "offloadd", "rok", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+
+
+def _rows(out: Path) -> list[dict[str, str]]:
+    with (out / "rok.csv").open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_quick_sweep_end_to_end(disk_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = ["--quick", *TINY, "--batch-sizes", "1,2", "--out", str(out), "--ssd-dir", str(disk_dir)]
+    proc = _rok(*args)
+    assert proc.returncode == 0, proc.stderr
+    rows = _rows(out)
+    assert {(r["strategy"], int(r["batch_size"])) for r in rows} == {
+        (s, b) for s in ("keep", "recompute", "offload-ssd") for b in (1, 2)
+    }
+    by = {(r["strategy"], int(r["batch_size"])): r for r in rows}
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert r["model"] == "mini-gpt" and r["layers"] == "2" and r["steps"] == "2"
+        assert float(r["step_time_s"]) > 0 and float(r["samples_per_s"]) > 0
+        assert float(r["model_tflops"]) > 0 and int(r["activation_peak_bytes"]) > 0
+    for b in (1, 2):
+        keep, ssd = by["keep", b], by["offload-ssd", b]
+        assert int(ssd["bytes_written"]) > 0 and int(keep["bytes_written"]) == 0
+        assert int(keep["peak_resident_bytes"]) > 0 and int(ssd["peak_resident_bytes"]) > 0
+        assert keep["weights_sha256"] == ssd["weights_sha256"]  # offloading is lossless
+        assert by["recompute", b]["peak_resident_bytes"] == ""  # no hooks, no accounting
+    png = out / "rok.png"
+    assert png.stat().st_size > 20_000
+    import matplotlib.image
+
+    img = matplotlib.image.imread(png)
+    assert img.ndim == 3 and img.shape[0] > 300 and img.shape[1] > 600
+    report = json.loads((out / "rok.json").read_text())
+    machine = report["machine"]
+    assert machine["logical_cores"] >= 1 and machine["ram_bytes"] > 0
+    assert machine["torch"] and machine["disk"]["fs"]
+    assert len(report["points"]) == 6
+    summary = (out / "summary.txt").read_text()
+    assert "offload-ssd, per batch size" in summary and "dominates recompute" in summary
+    assert "offload-ssd batch" in proc.stdout  # one line per point
+    assert "point" in proc.stderr  # the progress bar
+
+    again = _rok(*args, "--resume")
+    assert again.returncode == 0, again.stderr
+    assert "0 points to measure (6 already in" in again.stdout
+    assert len(_rows(out)) == 6
+
+
+def test_out_of_memory_point_is_recorded(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = _rok(
+        *TINY,
+        "--strategies",
+        "keep",
+        "--batch-sizes",
+        "1,512",
+        "--steps",
+        "1",
+        "--memory-limit",
+        "64MiB",
+        "--repeats",
+        "2",
+        "--out",
+        str(out),
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = _rows(out)
+    assert sorted((int(r["batch_size"]), int(r["round"])) for r in rows) == [
+        (1, 1),
+        (1, 2),
+        (512, 1),
+        (512, 2),
+    ]
+    for r in rows:
+        if r["batch_size"] == "1":
+            assert r["status"] == "ok"
+        else:
+            assert r["status"] == "oom" and "allocate" in r["error"]
+            assert r["step_time_s"] == ""
+    assert "OOM" in proc.stdout
+    points = {p["batch_size"]: p for p in json.loads((out / "rok.json").read_text())["points"]}
+    assert points[1]["ok_rounds"] == 2 and points[512]["status"] == "oom"
+    assert (out / "rok.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--strategies", "keep,bogus"], "unknown strategy 'bogus'"),
+        (["--strategies", ","], "--strategies must name at least one strategy"),
+        (["--batch-sizes", " , "], "--batch-sizes must list at least one batch size"),
+        (["--batch-sizes", "1,x"], "--batch-sizes must be comma-separated integers"),
+        (["--batch-sizes", "0,2"], "--batch-sizes must be positive"),
+        (["--hidden", "65"], "--heads (2) must divide --hidden (65)"),
+        (["--strategies", "keep,offload-cpu"], "offload-cpu needs --device cuda"),
+        (["--memory-limit", "lots"], "--memory-limit must be a byte count"),
+        (["--repeats", "0"], "--repeats must be positive"),
+    ],
+)
+def test_bad_arguments_fail_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    out = tmp_path / "never"
+    assert cli.main(["rok", *TINY, "--out", str(out), *args]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_unknown_model_and_unwritable_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli.main(["rok", "--model", "nope"])
+    assert e.value.code == 2
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert cli.main(["rok", *TINY, "--out", str(blocker / "sub")]) == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and "is not a writable directory" in err
+
+
+@pytest.mark.parametrize("family", ["gpt", "bert", "t5"])
+def test_transformers_families_train_losslessly(disk_dir: Path, family: str) -> None:
+    pytest.importorskip("transformers")
+    common = dict(
+        model=family,
+        num_layers=2,
+        d_model=64,
+        num_heads=2,
+        seq_len=32,
+        vocab_size=512,
+        batch_size=2,
+        steps=1,
+        ssd_dir=str(disk_dir),
+        min_bytes=4096,
+    )
+    keep = run(RunSpec(strategy="keep", **common))  # type: ignore[arg-type]
+    ssd = run(RunSpec(strategy="ssd", **common))  # type: ignore[arg-type]
+    rec = run(RunSpec(strategy="recompute", **common))  # type: ignore[arg-type]
+    assert not keep["oom"] and ssd["stats"]["bytes_written"] > 0
+    assert keep["losses"] == ssd["losses"]
+    assert keep["weights_sha256"] == ssd["weights_sha256"]
+    assert rec["losses"][0] == keep["losses"][0]  # same forward, recomputed in backward
+    assert keep["flops_per_step"] > 6 * keep["params"] * 2 * 32  # plus attention
+
+
+def test_comparisons() -> None:
+    assert interpolate([(10.0, 1.0), (30.0, 3.0)], 20.0) == 2.0
+    assert interpolate([(10.0, 1.0), (30.0, 3.0)], 40.0) is None
+
+    def row(s: str, b: int, mem: int, thr: float) -> dict[str, object]:
+        return {
+            "strategy": s,
+            "batch_size": b,
+            "status": "ok",
+            "activation_peak_bytes": mem,
+            "samples_per_s": thr,
+        }
+
+    rows = [
+        row("keep", 2, 1000, 10.0),
+        row("recompute", 2, 400, 7.0),
+        row("recompute", 4, 800, 8.0),
+        row("offload-ssd", 2, 420, 9.6),
+    ]
+    (c,) = compare(rows, "offload-ssd")
+    assert c["mem_vs_keep"] == pytest.approx(0.42) and c["thr_vs_keep"] == pytest.approx(0.96)
+    assert c["keep_target"] and c["dominates_recompute"]
+    assert c["thr_vs_recompute_at_equal_memory"] == pytest.approx(9.6 / 7.05)
+
+
+def test_aggregate_takes_medians_over_ok_rounds() -> None:
+    def row(n: int, status: str, step: float | None) -> dict[str, object]:
+        return {
+            "strategy": "keep",
+            "batch_size": 4,
+            "round": n,
+            "status": status,
+            "error": None if status == "ok" else "boom",
+            "step_time_s": step,
+            "step_time_min_s": step,
+            "samples_per_s": None if step is None else 4 / step,
+        }
+
+    (p,) = aggregate([row(1, "ok", 2.0), row(2, "error", None), row(3, "ok", 4.0)])
+    assert p["step_time_s"] == 3.0 and p["step_time_min_s"] == 2.0
+    assert p["rounds"] == 3 and p["ok_rounds"] == 2 and p["status"] == "ok"
+    (q,) = aggregate([row(1, "oom", None)])
+    assert q["status"] == "oom" and q["ok_rounds"] == 0

@@ -247,7 +247,8 @@ def run_in_subprocess(
     """Run ``spec`` in a fresh interpreter (clean peak RSS); raise with its stderr if it fails."""
     import subprocess
 
-    args = [sys.executable, "-m", "offloadd.train", "--json", json.dumps(_spec_dict(spec))]
+    # -P: import the installed offloadd, never a source tree that happens to be the cwd
+    args = [sys.executable, "-P", "-m", "offloadd.train", "--json", json.dumps(_spec_dict(spec))]
     if progress:
         args.append("--progress")
     proc = subprocess.run(

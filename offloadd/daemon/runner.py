@@ -37,7 +37,8 @@ def session_for_run(env: dict[str, str]) -> Iterator[str]:
     run_dir = tempfile.mkdtemp(prefix="offloadd-run-")  # 0700
     sock = os.path.join(run_dir, "daemon.sock")
     log_path = os.path.join(run_dir, "daemon.log")
-    cmd = [sys.executable, "-m", "offloadd", "serve", "--socket", sock]
+    # -P: the installed offloadd, never a source tree that happens to be the cwd
+    cmd = [sys.executable, "-P", "-m", "offloadd", "serve", "--socket", sock]
     for d in cfg.ssd_dirs:
         cmd += ["--dir", d]
     daemon_env = {k: v for k, v in env.items() if not k.startswith("OFFLOADD")}

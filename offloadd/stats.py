@@ -64,6 +64,7 @@ class Stats:
             f"peak resident {format_bytes(self.peak_resident_bytes)}, "
             f"written {format_bytes(self.bytes_written)}, read {format_bytes(self.bytes_read)}, "
             f"io wait {self.io_wait_s:.3f}s, fallbacks {self.fallbacks}"
+            + (f", engine {self.engine}" if self.engine else "")
         )
 
 

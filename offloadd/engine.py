@@ -171,6 +171,7 @@ class PythonEngine:
                 return
             with self._lock:
                 if request.state is not RequestState.PENDING:
+                    del request  # cancelled: not kept alive while this thread waits
                     continue
                 request.state = RequestState.RUNNING
             try:
@@ -186,3 +187,6 @@ class PythonEngine:
                 request.callback(request)
             except BaseException:  # a callback must never take an I/O thread down with it
                 log.exception("offloadd: I/O completion callback failed for %s", request.path)
+            # The idle thread must not keep the last request (and, through its callback, its
+            # submitter) alive: an unclosed Offloader is then collected and its files closed.
+            del request

@@ -211,6 +211,8 @@ class NativeEngine:
                     request = self._pending.pop(token)
                 error = OSError(err, os.strerror(err), request.path) if err else None
                 self._complete(request, error)
+                del request, error  # not kept alive while waiting (see PythonEngine._work)
+            del finished
             with self._lock:
                 if self._drained and not self._pending:
                     return

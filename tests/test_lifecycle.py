@@ -486,3 +486,21 @@ def test_memory_fallback_chunk_of_unaligned_size(
     y.sum().backward()
     assert torch.equal(SavePayload.seen[0], payload)
     off.close()
+
+
+def test_unclosed_offloader_is_collected(disk_dir: Path) -> None:
+    """An Offloader dropped without close() is collected (its finalizer closes files and
+    threads): no idle I/O thread keeps it alive through its last request's callback."""
+    import gc
+    import weakref
+
+    off = small_offloader(disk_dir, min_bytes=1)
+    x = torch.ones(1, requires_grad=True)
+    with off:
+        y = SavePayload.apply(x, torch.randn(1 << 16))
+    off.synchronize()
+    y.sum().backward()
+    ref = weakref.ref(off)
+    del off, y
+    gc.collect()
+    assert ref() is None

@@ -198,17 +198,7 @@ class OffloadConfig:
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str]) -> OffloadConfig:
         """Read a TOML file whose top-level keys (or ``[offload]`` table) are field names."""
-        p = Path(path)
-        try:
-            with p.open("rb") as f:
-                data = tomllib.load(f)
-        except FileNotFoundError:
-            raise ValueError(f"config file {str(p)!r} does not exist") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"config file {str(p)!r} is not valid TOML: {e}") from None
-        if "offload" in data and isinstance(data["offload"], dict):
-            data = data["offload"]
-        return cls.from_mapping(data, source=str(p))
+        return cls.from_mapping(read_toml(path, "offload"), source=str(path))
 
     @classmethod
     def from_env(
@@ -249,6 +239,20 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "engine": get_args(EngineName),
     "io_uring": get_args(IoUring),
 }
+
+
+def read_toml(path: str | os.PathLike[str], table: str) -> dict[str, Any]:
+    """A TOML file's ``[table]`` if it has one, else its top level; errors name the path."""
+    p = Path(path)
+    try:
+        with p.open("rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"config file {str(p)!r} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+    section = data.get(table)
+    return section if isinstance(section, dict) else data
 
 
 def _check_choice(label: str, value: object, key: str) -> str:

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from offloadd.staging import address_view
 
-__all__ = ["Engine", "Op", "PythonEngine", "Request", "RequestState"]
+__all__ = ["Engine", "Op", "PythonEngine", "Request", "RequestState", "complete", "transfer"]
 
 log = logging.getLogger("offloadd")
 
@@ -102,6 +102,20 @@ class Engine(Protocol):
         ...
 
 
+def complete(request: Request, error: BaseException | None) -> None:
+    """Finish ``request``: record the error (an OSError names the request's path) and call back.
+
+    A callback that raises is logged: it must never take an engine's thread down with it."""
+    if isinstance(error, OSError) and error.filename is None:
+        error = OSError(error.errno, error.strerror, request.path)
+    request.error = error
+    request.state = RequestState.DONE
+    try:
+        request.callback(request)
+    except BaseException:
+        log.exception("offloadd: I/O completion callback failed for %s", request.path)
+
+
 def transfer(request: Request) -> None:
     """Do ``request`` with positional system calls, looping over short transfers."""
     view = address_view(request.address, request.nbytes)
@@ -174,19 +188,14 @@ class PythonEngine:
                     del request  # cancelled: not kept alive while this thread waits
                     continue
                 request.state = RequestState.RUNNING
+            error: BaseException | None = None
             try:
                 if request.before is not None:
                     request.before()
                 self.transfer(request)
             except BaseException as e:  # delivered to the submitter, never lost
-                if isinstance(e, OSError) and e.filename is None:
-                    e = OSError(e.errno, e.strerror, request.path)
-                request.error = e
-            request.state = RequestState.DONE
-            try:
-                request.callback(request)
-            except BaseException:  # a callback must never take an I/O thread down with it
-                log.exception("offloadd: I/O completion callback failed for %s", request.path)
+                error = e
+            complete(request, error)
             # The idle thread must not keep the last request (and, through its callback, its
             # submitter) alive: an unclosed Offloader is then collected and its files closed.
-            del request
+            del request, error

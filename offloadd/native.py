@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Any
 
-from offloadd.engine import Request, RequestState
+from offloadd.engine import Request, RequestState, complete
 
 __all__ = ["NativeEngine", "available", "uring_available"]
 
@@ -161,7 +161,7 @@ class NativeEngine:
             if isinstance(e, RuntimeError) and not from_gate:
                 raise  # the engine is closed: the caller's mistake, not an I/O failure
             if from_gate:  # already on the gate thread, which may be draining for close()
-                self._complete(request, e)
+                complete(request, e)
             else:
                 self._gate_put(request, e)
 
@@ -194,7 +194,7 @@ class NativeEngine:
                     request.before = None
                     self._hand_over(request, from_gate=True)
                     continue
-            self._complete(request, error)
+            complete(request, error)
 
     def _dispatch(self) -> None:
         while True:
@@ -210,20 +210,9 @@ class NativeEngine:
                 with self._lock:
                     request = self._pending.pop(token)
                 error = OSError(err, os.strerror(err), request.path) if err else None
-                self._complete(request, error)
+                complete(request, error)
                 del request, error  # not kept alive while waiting (see PythonEngine._work)
             del finished
             with self._lock:
                 if self._drained and not self._pending:
                     return
-
-    @staticmethod
-    def _complete(request: Request, error: BaseException | None) -> None:
-        if isinstance(error, OSError) and error.filename is None:
-            error = OSError(error.errno, error.strerror, request.path)
-        request.error = error
-        request.state = RequestState.DONE
-        try:
-            request.callback(request)
-        except BaseException:  # a callback must never take the dispatcher down with it
-            log.exception("offloadd: I/O completion callback failed for %s", request.path)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import mmap
+import os
 
 import torch
 
@@ -25,11 +26,19 @@ def round_up(n: int, align: int = ALIGN) -> int:
 
 
 class AlignedBuffer:
-    """``nbytes`` of anonymous, page-aligned, pre-faulted memory, seen as a uint8 tensor."""
+    """``nbytes`` of page-aligned, pre-faulted memory, seen as a uint8 tensor.
 
-    def __init__(self, nbytes: int) -> None:
+    Anonymous by default; with ``fd`` (e.g. a memfd the daemon shares), that file mapped shared,
+    and the buffer owns the descriptor (closed by :meth:`close`)."""
+
+    def __init__(self, nbytes: int, *, fd: int = -1) -> None:
         self.nbytes = round_up(max(nbytes, ALIGN))
-        self._mmap = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.fd = fd
+        self._mmap: mmap.mmap | None = (
+            mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            if fd < 0
+            else mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED)
+        )
         self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
         self.tensor.fill_(0)  # pre-fault every page now, not on the I/O path
         self.address = self.tensor.data_ptr()
@@ -46,12 +55,18 @@ class AlignedBuffer:
         self._pinned = True
 
     def close(self) -> None:
+        if self._mmap is None:
+            return
         if self._pinned:
             torch.cuda.cudart().cudaHostUnregister(self.address)
             self._pinned = False
         del self.tensor
         with contextlib.suppress(BufferError):  # a view still exists; the GC unmaps it later
             self._mmap.close()
+        self._mmap = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class SlotPool:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from offloadd.staging import ALIGN, AlignedBuffer
+from offloadd.staging import ALIGN, AlignedBuffer, address_view
 
 __all__ = ["DiskStore", "SlotFile", "default_offload_dir", "filesystem_type"]
 
@@ -123,7 +123,7 @@ class SlotFile:
         """Write and read one aligned page: some file systems accept O_DIRECT at open only."""
         buf = AlignedBuffer(ALIGN)
         try:
-            os.pwrite(fd, memoryview(buf._mmap), 0)
+            os.pwrite(fd, address_view(buf.address, ALIGN), 0)
             os.ftruncate(fd, 0)
             return fd
         except OSError as e:

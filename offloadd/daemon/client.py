@@ -29,7 +29,6 @@ import errno
 import itertools
 import json
 import logging
-import mmap
 import os
 import queue
 import socket
@@ -41,13 +40,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from offloadd.config import OffloadConfig
 from offloadd.daemon import protocol as proto
 from offloadd.daemon.checksum import checksum_function
 from offloadd.engine import Op, PythonEngine, Request, RequestState
-from offloadd.staging import SlotPool, address_view
+from offloadd.staging import AlignedBuffer, SlotPool, address_view
 
 __all__ = ["DaemonBackend", "DaemonError", "connect_control"]
 
@@ -112,48 +109,13 @@ def connect_control(path: str, timeout: float = _CONNECT_TIMEOUT_S) -> socket.so
     return sock
 
 
-class _SharedBuffer:
-    """The session's shared memory mapped here; the staging pool's buffer (AlignedBuffer's API)."""
-
-    def __init__(self, fd: int, nbytes: int, *, prefault: bool) -> None:
-        self.fd = fd
-        self.nbytes = nbytes
-        self._mmap: mmap.mmap | None = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
-        self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
-        if prefault:
-            self.tensor.fill_(0)
-        self.address = self.tensor.data_ptr()
-        self._pinned = False
-
-    def pin(self) -> None:
-        if self._pinned or not torch.cuda.is_available():
-            return
-        rc = torch.cuda.cudart().cudaHostRegister(self.address, self.nbytes, 0)
-        if int(rc) != 0:
-            raise RuntimeError(f"cudaHostRegister of {self.nbytes} shared bytes failed: {rc}")
-        self._pinned = True
-
-    def close(self) -> None:
-        if self._mmap is None:
-            return
-        if self._pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.address)
-            self._pinned = False
-        del self.tensor
-        with contextlib.suppress(BufferError):  # a view still exists; the GC unmaps it later
-            self._mmap.close()
-        self._mmap = None
-        os.close(self.fd)
-        self.fd = -1
-
-
 class _StagingPool(SlotPool):
     """The staging slots: the first ``nbytes`` of the shared memory."""
 
-    def __init__(self, buffer: _SharedBuffer, nbytes: int, slot_bytes: int) -> None:
+    def __init__(self, buffer: AlignedBuffer, nbytes: int, slot_bytes: int) -> None:
         self.slot_bytes = slot_bytes
         self.num_slots = nbytes // slot_bytes
-        self.buffer = buffer  # type: ignore[assignment]
+        self.buffer = buffer
         self._free = list(range(self.num_slots - 1, -1, -1))
 
     def close(self) -> None:
@@ -278,7 +240,7 @@ class DaemonBackend:
         self._current: _Generation | None = None
         self._closed = False
         self._outstanding = 0  # requests submitted and not yet completed or cancelled
-        self._buffer: _SharedBuffer | None = None
+        self._buffer: AlignedBuffer | None = None
         # Copying read chunks out of their slots (and running the Offloader's callbacks) is
         # done by two threads, so that the reader thread is never behind a copy.
         self._copyq: queue.SimpleQueue[tuple[Request, int, OSError | None] | None] = (
@@ -327,7 +289,7 @@ class DaemonBackend:
             if attach:
                 os.close(shm_fd)  # the daemon's copy of our own memfd
             else:
-                self._buffer = _SharedBuffer(shm_fd, info["shm_bytes"], prefault=True)
+                self._buffer = AlignedBuffer(info["shm_bytes"], fd=shm_fd)
             self.disk.buffered = any(info["buffered"])
         except BaseException as e:
             for fd in fds:

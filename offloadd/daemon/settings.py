@@ -7,12 +7,10 @@ Every field is a TOML key; the ``offloadd serve`` options override the file. Bad
 from __future__ import annotations
 
 import os
-import tomllib
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any, Literal, get_args
 
-from offloadd.config import parse_size
+from offloadd.config import parse_size, read_toml
 
 __all__ = ["Checksum", "DaemonConfig", "default_socket_path"]
 
@@ -125,17 +123,7 @@ class DaemonConfig:
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str]) -> DaemonConfig:
         """Read a TOML file whose top-level keys (or ``[daemon]`` table) are field names."""
-        p = Path(path)
-        try:
-            with p.open("rb") as f:
-                data = tomllib.load(f)
-        except FileNotFoundError:
-            raise ValueError(f"config file {str(p)!r} does not exist") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"config file {str(p)!r} is not valid TOML: {e}") from None
-        if isinstance(data.get("daemon"), dict):
-            data = data["daemon"]
-        return cls.from_mapping(data, source=str(p))
+        return cls.from_mapping(read_toml(path, "daemon"), source=str(path))
 
     def replace(self, **changes: Any) -> DaemonConfig:
         values = {f.name: getattr(self, f.name) for f in fields(self)}

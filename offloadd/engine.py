@@ -23,9 +23,35 @@ from typing import Any, Protocol
 
 from offloadd.staging import address_view
 
-__all__ = ["Engine", "Op", "PythonEngine", "Request", "RequestState", "complete", "transfer"]
+__all__ = [
+    "Engine",
+    "Op",
+    "PythonEngine",
+    "Request",
+    "RequestState",
+    "complete",
+    "mark_engine_thread",
+    "on_engine_thread",
+    "transfer",
+]
 
 log = logging.getLogger("offloadd")
+
+_thread_role = threading.local()
+
+
+def mark_engine_thread() -> None:
+    """Called first by every thread of an engine that runs request callbacks.
+
+    Such a thread may drop the last reference to the owner of its engine (a callback holds the
+    Offloader); the owner's finalizer must then not close the engine from there, since closing
+    joins this very thread (see ``Offloader._shutdown``)."""
+    _thread_role.engine = True
+
+
+def on_engine_thread() -> bool:
+    """True on a thread that called :func:`mark_engine_thread`."""
+    return getattr(_thread_role, "engine", False)
 
 
 class Op(IntEnum):
@@ -179,6 +205,7 @@ class PythonEngine:
         transfer(request)
 
     def _work(self) -> None:
+        mark_engine_thread()
         while True:
             _, _, request = self._queue.get()
             if request is None:

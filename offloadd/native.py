@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Any
 
-from offloadd.engine import Request, RequestState, complete
+from offloadd.engine import Request, RequestState, complete, mark_engine_thread
 
 __all__ = ["NativeEngine", "available", "uring_available"]
 
@@ -175,28 +175,35 @@ class NativeEngine:
         self._gate.put((request, error))
 
     def _run_gate(self) -> None:
+        mark_engine_thread()
         while True:
             item = self._gate.get()
             if item is None:
                 return
-            request, error = item
-            if error is None:
-                with self._lock:  # from here on cancel() says no, as for a started request
-                    if request.state is not RequestState.PENDING:
-                        continue
-                    request.state = RequestState.RUNNING
-                try:
-                    assert request.before is not None
-                    request.before()
-                except BaseException as e:
-                    error = e
-                else:
-                    request.before = None
-                    self._hand_over(request, from_gate=True)
-                    continue
-            complete(request, error)
+            self._pass_gate(*item)
+            # Not kept while waiting for the next one (see PythonEngine._work).
+            del item
+
+    def _pass_gate(self, request: Request, error: BaseException | None) -> None:
+        """Run a request's ``before`` hook, then hand it to the C side (or fail it)."""
+        if error is None:
+            with self._lock:  # from here on cancel() says no, as for a started request
+                if request.state is not RequestState.PENDING:
+                    return
+                request.state = RequestState.RUNNING
+            try:
+                assert request.before is not None
+                request.before()
+            except BaseException as e:
+                error = e
+            else:
+                request.before = None
+                self._hand_over(request, from_gate=True)
+                return
+        complete(request, error)
 
     def _dispatch(self) -> None:
+        mark_engine_thread()
         while True:
             try:
                 finished = self._native.reap()

@@ -7,10 +7,12 @@ that holds the tensor itself. Both remember the tensor's version counter at pack
 
 Note: [never a silently wrong gradient] With saved-tensor hooks installed, autograd no longer
 checks version counters at unpack. Kept tensors are checked by us and raise PyTorch's own error.
-Offloaded CPU tensors are copied into staging inside pack, so unpack provably returns the value at
-save time. Offloaded CUDA tensors are copied on a side stream; the I/O thread checks the version
-after the copy's event completed: unchanged then means no in-place op was enqueued before the
-copy ran, otherwise unpack raises.
+An offloaded tensor is captured once the op that saved it has returned (see [capture after the
+op] in capture.py), after checking that its version is still the one recorded at pack; until
+then unpack uses the tensor itself, checked like a kept one. CPU tensors are copied into staging
+at capture, so unpack provably returns the value autograd would have seen. CUDA tensors are
+copied on a side stream; their version is checked again once the copy's event completed:
+unchanged then means no in-place op was enqueued before the copy ran, otherwise unpack raises.
 
 Note: [freeing] Autograd drops a packed object when the graph frees that saved tensor (after the
 node ran, or when the graph is released). Our objects' ``__del__`` only appends to a deque; the
@@ -25,6 +27,7 @@ never written at all.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import logging
 import platform
@@ -38,9 +41,11 @@ from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.nn.parameter import is_lazy
 
+from offloadd.capture import CaptureQueue
 from offloadd.config import OffloadConfig
-from offloadd.engine import Engine, Op, Request
+from offloadd.engine import Engine, Op, Request, on_engine_thread
 from offloadd.engines import open_host_engine
 from offloadd.staging import SlotPool, aligned_empty, round_up
 from offloadd.stats import Stats
@@ -97,6 +102,13 @@ class _Chunk:
         self.mem: torch.Tensor | None = None  # fallback copy after a failed write
 
 
+# A block's capture (see [capture after the op] in capture.py):
+_PENDING = 0  # ``source`` holds the data; the op that saved it may still be running
+_CAPTURING = 1  # one thread is copying it out; unpack waits
+_CAPTURED = 2  # the data is in chunks (staging, host pool, disk) or was never needed
+_HELD = 3  # capture failed or made no sense: ``source`` holds the data for good
+
+
 class _Block:
     """One storage's bytes, on their way out, out, or back in."""
 
@@ -108,6 +120,7 @@ class _Block:
         "direct_pending",
         "direct_source",
         "error",
+        "finishing",
         "freed",
         "gen",
         "key",
@@ -121,7 +134,12 @@ class _Block:
         "resident",
         "resident_bytes",
         "seq",
+        "source",
+        "source_ptr",
+        "state",
+        "stream",
         "unconsumed",
+        "version",
     )
 
     def __init__(self, seq: int, nbytes: int, device: torch.device, chunk_bytes: int) -> None:
@@ -149,14 +167,22 @@ class _Block:
         self.direct = False  # CUDA with GDS: written from and read into device memory
         self.direct_pending = 0  # GDS writes in flight
         self.direct_source: tuple[torch.Tensor, int] | None = None  # (tensor, version at pack)
+        self.state = _CAPTURED
+        self.source: torch.Tensor | None = None  # the saved tensor until captured (or held)
+        self.source_ptr = 0  # its storage's address at pack
+        self.version = 0  # its version counter at pack
+        self.stream: Any = None  # CUDA: the stream it was produced on (current at pack)
+        self.finishing = False  # a thread copies the read-back bytes to the device (no lock)
 
 
 class _CudaCopy:
     """The D2H copies of a block's chunks into staging; the source lives until all completed.
 
-    Note: [CUDA ordering] The copy stream (one per device) waits on an event recorded on the
-    producer's stream at pack. Each chunk's copy records its own event, and that chunk's write
-    waits on it (never on a later chunk's: a block larger than the staging pool must stream).
+    Note: [CUDA ordering] The copy stream (one per device) waits on an event recorded, at
+    capture, on the stream that was current at pack (the producer's), i.e. after the kernels of
+    the op that saved the tensor were queued. Each chunk's copy records its own event, and that
+    chunk's write waits on it (never on a later chunk's: a block larger than the staging pool
+    must stream).
     The source tensor is held until the last event completed, then released, so the device
     memory goes back to the caching allocator; the version counter is compared at that moment
     (see [never a silently wrong gradient]). I/O threads, the training thread and autograd's
@@ -164,9 +190,9 @@ class _CudaCopy:
 
     __slots__ = ("block", "events", "lock", "source", "stream", "version")
 
-    def __init__(self, block: _Block, source: torch.Tensor, stream: Any) -> None:
+    def __init__(self, block: _Block, source: torch.Tensor, stream: Any, producer: Any) -> None:
         ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(source.device))
+        ready.record(producer)
         stream.wait_event(ready)
         self.block = block
         self.stream = stream
@@ -269,10 +295,13 @@ class Offloader:
         self._pf_high = 0
         self._writes_in_flight = 0
         self._pending_copies: deque[_CudaCopy] = deque()  # D2H copies whose source is held
+        self._awaiting_copy: list[_Block] = []  # freed blocks whose slots a D2H copy still fills
+        self._captures = CaptureQueue()  # packed, not yet captured (see capture.py)
         self._tls = threading.local()
         self._active_scopes = 0
         self._module_hook: Any = None
         self._warned: set[str] = set()
+        self._warn_lock = threading.Lock()  # _warn_once runs on I/O threads too, lock or not
         self._warnings: deque[str] = deque()  # issued by _flush_warnings, outside the lock
         self._copy_streams: dict[int, Any] = {}  # CUDA device index -> D2H side stream
         self._host_pool: SlotPool | None = None  # cpu tier (pinned)
@@ -314,7 +343,7 @@ class Offloader:
         self._moved_since_trim = 0  # CPU bytes moved out or in since the last trim
         # Runs at close(), when the Offloader is collected, or at interpreter exit.
         self._finalizer = weakref.finalize(
-            self, Offloader._shutdown, self._engines, self._disk, self._pools
+            self, Offloader._shutdown, self._engines, self._disk, self._pools, self._copy_streams
         )
 
     # -- public API ------------------------------------------------------------------------
@@ -340,6 +369,7 @@ class Offloader:
 
     def __exit__(self, *exc: object) -> None:
         self._tls.stack.pop().__exit__(*exc)
+        self._capture_all()  # between ops: everything this thread packed has returned
         with self._lock:
             self._active_scopes -= 1
             if self._active_scopes == 0 and self._module_hook is not None:
@@ -361,7 +391,10 @@ class Offloader:
         return snapshot
 
     def synchronize(self) -> None:
-        """Wait until no write or read is in flight (e.g. before reading stats in a benchmark)."""
+        """Wait until no write or read is in flight (e.g. before reading stats in a benchmark).
+
+        Called between ops, it first captures what this thread packed and has not captured."""
+        self._capture_all()
         with self._lock:
             while self._writes_in_flight or any(b.loading for b in self._blocks.values()):
                 self._cond.wait()
@@ -381,7 +414,28 @@ class Offloader:
         self._finalizer()
 
     @staticmethod
-    def _shutdown(engines: list[Engine], disk: DiskStore | None, pools: list[SlotPool]) -> None:
+    def _shutdown(
+        engines: list[Engine],
+        disk: DiskStore | None,
+        pools: list[SlotPool],
+        copy_streams: dict[int, Any],
+    ) -> None:
+        """Release engines, files and pools (close(), collection, or interpreter exit).
+
+        Note: [shutdown] Collection can happen on an engine's own thread: a request's callback
+        holds the Offloader, and the thread drops it after the callback ran. Closing the engine
+        there would join (or wait on) the very thread doing it, so the shutdown then moves to a
+        fresh thread. Pools are freed only after every D2H copy stream has drained: a copy
+        still queued would write into memory given back to the system."""
+        if on_engine_thread():
+            args = (engines, disk, pools, copy_streams)
+            with contextlib.suppress(RuntimeError):  # no new thread at interpreter exit
+                threading.Thread(
+                    target=Offloader._shutdown, args=args, name="offloadd-shutdown", daemon=False
+                ).start()
+            return
+        for stream in copy_streams.values():
+            stream.synchronize()
         for engine in engines:
             engine.close()
         if disk is not None:
@@ -392,72 +446,56 @@ class Offloader:
     # -- pack ------------------------------------------------------------------------------
 
     def _note_module(self, module: torch.nn.Module, args: Any) -> None:
-        """Global forward pre-hook: remember storages that back parameters and buffers."""
+        """Global forward pre-hook: remember storages that back parameters and buffers.
+
+        Lazy modules' uninitialized parameters and buffers, meta tensors and tensors without a
+        storage of their own (functorch wrappers) are skipped, never touched."""
         with self._lock:
             for tensors in (module._parameters, module._buffers):
                 for p in tensors.values():
-                    if p is not None and p.layout is torch.strided and not p.is_meta:
-                        s = p.untyped_storage()
+                    s = _storage_of(p) if p is not None else None
+                    if p is not None and s is not None:
                         self._param_storages[(p.device, s._cdata)] = StorageWeakRef(s)
 
     def _backs_parameter(self, t: torch.Tensor, storage: torch.UntypedStorage) -> bool:
-        ref = self._param_storages.get((t.device, storage._cdata))
-        if ref is not None and not ref.expired():
-            return True
-        ptr = storage.data_ptr()
-        if t.requires_grad:
-            if t.is_leaf:
-                return True
-            # A view of a parameter (e.g. the transposed weight a linear layer saves).
-            fn = t.grad_fn
-            frontier = [fn] if fn is not None else []
-            for _ in range(3):
-                nxt = []
-                for node in frontier:
-                    for child, _ in node.next_functions:
-                        if child is None:
-                            continue
-                        var = getattr(child, "variable", None)
-                        if var is not None:
-                            if var.untyped_storage().data_ptr() == ptr:
-                                return True
-                        else:
-                            nxt.append(child)
-                frontier = nxt
-        return False
+        """Whether ``t`` is a parameter, a view of one, or shares the storage of a parameter or
+        buffer of a module called in the scope (a transposed weight, an FSDP flat parameter).
 
-    def _movable(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` is a plain dense CPU/CUDA tensor whose storage can be moved and rebuilt."""
-        return (
-            type(t) is torch.Tensor
-            and t.layout is torch.strided
-            and t.device.type in ("cpu", "cuda")
-            and not (t.is_quantized or t.is_conj() or t.is_neg())
-        )
+        A leaf that requires grad is not a parameter by itself: the detached inputs of
+        reentrant checkpointing are such leaves, and they are activations."""
+        if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
+            return True
+        ref = self._param_storages.get((t.device, storage._cdata))
+        return ref is not None and not ref.expired()
 
     def _pack(self, t: torch.Tensor) -> Any:
+        if self._captures.num_pending:
+            self._capture_due()
         st = self._stats
-        nbytes = t.nbytes if t.layout is torch.strided else 0
-        st.saved_tensors += 1
-        st.saved_bytes += nbytes
         tier = self.config.tier
-        if (
-            nbytes < self._min_bytes
-            or not self._movable(t)
-            or (tier == "cpu" and t.device.type == "cpu")  # host to host saves nothing
-        ):
+        storage = None
+        if type(t) is torch.Tensor and t.layout is torch.strided:
+            nbytes = t.nbytes
+            if nbytes >= self._min_bytes and nbytes:
+                storage = _movable_storage(t, tier)
+        else:  # subclasses (fake, DTensor…), sparse, nested: passed through untouched
+            nbytes = _nbytes(t)
+        if storage is None:
             # The hot path (most saved tensors are small): one lock, no further calls.
             with self._lock:
                 if self._released:
                     self._drain()
+                st.saved_tensors += 1
+                st.saved_bytes += nbytes
                 st.kept_bytes += nbytes
                 st.resident_bytes += nbytes
                 if st.resident_bytes > st.peak_resident_bytes:
                     st.peak_resident_bytes = st.resident_bytes
             return _Kept(t, nbytes, self._released)
-        storage = t.untyped_storage()
         keep = tier == "keep"
         with self._lock:
+            st.saved_tensors += 1
+            st.saved_bytes += nbytes
             self._drain()
             self._poll_copies()
             if self._backs_parameter(t, storage):
@@ -479,30 +517,92 @@ class Offloader:
             self._seq += 1
             block = _Block(self._seq, storage.nbytes(), t.device, self.config.chunk_bytes)
             block.refs = 1
+            self._register(block, key, storage, root)
             if keep:
                 block.resident_bytes = block.nbytes
                 self._add_resident(block.nbytes)
                 st.kept_bytes += nbytes
-                self._register(block, key, storage, root)
                 return _Ref(block, t, self._released, keep=True)
+            # Pending until the op that saved it has returned (see capture.py).
+            block.state = _PENDING
+            block.source = t
+            block.source_ptr = storage.data_ptr()
+            block.version = t._version
+            if t.device.type == "cuda":
+                block.stream = torch.cuda.current_stream(t.device)
+            self._add_resident(block.nbytes)
+        self._captures.add(block)
+        return _Ref(block, t, self._released, keep=False)
+
+    def _capture_due(self) -> None:
+        """Capture what this thread packed in ops that have returned since."""
+        for block in self._captures.due():
+            self._capture(block)
+
+    def _capture_all(self) -> None:
+        """Capture everything this thread packed (the caller is between two ops)."""
+        for block in self._captures.take_all():
+            self._capture(block)
+
+    def _capture(self, block: _Block) -> None:
+        """Copy a pending block out (see [capture after the op] in capture.py)."""
+        with self._lock:
+            self._drain()  # a block whose graph is gone is dropped, never written
+            if block.state != _PENDING:  # freed, held, or captured already
+                return
+            t = block.source
+            assert t is not None
+            storage = t.untyped_storage()
+            if t._version != block.version:
+                # Changed in place after it was saved: unpack raises, as autograd would.
+                block.modified = True
+                self._release_source(block, _CAPTURED)
+                self._cond.notify_all()
+                return
+            if (
+                self._closed
+                or storage.nbytes() != block.nbytes
+                or storage.data_ptr() != block.source_ptr
+            ):
+                # Closed, or the storage was resized or reallocated since pack (as FSDP does
+                # to unsharded parameters): keep the tensor itself, as autograd does.
+                block.state = _HELD
+                self._cond.notify_all()
+                return
+            block.state = _CAPTURING
         try:
-            self._write_out(block, t, storage)
+            self._write_out(block, t)
         except Exception as e:  # never fail the forward because of offloading
             self._warn_once("pack", f"offloadd: offloading failed, keeping the tensor: {e!r}")
             if block.copy_done is not None:
                 block.copy_done.stream.synchronize()
             with self._lock:
-                self._free_block(block)
-                st.fallbacks += 1
-            return self._keep(t, nbytes)
+                self._release_chunks(block)
+                self._stats.fallbacks += 1
+                block.state = _HELD
+                block.copy_done = None
+                if block.freed:
+                    self._free_block(block)
+                self._cond.notify_all()
+            return
         with self._lock:
-            self._register(block, key, storage, root)
-            st.offloaded_bytes += block.nbytes
+            self._stats.offloaded_bytes += block.nbytes
+            self._release_source(block, _CAPTURED)
+            if block.freed:  # every ref was released while it was being copied
+                self._free_block(block)
+            self._cond.notify_all()
         if t.device.type == "cpu":
             self._note_moved(block.nbytes)
         if self._warnings:
             self._flush_warnings()
-        return _Ref(block, t, self._released, keep=False)
+
+    def _release_source(self, block: _Block, state: int) -> None:
+        """Drop the saved tensor a pending or held block kept (lock held)."""
+        if block.source is not None:
+            block.source = None
+            self._sub_resident(block.nbytes)
+        block.stream = None
+        block.state = state
 
     def _register(
         self,
@@ -519,20 +619,19 @@ class Offloader:
             self._dedup[key] = (StorageWeakRef(storage), weakref.ref(root), block)
 
     def _poll_copies(self) -> None:
-        """Release the sources of finished device-to-host copies (lock held)."""
+        """Release the sources of finished device-to-host copies, and the slots of blocks freed
+        while their copy ran (lock held)."""
         q = self._pending_copies
         while q and q[0].done(wait=False):
             q.popleft()
+        if self._awaiting_copy:
+            waiting, self._awaiting_copy = self._awaiting_copy, []
+            for block in waiting:
+                self._release_chunks(block)  # puts it back if its copy is still running
 
-    def _keep(self, t: torch.Tensor, nbytes: int) -> _Kept:
-        with self._lock:
-            self._stats.kept_bytes += nbytes
-            self._add_resident(nbytes)
-        return _Kept(t, nbytes, self._released)
-
-    def _write_out(self, block: _Block, t: torch.Tensor, storage: torch.UntypedStorage) -> None:
+    def _write_out(self, block: _Block, t: torch.Tensor) -> None:
         """Copy the storage into staging (or host) slots, chunk by chunk, and start the writes."""
-        src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+        src = _storage_bytes(t)
         cuda = t.device.type == "cuda"
         host_tier = self.config.tier == "cpu"
         if cuda and not host_tier:
@@ -543,7 +642,7 @@ class Offloader:
         with self._lock:
             pool = self._pool(cuda, host_tier)
             if cuda:
-                block.copy_done = _CudaCopy(block, t, self._copy_stream(t.device))
+                block.copy_done = _CudaCopy(block, t, self._copy_stream(t.device), block.stream)
         pos = 0
         for chunk in block.chunks:
             n = min(chunk.nbytes, block.nbytes - pos)
@@ -606,9 +705,9 @@ class Offloader:
         The source is held until its last chunk is written; its version counter is compared
         then, as for the D2H copy (see [never a silently wrong gradient])."""
         ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(t.device))
+        ready.record(block.stream)
         block.direct = True
-        block.direct_source = (t, t._version)
+        block.direct_source = (t, block.version)
         pos = 0
         for chunk in block.chunks:
             n = min(chunk.nbytes, block.nbytes - pos)
@@ -656,12 +755,14 @@ class Offloader:
         start = time.perf_counter()
         self._stats.backpressure_waits += 1
         while slot is None:
-            busy = self._writes_in_flight > 0
+            busy = self._writes_in_flight > 0 or bool(self._awaiting_copy)
             if host_tier and not busy:
                 busy = self._spill_oldest(pool)
             if not busy:
                 break
-            self._cond.wait(timeout=1.0)
+            # Nothing signals a D2H copy's completion: poll for those, wait for writes.
+            self._cond.wait(timeout=0.002 if self._awaiting_copy else 1.0)
+            self._poll_copies()
             slot = pool.acquire()
         self._stats.io_wait_s += time.perf_counter() - start
         return slot
@@ -788,22 +889,34 @@ class Offloader:
             return t
         block = ref.block
         with self._lock:
-            if self._closed and block.resident is None:
-                raise RuntimeError("offloadd: unpack after Offloader.close()")
             self._drain()
-            if block.copy_done is not None:
-                block.copy_done.done(wait=True)
-            source = block.direct_source  # GDS: writes may still read the device source
-            if source is not None and source[0]._version != source[1]:
+            while block.state == _CAPTURING:
+                self._cond.wait()
+            source = block.source
+            if source is None:
+                if self._closed and block.resident is None:
+                    raise RuntimeError("offloadd: unpack after Offloader.close()")
+                copy = block.copy_done
+        if source is not None:  # not captured (yet): the saved tensor itself, checked
+            if source._version != block.version:
+                raise _inplace_error(ref.desc, block.version, source._version)
+            return _view(_storage_bytes(source), ref)
+        if copy is not None:
+            # CUDA: staging is complete, and the version checked, once the D2H copy completed.
+            # Waited for without the lock: I/O callbacks and other threads need it meanwhile.
+            copy.done(wait=True)
+        with self._lock:
+            direct = block.direct_source  # GDS: writes may still read the device source
+            if direct is not None and direct[0]._version != direct[1]:
                 block.modified = True
             if block.modified:
-                raise _inplace_error(ref.desc, ref.version, ref.version + 1)
+                raise _inplace_error(ref.desc, block.version, block.version + 1)
             if block.resident is None and block.loading == 0:
                 self._load(block, prefetch=False)
             self._prefetch_below(block.seq)
-            if block.loading:
+            if block.loading or block.finishing:
                 start = time.perf_counter()
-                while block.loading:
+                while block.loading or block.finishing:
                     self._cond.wait()
                 self._stats.io_wait_s += time.perf_counter() - start
             if block.error is not None:
@@ -813,14 +926,41 @@ class Offloader:
                     f"offloadd: reading back a saved activation failed: {err}",
                     getattr(err, "filename", None),
                 ) from err
-            buf = self._finish_load(block)
-            fresh = ref.gen != block.gen
-            self._consume(block, ref)
+            buf = block.resident
+            assert buf is not None
+            to_device = block.device.type == "cuda" and buf.device.type == "cpu"
+            if to_device:
+                block.finishing = True  # other unpacks of this block wait for the copy below
+            else:
+                fresh = ref.gen != block.gen
+                self._consume(block, ref)
+        if to_device:
+            buf, fresh = self._to_device(block, ref, buf)
         if fresh and buf.device.type == "cpu":
             self._note_moved(block.padded)
         if self._warnings:
             self._flush_warnings()
         return _view(buf, ref)
+
+    def _to_device(self, block: _Block, ref: _Ref, host: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """Copy a block read back into host memory to its device, without the lock held.
+
+        The device buffer is allocated on the current (compute) stream of this backward thread,
+        so the caching allocator orders its reuse after the kernels that will read it."""
+        dev: torch.Tensor | None = None
+        try:
+            dev = torch.empty(block.padded, dtype=torch.uint8, device=block.device)
+            dev.copy_(host)
+        finally:
+            with self._lock:
+                block.finishing = False
+                if dev is not None and block.resident is host:
+                    block.resident = dev
+                fresh = ref.gen != block.gen
+                if dev is not None:
+                    self._consume(block, ref)
+                self._cond.notify_all()
+        return dev, fresh
 
     def _note_moved(self, nbytes: int) -> None:
         """Trim the C heap once per ``trim_host_bytes`` of CPU activations moved (see config)."""
@@ -834,8 +974,9 @@ class Offloader:
     def _load(self, block: _Block, *, prefetch: bool) -> None:
         """Make ``block.resident``: copy chunks held in memory, read the others (async)."""
         assert self._disk is not None and self._engine is not None
-        if block.copy_done is not None:  # CUDA: staging/host slots are complete only after this
-            block.copy_done.done(wait=True)
+        # CUDA: staging/host slots are complete only once the D2H copy is; unpack waited for it
+        # without the lock and prefetch only takes blocks whose copy completed.
+        assert block.copy_done is None or block.copy_done.done(wait=False)
         engine = self._gds if block.direct else self._engine
         assert engine is not None
         ready: Callable[[], None] | None = None
@@ -928,15 +1069,6 @@ class Offloader:
                 self._free_chunk_disk(chunk)
             self._cond.notify_all()
 
-    def _finish_load(self, block: _Block) -> torch.Tensor:
-        buf = block.resident
-        assert buf is not None
-        if block.device.type == "cuda" and buf.device.type == "cpu":
-            dev = torch.empty(block.padded, dtype=torch.uint8, device=block.device)
-            dev.copy_(buf)
-            block.resident = buf = dev
-        return buf
-
     def _consume(self, block: _Block, ref: _Ref) -> None:
         if ref.gen != block.gen:
             ref.gen = block.gen
@@ -971,8 +1103,10 @@ class Offloader:
             i -= 1
             if (
                 block.resident is None
+                and block.state == _CAPTURED
                 and (block.gen == 0 or block.unconsumed > 0)  # not consumed by every ref yet
                 and not block.modified
+                and (block.copy_done is None or block.copy_done.done(wait=False))
                 and any(c.on_disk and c.request is None for c in block.chunks)
             ):
                 self._load(block, prefetch=True)
@@ -1006,6 +1140,9 @@ class Offloader:
     def _free_block(self, block: _Block) -> None:
         block.freed = True
         block.pinned_resident = False
+        if block.state == _CAPTURING:
+            return  # the capturing thread frees it once done (see _capture)
+        self._release_source(block, _CAPTURED)
         # Even while reads are in flight: each request keeps its buffer alive, and the read
         # callback frees the disk slot of a freed block.
         self._drop_resident(block, loading_ok=True)
@@ -1013,8 +1150,13 @@ class Offloader:
         self._forget(block)
 
     def _release_chunks(self, block: _Block) -> None:
-        if block.copy_done is not None:  # a slot may be reused only once its copy is complete
-            block.copy_done.done(wait=True)
+        copy = block.copy_done
+        if copy is not None and not copy.done(wait=False):
+            # A slot may be reused only once its D2H copy completed; rather than waiting with
+            # the lock held, _poll_copies releases the chunks then.
+            if block not in self._awaiting_copy:
+                self._awaiting_copy.append(block)
+            return
         pool = self._host_pool if self.config.tier == "cpu" else self._staging
         for chunk in block.chunks:
             req = chunk.request
@@ -1074,15 +1216,52 @@ class Offloader:
 
     def _warn_once(self, key: str, message: str) -> None:
         """Log now; raise the Python warning later on the training thread, outside the lock
-        (I/O callbacks call this, and warnings may be configured to raise)."""
-        if key not in self._warned:
+        (I/O callbacks call this, and warnings may be configured to raise). Callers may or may
+        not hold the Offloader's lock (the daemon client's threads do not): its own lock."""
+        with self._warn_lock:
+            if key in self._warned:
+                return
             self._warned.add(key)
-            log.warning(message)
-            self._warnings.append(message)
+        log.warning(message)
+        self._warnings.append(message)
 
     def _flush_warnings(self) -> None:
         while self._warnings:
             warnings.warn(self._warnings.popleft(), RuntimeWarning, stacklevel=4)
+
+
+def _storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
+    """The storage of a materialized, strided, non-meta tensor, else None (never raises)."""
+    if is_lazy(t) or t.layout is not torch.strided or t.is_meta:
+        return None
+    try:
+        return t.untyped_storage()
+    except Exception:  # no storage of its own (functorch wrappers, some subclasses)
+        return None
+
+
+def _movable_storage(t: torch.Tensor, tier: str) -> torch.UntypedStorage | None:
+    """The storage of a plain dense CPU/CUDA tensor that can be moved and rebuilt, else None."""
+    device = t.device.type
+    if (
+        device not in ("cpu", "cuda")
+        or (tier == "cpu" and device == "cpu")  # host to host saves nothing
+        or t.is_quantized
+        or t.is_conj()
+        or t.is_neg()
+    ):
+        return None
+    return _storage_of(t)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    """Bytes of a tensor offloadd does not move, for the stats; 0 where it has no such size."""
+    if t.layout is not torch.strided:
+        return 0
+    try:
+        return int(t.nbytes)
+    except Exception:  # symbolic or data-dependent sizes (tracing)
+        return 0
 
 
 def _copy_waiter(block: _Block) -> Callable[[], None] | None:
@@ -1108,6 +1287,11 @@ def _malloc_trim() -> Callable[[int], int] | None:
     fn.argtypes = [ctypes.c_size_t]
     fn.restype = ctypes.c_int
     return fn
+
+
+def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """All bytes of ``t``'s storage, as a flat uint8 tensor on its device."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
 
 
 def _view(buf: torch.Tensor, ref: _Ref) -> torch.Tensor:

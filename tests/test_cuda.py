@@ -6,21 +6,27 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from offloadd import Offloader
 
 from .helpers import assert_bitwise_equal, small_offloader
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("backend")]
 
 
-def _train_cuda(off: object, steps: int = 3) -> list[list[torch.Tensor]]:
+def train_cuda(off: object, *, steps: int = 3, rows: int = 1024) -> list[list[torch.Tensor]]:
+    """``steps`` SGD steps of a small MLP on the GPU; each step's loss and gradients.
+
+    Shared with tests/test_gds.py (``rows`` not a multiple of 4096 / 4 there: unaligned chunks)."""
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(256, 2048), nn.GELU(), nn.Dropout(0.1), nn.Linear(2048, 256)).cuda()
     opt = torch.optim.SGD(m.parameters(), lr=0.01)
     g = torch.Generator(device="cuda").manual_seed(1)
     out = []
     for _ in range(steps):
-        x = torch.randn(1024, 256, device="cuda", generator=g)
+        x = torch.randn(rows, 256, device="cuda", generator=g)
         if off is None:
             loss = m(x).square().mean()
         else:
@@ -34,11 +40,43 @@ def _train_cuda(off: object, steps: int = 3) -> list[list[torch.Tensor]]:
     return out
 
 
+def check_inplace_before_capture_raises(off: Offloader) -> None:
+    """Changed in place before its capture: PyTorch's error, deterministically (the copy is
+    only issued once the op returned, after a version check; see capture.py)."""
+    x = torch.randn(1024, 1024, device="cuda", requires_grad=True)
+    with off:
+        y = x * 2
+        z = y.sin()
+        y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(z.sum(), x)
+    off.close()
+
+
+def check_producer_stream(off: Offloader) -> None:
+    """Produced on a side stream and captured after leaving it (without waiting for it): the
+    copy waits on the stream current at pack, not on the one current at capture."""
+    s = torch.cuda.Stream()
+    x = torch.randn(2048, 2048, device="cuda", requires_grad=True)
+    expected = torch.autograd.grad((x * 2).sin().sum(), x)[0]
+    torch.cuda.synchronize()
+    with off:
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(100_000_000)  # keeps ``x * 2`` queued on s for a while
+            y = x * 2
+            z = y.sin()  # saves y on s
+        off.synchronize()  # captures y from the default stream, which does not wait for s
+    torch.cuda.current_stream().wait_stream(s)
+    (g,) = torch.autograd.grad(z.sum(), x)
+    assert torch.equal(g, expected)
+    off.close()
+
+
 @pytest.mark.parametrize("tier", ["keep", "ssd", "cpu"])
 def test_cuda_bit_identical(tier: str, disk_dir: Path) -> None:
-    ref = _train_cuda(None)
+    ref = train_cuda(None)
     off = small_offloader(disk_dir, tier=tier, host_budget_bytes=4 << 20)
-    got = _train_cuda(off)
+    got = train_cuda(off)
     st = off.stats()
     off.close()
     assert_bitwise_equal(ref, got)
@@ -46,21 +84,37 @@ def test_cuda_bit_identical(tier: str, disk_dir: Path) -> None:
         assert st.offloaded_bytes > 0
 
 
-def test_cuda_inplace_before_copy_is_caught_or_exact(disk_dir: Path) -> None:
-    x = torch.randn(1024, 1024, device="cuda", requires_grad=True)
-    expected = torch.autograd.grad((x * 2).sin().sum(), x)[0]
-    off = small_offloader(disk_dir)
-    with off:
-        y = x * 2
-        z = y.sin()
-        y.add_(1)
-    try:
-        (g,) = torch.autograd.grad(z.sum(), x)
-    except RuntimeError as e:
-        assert "modified by an inplace operation" in str(e)
-    else:
-        assert torch.equal(g, expected)
+def test_cuda_inplace_before_capture_raises(disk_dir: Path) -> None:
+    check_inplace_before_capture_raises(small_offloader(disk_dir))
+
+
+def test_cuda_copy_waits_for_the_producer_stream(disk_dir: Path) -> None:
+    check_producer_stream(small_offloader(disk_dir))
+
+
+@pytest.mark.parametrize("tier", ["ssd", "cpu"])
+def test_cuda_rrelu_noise_filled_by_the_op(tier: str, disk_dir: Path) -> None:
+    """rrelu saves ``noise`` before its kernel fills it: the producer event is recorded at
+    capture, after the kernel was queued, so the copy holds the filled noise."""
+
+    def run(off: object) -> torch.Tensor:
+        torch.manual_seed(0)
+        x = torch.randn(1024, 1024, device="cuda", requires_grad=True)
+        if off is None:
+            y = F.rrelu(x * 1.5, training=True)
+        else:
+            with off:  # type: ignore[attr-defined]
+                y = F.rrelu(x * 1.5, training=True)
+        (g,) = torch.autograd.grad(y.square().sum(), x)
+        return g
+
+    expected = run(None)
+    off = small_offloader(disk_dir, tier=tier, min_bytes=0, host_budget_bytes=4 << 20)
+    got = run(off)
+    st = off.stats()
     off.close()
+    assert torch.equal(expected, got)
+    assert st.offloaded_bytes >= 2 * 1024 * 1024 * 4
 
 
 def test_cuda_memory_is_released_during_forward(disk_dir: Path) -> None:

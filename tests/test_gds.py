@@ -9,13 +9,12 @@ import errno
 from pathlib import Path
 
 import pytest
-import torch
-from torch import nn
 
 from offloadd import Offloader, gds
 from offloadd.engine import Op, Request
 
 from .helpers import assert_bitwise_equal, small_offloader
+from .test_cuda import check_inplace_before_capture_raises, check_producer_stream, train_cuda
 
 ENGINE_PARAMS = ("default",)  # the host engine does not matter here
 
@@ -41,33 +40,12 @@ def _need_gds() -> None:
         pytest.skip(f"GDS unavailable: {why}")
 
 
-def _train(off: Offloader | None, make: type[nn.Module] | None = None) -> list[list[torch.Tensor]]:
-    torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(256, 2048), nn.GELU(), nn.Dropout(0.1), nn.Linear(2048, 256)).cuda()
-    opt = torch.optim.SGD(m.parameters(), lr=0.01)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    out = []
-    for _ in range(3):
-        x = torch.randn(1000, 256, device="cuda", generator=g)  # 1000: chunks not 4096-aligned
-        if off is None:
-            loss = m(x).square().mean()
-        else:
-            with off:
-                loss = m(x).square().mean()
-        loss.backward()
-        out.append([loss.detach().clone()] + [p.grad.clone() for p in m.parameters()])
-        opt.step()
-        opt.zero_grad()
-    torch.cuda.synchronize()
-    return out
-
-
 @pytest.mark.cuda
 def test_gds_bit_identical(disk_dir: Path) -> None:
     _need_gds()
-    ref = _train(None)
+    ref = train_cuda(None, rows=1000)
     off = small_offloader(disk_dir, engine="kvikio")
-    got = _train(off)
+    got = train_cuda(off, rows=1000)
     st = off.stats()
     off.close()
     assert_bitwise_equal(ref, got)
@@ -75,22 +53,15 @@ def test_gds_bit_identical(disk_dir: Path) -> None:
 
 
 @pytest.mark.cuda
-def test_gds_inplace_is_caught_or_exact(disk_dir: Path) -> None:
+def test_gds_inplace_before_capture_raises(disk_dir: Path) -> None:
     _need_gds()
-    x = torch.randn(1024, 1024, device="cuda", requires_grad=True)
-    expected = torch.autograd.grad((x * 2).sin().sum(), x)[0]
-    off = small_offloader(disk_dir, engine="kvikio")
-    with off:
-        y = x * 2
-        z = y.sin()
-        y.add_(1)
-    try:
-        (g,) = torch.autograd.grad(z.sum(), x)
-    except RuntimeError as e:
-        assert "modified by an inplace operation" in str(e)
-    else:
-        assert torch.equal(g, expected)
-    off.close()
+    check_inplace_before_capture_raises(small_offloader(disk_dir, engine="kvikio"))
+
+
+@pytest.mark.cuda
+def test_gds_write_waits_for_the_producer_stream(disk_dir: Path) -> None:
+    _need_gds()
+    check_producer_stream(small_offloader(disk_dir, engine="kvikio"))
 
 
 @pytest.mark.cuda
@@ -106,10 +77,10 @@ def test_gds_write_error_falls_back_exactly(
         real(self, request)
 
     monkeypatch.setattr(gds.KvikioEngine, "transfer", failing)
-    ref = _train(None)
+    ref = train_cuda(None, rows=1000)
     off = small_offloader(disk_dir, engine="kvikio")
     with pytest.warns(RuntimeWarning, match="write failed"):
-        got = _train(off)
+        got = train_cuda(off, rows=1000)
     st = off.stats()
     off.close()
     assert_bitwise_equal(ref, got)

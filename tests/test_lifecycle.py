@@ -39,18 +39,35 @@ def test_inplace_after_save_of_kept_tensor_raises(tier: str, numel: int, disk_di
     off.close()
 
 
-def test_inplace_after_save_offloaded_returns_value_at_save_time(disk_dir: Path) -> None:
+def test_inplace_before_capture_raises(disk_dir: Path) -> None:
+    """Changed in place before its capture (here: before the scope ended): PyTorch's error, as
+    autograd raises without hooks (see [capture after the op])."""
     x = torch.randn(N, N, requires_grad=True)
-    expected = torch.autograd.grad((x * 2).sin().sum(), x)[0]
     off = small_offloader(disk_dir)
     with off:
         y = x * 2
         z = y.sin()
-        y.add_(1)  # after save: the copy taken in pack is what backward gets
+        y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.sum().backward()
+    off.close()
+
+
+def test_inplace_after_capture_returns_captured_value(disk_dir: Path) -> None:
+    """Changed in place after its capture: backward gets the bytes captured when the op that
+    saved it had returned."""
+    x = torch.randn(N, N, requires_grad=True)
+    expected = torch.autograd.grad((x * 2).sin().exp().sum(), x)[0]
+    off = small_offloader(disk_dir)
+    with off:
+        y = x * 2
+        z = y.sin()  # saves y: pending
+        w = z.exp()  # saves its result: a later node, so y is captured now
+        y.add_(1)
         y.mul_(3)
-    (g,) = torch.autograd.grad(z.sum(), x)
+    (g,) = torch.autograd.grad(w.sum(), x)
     assert torch.equal(g, expected)
-    assert off.stats().offloaded_bytes >= N * N * 4
+    assert off.stats().offloaded_bytes >= 2 * N * N * 4
     off.close()
 
 
@@ -423,9 +440,11 @@ def test_dedup_never_joins_aliases_with_separate_version_counters(disk_dir: Path
     expected = run(None)
     off = small_offloader(disk_dir)
     got = run(off)
-    # (w1 differs by design: eager PyTorch uses x's live, mutated value; offloadd its value at
-    # save time.) w2: b saved the mutated value; a stale dedup hit on a's block would give the old one.
+    # w2: b saved the mutated value; a stale dedup hit on a's block would give the old one.
     assert torch.equal(got[1], expected[1])
+    # w1: x is captured once ``a``'s op has returned, at the next pack (b's), so after the
+    # write through ``x.data``: the live value eager PyTorch uses too.
+    assert torch.equal(got[0], expected[0])
     off.close()
 
 

@@ -33,7 +33,11 @@ def fast_switching() -> Iterator[None]:
 
 @pytest.mark.usefixtures("fast_switching")
 def test_counters_exact_with_threads_packing(disk_dir: Path) -> None:
-    """saved_tensors and saved_bytes are counted under the lock: none lost between threads."""
+    """saved_tensors and saved_bytes are counted under the lock: none lost between threads.
+
+    Before, they were updated outside it. On CPython 3.11 with the GIL that cannot lose a count
+    (``st.n += 1`` on a plain attribute has no point where the interpreter switches threads), so
+    this passed before the fix too; it guards free-threaded builds and any later refactoring."""
     off = small_offloader(disk_dir)
     per_thread, threads = 3000, 4
     x = torch.ones(4, requires_grad=True)

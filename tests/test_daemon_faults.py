@@ -1,5 +1,5 @@
 """Faults a multi-day job on a shared node must survive in daemon mode: a daemon that stops
-answering (SIGSTOP, wedged)."""
+answering (SIGSTOP, wedged), a slow or hung file system under the daemon."""
 
 from __future__ import annotations
 
@@ -18,12 +18,13 @@ import pytest
 
 from offloadd import OffloadConfig
 from offloadd.daemon import client
+from offloadd.daemon import protocol as proto
 from offloadd.daemon.client import DaemonBackend
 from offloadd.engine import Op, Request
 from offloadd.staging import AlignedBuffer
 
 from .conftest import _disk_root
-from .daemon_proc import DaemonProc, held_descriptors
+from .daemon_proc import DaemonProc, RawSession, held_descriptors
 
 NOTHING = {"files": 0, "memfds": 0, "mappings": 0}
 CHUNK = 64 << 10
@@ -131,3 +132,72 @@ def test_close_returns_when_the_daemon_stops_answering(
     assert not d.wait_idle()["sessions"]
     assert d.held() == NOTHING
     assert d.stop() == 0
+
+
+# -- a slow file system under the daemon -----------------------------------------------------------
+
+# Makes psutil.disk_usage in the daemon take as many seconds as FLAG holds (when FLAG exists).
+_SLOW_PROBE = """
+import os, time
+import psutil
+_disk_usage = psutil.disk_usage
+def disk_usage(path):
+    try:
+        with open({flag!r}) as f:
+            time.sleep(float(f.read()))
+    except FileNotFoundError:
+        pass
+    return _disk_usage(path)
+psutil.disk_usage = disk_usage
+"""
+
+
+def test_a_slow_file_system_probe_never_stalls_sessions(
+    own: Callable[..., DaemonProc], tmp_path: Path
+) -> None:
+    """psutil.disk_usage takes 2 s (an NFS mount, a dying disk): round trips stay fast; a daemon
+    whose probe hangs still stops."""
+    hook, flag = tmp_path / "hook", tmp_path / "slow"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_SLOW_PROBE.format(flag=str(flag)))
+    d = own(env=dict(os.environ, PYTHONPATH=str(hook))).start()
+    raw = RawSession(d.socket)
+    try:
+        flag.write_text("2")
+        time.sleep(1.2)  # the next sample (every second) starts a probe that takes 2 s
+        worst_write = worst_stats = 0.0
+        running: list[float] = []
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end:
+            t0 = time.monotonic()
+            w = raw.write(os.urandom(4096))
+            assert w.status == 0
+            assert raw.call(proto.Msg.FREE, block=w.block).status == 0
+            t1 = time.monotonic()
+            doc = d.status()  # a new connection, handshake and STATS: no I/O
+            t2 = time.monotonic()
+            worst_write, worst_stats = max(worst_write, t1 - t0), max(worst_stats, t2 - t1)
+            if doc.get("dirs_probe_running_s") is not None:
+                running.append(doc["dirs_probe_running_s"])
+            time.sleep(0.02)
+        assert worst_write < 0.5, f"a write and free took {worst_write:.2f} s"
+        assert worst_stats < 0.5, f"a status query took {worst_stats:.2f} s"
+        assert running, "no probe was seen running: the test did not exercise a slow probe"
+        (entry,) = d.status()["dirs"]
+        assert entry["free_bytes"] > 0 and entry["age_s"] >= 0
+        flag.write_text("3600")  # a hung file system
+        deadline = time.monotonic() + 10
+        while (running_s := d.status()["dirs_probe_running_s"] or 0.0) < 2.5:
+            assert time.monotonic() < deadline, "no probe of the hung file system was seen"
+            time.sleep(0.1)  # (a probe still reading "2" ends after 2 s)
+        threads = len(os.listdir(f"/proc/{d.pid}/task"))
+        time.sleep(2.5)  # samples go on, and do not start another probe beside the hung one
+        assert d.status()["dirs_probe_running_s"] >= running_s + 2.4
+        assert len(os.listdir(f"/proc/{d.pid}/task")) == threads
+        w = raw.write(os.urandom(4096))
+        assert w.status == 0
+    finally:
+        raw.close()
+    t0 = time.monotonic()
+    assert d.stop() == 0  # it does not wait for the hung probe
+    assert time.monotonic() - t0 < 10

@@ -1,5 +1,6 @@
 """Faults a multi-day job on a shared node must survive in daemon mode: a daemon that stops
-answering (SIGSTOP, wedged), a slow or hung file system under the daemon."""
+answering (SIGSTOP, wedged), a slow or hung file system under the daemon, a daemon lost more than
+once."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from offloadd.staging import AlignedBuffer
 
 from .conftest import _disk_root
 from .daemon_proc import DaemonProc, RawSession, held_descriptors
+from .helpers import small_offloader
 
 NOTHING = {"files": 0, "memfds": 0, "mappings": 0}
 CHUNK = 64 << 10
@@ -201,3 +203,35 @@ def test_a_slow_file_system_probe_never_stalls_sessions(
     t0 = time.monotonic()
     assert d.stop() == 0  # it does not wait for the hung probe
     assert time.monotonic() - t0 < 10
+
+
+# -- every loss of the daemon is reported ----------------------------------------------------------
+
+
+def test_every_daemon_loss_is_reported(own: Callable[..., DaemonProc]) -> None:
+    """Two losses of two daemons (each gave this client session 1): two warnings, not one."""
+    first = own().start()
+    off = small_offloader(first.dirs[0], daemon_socket=first.socket)
+    daemon = off._daemon
+    assert daemon is not None
+
+    def lose(d: DaemonProc) -> None:
+        d.kill()
+        deadline = time.monotonic() + 10
+        while daemon.connected:
+            assert time.monotonic() < deadline, "the client did not see the daemon go"
+            time.sleep(0.01)
+
+    with pytest.warns(RuntimeWarning) as got:
+        lose(first)
+        second = own(dirs=first.dirs).start()
+        with off:
+            pass
+        assert daemon.connected
+        lose(second)
+        with off:  # flushes the Offloader's warnings
+            pass
+    lost = [str(w.message) for w in got if "lost the daemon" in str(w.message)]
+    assert len(lost) == 2, lost
+    off.close()
+    assert held_descriptors(os.getpid(), [str(first.dirs[0])]) == NOTHING

@@ -188,6 +188,9 @@ class _Generation:
     dead: bool = False
     closed_event: threading.Event = field(default_factory=threading.Event)
     threads: list[threading.Thread] = field(default_factory=list)
+    # This backend's count of its connections. Not the session id, which a restarted daemon
+    # hands out again from 1: a warning keyed on it would be swallowed as already given.
+    number: int = 0
 
 
 @dataclass(slots=True)
@@ -242,6 +245,7 @@ class DaemonBackend:
         self._read_wait: deque[Request] = deque()
         self._local: PythonEngine | None = None  # reads after a daemon loss
         self._gens: list[_Generation] = []
+        self._numbers = itertools.count(1)
         self._current: _Generation | None = None
         self._closed = False
         self._closing = False  # close() has begun: a loss now is no news for the Offloader
@@ -311,6 +315,7 @@ class DaemonBackend:
             fds,
             list(info["files"]),
             checksum_function(info["checksum"]),
+            number=next(self._numbers),
         )
         for target, name in ((self._send_loop, "send"), (self._recv_loop, "recv")):
             t = threading.Thread(
@@ -737,7 +742,7 @@ class DaemonBackend:
             )
         elif announce and warn is not None:
             warn(
-                f"daemon-lost:{gen.session}",
+                f"daemon-lost:{gen.number}",
                 f"offloadd: lost the daemon at {self.socket_path} ({err}); this step goes on "
                 "without it (reads from the session's files, writes kept in memory); "
                 "reconnecting at the next step",

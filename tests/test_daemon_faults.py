@@ -1,14 +1,18 @@
 """Faults a multi-day job on a shared node must survive in daemon mode: a daemon that stops
 answering (SIGSTOP, wedged), a slow or hung file system under the daemon, a daemon lost more than
-once."""
+once; and ``offloadd serve`` on a base install (no extras)."""
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import importlib.metadata
 import logging
 import os
+import re
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -28,6 +32,7 @@ from .conftest import _disk_root
 from .daemon_proc import DaemonProc, RawSession, held_descriptors
 from .helpers import small_offloader
 
+ROOT = Path(__file__).resolve().parent.parent
 NOTHING = {"files": 0, "memfds": 0, "mappings": 0}
 CHUNK = 64 << 10
 
@@ -235,3 +240,105 @@ def test_every_daemon_loss_is_reported(own: Callable[..., DaemonProc]) -> None:
     assert len(lost) == 2, lost
     off.close()
     assert held_descriptors(os.getpid(), [str(first.dirs[0])]) == NOTHING
+
+
+# -- offloadd serve on a base install --------------------------------------------------------------
+
+
+def _core_requirements() -> set[str]:
+    """Names of the installed offloadd's requirements that no extra guards."""
+    names = set()
+    for line in importlib.metadata.requires("offloadd") or []:
+        if "extra ==" in line:
+            continue
+        m = re.match(r"[A-Za-z0-9._-]+", line)
+        assert m is not None, line
+        names.add(m.group(0).lower().replace("_", "-"))
+    return names
+
+
+def test_serve_needs_no_extra(own: Callable[..., DaemonProc]) -> None:
+    """uvloop and xxhash (the default checksum) are core dependencies; the ``daemon`` extra is
+    kept (prometheus-client), and ``offloadd serve`` with the documented defaults warns of
+    neither."""
+    assert {"uvloop", "xxhash", "torch", "psutil"} <= _core_requirements()
+    extras = importlib.metadata.metadata("offloadd").get_all("Provides-Extra") or []
+    assert "daemon" in extras
+    d = own("--config", str(ROOT / "configs" / "daemon.toml")).start()
+    assert d.status()["checksum"] == "xxh3"
+    assert d.stop() == 0
+    log = d.log_text()
+    assert "event loop: uvloop" in log
+    warnings = [line for line in log.splitlines() if " WARNING " in line or " ERROR " in line]
+    assert not [w for w in warnings if "uvloop" in w or "xxhash" in w], warnings
+
+
+@pytest.mark.slow
+def test_serve_on_a_fresh_base_install(tmp_path: Path) -> None:
+    """``pip install torch==2.13.0 <repo>`` (not editable, no extras) in a fresh venv, then
+    ``offloadd serve``, ``offloadd status`` and ``offloadd stop``."""
+    src = tmp_path / "src"
+    shutil.copytree(
+        ROOT,
+        src,
+        ignore=shutil.ignore_patterns(
+            ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "*.so", ".*_cache"
+        ),
+    )
+    venv = tmp_path / "venv"
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("OFFLOADD", "PYTHON", "VIRTUAL_ENV"))
+    }
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, env=env)
+    pip = subprocess.run(
+        [str(venv / "bin" / "pip"), "install", "-q", "torch==2.13.0", str(src)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
+    )
+    assert pip.returncode == 0, pip.stdout + pip.stderr
+    offloadd = str(venv / "bin" / "offloadd")
+    sock = str(tmp_path / "run" / "daemon.sock")
+    data = tmp_path / "data"
+    data.mkdir()
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log:
+        serve = subprocess.Popen(
+            [offloadd, "serve", "--socket", sock, "--dir", str(data)],
+            stdout=log,
+            stderr=log,
+            cwd=tmp_path,
+            env=env,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            st = subprocess.run(
+                [offloadd, "status", "--socket", sock],
+                capture_output=True,
+                text=True,
+                cwd=tmp_path,
+                env=env,
+            )
+            if st.returncode == 0:
+                break
+            assert serve.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, st.stderr + log_path.read_text()
+            time.sleep(0.2)
+        assert "checksum xxh3" in st.stdout, st.stdout
+        stop = subprocess.run(
+            [offloadd, "stop", "--socket", sock], capture_output=True, text=True, env=env
+        )
+        assert stop.returncode == 0, stop.stderr
+        assert serve.wait(60) == 0
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+    log_text = log_path.read_text()
+    assert "event loop: uvloop" in log_text, log_text
+    assert " WARNING " not in log_text and " ERROR " not in log_text, log_text
+    assert not os.path.exists(sock) and not list(data.iterdir())

@@ -697,7 +697,10 @@ def _loop_factory() -> Any:
     try:
         import uvloop
     except ImportError:
-        log.warning("uvloop is not installed; using asyncio's default event loop")
+        log.warning(
+            "uvloop is not installed; using asyncio's default event loop (uvloop is a "
+            "dependency of offloadd: pip install uvloop)"
+        )
         return asyncio.new_event_loop
     log.info("event loop: uvloop %s", uvloop.__version__)
     return uvloop.new_event_loop

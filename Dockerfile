@@ -17,9 +17,16 @@ FROM python:3.11-slim
 # The daemon needs torch only as a host-memory library: the CPU wheel is enough.
 RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 
-COPY pyproject.toml README.md /src/
+# Everything `pip install .` builds from (setup.py, offloadd_boot.py and csrc/ too: without them
+# the wheel lacks the start-up hook and the native engine; with no compiler in this image, the
+# native engine is skipped and the daemon logs that it runs the Python engine).
+COPY pyproject.toml setup.py offloadd_boot.py README.md /src/
 COPY offloadd /src/offloadd
+COPY csrc /src/csrc
 COPY configs /src/configs
+# A plain install serves with the defaults (uvloop and xxhash are dependencies of offloadd). The
+# daemon extra adds prometheus-client for --metrics-port, which listens on 127.0.0.1: reachable
+# from the host only with --network host.
 RUN pip install --no-cache-dir '/src[daemon]' && cp /src/configs/daemon.toml /etc/offloadd.toml \
     && rm -rf /src
 

@@ -18,8 +18,15 @@ from offloadd.daemon.cmd_status import query
 class DaemonProc:
     """``offloadd serve`` on ``root/run/daemon.sock`` with ``root/data`` as its directory."""
 
-    def __init__(self, root: Path, *args: str, dirs: list[Path] | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *args: str,
+        dirs: list[Path] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.root = root
+        self.env = env  # the daemon's whole environment (None: the test's own)
         self.socket = str(root / "run" / "daemon.sock")
         self.dirs = dirs or [root / "data"]
         for d in self.dirs:
@@ -38,7 +45,7 @@ class DaemonProc:
         for d in self.dirs:
             cmd += ["--dir", str(d)]
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(cmd + self.args, stdout=log, stderr=log)
+            self.proc = subprocess.Popen(cmd + self.args, stdout=log, stderr=log, env=self.env)
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
@@ -68,6 +75,17 @@ class DaemonProc:
         """Descriptors the daemon holds now: offload files, shared memory."""
         return held_descriptors(self.pid, [str(d) for d in self.dirs])
 
+    def pause(self) -> None:
+        """SIGSTOP: the daemon stops answering, its connections stay open (a wedged daemon)."""
+        os.kill(self.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while _proc_state(self.pid) not in ("T", "t"):
+            assert time.monotonic() < deadline, "the daemon did not stop"
+            time.sleep(0.01)
+
+    def resume(self) -> None:
+        os.kill(self.pid, signal.SIGCONT)
+
     def kill(self) -> None:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGKILL)
@@ -82,6 +100,11 @@ class DaemonProc:
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+def _proc_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 def held_descriptors(pid: int, dirs: list[str]) -> dict[str, int]:

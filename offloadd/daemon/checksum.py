@@ -1,6 +1,6 @@
 """Per-chunk checksums: computed by the daemon on write, verified on read (and by the client when
-it reads its files itself after the daemon died). xxh3 needs the xxhash package (the ``daemon``
-extra); crc32 is zlib's."""
+it reads its files itself after the daemon died). xxh3 is the xxhash package's (a dependency of
+offloadd); crc32 is zlib's."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ def checksum_function(kind: str) -> Callable[[memoryview], int] | None:
             import xxhash
         except ImportError:
             raise ValueError(
-                "checksum = 'xxh3' needs the xxhash package: pip install 'offloadd[daemon]' "
-                "(or set checksum = 'crc32')"
+                "checksum = 'xxh3' needs the xxhash package, a dependency of offloadd that is "
+                "missing here: pip install xxhash (or set checksum = 'crc32')"
             ) from None
         fn: Callable[[memoryview], int] = xxhash.xxh3_64_intdigest
         return fn

@@ -34,6 +34,7 @@ import queue
 import socket
 import sys
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -51,6 +52,10 @@ __all__ = ["DaemonBackend", "DaemonError", "connect_control"]
 log = logging.getLogger("offloadd")
 
 _CONNECT_TIMEOUT_S = 5.0
+CLOSE_TIMEOUT_S = 5.0
+"""How long ``DaemonBackend.close`` waits for the daemon (requests in flight, then the session's
+close) before it treats the connection as lost."""
+_TEARDOWN_TIMEOUT_S = 5.0  # then for our own threads and the local engine's reads, in all
 _MAX_FDS = 16
 
 
@@ -183,6 +188,9 @@ class _Generation:
     dead: bool = False
     closed_event: threading.Event = field(default_factory=threading.Event)
     threads: list[threading.Thread] = field(default_factory=list)
+    # This backend's count of its connections. Not the session id, which a restarted daemon
+    # hands out again from 1: a warning keyed on it would be swallowed as already given.
+    number: int = 0
 
 
 @dataclass(slots=True)
@@ -237,8 +245,10 @@ class DaemonBackend:
         self._read_wait: deque[Request] = deque()
         self._local: PythonEngine | None = None  # reads after a daemon loss
         self._gens: list[_Generation] = []
+        self._numbers = itertools.count(1)
         self._current: _Generation | None = None
         self._closed = False
+        self._closing = False  # close() has begun: a loss now is no news for the Offloader
         self._outstanding = 0  # requests submitted and not yet completed or cancelled
         self._buffer: AlignedBuffer | None = None
         # Copying read chunks out of their slots (and running the Offloader's callbacks) is
@@ -305,6 +315,7 @@ class DaemonBackend:
             fds,
             list(info["files"]),
             checksum_function(info["checksum"]),
+            number=next(self._numbers),
         )
         for target, name in ((self._send_loop, "send"), (self._recv_loop, "recv")):
             t = threading.Thread(
@@ -323,7 +334,7 @@ class DaemonBackend:
     def begin_step(self) -> None:
         """Called at each ``with offloader:``; reconnects after a daemon loss."""
         with self._lock:
-            if self._current is not None or self._closed:
+            if self._current is not None or self._closing:
                 return
         try:
             gen = self._connect()
@@ -381,36 +392,103 @@ class DaemonBackend:
                 self._close_files(gen)
 
     def close(self) -> None:
-        """Wait for requests in flight, close the session, release memory and descriptors."""
+        """Wait for requests in flight, close the session, release memory and descriptors.
+
+        Never waits forever: past ``CLOSE_TIMEOUT_S`` without the daemon settling what is in
+        flight (it is stopped, wedged, or stuck on its disk), the connection is treated as lost
+        (see [daemon loss]) with a warning, and the rest of the teardown is bounded as well."""
+        deadline = time.monotonic() + CLOSE_TIMEOUT_S
         with self._lock:
-            if self._closed:
+            if self._closed or self._closing:
                 return
-            while self._outstanding > 0:
-                self._idle.wait(timeout=1.0)
+            self._closing = True
+            idle = self._wait_idle(deadline)
+            stuck = self._current
+        if not idle:
+            if stuck is not None:
+                self._abandon(stuck)
+            with self._lock:
+                if not self._wait_idle(time.monotonic() + _TEARDOWN_TIMEOUT_S):
+                    log.warning(
+                        "offloadd: closing the session with the daemon at %s with %d request(s) "
+                        "still unsettled (the local engine that reads the session's files has "
+                        "not finished them)",
+                        self.socket_path,
+                        self._outstanding,
+                    )
+        with self._lock:
             self._closed = True
             gen, self._current = self._current, None
         if gen is not None:
             gen.sendq.put(proto.Request(proto.Msg.CLOSE, next(self._ids)))
-            gen.closed_event.wait(timeout=_CONNECT_TIMEOUT_S)
-            with contextlib.suppress(OSError):
-                gen.sock.shutdown(socket.SHUT_RDWR)
+            if not gen.closed_event.wait(timeout=max(0.0, deadline - time.monotonic())):
+                log.warning(
+                    "offloadd: the daemon at %s did not answer the close of session %d within "
+                    "%.0f s; closing the connection",
+                    self.socket_path,
+                    gen.session,
+                    CLOSE_TIMEOUT_S,
+                )
+                self._lost(gen, TimeoutError("no answer to close"), announce=False)
+        until = time.monotonic() + _TEARDOWN_TIMEOUT_S
         for g in self._gens:
+            with contextlib.suppress(OSError):  # wakes our threads blocked on the socket
+                g.sock.shutdown(socket.SHUT_RDWR)
             g.sendq.put(None)
             for t in g.threads:
-                if t is not threading.current_thread():
-                    t.join(timeout=_CONNECT_TIMEOUT_S)
+                self._join(t, until)
             g.sock.close()
-            self._close_files(g)
         for _ in self._copiers:
             self._copyq.put(None)
         for t in self._copiers:
-            if t is not threading.current_thread():
-                t.join(timeout=_CONNECT_TIMEOUT_S)
+            self._join(t, until)
         if self._local is not None:
-            self._local.close()
+            self._local.close()  # finishes the reads from the session's files first
+        for g in self._gens:
+            self._close_files(g)
         self._records.clear()
         if self._buffer is not None:
             self._buffer.close()
+
+    def _wait_idle(self, deadline: float) -> bool:
+        """Wait (lock held) until no request is outstanding or ``deadline``; True if none is."""
+        while self._outstanding > 0:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._idle.wait(timeout=left)
+        return True
+
+    def _abandon(self, gen: _Generation) -> None:
+        """close() gave up waiting on the daemon: treat the connection as lost, say so."""
+        with self._lock:
+            sent = [req for req, _slot in gen.pending.values() if req is not _CLOSE_MARK]
+            writes = sum(1 for req in sent if req.op is Op.WRITE)
+            unsent = gen.sendq.qsize() + len(self._read_wait)
+        log.warning(
+            "offloadd: the daemon at %s did not settle session %d's requests within %.0f s of "
+            "close(); abandoning the connection: %d write(s) in flight fail, %d read(s) in "
+            "flight are read from the session's files, %d request(s) not yet sent are settled "
+            "the same way",
+            self.socket_path,
+            gen.session,
+            CLOSE_TIMEOUT_S,
+            writes,
+            len(sent) - writes,
+            unsent,
+        )
+        err = TimeoutError(f"no answer within {CLOSE_TIMEOUT_S:.0f} s of close()")
+        self._lost(gen, err, announce=False)
+        with contextlib.suppress(OSError):  # our sender may be blocked in sendall
+            gen.sock.shutdown(socket.SHUT_RDWR)
+
+    @staticmethod
+    def _join(t: threading.Thread, until: float) -> None:
+        if t is threading.current_thread():
+            return
+        t.join(timeout=max(0.0, until - time.monotonic()))
+        if t.is_alive():
+            log.warning("offloadd: thread %s did not finish; closing without it", t.name)
 
     # -- threads ---------------------------------------------------------------------------
 
@@ -619,8 +697,9 @@ class DaemonBackend:
             self._local = PythonEngine(2)
         return self._local
 
-    def _lost(self, gen: _Generation, err: BaseException) -> None:
-        """The connection broke: settle everything in flight (see [daemon loss])."""
+    def _lost(self, gen: _Generation, err: BaseException, *, announce: bool = True) -> None:
+        """The connection broke: settle everything in flight (see [daemon loss]). ``announce``:
+        warn of it (False where the caller has already said why it gives up)."""
         failed: list[Request] = []
         with self._lock:
             if gen.dead:
@@ -649,13 +728,21 @@ class DaemonBackend:
                     failed.append(req)
                 else:
                     self._read_locally(req, rec)
-            closing = self._closed
+            closing = self._closing
             gen.sendq.put(None)
         gen.closed_event.set()
         warn = self._warn_ref()
-        if not closing and warn is not None:
+        if announce and closing:
+            log.warning(
+                "offloadd: lost the daemon at %s while closing session %d (%s); what was in "
+                "flight is settled without it",
+                self.socket_path,
+                gen.session,
+                err,
+            )
+        elif announce and warn is not None:
             warn(
-                f"daemon-lost:{gen.session}",
+                f"daemon-lost:{gen.number}",
                 f"offloadd: lost the daemon at {self.socket_path} ({err}); this step goes on "
                 "without it (reads from the session's files, writes kept in memory); "
                 "reconnecting at the next step",

@@ -14,6 +14,8 @@ from offloadd.stats import format_bytes
 
 __all__ = ["add_arguments", "main", "query"]
 
+_STALE_S = 5.0  # the daemon probes its directories every second: older figures are flagged
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--socket", default=None, help="daemon socket (default: per-user path)")
@@ -45,7 +47,15 @@ def _table(doc: dict[str, Any]) -> str:
     ]
     for d in doc["dirs"]:
         free = format_bytes(d["free_bytes"]) if "free_bytes" in d else d.get("error", "?")
-        lines.append(f"dir {d['path']}: {free} free")
+        age = d.get("age_s", 0.0)  # an older daemon probed at every query
+        stale = f" (measured {age:.0f} s ago)" if age >= _STALE_S else ""
+        lines.append(f"dir {d['path']}: {free} free{stale}")
+    probing = doc.get("dirs_probe_running_s")
+    if probing is not None and probing >= _STALE_S:
+        lines.append(
+            f"the free-space probe has been running for {probing:.0f} s: a directory's file "
+            "system is slow or hung (sessions are not held up by it)"
+        )
     lines.append(f"{len(doc['sessions'])} session(s)")
     for s in doc["sessions"]:
         lines.append(

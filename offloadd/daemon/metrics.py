@@ -73,10 +73,17 @@ def start_metrics(daemon: _HasStatus, port: int) -> _Handle:
             free = GaugeMetricFamily(
                 "offloadd_dir_free_bytes", "Free bytes per offload directory", labels=["dir"]
             )
+            age = GaugeMetricFamily(
+                "offloadd_dir_probe_age_seconds",
+                "Age of the free-space figures per offload directory (grows on a hung file system)",
+                labels=["dir"],
+            )
             for d in doc.get("dirs", []):
                 if "free_bytes" in d:
                     free.add_metric([d["path"]], d["free_bytes"])
+                age.add_metric([d["path"]], d.get("age_s", 0.0))
             yield free
+            yield age
 
     registry = CollectorRegistry()
     registry.register(Collector())

@@ -6,6 +6,14 @@ bounded buffer), and the engine's threads never wait on a client. A client that 
 gets its replies buffered up to a limit and is then dropped; a client that dies is seen as end
 of file. Neither delays any other session.
 
+Note: [probes off the loop] ``status`` shows each directory's free space and file-system type.
+Asking the file system (``psutil.disk_usage``, the mount table) blocks as long as the file system
+does, seconds or forever on a hung NFS mount or a dying disk, so the loop never does it. Once a
+second the sampler starts a probe on a daemon thread of its own, unless the previous one is still
+running; the loop keeps the last result and shows its age (``age_s`` of each directory), and how
+long a running probe has been at it (``dirs_probe_running_s``). A hung probe delays no session,
+and does not keep the daemon from exiting.
+
 Note: [reads before writes, fairly] Requests wait in per-session queues; the dispatcher keeps at
 most ``2 * io_threads`` of them in the engine and picks, round-robin over sessions, a read if any
 session has one, else a write. A session that floods writes therefore delays neither another
@@ -27,6 +35,7 @@ import signal
 import socket
 import stat
 import struct
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -51,11 +60,12 @@ from offloadd.engines import open_host_engine
 from offloadd.staging import ALIGN
 from offloadd.storage import SlotFile, default_offload_dir, filesystem_type
 
-__all__ = ["Server", "make_engine", "serve"]
+__all__ = ["Server", "make_engine", "probe_dirs", "serve"]
 
 log = logging.getLogger("offloadd.daemon")
 
 _MAX_QUEUED = 4096  # requests one session may have waiting; more is hostile
+_SAMPLE_EVERY_S = 1.0
 _UCRED = struct.Struct("3i")
 
 
@@ -114,6 +124,11 @@ class Server:
         self._samples: deque[tuple[float, int, int]] = deque(maxlen=11)
         self.status_doc: dict[str, Any] = {}
         self._sampler: asyncio.TimerHandle | None = None
+        # Free space and file-system type of the directories (see [probes off the loop]); the
+        # first probe runs here, before anything is served, as the checks above do.
+        self._dirs_doc = probe_dirs(self.dirs)
+        self._dirs_at = time.monotonic()
+        self._probe_since: float | None = None  # when the probe now running started
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -578,8 +593,30 @@ class Server:
     def _sample(self) -> None:
         now = time.monotonic()
         self._samples.append((now, self.totals["bytes_written"], self.totals["bytes_read"]))
+        if self._probe_since is None:
+            self._start_probe()
         self.status_doc = self.status()
-        self._sampler = self.loop.call_later(1.0, self._sample)
+        self._sampler = self.loop.call_later(_SAMPLE_EVERY_S, self._sample)
+
+    def _start_probe(self) -> None:
+        """Probe the directories on a thread of its own (see [probes off the loop])."""
+        self._probe_since = time.monotonic()
+        dirs, loop = list(self.dirs), self.loop
+
+        def run() -> None:
+            try:
+                doc = probe_dirs(dirs)
+            except BaseException as e:  # never leave the probe marked as running
+                doc = [{"path": d, "error": f"probe failed: {e!r}"} for d in dirs]
+            with contextlib.suppress(RuntimeError):  # a closed loop: the daemon is exiting
+                loop.call_soon_threadsafe(self._probed, doc)
+
+        threading.Thread(target=run, name="offloadd-probe", daemon=True).start()
+
+    def _probed(self, doc: list[dict[str, Any]]) -> None:
+        self._dirs_doc = doc
+        self._dirs_at = time.monotonic()
+        self._probe_since = None
 
     def status(self) -> dict[str, Any]:
         """Everything ``offloadd status --json`` shows (and the metrics endpoint exports)."""
@@ -588,20 +625,10 @@ class Server:
             (t0, w0, r0), (t1, w1, r1) = self._samples[0], self._samples[-1]
             if t1 > t0:
                 write_bps, read_bps = (w1 - w0) / (t1 - t0), (r1 - r0) / (t1 - t0)
-        dirs = []
-        for d in self.dirs:
-            try:
-                u = psutil.disk_usage(d)
-                dirs.append(
-                    {
-                        "path": d,
-                        "free_bytes": u.free,
-                        "total_bytes": u.total,
-                        "fs": filesystem_type(d),
-                    }
-                )
-            except OSError as e:
-                dirs.append({"path": d, "error": str(e)})
+        now = time.monotonic()
+        age = round(now - self._dirs_at, 3)
+        dirs = [dict(d, age_s=age) for d in self._dirs_doc]
+        since = self._probe_since
         sessions = [
             {
                 "id": s.id,
@@ -642,6 +669,7 @@ class Server:
                 "writes": sum(len(q) for q in self._writes.values()),
             },
             "dirs": dirs,
+            "dirs_probe_running_s": None if since is None else round(now - since, 3),
             "io_errors": self.totals["io_errors"],
             "refused_requests": self.totals["refused_requests"],
             "dropped_connections": self.totals["dropped_connections"],
@@ -650,11 +678,29 @@ class Server:
         }
 
 
+def probe_dirs(dirs: list[str]) -> list[dict[str, Any]]:
+    """Free space and file-system type of each directory, for ``status``. Blocks as long as the
+    file system does (a hung NFS mount, a dying disk): never call it on the event loop."""
+    out: list[dict[str, Any]] = []
+    for d in dirs:
+        try:
+            u = psutil.disk_usage(d)
+            out.append(
+                {"path": d, "free_bytes": u.free, "total_bytes": u.total, "fs": filesystem_type(d)}
+            )
+        except OSError as e:
+            out.append({"path": d, "error": str(e)})
+    return out
+
+
 def _loop_factory() -> Any:
     try:
         import uvloop
     except ImportError:
-        log.warning("uvloop is not installed; using asyncio's default event loop")
+        log.warning(
+            "uvloop is not installed; using asyncio's default event loop (uvloop is a "
+            "dependency of offloadd: pip install uvloop)"
+        )
         return asyncio.new_event_loop
     log.info("event loop: uvloop %s", uvloop.__version__)
     return uvloop.new_event_loop

@@ -42,8 +42,8 @@ class DaemonConfig:
     that chunk in memory. 0: no quota."""
 
     checksum: Checksum = "xxh3"
-    """Per-chunk checksum computed on write and verified on read: ``xxh3`` (the xxhash package),
-    ``crc32`` (zlib; slower) or ``none``."""
+    """Per-chunk checksum computed on write and verified on read: ``xxh3`` (the xxhash package, a
+    dependency of offloadd), ``crc32`` (zlib; slower) or ``none``."""
 
     allowed_uids: tuple[int, ...] = ()
     """User ids besides the daemon's own that may connect (checked with SO_PEERCRED)."""
@@ -64,7 +64,8 @@ class DaemonConfig:
     """Largest chunk (slot) size a session may ask for."""
 
     metrics_port: int = 0
-    """Serve Prometheus metrics on 127.0.0.1:PORT (needs prometheus-client). 0: off."""
+    """Serve Prometheus metrics on 127.0.0.1:PORT (needs prometheus-client, the ``daemon``
+    extra). 0: off."""
 
     def __post_init__(self) -> None:
         for key, choices in (("checksum", get_args(Checksum)), ("direct_io", get_args(DirectIO))):

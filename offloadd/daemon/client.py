@@ -44,7 +44,7 @@ from typing import Any
 from offloadd.config import OffloadConfig
 from offloadd.daemon import protocol as proto
 from offloadd.daemon.checksum import checksum_function
-from offloadd.engine import Op, PythonEngine, Request, RequestState
+from offloadd.engine import Op, PythonEngine, Request, RequestState, mark_engine_thread
 from offloadd.staging import AlignedBuffer, SlotPool, address_view
 
 __all__ = ["DaemonBackend", "DaemonError", "connect_control"]
@@ -493,6 +493,7 @@ class DaemonBackend:
     # -- threads ---------------------------------------------------------------------------
 
     def _send_loop(self, gen: _Generation) -> None:
+        mark_engine_thread()
         while True:
             item = gen.sendq.get()
             if item is None:
@@ -561,6 +562,7 @@ class DaemonBackend:
         return None
 
     def _recv_loop(self, gen: _Generation) -> None:
+        mark_engine_thread()
         buf = bytearray()
         err: BaseException | None = None
         try:
@@ -606,6 +608,7 @@ class DaemonBackend:
         self._complete(req, err)
 
     def _copy_loop(self) -> None:
+        mark_engine_thread()
         while True:
             item = self._copyq.get()
             if item is None:

@@ -33,6 +33,7 @@
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #if defined(__has_include)
@@ -106,6 +107,45 @@ typedef struct engine {
 #endif
 } engine_t;
 
+/* ----------------------------------------------------------------- test hooks (faults) -- */
+
+/* Fault injection for the tests (offloadd._native._inject_fault): the next `count` passes
+ * through a fault point (every pass if count < 0) fail with `err` instead of doing the real
+ * call.  Checked only where an
+ * allocation or io_uring_enter is about to happen, never per byte: one relaxed load when
+ * disarmed. */
+enum { FAULT_URING_ENTER, FAULT_ALLOC, FAULT_COMPLETION, NFAULTS };
+static const char *const fault_names[NFAULTS] = {"uring_enter", "alloc", "completion"};
+static int fault_count[NFAULTS];
+static int fault_errno[NFAULTS];
+
+/* 0, or the errno the caller must fail with instead of doing the call. */
+static int fault(int which) {
+    int n = __atomic_load_n(&fault_count[which], __ATOMIC_ACQUIRE);
+    if (n < 0) return fault_errno[which];
+    while (n > 0) {
+        if (__atomic_compare_exchange_n(&fault_count[which], &n, n - 1, 0, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_ACQUIRE))
+            return fault_errno[which];
+    }
+    return 0;
+}
+
+/* offloadd._native._hold_copies: while on, every bounce-buffer copy waits before it starts (at
+ * most 5 s), so a test can look at the engine while a copy is "running". */
+static int hold_copies;
+static int held_copies; /* copies waiting now */
+
+static void copy_gate(void) {
+    if (!__atomic_load_n(&hold_copies, __ATOMIC_RELAXED)) return;
+    __atomic_add_fetch(&held_copies, 1, __ATOMIC_ACQ_REL);
+    for (int ms = 0; ms < 5000 && __atomic_load_n(&hold_copies, __ATOMIC_ACQUIRE); ms++) {
+        struct timespec ts = {0, 1000000};
+        nanosleep(&ts, NULL);
+    }
+    __atomic_sub_fetch(&held_copies, 1, __ATOMIC_ACQ_REL);
+}
+
 /* ---------------------------------------------------------------- queue (caller holds mu) -- */
 
 static void queue_push(engine_t *e, request_t *r) {
@@ -164,7 +204,8 @@ static void finish_chunk(engine_t *e, request_t *r, uint64_t moved, int err) {
     if (r->inflight == 0 && r->next >= r->nbytes) {
         if (e->ncomp == e->capcomp) {
             size_t cap = e->capcomp ? e->capcomp * 2 : 64;
-            completion_t *grown = realloc(e->comp, cap * sizeof *grown);
+            completion_t *grown = fault(FAULT_COMPLETION) ? NULL
+                                                          : realloc(e->comp, cap * sizeof *grown);
             if (!grown) abort(); /* out of memory while completing I/O: nothing sane remains */
             e->comp = grown;
             e->capcomp = cap;
@@ -198,12 +239,13 @@ static int transfer_chunk(const request_t *r, const chunk_t *c, char **bounce, u
     if (needs_bounce(r, c)) {
         if (!*bounce) {
             void *p = NULL;
-            if (posix_memalign(&p, ALIGN, cap)) return ENOMEM;
+            if (fault(FAULT_ALLOC) || posix_memalign(&p, ALIGN, cap)) return ENOMEM;
             *bounce = p;
         }
         buf = *bounce;
         io_len = (len + ALIGN - 1) / ALIGN * ALIGN;
         if (r->op == OP_WRITE) {
+            copy_gate();
             memcpy(buf, src, len);
             memset(buf + len, 0, io_len - len);
         }
@@ -229,7 +271,10 @@ static int transfer_chunk(const request_t *r, const chunk_t *c, char **bounce, u
         }
     }
     if (got < len) return EIO;
-    if (buf != src && r->op == OP_READ) memcpy(src, buf, len);
+    if (buf != src && r->op == OP_READ) {
+        copy_gate();
+        memcpy(src, buf, len);
+    }
     *moved = len;
     return 0;
 }
@@ -344,12 +389,14 @@ static int slot_start(engine_t *e, uslot_t *s, char **bounce) {
     if (needs_bounce(r, &s->c)) {
         if (!*bounce) {
             void *p = NULL;
-            if (posix_memalign(&p, ALIGN, e->chunk_bytes + ALIGN)) return ENOMEM;
+            if (fault(FAULT_ALLOC) || posix_memalign(&p, ALIGN, e->chunk_bytes + ALIGN))
+                return ENOMEM;
             *bounce = p;
         }
         s->buf = *bounce;
         s->io_len = (s->c.len + ALIGN - 1) / ALIGN * ALIGN;
         if (r->op == OP_WRITE) {
+            copy_gate();
             memcpy(s->buf, r->addr + s->c.pos, s->c.len);
             memset(s->buf + s->c.len, 0, s->io_len - s->c.len);
         }
@@ -365,6 +412,12 @@ static unsigned ring_unsubmitted(engine_t *e) {
 static int ring_enter(engine_t *e, unsigned min_complete) {
     int rc;
     do {
+        int injected = fault(FAULT_URING_ENTER);
+        if (injected) {
+            errno = injected;
+            rc = -1;
+            continue;
+        }
         rc = (int)syscall(__NR_io_uring_enter, e->ring_fd, ring_unsubmitted(e), min_complete,
                           min_complete ? IORING_ENTER_GETEVENTS : 0, NULL, 0);
     } while (rc < 0 && (errno == EINTR || errno == EAGAIN || errno == EBUSY));
@@ -393,8 +446,9 @@ static void ring_arm_kick(engine_t *e) {
 static void *ring_main(void *arg) {
     engine_t *e = arg;
     unsigned depth = e->depth;
-    uslot_t *slots = calloc(depth, sizeof *slots);
-    char **bounce = calloc(depth, sizeof *bounce);
+    int injected = fault(FAULT_ALLOC);
+    uslot_t *slots = injected ? NULL : calloc(depth, sizeof *slots);
+    char **bounce = injected ? NULL : calloc(depth, sizeof *bounce);
     unsigned inflight = 0;
     if (!slots || !bounce) abort();
     pthread_mutex_lock(&e->mu);
@@ -464,8 +518,10 @@ static void *ring_main(void *arg) {
                 continue;
             }
             if (!err && s->got < s->c.len) err = EIO;
-            if (!err && s->c.req->op == OP_READ && s->buf != s->c.req->addr + s->c.pos)
+            if (!err && s->c.req->op == OP_READ && s->buf != s->c.req->addr + s->c.pos) {
+                copy_gate();
                 memcpy(s->c.req->addr + s->c.pos, s->buf, s->c.len);
+            }
             s->busy = 0;
             inflight--;
             finish_chunk(e, s->c.req, err ? 0 : s->c.len, err);
@@ -853,7 +909,44 @@ static PyObject *probe_uring(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(igno
 #endif
 }
 
+static PyObject *inject_fault(PyObject *Py_UNUSED(self), PyObject *args) {
+    const char *name;
+    int count, err;
+    if (!PyArg_ParseTuple(args, "sii", &name, &count, &err)) return NULL;
+    for (int i = 0; i < NFAULTS; i++) {
+        if (strcmp(name, fault_names[i]) != 0) continue;
+        if (count != 0 && err <= 0) {
+            PyErr_Format(PyExc_ValueError, "errno must be > 0, got %d", err);
+            return NULL;
+        }
+        fault_errno[i] = err;
+        __atomic_store_n(&fault_count[i], count, __ATOMIC_RELEASE);
+        Py_RETURN_NONE;
+    }
+    PyErr_Format(PyExc_ValueError, "unknown fault point '%s'", name);
+    return NULL;
+}
+
+static PyObject *hold_copies_py(PyObject *Py_UNUSED(self), PyObject *arg) {
+    int on = PyObject_IsTrue(arg);
+    if (on < 0) return NULL;
+    __atomic_store_n(&hold_copies, on, __ATOMIC_RELEASE);
+    Py_RETURN_NONE;
+}
+
+static PyObject *held_copies_py(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(ignored)) {
+    return PyLong_FromLong(__atomic_load_n(&held_copies, __ATOMIC_ACQUIRE));
+}
+
 static PyMethodDef module_methods[] = {
+    {"_inject_fault", inject_fault, METH_VARARGS,
+     "_inject_fault(name, count, errno): for tests, the next `count` passes through the fault "
+     "point `name` ('uring_enter', 'alloc', 'completion') fail with `errno` (every pass if "
+     "count < 0); count 0 disarms"},
+    {"_hold_copies", hold_copies_py, METH_O,
+     "_hold_copies(on): for tests, every bounce-buffer copy waits (at most 5 s) while on"},
+    {"_held_copies", held_copies_py, METH_NOARGS,
+     "_held_copies() -> int: bounce-buffer copies waiting in _hold_copies now"},
     {"probe_uring", probe_uring, METH_NOARGS,
      "probe_uring() -> (bool, str): whether io_uring works in this process, and why not"},
     {NULL, NULL, 0, NULL},

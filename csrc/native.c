@@ -9,10 +9,12 @@
  *            when <linux/io_uring.h> exists; used only if io_uring_setup succeeds at run time,
  *            since container seccomp profiles often refuse it).
  *
- * No backend thread ever takes the GIL.  When a request's last chunk finishes, (token, errno,
- * bytes done) is appended to a completion list and an eventfd is signalled; Python collects the
- * completions with reap(), which waits on the eventfd with the GIL released, or watches
- * fileno() from an event loop.  Reads are handed out before writes.
+ * No backend thread ever takes the GIL.  When a request's last chunk finishes, the request
+ * itself is appended to a completion list (no allocation: completing can never fail) and an
+ * eventfd is signalled; Python collects (token, errno, bytes done) with reap(), which waits on
+ * the eventfd with the GIL released, or watches fileno() from an event loop.  If reap() cannot
+ * build its result (MemoryError), the completions stay queued for the next call.  Reads are
+ * handed out before writes.
  *
  * O_DIRECT: when the file was opened with O_DIRECT and a chunk's address or length is not a
  * multiple of 4096, the chunk goes through an aligned bounce buffer (a write's tail is padded
@@ -60,14 +62,9 @@ typedef struct request {
     uint64_t nbytes;
     uint64_t next;    /* first byte not yet handed out */
     uint64_t done;    /* bytes transferred */
-    struct request *qnext;
+    struct request *qnext;  /* in a queue of pending requests */
+    struct request *dnext;  /* in the completion list, once finished */
 } request_t;
-
-typedef struct {
-    uint64_t token;
-    int err;
-    uint64_t done;
-} completion_t;
 
 typedef struct {
     request_t *req;
@@ -80,8 +77,8 @@ typedef struct engine {
     pthread_mutex_t mu;
     pthread_cond_t work_cv;
     request_t *qhead[2], *qtail[2];  /* pending chunks: [OP_READ], [OP_WRITE] */
-    completion_t *comp;
-    size_t ncomp, capcomp;
+    request_t *done_head, *done_tail; /* finished requests, oldest first, until reap() */
+    size_t ndone;
     int efd;
     int stopping;
     int closed;
@@ -114,7 +111,12 @@ typedef struct engine {
  * call.  Checked only where an
  * allocation or io_uring_enter is about to happen, never per byte: one relaxed load when
  * disarmed. */
-enum { FAULT_URING_ENTER, FAULT_ALLOC, FAULT_COMPLETION, NFAULTS };
+enum {
+    FAULT_URING_ENTER, /* io_uring_enter */
+    FAULT_ALLOC,       /* allocations made for I/O: the ring's slot table, bounce buffers */
+    FAULT_COMPLETION,  /* handing finished requests to Python (the list reap() builds) */
+    NFAULTS
+};
 static const char *const fault_names[NFAULTS] = {"uring_enter", "alloc", "completion"};
 static int fault_count[NFAULTS];
 static int fault_errno[NFAULTS];
@@ -202,21 +204,12 @@ static void finish_chunk(engine_t *e, request_t *r, uint64_t moved, int err) {
         }
     }
     if (r->inflight == 0 && r->next >= r->nbytes) {
-        if (e->ncomp == e->capcomp) {
-            size_t cap = e->capcomp ? e->capcomp * 2 : 64;
-            completion_t *grown = fault(FAULT_COMPLETION) ? NULL
-                                                          : realloc(e->comp, cap * sizeof *grown);
-            if (!grown) abort(); /* out of memory while completing I/O: nothing sane remains */
-            e->comp = grown;
-            e->capcomp = cap;
-        }
-        e->comp[e->ncomp].token = r->token;
-        e->comp[e->ncomp].err = r->err;
-        e->comp[e->ncomp].done = r->done;
-        e->ncomp++;
+        r->dnext = NULL; /* reap() frees it */
+        if (e->done_tail) e->done_tail->dnext = r; else e->done_head = r;
+        e->done_tail = r;
+        e->ndone++;
         if (r->op == OP_READ) e->bytes_read += r->done; else e->bytes_written += r->done;
         e->pending_requests--;
-        free(r);
         signal_eventfd(e);
     }
 }
@@ -654,7 +647,10 @@ static void Engine_dealloc(engine_t *e) {
     engine_stop(e);
     Py_END_ALLOW_THREADS
     free(e->threads);
-    free(e->comp);
+    for (request_t *r = e->done_head, *next; r; r = next) { /* never reaped */
+        next = r->dnext;
+        free(r);
+    }
     if (e->efd >= 0) close(e->efd);
     pthread_cond_destroy(&e->work_cv);
     pthread_mutex_destroy(&e->mu);
@@ -739,11 +735,26 @@ static PyObject *Engine_cancel(engine_t *e, PyObject *arg) {
     return PyBool_FromLong(found);
 }
 
+/* Put finished requests that reap() took but could not hand to Python back at the head of the
+ * completion list, in order, for the next reap(). */
+static void give_back(engine_t *e, request_t *got, size_t n) {
+    if (!got) return;
+    request_t *last = got;
+    while (last->dnext) last = last->dnext;
+    pthread_mutex_lock(&e->mu);
+    last->dnext = e->done_head;
+    if (!e->done_tail) e->done_tail = last;
+    e->done_head = got;
+    e->ndone += n;
+    signal_eventfd(e);
+    pthread_mutex_unlock(&e->mu);
+}
+
 static PyObject *Engine_reap(engine_t *e, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"timeout", NULL};
     double timeout = -1.0;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|d", kwlist, &timeout)) return NULL;
-    completion_t *got = NULL;
+    request_t *got = NULL;
     size_t n = 0;
     int poll_err = 0;
     Py_BEGIN_ALLOW_THREADS
@@ -753,11 +764,11 @@ static PyObject *Engine_reap(engine_t *e, PyObject *args, PyObject *kw) {
         uint64_t v;
         if (read(e->efd, &v, sizeof v) < 0 && errno != EAGAIN) { poll_err = errno; break; }
         pthread_mutex_lock(&e->mu);
-        if (e->ncomp) {
-            got = e->comp;
-            n = e->ncomp;
-            e->comp = NULL;
-            e->ncomp = e->capcomp = 0;
+        if (e->done_head) {
+            got = e->done_head;
+            n = e->ndone;
+            e->done_head = e->done_tail = NULL;
+            e->ndone = 0;
         }
         pthread_mutex_unlock(&e->mu);
         if (n || timeout == 0.0) break;
@@ -769,19 +780,32 @@ static PyObject *Engine_reap(engine_t *e, PyObject *args, PyObject *kw) {
     }
     Py_END_ALLOW_THREADS
     if (poll_err) {
-        free(got);
+        give_back(e, got, n);
         errno = poll_err;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
-    PyObject *list = PyList_New((Py_ssize_t)n);
-    if (!list) { free(got); return NULL; }
-    for (size_t i = 0; i < n; i++) {
-        PyObject *t = Py_BuildValue("(KiK)", (unsigned long long)got[i].token, got[i].err,
-                                    (unsigned long long)got[i].done);
-        if (!t) { free(got); Py_DECREF(list); return NULL; }
-        PyList_SET_ITEM(list, (Py_ssize_t)i, t);
+    /* Nothing is freed before the whole list is built: on MemoryError every completion taken
+     * goes back to the engine, and a later reap() delivers it. */
+    PyObject *list = fault(FAULT_COMPLETION) ? PyErr_NoMemory() : PyList_New((Py_ssize_t)n);
+    if (!list) {
+        give_back(e, got, n);
+        return NULL;
     }
-    free(got);
+    Py_ssize_t i = 0;
+    for (request_t *r = got; r; r = r->dnext, i++) {
+        PyObject *t = Py_BuildValue("(KiK)", (unsigned long long)r->token, r->err,
+                                    (unsigned long long)r->done);
+        if (!t) {
+            Py_DECREF(list);
+            give_back(e, got, n);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, i, t);
+    }
+    for (request_t *r = got, *next; r; r = next) {
+        next = r->dnext;
+        free(r);
+    }
     return list;
 }
 

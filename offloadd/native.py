@@ -200,7 +200,9 @@ class NativeEngine:
         while True:
             try:
                 finished = self._native.reap()
-            except OSError:  # never lose the dispatcher: every later callback would be lost
+            except (OSError, MemoryError):
+                # Never lose the dispatcher: every later callback would be lost. On MemoryError
+                # the completions stay with the C side, for the next reap().
                 log.exception("offloadd: waiting for native completions failed; retrying")
                 time.sleep(0.01)
                 continue

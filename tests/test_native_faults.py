@@ -1,0 +1,205 @@
+"""The native engine under faults: allocation failures, a failing io_uring_enter, failures while
+completions are handed to Python. None may kill the process, lose a request or hang one: every
+submitted request calls back exactly once, with an ``OSError``/``MemoryError`` or with its data
+intact, and the engine goes on working (after a ring failure, on its thread pool).
+
+The faults come from test hooks in the extension (``_native._inject_fault``,
+``_native._hold_copies``). Scenarios that used to ``abort()`` run in a child process, so that a
+regression fails the test instead of killing pytest."""
+
+from __future__ import annotations
+
+import errno
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from offloadd import native
+
+ENGINE_PARAMS = ("default",)  # disk_dir once: these tests choose their engines themselves
+
+needs_uring = pytest.mark.skipif(
+    not native.uring_available()[0], reason=f"io_uring unavailable: {native.uring_available()[1]}"
+)
+
+# Shared by the child processes: argv[1] is a directory on disk for O_DIRECT files.
+_PRELUDE = r"""
+import collections, errno, json, logging, os, sys, threading
+import torch
+from offloadd import _native
+from offloadd.engine import Op, Request
+from offloadd.native import NativeEngine
+
+DIR = sys.argv[1]
+RECORDS = []
+
+
+class Keep(logging.Handler):
+    def emit(self, record):
+        RECORDS.append(record)
+
+
+logging.getLogger("offloadd").addHandler(Keep())
+logging.getLogger("offloadd").setLevel(logging.INFO)
+
+
+def data(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+def unaligned(t, by):
+    # a copy of t at an address that is `by` bytes past a 4096 boundary
+    base = torch.empty(t.numel() + 8192, dtype=torch.uint8)
+    skip = (-base.data_ptr()) % 4096 + by
+    out = base[skip : skip + t.numel()]
+    out.copy_(t)
+    return out
+
+
+def direct_file(name):
+    path = os.path.join(DIR, name)
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600), path
+
+
+class Batch:
+    # counts callbacks per request: each must come exactly once
+    def __init__(self):
+        self.calls = collections.Counter()
+        self.cond = threading.Condition()
+
+    def __call__(self, r):
+        with self.cond:
+            self.calls[id(r)] += 1
+            self.cond.notify_all()
+
+    def run(self, eng, reqs, timeout=60):
+        for r in reqs:
+            eng.submit(r)
+        with self.cond:
+            ok = self.cond.wait_for(lambda: all(self.calls[id(r)] for r in reqs), timeout)
+        left = sum(not self.calls[id(r)] for r in reqs)
+        assert ok, f"engine hung: {left} of {len(reqs)} requests never called back"
+        return reqs
+
+    def check_once(self, reqs):
+        assert all(self.calls[id(r)] == 1 for r in reqs), "a request called back twice"
+        assert sum(self.calls.values()) == len(reqs), "callbacks for unknown requests"
+
+
+def layout(sizes):
+    offsets, at = [], 0
+    for n in sizes:
+        offsets.append(at)
+        at += (n + 4095) // 4096 * 4096
+    return offsets
+
+
+def write_read(eng, fd, path, sizes, seed, batch, misalign=(0, 100)):
+    # write `sizes` (every other buffer unaligned), read everything back; return (writes, reads)
+    offsets = layout(sizes)
+    srcs = [unaligned(data(n, seed + i), misalign[i % len(misalign)]) for i, n in enumerate(sizes)]
+    writes = batch.run(eng, [
+        Request(Op.WRITE, fd, path, off, t.data_ptr(), t.numel(), batch, keepalive=t)
+        for off, t in zip(offsets, srcs)
+    ])
+    dsts = [unaligned(torch.zeros(n, dtype=torch.uint8), misalign[-1 - i % len(misalign)])
+            for i, n in enumerate(sizes)]
+    reads = batch.run(eng, [
+        Request(Op.READ, fd, path, off, t.data_ptr(), t.numel(), batch, keepalive=t)
+        for off, t in zip(offsets, dsts)
+    ])
+    for w, r, s, d in zip(writes, reads, srcs, dsts):
+        if w.error is None and r.error is None:
+            assert torch.equal(s, d), "data did not round-trip"
+    return writes, reads
+"""
+
+
+def _child(body: str, disk_dir: Path, timeout: float = 120) -> dict[str, Any]:
+    """Run ``_PRELUDE + body`` in a fresh interpreter (``-P``: the installed offloadd); it must
+    exit 0 and print one JSON line last."""
+    code = _PRELUDE + body
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-P", "-c", code, str(disk_dir)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        proc = None
+    if proc is None:
+        pytest.fail(f"child hung: still running after {timeout} s")
+    how = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"rc {proc.returncode}"
+    assert proc.returncode == 0, f"child exited: {how}\n--- stderr\n{proc.stderr[-6000:]}"
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+@pytest.fixture
+def scratch(disk_dir: Path) -> Iterator[Path]:
+    """``disk_dir``, emptied afterwards whatever happened (the files here are the test's own)."""
+    try:
+        yield disk_dir
+    finally:
+        for p in disk_dir.iterdir():
+            p.unlink()
+
+
+# -- completions -------------------------------------------------------------------------------
+
+
+def test_completion_delivery_failing_loses_nothing(scratch: Path) -> None:
+    """Handing finished requests to Python fails for lack of memory (the completion list could
+    not grow): the completions wait for the next reap(), none is lost, the process lives."""
+    backends = ["threads", "uring"] if native.uring_available()[0] else ["threads"]
+    out = _child(
+        f"""
+for backend in {backends!r}:
+    eng = NativeEngine(2, chunk_bytes=64 << 10, backend=backend, depth=8)
+    fd, path = direct_file(backend)
+    batch = Batch()
+    _native._inject_fault("completion", 3, errno.ENOMEM)
+    writes, reads = write_read(eng, fd, path, [1, 4096, 70000, 200_001] * 5, 7, batch)
+    eng.close()
+    batch.check_once(writes + reads)
+    assert all(r.error is None for r in writes + reads), [r.error for r in writes + reads]
+    os.close(fd)
+
+# the raw API: reap() raises MemoryError and keeps the completions for the next call
+fd, path = direct_file("raw")
+eng = _native.Engine(threads=1)
+for token in (1, 2, 3):
+    eng.submit(token, 0, fd, 0, 0, 0)  # empty requests complete at once
+_native._inject_fault("completion", 1, errno.ENOMEM)
+try:
+    eng.reap(timeout=5)
+except MemoryError:
+    pass
+else:
+    raise SystemExit("reap() did not fail")
+got = eng.reap(timeout=5)
+eng.close()
+assert got == [(1, 0, 0), (2, 0, 0), (3, 0, 0)], got
+errors = [r.getMessage() for r in RECORDS if r.levelname == "ERROR"]
+print(json.dumps({{"errors_logged": len(errors)}}))
+""",
+        scratch,
+    )
+    assert out["errors_logged"] >= 3  # the dispatcher said so each time, and went on
+
+
+def test_fault_hooks_refuse_unknown_names() -> None:
+    from offloadd import _native
+
+    with pytest.raises(ValueError, match="unknown fault point 'disk'"):
+        _native._inject_fault("disk", 1, errno.EIO)
+    with pytest.raises(ValueError, match="errno"):
+        _native._inject_fault("alloc", 1, 0)
+    _native._inject_fault("alloc", 0, 0)

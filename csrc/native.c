@@ -101,6 +101,8 @@ typedef struct engine {
     unsigned *cq_head, *cq_tail, *cq_mask;
     struct io_uring_cqe *cqes;
     struct io_uring_sqe *sqes;
+    struct uslot *slots; /* depth of them, owned by the ring thread (allocated by Engine()) */
+    char **bounce;       /* each slot's bounce buffer, allocated at its first use */
 #endif
 } engine_t;
 
@@ -297,7 +299,7 @@ static void *thread_main(void *arg) {
 /* ---------------------------------------------------------------------------- io_uring -- */
 
 #ifdef OFFLOADD_HAVE_URING
-typedef struct {
+typedef struct uslot {
     chunk_t c;
     char *buf;        /* where the kernel transfers (the source or a bounce buffer) */
     uint64_t io_len;  /* bytes the kernel must move */
@@ -439,11 +441,9 @@ static void ring_arm_kick(engine_t *e) {
 static void *ring_main(void *arg) {
     engine_t *e = arg;
     unsigned depth = e->depth;
-    int injected = fault(FAULT_ALLOC);
-    uslot_t *slots = injected ? NULL : calloc(depth, sizeof *slots);
-    char **bounce = injected ? NULL : calloc(depth, sizeof *bounce);
+    uslot_t *slots = e->slots;
+    char **bounce = e->bounce;
     unsigned inflight = 0;
-    if (!slots || !bounce) abort();
     pthread_mutex_lock(&e->mu);
     e->use_kick = 1;
     pthread_mutex_unlock(&e->mu);
@@ -522,9 +522,6 @@ static void *ring_main(void *arg) {
         __atomic_store_n(e->cq_head, head, __ATOMIC_RELEASE);
         pthread_mutex_unlock(&e->mu);
     }
-    for (unsigned i = 0; i < depth; i++) free(bounce[i]);
-    free(bounce);
-    free(slots);
     return NULL;
 }
 #endif
@@ -593,6 +590,16 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
             Py_DECREF(e);
             return NULL;
         }
+        /* Here, not in the ring thread: a failure is a MemoryError for the caller. */
+        if (!fault(FAULT_ALLOC)) {
+            e->slots = calloc(depth, sizeof *e->slots);
+            e->bounce = calloc(depth, sizeof *e->bounce);
+        }
+        if (!e->slots || !e->bounce) {
+            PyErr_NoMemory();
+            Py_DECREF(e);
+            return NULL;
+        }
         e->use_uring = 1;
         threads = 1;
     }
@@ -647,6 +654,11 @@ static void Engine_dealloc(engine_t *e) {
     engine_stop(e);
     Py_END_ALLOW_THREADS
     free(e->threads);
+#ifdef OFFLOADD_HAVE_URING
+    for (unsigned i = 0; e->bounce && i < e->depth; i++) free(e->bounce[i]);
+    free(e->bounce);
+    free(e->slots);
+#endif
     for (request_t *r = e->done_head, *next; r; r = next) { /* never reaped */
         next = r->dnext;
         free(r);

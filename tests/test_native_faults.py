@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from offloadd import native
 
@@ -193,6 +195,68 @@ print(json.dumps({{"errors_logged": len(errors)}}))
         scratch,
     )
     assert out["errors_logged"] >= 3  # the dispatcher said so each time, and went on
+
+
+# -- allocations -------------------------------------------------------------------------------
+
+
+@needs_uring
+def test_ring_slot_table_allocation_failing_raises_memoryerror(scratch: Path) -> None:
+    """No memory for the io_uring backend's slot table: Engine() raises MemoryError (the ring
+    thread used to abort() the process); the next engine works."""
+    out = _child(
+        """
+_native._inject_fault("alloc", 1, errno.ENOMEM)
+try:
+    _native.Engine(backend="uring", depth=8)
+except MemoryError:
+    pass
+else:
+    raise SystemExit("Engine() did not report the failed allocation")
+eng = NativeEngine(2, chunk_bytes=64 << 10, backend="uring", depth=8)
+fd, path = direct_file("after")
+batch = Batch()
+writes, reads = write_read(eng, fd, path, [4097, 65536], 1, batch)
+eng.close()
+assert all(r.error is None for r in writes + reads)
+print(json.dumps({"ok": True}))
+""",
+        scratch,
+    )
+    assert out == {"ok": True}
+
+
+@pytest.mark.parametrize("kind", ["threads", pytest.param("uring", marks=needs_uring)])
+def test_bounce_buffer_allocation_failing_fails_the_request(scratch: Path, kind: str) -> None:
+    """No memory for a bounce buffer: that request fails with OSError(ENOMEM, path); the next
+    one succeeds and the data round-trips."""
+    from offloadd import _native
+    from offloadd.engine import Op, Request
+
+    from .test_native import Waiter, _bytes, _direct_file
+
+    eng = native.NativeEngine(2, chunk_bytes=64 << 10, backend=kind, depth=8)
+    fd, path = _direct_file(scratch)
+    src = _bytes(5000 + 3, 11)[3:]  # unaligned and not a multiple of 4096: bounced
+    try:
+        _native._inject_fault("alloc", 1, errno.ENOMEM)
+        w = Waiter()
+        eng.submit(Request(Op.WRITE, fd, path, 0, src.data_ptr(), src.numel(), w))
+        (failed,) = w.wait(1)
+        assert isinstance(failed.error, OSError) and failed.error.errno == errno.ENOMEM
+        assert failed.error.filename == path
+        w = Waiter()
+        eng.submit(Request(Op.WRITE, fd, path, 0, src.data_ptr(), src.numel(), w))
+        dst = torch.zeros(src.numel(), dtype=torch.uint8)
+        assert w.wait(1)[0].error is None
+        w = Waiter()
+        eng.submit(Request(Op.READ, fd, path, 0, dst.data_ptr(), dst.numel(), w))
+        assert w.wait(1)[0].error is None
+        assert torch.equal(dst, src)
+    finally:
+        _native._inject_fault("alloc", 0, 0)
+        eng.close()
+        os.close(fd)
 
 
 def test_fault_hooks_refuse_unknown_names() -> None:

@@ -299,12 +299,22 @@ static void *thread_main(void *arg) {
 /* ---------------------------------------------------------------------------- io_uring -- */
 
 #ifdef OFFLOADD_HAVE_URING
+/* A slot and its bounce buffer belong to the ring thread alone: it reads and writes them without
+ * the engine's mutex, which it takes only to hand out chunks and to report them finished. */
+enum {
+    SLOT_FREE,
+    SLOT_TAKEN, /* holds a chunk not started yet (its bounce copy is made outside the mutex) */
+    SLOT_RING,  /* its chunk is in the ring (an SQE written, or the kernel moving it) */
+    SLOT_DONE   /* finished with `err`, to be reported under the mutex */
+};
+
 typedef struct uslot {
     chunk_t c;
     char *buf;        /* where the kernel transfers (the source or a bounce buffer) */
     uint64_t io_len;  /* bytes the kernel must move */
     uint64_t got;     /* bytes moved so far */
-    int busy;
+    int state;
+    int err;          /* SLOT_DONE: 0 or an errno */
 } uslot_t;
 
 static int ring_setup(engine_t *e, unsigned entries) {
@@ -375,7 +385,8 @@ static void ring_prep(engine_t *e, uslot_t *s, unsigned idx) {
     __atomic_store_n(e->sq_tail, tail + 1, __ATOMIC_RELEASE);
 }
 
-/* Set up a slot for a new chunk; 0, or an errno for a chunk that fails before any I/O. */
+/* Set up a slot for a new chunk; 0, or an errno for a chunk that fails before any I/O.  Called
+ * without the mutex: a write's bounce copy can be as large as a chunk (up to 1 GiB). */
 static int slot_start(engine_t *e, uslot_t *s, char **bounce) {
     request_t *r = s->c.req;
     s->got = 0;
@@ -438,90 +449,110 @@ static void ring_arm_kick(engine_t *e) {
     __atomic_store_n(e->sq_tail, tail + 1, __ATOMIC_RELEASE);
 }
 
+/* The chunk of slot s is over (err 0 or an errno): check its length, copy a bounced read to its
+ * destination (no mutex held), and leave it SLOT_DONE for ring_report(). */
+static void slot_done(uslot_t *s, int err) {
+    request_t *r = s->c.req;
+    if (!err && s->got < s->c.len) err = EIO;
+    if (!err && r->op == OP_READ && s->buf != r->addr + s->c.pos) {
+        copy_gate();
+        memcpy(r->addr + s->c.pos, s->buf, s->c.len);
+    }
+    s->err = err;
+    s->state = SLOT_DONE;
+}
+
+/* The kernel moved `res` bytes (or failed with -res) for slot s.  Returns 1 if the chunk needs
+ * more I/O (a short transfer: the caller resubmits the rest), else 0 with the slot SLOT_DONE. */
+static int slot_result(uslot_t *s, int res) {
+    int err = 0;
+    if (res == -EAGAIN || res == -EINTR) return 1;
+    if (res < 0) err = -res;
+    else if (res > 0) {
+        uint64_t before = s->got;
+        s->got += (uint64_t)res;
+        if (s->got < s->io_len) {
+            if (!s->c.req->direct || s->got % ALIGN == 0) return 1;
+            if (s->c.req->op == OP_WRITE) { /* short O_DIRECT write: resume aligned */
+                s->got -= s->got % ALIGN;   /* (see transfer_chunk) */
+                if (s->got > before) return 1;
+                err = EIO;
+            } /* a short O_DIRECT read is the end of the file: slot_done checks the length */
+        }
+    } /* res == 0: end of file, or no progress: slot_done checks the length */
+    slot_done(s, err);
+    return 0;
+}
+
 static void *ring_main(void *arg) {
     engine_t *e = arg;
     unsigned depth = e->depth;
     uslot_t *slots = e->slots;
-    char **bounce = e->bounce;
-    unsigned inflight = 0;
+    unsigned held = 0; /* slots not SLOT_FREE */
+    int kick_failed = 0;
     pthread_mutex_lock(&e->mu);
     e->use_kick = 1;
     pthread_mutex_unlock(&e->mu);
     ring_arm_kick(e);
+    pthread_mutex_lock(&e->mu);
     for (;;) {
-        pthread_mutex_lock(&e->mu);
+        /* With the mutex: report the chunks that finished, take new ones into free slots. */
         e->ring_sleeping = 0;
-        for (unsigned i = 0; i < depth && inflight < depth; i++) {
-            if (slots[i].busy) continue;
-            if (!take_chunk(e, &slots[i].c)) break;
-            int err = slot_start(e, &slots[i], &bounce[i]);
-            if (err) {
-                finish_chunk(e, slots[i].c.req, 0, err);
-                continue;
+        if (kick_failed) e->use_kick = 0; /* the kick read fails here: wake on completions only */
+        kick_failed = 0;
+        for (unsigned i = 0; i < depth; i++) {
+            uslot_t *s = &slots[i];
+            if (s->state == SLOT_DONE) {
+                finish_chunk(e, s->c.req, s->err ? 0 : s->c.len, s->err);
+                s->state = SLOT_FREE;
+                held--;
             }
-            slots[i].busy = 1;
-            inflight++;
-            ring_prep(e, &slots[i], i);
+            if (s->state == SLOT_FREE && take_chunk(e, &s->c)) {
+                s->state = SLOT_TAKEN;
+                held++;
+            }
         }
-        if (inflight == 0) {
-            if (e->stopping && !e->qhead[0] && !e->qhead[1]) {
-                pthread_mutex_unlock(&e->mu);
-                break;
-            }
+        if (held == 0) {
+            if (e->stopping && !e->qhead[0] && !e->qhead[1]) break;
             if (!e->qhead[0] && !e->qhead[1]) pthread_cond_wait(&e->work_cv, &e->mu);
-            pthread_mutex_unlock(&e->mu);
             continue;
         }
         e->ring_sleeping = 1;
         pthread_mutex_unlock(&e->mu);
+
+        /* Without it: bounce copies, SQEs, waiting, CQEs, copies back. */
+        int done = 0;
+        for (unsigned i = 0; i < depth; i++) {
+            uslot_t *s = &slots[i];
+            if (s->state != SLOT_TAKEN) continue;
+            int err = slot_start(e, s, &e->bounce[i]);
+            if (err) {
+                s->err = err;
+                s->state = SLOT_DONE;
+                done++;
+                continue;
+            }
+            s->state = SLOT_RING;
+            ring_prep(e, s, i);
+        }
         /* the ring itself broke: completions can no longer be delivered */
-        if (ring_enter(e, 1) < 0) abort();
+        if (ring_enter(e, done ? 0 : 1) < 0) abort();
         unsigned head = *e->cq_head;
         unsigned tail = __atomic_load_n(e->cq_tail, __ATOMIC_ACQUIRE);
-        pthread_mutex_lock(&e->mu);
-        while (head != tail) {
+        for (; head != tail; head++) {
             struct io_uring_cqe *cqe = &e->cqes[head & *e->cq_mask];
             if (cqe->user_data == KICK_TOKEN) { /* woken for new work: re-arm */
-                head++;
                 if (cqe->res > 0) ring_arm_kick(e);
-                else e->use_kick = 0; /* the kick read fails here: wake on completions only */
+                else kick_failed = 1;
                 continue;
             }
             uslot_t *s = &slots[cqe->user_data];
-            int res = cqe->res;
-            head++;
-            int err = 0, more = 0;
-            if (res == -EAGAIN || res == -EINTR) more = 1;
-            else if (res < 0) err = -res;
-            else if (res == 0) err = s->got >= s->c.len ? 0 : EIO;
-            else {
-                uint64_t before = s->got;
-                s->got += (uint64_t)res;
-                if (s->got < s->io_len) {
-                    if (!s->c.req->direct || s->got % ALIGN == 0) more = 1;
-                    else if (s->c.req->op == OP_READ) err = s->got >= s->c.len ? 0 : EIO;
-                    else { /* short O_DIRECT write: resume aligned (see transfer_chunk) */
-                        s->got -= s->got % ALIGN;
-                        if (s->got <= before) err = EIO; else more = 1;
-                    }
-                }
-            }
-            if (more) { /* short transfer: resubmit the rest (next enter) */
-                ring_prep(e, s, (unsigned)(s - slots));
-                continue;
-            }
-            if (!err && s->got < s->c.len) err = EIO;
-            if (!err && s->c.req->op == OP_READ && s->buf != s->c.req->addr + s->c.pos) {
-                copy_gate();
-                memcpy(s->c.req->addr + s->c.pos, s->buf, s->c.len);
-            }
-            s->busy = 0;
-            inflight--;
-            finish_chunk(e, s->c.req, err ? 0 : s->c.len, err);
+            if (slot_result(s, cqe->res)) ring_prep(e, s, (unsigned)cqe->user_data);
         }
         __atomic_store_n(e->cq_head, head, __ATOMIC_RELEASE);
-        pthread_mutex_unlock(&e->mu);
+        pthread_mutex_lock(&e->mu);
     }
+    pthread_mutex_unlock(&e->mu);
     return NULL;
 }
 #endif

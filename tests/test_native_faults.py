@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -257,6 +258,62 @@ def test_bounce_buffer_allocation_failing_fails_the_request(scratch: Path, kind:
         _native._inject_fault("alloc", 0, 0)
         eng.close()
         os.close(fd)
+
+
+# -- bounce copies and the engine's mutex ------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+@pytest.mark.parametrize("kind", ["threads", pytest.param("uring", marks=needs_uring)])
+def test_bounce_copy_runs_without_the_engine_mutex(scratch: Path, kind: str, op: str) -> None:
+    """While a bounce-buffer copy is in progress (held in place by a test hook, as a copy of
+    hundreds of MiB would be), submit(), cancel() and counters() return at once: the copy does
+    not hold the engine's mutex, which those take with the GIL held."""
+    from offloadd import _native
+
+    eng = _native.Engine(threads=2, chunk_bytes=1 << 20, backend=kind, depth=4)
+    fd = os.open(str(scratch / "data"), os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    n = 100_000
+    src = torch.randint(0, 256, (n + 5,), dtype=torch.uint8)[5:]  # unaligned: bounced
+    if op == "read":
+        eng.submit(1, 1, fd, 0, src.data_ptr(), n)
+        assert eng.reap(timeout=30) == [(1, 0, n)]
+    dst = torch.zeros(n + 5, dtype=torch.uint8)[5:]
+    _native._hold_copies(True)
+    try:
+        if op == "write":
+            eng.submit(2, 1, fd, 0, src.data_ptr(), n)
+        else:
+            eng.submit(2, 0, fd, 0, dst.data_ptr(), n)
+        deadline = time.monotonic() + 30
+        while _native._held_copies() == 0:
+            assert time.monotonic() < deadline, "the bounce copy never started"
+            time.sleep(0.001)
+        spare = torch.zeros(4096 * 2, dtype=torch.uint8)
+        aligned = spare[(-spare.data_ptr()) % 4096 :][:4096]
+        t0 = time.monotonic()
+        assert eng.cancel(12345) is False
+        eng.counters()
+        eng.submit(3, 0, fd, 0, aligned.data_ptr(), 4096)
+        took = time.monotonic() - t0
+        assert took < 2.5, f"submit/cancel/counters waited {took:.2f} s for the bounce copy"
+        assert _native._held_copies() == 1, "the copy went on before the test let it"
+    finally:
+        _native._hold_copies(False)
+    got: list[tuple[int, int, int]] = []
+    deadline = time.monotonic() + 30
+    while len(got) < 2 and time.monotonic() < deadline:
+        got += eng.reap(timeout=1)
+    eng.close()
+    assert sorted(got) == [(2, 0, n), (3, 0, 4096)]
+    if op == "read":
+        assert torch.equal(dst, src)
+    else:
+        check = torch.zeros(n, dtype=torch.uint8)
+        with open(scratch / "data", "rb") as f:
+            check.numpy()[:] = memoryview(f.read(n))
+        assert torch.equal(check, src)
+    os.close(fd)
 
 
 def test_fault_hooks_refuse_unknown_names() -> None:

@@ -275,10 +275,11 @@ def test_bounce_copy_runs_without_the_engine_mutex(scratch: Path, kind: str, op:
     fd = os.open(str(scratch / "data"), os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
     n = 100_000
     src = torch.randint(0, 256, (n + 5,), dtype=torch.uint8)[5:]  # unaligned: bounced
-    if op == "read":
-        eng.submit(1, 1, fd, 0, src.data_ptr(), n)
-        assert eng.reap(timeout=30) == [(1, 0, n)]
     dst = torch.zeros(n + 5, dtype=torch.uint8)[5:]
+    # what a read finds there: the data for a read test, zeros for a write test (request 3, a
+    # read of the first 4096 bytes, may run before or during the write)
+    eng.submit(1, 1, fd, 0, (src if op == "read" else dst).data_ptr(), n)
+    assert eng.reap(timeout=30) == [(1, 0, n)]
     _native._hold_copies(True)
     try:
         if op == "write":

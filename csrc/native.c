@@ -9,6 +9,12 @@
  *            when <linux/io_uring.h> exists; used only if io_uring_setup succeeds at run time,
  *            since container seccomp profiles often refuse it).
  *
+ * Nothing here ends the process.  If io_uring_enter fails for good (any error but EINTR, or
+ * EAGAIN/EBUSY for about a second), the engine moves to the threads backend for the rest of its
+ * life: queued requests go to a pool of `threads` pthreads, chunks already in the ring finish
+ * (with pread/pwrite where the kernel never took them), and `fallback` says why.  A failed
+ * allocation fails only the request that needed it, with ENOMEM.
+ *
  * No backend thread ever takes the GIL.  When a request's last chunk finishes, the request
  * itself is appended to a completion list (no allocation: completing can never fail) and an
  * eventfd is signalled; Python collects (token, errno, bytes done) with reap(), which waits on
@@ -82,9 +88,11 @@ typedef struct engine {
     int efd;
     int stopping;
     int closed;
-    int use_uring;
-    int nthreads;
-    pthread_t *threads;
+    int use_uring;    /* written under mu, atomically: the `backend` getter reads it without */
+    int fallback_err; /* io_uring_enter's errno once the ring failed, else 0 (atomic) */
+    int nthreads;     /* threads started (guarded by mu) */
+    int pool_size;    /* threads asked for: the pool that takes over if the ring fails */
+    pthread_t *threads; /* pool_size of them */
     uint64_t chunk_bytes;
     unsigned depth;
     uint64_t pending_requests; /* submitted and not completed */
@@ -223,6 +231,31 @@ static int needs_bounce(const request_t *r, const chunk_t *c) {
     return ((uintptr_t)(r->addr + c->pos) % ALIGN) != 0 || (c->len % ALIGN) != 0;
 }
 
+/* pread/pwrite buf[*got, io_len) at file offset off + *got, looping over short transfers and
+ * advancing *got; stops early at the end of the file.  Returns 0 or an errno. */
+static int rw_loop(const request_t *r, char *buf, uint64_t off, uint64_t io_len, uint64_t *got) {
+    while (*got < io_len) {
+        ssize_t n;
+        if (r->op == OP_WRITE) n = pwrite(r->fd, buf + *got, io_len - *got, (off_t)(off + *got));
+        else n = pread(r->fd, buf + *got, io_len - *got, (off_t)(off + *got));
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return errno;
+        }
+        if (n == 0) break; /* end of file (read) or no progress (write) */
+        uint64_t before = *got;
+        *got += (uint64_t)n;
+        if (r->direct && *got % ALIGN) {
+            if (r->op == OP_READ) break; /* O_DIRECT short read: end of file */
+            /* Short O_DIRECT write (the disk filled up): go on from the last aligned byte, so
+             * the next call keeps the alignment and reports the real errno (ENOSPC). */
+            *got -= *got % ALIGN;
+            if (*got <= before) return EIO;
+        }
+    }
+    return 0;
+}
+
 /* Move one chunk with pread/pwrite, looping over short transfers. Returns 0 or an errno. */
 static int transfer_chunk(const request_t *r, const chunk_t *c, char **bounce, uint64_t cap,
                           uint64_t *moved) {
@@ -246,25 +279,8 @@ static int transfer_chunk(const request_t *r, const chunk_t *c, char **bounce, u
         }
     }
     uint64_t got = 0;
-    while (got < io_len) {
-        ssize_t n;
-        if (r->op == OP_WRITE) n = pwrite(r->fd, buf + got, io_len - got, (off_t)(off + got));
-        else n = pread(r->fd, buf + got, io_len - got, (off_t)(off + got));
-        if (n < 0) {
-            if (errno == EINTR) continue;
-            return errno;
-        }
-        if (n == 0) break; /* end of file (read) or no progress (write) */
-        uint64_t before = got;
-        got += (uint64_t)n;
-        if (r->direct && got % ALIGN) {
-            if (r->op == OP_READ) break; /* O_DIRECT short read: end of file */
-            /* Short O_DIRECT write (the disk filled up): go on from the last aligned byte, so
-             * the next call keeps the alignment and reports the real errno (ENOSPC). */
-            got -= got % ALIGN;
-            if (got <= before) return EIO;
-        }
-    }
+    int err = rw_loop(r, buf, off, io_len, &got);
+    if (err) return err;
     if (got < len) return EIO;
     if (buf != src && r->op == OP_READ) {
         copy_gate();
@@ -415,19 +431,27 @@ static unsigned ring_unsubmitted(engine_t *e) {
     return *e->sq_tail - __atomic_load_n(e->sq_head, __ATOMIC_ACQUIRE);
 }
 
+#define RING_RETRIES 1000 /* EAGAIN/EBUSY from io_uring_enter, retried 1 ms apart: ~1 s */
+
+/* Submit what the SQ holds and wait for min_complete CQEs.  Transient errors are retried: EINTR
+ * always, EAGAIN/EBUSY (the kernel short of memory for requests) for about a second.  Returns
+ * -1 with errno set when the ring has failed. */
 static int ring_enter(engine_t *e, unsigned min_complete) {
-    int rc;
-    do {
-        int injected = fault(FAULT_URING_ENTER);
+    for (int tries = 0;;) {
+        int rc, injected = fault(FAULT_URING_ENTER);
         if (injected) {
             errno = injected;
             rc = -1;
-            continue;
+        } else {
+            rc = (int)syscall(__NR_io_uring_enter, e->ring_fd, ring_unsubmitted(e), min_complete,
+                              min_complete ? IORING_ENTER_GETEVENTS : 0, NULL, 0);
         }
-        rc = (int)syscall(__NR_io_uring_enter, e->ring_fd, ring_unsubmitted(e), min_complete,
-                          min_complete ? IORING_ENTER_GETEVENTS : 0, NULL, 0);
-    } while (rc < 0 && (errno == EINTR || errno == EAGAIN || errno == EBUSY));
-    return rc;
+        if (rc >= 0) return rc;
+        if (errno == EINTR) continue;
+        if ((errno != EAGAIN && errno != EBUSY) || ++tries >= RING_RETRIES) return -1;
+        struct timespec ts = {0, 1000000};
+        nanosleep(&ts, NULL);
+    }
 }
 
 #define KICK_TOKEN UINT64_MAX
@@ -484,6 +508,82 @@ static int slot_result(uslot_t *s, int res) {
     return 0;
 }
 
+/* Finish the chunk of slot s here with pread/pwrite, from where the kernel left it. */
+static void slot_sync(uslot_t *s) {
+    request_t *r = s->c.req;
+    slot_done(s, rw_loop(r, s->buf, r->offset + s->c.pos, s->io_len, &s->got));
+}
+
+/* Start the rest of the pool the engine was asked for (the ring thread is one of them); where
+ * pthread_create fails, fewer threads serve.  Holds mu. */
+static void pool_grow(engine_t *e) {
+    while (e->nthreads < e->pool_size && !e->stopping) {
+        if (pthread_create(&e->threads[e->nthreads], NULL, thread_main, e)) break;
+        e->nthreads++;
+    }
+}
+
+/* io_uring_enter failed with `err`, for good: the engine moves to the threads backend for the
+ * rest of its life.  Queued requests go to the pool at once.  Then this thread finishes the
+ * chunks it holds: one whose SQE the kernel never consumed is transferred here with
+ * pread/pwrite; one the kernel took completes with its CQE, which the kernel posts to the
+ * shared CQ without io_uring_enter.  Those are waited for, never failed early: until its CQE,
+ * the kernel may still write into the chunk's buffer. */
+static void ring_fall_back(engine_t *e, int err) {
+    uslot_t *slots = e->slots;
+    if (err <= 0) err = EIO; /* fallback_err 0 would read as "no fallback" */
+    pthread_mutex_lock(&e->mu);
+    e->use_kick = 0; /* submit() no longer wakes the ring */
+    e->ring_sleeping = 0;
+    __atomic_store_n(&e->fallback_err, err, __ATOMIC_RELEASE);
+    __atomic_store_n(&e->use_uring, 0, __ATOMIC_RELEASE);
+    pool_grow(e);
+    pthread_cond_broadcast(&e->work_cv);
+    pthread_mutex_unlock(&e->mu);
+
+    unsigned head = __atomic_load_n(e->sq_head, __ATOMIC_ACQUIRE);
+    for (unsigned tail = *e->sq_tail; head != tail; head++) { /* SQEs the kernel never took */
+        uint64_t idx = e->sqes[e->sq_array[head & *e->sq_mask]].user_data;
+        if (idx != KICK_TOKEN) slot_sync(&slots[idx]);
+    }
+    long nap_ns = 50000;
+    for (;;) {
+        unsigned waiting = 0;
+        pthread_mutex_lock(&e->mu);
+        for (unsigned i = 0; i < e->depth; i++) {
+            uslot_t *s = &slots[i];
+            if (s->state == SLOT_DONE) {
+                finish_chunk(e, s->c.req, s->err ? 0 : s->c.len, s->err);
+                s->state = SLOT_FREE;
+            } else if (s->state == SLOT_RING) {
+                waiting++;
+            }
+        }
+        pthread_mutex_unlock(&e->mu);
+        if (!waiting) break;
+        unsigned h = *e->cq_head;
+        unsigned t = __atomic_load_n(e->cq_tail, __ATOMIC_ACQUIRE);
+        if (h == t) { /* nothing yet: poll, backing off to 10 ms */
+            struct timespec ts = {0, nap_ns};
+            nanosleep(&ts, NULL);
+            if (nap_ns < 10000000) nap_ns *= 2;
+            continue;
+        }
+        nap_ns = 50000;
+        for (; h != t; h++) {
+            struct io_uring_cqe *cqe = &e->cqes[h & *e->cq_mask];
+            if (cqe->user_data == KICK_TOKEN) continue;
+            uslot_t *s = &slots[cqe->user_data];
+            if (slot_result(s, cqe->res)) slot_sync(s); /* a short transfer: the rest here */
+        }
+        __atomic_store_n(e->cq_head, h, __ATOMIC_RELEASE);
+    }
+    for (unsigned i = 0; i < e->depth; i++) { /* no slot is used again */
+        free(e->bounce[i]);
+        e->bounce[i] = NULL;
+    }
+}
+
 static void *ring_main(void *arg) {
     engine_t *e = arg;
     unsigned depth = e->depth;
@@ -535,8 +635,10 @@ static void *ring_main(void *arg) {
             s->state = SLOT_RING;
             ring_prep(e, s, i);
         }
-        /* the ring itself broke: completions can no longer be delivered */
-        if (ring_enter(e, done ? 0 : 1) < 0) abort();
+        if (ring_enter(e, done ? 0 : 1) < 0) {
+            ring_fall_back(e, errno);
+            return thread_main(e); /* serve in the pool until close() */
+        }
         unsigned head = *e->cq_head;
         unsigned tail = __atomic_load_n(e->cq_tail, __ATOMIC_ACQUIRE);
         for (; head != tail; head++) {
@@ -632,7 +734,6 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
             return NULL;
         }
         e->use_uring = 1;
-        threads = 1;
     }
 #else
     if (want_uring) {
@@ -641,11 +742,14 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
         return NULL;
     }
 #endif
+    /* With io_uring, one thread drives the ring; the pool is started only if the ring fails. */
+    e->pool_size = threads;
     e->threads = calloc((size_t)threads, sizeof(pthread_t));
     if (!e->threads) {
         Py_DECREF(e);
         return PyErr_NoMemory();
     }
+    if (e->use_uring) threads = 1;
     for (int i = 0; i < threads; i++) {
         void *(*fn)(void *) = thread_main;
 #ifdef OFFLOADD_HAVE_URING
@@ -658,7 +762,9 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
             Py_DECREF(e);
             return NULL;
         }
+        pthread_mutex_lock(&e->mu);
         e->nthreads = i + 1;
+        pthread_mutex_unlock(&e->mu);
     }
     return (PyObject *)e;
 }
@@ -670,10 +776,11 @@ static void engine_stop(engine_t *e) {
         return;
     }
     e->closed = 1;
-    e->stopping = 1;
+    e->stopping = 1; /* from here on no thread is started (pool_grow) */
     pthread_cond_broadcast(&e->work_cv);
+    int n = e->nthreads;
     pthread_mutex_unlock(&e->mu);
-    for (int i = 0; i < e->nthreads; i++) pthread_join(e->threads[i], NULL);
+    for (int i = 0; i < n; i++) pthread_join(e->threads[i], NULL);
     e->nthreads = 0;
 #ifdef OFFLOADD_HAVE_URING
     ring_teardown(e);
@@ -871,7 +978,14 @@ static PyObject *Engine_counters(engine_t *e, PyObject *Py_UNUSED(ignored)) {
 }
 
 static PyObject *Engine_get_backend(engine_t *e, void *Py_UNUSED(closure)) {
-    return PyUnicode_FromString(e->use_uring ? "uring" : "threads");
+    return PyUnicode_FromString(__atomic_load_n(&e->use_uring, __ATOMIC_ACQUIRE) ? "uring"
+                                                                                  : "threads");
+}
+
+static PyObject *Engine_get_fallback(engine_t *e, void *Py_UNUSED(closure)) {
+    int err = __atomic_load_n(&e->fallback_err, __ATOMIC_ACQUIRE);
+    if (!err) Py_RETURN_NONE;
+    return PyUnicode_FromFormat("io_uring_enter: [Errno %d] %s", err, strerror(err));
 }
 
 static PyMethodDef Engine_methods[] = {
@@ -891,7 +1005,11 @@ static PyMethodDef Engine_methods[] = {
 };
 
 static PyGetSetDef Engine_getset[] = {
-    {"backend", (getter)Engine_get_backend, NULL, "'threads' or 'uring'", NULL},
+    {"backend", (getter)Engine_get_backend, NULL,
+     "'threads' or 'uring' ('threads' for good once the ring has failed)", NULL},
+    {"fallback", (getter)Engine_get_fallback, NULL,
+     "None, or why the io_uring backend moved to threads (the error io_uring_enter returned)",
+     NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

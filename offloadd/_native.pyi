@@ -21,7 +21,12 @@ def _held_copies() -> int:
 class Engine:
     """Native I/O engine: a pthread pool or one io_uring ring; completions via an eventfd."""
 
-    backend: str
+    @property
+    def backend(self) -> str:
+        """ "threads" or "uring"; "threads" for good once the ring has failed."""
+    @property
+    def fallback(self) -> str | None:
+        """None, or why the io_uring backend moved to threads (io_uring_enter's error)."""
     def __init__(
         self,
         *,

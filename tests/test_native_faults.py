@@ -260,6 +260,73 @@ def test_bounce_buffer_allocation_failing_fails_the_request(scratch: Path, kind:
         os.close(fd)
 
 
+# -- io_uring_enter ----------------------------------------------------------------------------
+
+_RING_FAILS = """
+eng = NativeEngine(3, chunk_bytes=1 << 20, backend="uring", depth=8)
+fd, path = direct_file("ring")
+batch = Batch()
+before = write_read(eng, fd, path, [4096, 5000], 1, batch)
+assert eng.backend == "uring" and getattr(eng, "fallback", None) is None
+# Large writes keep chunks in the kernel when the ring fails; the fault hits the next enter.
+big = [data(4 << 20, 100 + i) for i in range(6)]
+fd2, path2 = direct_file("big")
+reqs = [Request(Op.WRITE, fd2, path2, i * (4 << 20), t.data_ptr(), t.numel(), batch,
+                keepalive=t) for i, t in enumerate(big)]
+for r in reqs:
+    eng.submit(r)
+_native._inject_fault("uring_enter", FAULTS, ERRNO)
+sizes = [1, 4096, 70000, (1 << 20) + 3, 200_001] * 6
+after = write_read(eng, fd, path, sizes, 50, batch)
+with batch.cond:
+    assert batch.cond.wait_for(lambda: all(batch.calls[id(r)] for r in reqs), 60), "big writes"
+backend, why = eng.backend, getattr(eng, "fallback", None)
+# the big writes round-trip too, through the thread pool now
+back = [torch.zeros_like(t) for t in big]
+rreqs = batch.run(eng, [Request(Op.READ, fd2, path2, i * (4 << 20), t.data_ptr(), t.numel(),
+                                batch, keepalive=t) for i, t in enumerate(back)])
+eng.close()
+_native._inject_fault("uring_enter", 0, 0)
+everything = before[0] + before[1] + reqs + after[0] + after[1] + rreqs
+batch.check_once(everything)
+errors = [repr(r.error) for r in everything if r.error is not None]
+assert not errors, errors
+assert all(torch.equal(a, b) for a, b in zip(big, back)), "big writes did not round-trip"
+warnings = [r.getMessage() for r in RECORDS if r.levelname == "WARNING"]
+print(json.dumps({"backend": backend, "why": why, "warnings": warnings}))
+"""
+
+
+@needs_uring
+def test_ring_failure_falls_back_to_threads(scratch: Path) -> None:
+    """io_uring_enter fails (EPERM, as from a seccomp filter): the engine moves to its thread pool
+    for good, serves what it held and everything after, and says so once at WARNING."""
+    body = _RING_FAILS.replace("FAULTS", "1").replace("ERRNO", "errno.EPERM")
+    out = _child(body, scratch)
+    assert out["backend"] == "threads"
+    assert "io_uring_enter" in out["why"] and os.strerror(errno.EPERM) in out["why"]
+    assert len(out["warnings"]) == 1, out["warnings"]
+    assert "threads" in out["warnings"][0] and out["why"] in out["warnings"][0]
+
+
+@needs_uring
+def test_ring_transient_errors_are_retried(scratch: Path) -> None:
+    """A few EAGAIN from io_uring_enter are retried: still io_uring, nothing fails, no warning."""
+    body = _RING_FAILS.replace("FAULTS", "5").replace("ERRNO", "errno.EAGAIN")
+    out = _child(body, scratch)
+    assert out == {"backend": "uring", "why": None, "warnings": []}
+
+
+@needs_uring
+def test_ring_persistent_eagain_falls_back(scratch: Path) -> None:
+    """EAGAIN that never ends (the kernel out of memory for requests) is not retried forever:
+    after about a second the engine falls back to threads."""
+    body = _RING_FAILS.replace("FAULTS", "-1").replace("ERRNO", "errno.EAGAIN")
+    out = _child(body, scratch, timeout=60)
+    assert out["backend"] == "threads" and os.strerror(errno.EAGAIN) in out["why"]
+    assert len(out["warnings"]) == 1
+
+
 # -- bounce copies and the engine's mutex ------------------------------------------------------
 
 

@@ -994,7 +994,8 @@ static PyMethodDef Engine_methods[] = {
     {"cancel", (PyCFunction)Engine_cancel, METH_O,
      "cancel(token) -> bool: drop a request none of whose chunks has started"},
     {"reap", (PyCFunction)(void (*)(void))Engine_reap, METH_VARARGS | METH_KEYWORDS,
-     "reap(timeout=-1) -> list[(token, errno, bytes)]: wait (GIL released) for completions"},
+     "reap(timeout=-1) -> list[(token, errno, bytes)]: wait (GIL released) for completions; "
+     "on MemoryError they stay queued for the next call"},
     {"close", (PyCFunction)Engine_close, METH_NOARGS,
      "close(): finish every submitted request, then stop the threads"},
     {"fileno", (PyCFunction)Engine_fileno, METH_NOARGS,

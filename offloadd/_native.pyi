@@ -23,7 +23,7 @@ class Engine:
 
     @property
     def backend(self) -> str:
-        """ "threads" or "uring"; "threads" for good once the ring has failed."""
+        """'threads' or 'uring'; 'threads' for good once the ring has failed."""
     @property
     def fallback(self) -> str | None:
         """None, or why the io_uring backend moved to threads (io_uring_enter's error)."""
@@ -42,7 +42,9 @@ class Engine:
     def cancel(self, token: int, /) -> bool:
         """Drop a request none of whose chunks has started; True if it will never complete."""
     def reap(self, timeout: float = -1.0) -> list[tuple[int, int, int]]:
-        """Wait (GIL released) for finished requests: [(token, errno or 0, bytes moved)]."""
+        """Wait (GIL released) for finished requests: [(token, errno or 0, bytes moved)].
+
+        On MemoryError the finished requests stay queued for the next call."""
     def close(self) -> None:
         """Finish every submitted request, then stop the backend threads."""
     def fileno(self) -> int:

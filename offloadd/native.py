@@ -107,7 +107,7 @@ class NativeEngine:
 
     @property
     def backend(self) -> str:
-        """ "uring" or "threads"; "threads" for good once the io_uring ring has failed."""
+        """'uring' or 'threads'; 'threads' for good once the io_uring ring has failed."""
         return str(self._native.backend)
 
     @property

@@ -9,10 +9,18 @@
  *            when <linux/io_uring.h> exists; used only if io_uring_setup succeeds at run time,
  *            since container seccomp profiles often refuse it).
  *
- * No backend thread ever takes the GIL.  When a request's last chunk finishes, (token, errno,
- * bytes done) is appended to a completion list and an eventfd is signalled; Python collects the
- * completions with reap(), which waits on the eventfd with the GIL released, or watches
- * fileno() from an event loop.  Reads are handed out before writes.
+ * Nothing here ends the process.  If io_uring_enter fails for good (any error but EINTR, or
+ * EAGAIN/EBUSY for about a second), the engine moves to the threads backend for the rest of its
+ * life: queued requests go to a pool of `threads` pthreads, chunks already in the ring finish
+ * (with pread/pwrite where the kernel never took them), and `fallback` says why.  A failed
+ * allocation fails only the request that needed it, with ENOMEM.
+ *
+ * No backend thread ever takes the GIL.  When a request's last chunk finishes, the request
+ * itself is appended to a completion list (no allocation: completing can never fail) and an
+ * eventfd is signalled; Python collects (token, errno, bytes done) with reap(), which waits on
+ * the eventfd with the GIL released, or watches fileno() from an event loop.  If reap() cannot
+ * build its result (MemoryError), the completions stay queued for the next call.  Reads are
+ * handed out before writes.
  *
  * O_DIRECT: when the file was opened with O_DIRECT and a chunk's address or length is not a
  * multiple of 4096, the chunk goes through an aligned bounce buffer (a write's tail is padded
@@ -33,6 +41,7 @@
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #if defined(__has_include)
@@ -59,14 +68,9 @@ typedef struct request {
     uint64_t nbytes;
     uint64_t next;    /* first byte not yet handed out */
     uint64_t done;    /* bytes transferred */
-    struct request *qnext;
+    struct request *qnext;  /* in a queue of pending requests */
+    struct request *dnext;  /* in the completion list, once finished */
 } request_t;
-
-typedef struct {
-    uint64_t token;
-    int err;
-    uint64_t done;
-} completion_t;
 
 typedef struct {
     request_t *req;
@@ -79,14 +83,16 @@ typedef struct engine {
     pthread_mutex_t mu;
     pthread_cond_t work_cv;
     request_t *qhead[2], *qtail[2];  /* pending chunks: [OP_READ], [OP_WRITE] */
-    completion_t *comp;
-    size_t ncomp, capcomp;
+    request_t *done_head, *done_tail; /* finished requests, oldest first, until reap() */
+    size_t ndone;
     int efd;
     int stopping;
     int closed;
-    int use_uring;
-    int nthreads;
-    pthread_t *threads;
+    int use_uring;    /* written under mu, atomically: the `backend` getter reads it without */
+    int fallback_err; /* io_uring_enter's errno once the ring failed, else 0 (atomic) */
+    int nthreads;     /* threads started (guarded by mu) */
+    int pool_size;    /* threads asked for: the pool that takes over if the ring fails */
+    pthread_t *threads; /* pool_size of them */
     uint64_t chunk_bytes;
     unsigned depth;
     uint64_t pending_requests; /* submitted and not completed */
@@ -103,8 +109,54 @@ typedef struct engine {
     unsigned *cq_head, *cq_tail, *cq_mask;
     struct io_uring_cqe *cqes;
     struct io_uring_sqe *sqes;
+    struct uslot *slots; /* depth of them, owned by the ring thread (allocated by Engine()) */
+    char **bounce;       /* each slot's bounce buffer, allocated at its first use */
 #endif
 } engine_t;
+
+/* ----------------------------------------------------------------- test hooks (faults) -- */
+
+/* Fault injection for the tests (offloadd._native._inject_fault): the next `count` passes
+ * through a fault point (every pass if count < 0) fail with `err` instead of doing the real
+ * call.  Checked only where an
+ * allocation or io_uring_enter is about to happen, never per byte: one relaxed load when
+ * disarmed. */
+enum {
+    FAULT_URING_ENTER, /* io_uring_enter */
+    FAULT_ALLOC,       /* allocations made for I/O: the ring's slot table, bounce buffers */
+    FAULT_COMPLETION,  /* handing finished requests to Python (the list reap() builds) */
+    NFAULTS
+};
+static const char *const fault_names[NFAULTS] = {"uring_enter", "alloc", "completion"};
+static int fault_count[NFAULTS];
+static int fault_errno[NFAULTS];
+
+/* 0, or the errno the caller must fail with instead of doing the call. */
+static int fault(int which) {
+    int n = __atomic_load_n(&fault_count[which], __ATOMIC_ACQUIRE);
+    if (n < 0) return fault_errno[which];
+    while (n > 0) {
+        if (__atomic_compare_exchange_n(&fault_count[which], &n, n - 1, 0, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_ACQUIRE))
+            return fault_errno[which];
+    }
+    return 0;
+}
+
+/* offloadd._native._hold_copies: while on, every bounce-buffer copy waits before it starts (at
+ * most 5 s), so a test can look at the engine while a copy is "running". */
+static int hold_copies;
+static int held_copies; /* copies waiting now */
+
+static void copy_gate(void) {
+    if (!__atomic_load_n(&hold_copies, __ATOMIC_RELAXED)) return;
+    __atomic_add_fetch(&held_copies, 1, __ATOMIC_ACQ_REL);
+    for (int ms = 0; ms < 5000 && __atomic_load_n(&hold_copies, __ATOMIC_ACQUIRE); ms++) {
+        struct timespec ts = {0, 1000000};
+        nanosleep(&ts, NULL);
+    }
+    __atomic_sub_fetch(&held_copies, 1, __ATOMIC_ACQ_REL);
+}
 
 /* ---------------------------------------------------------------- queue (caller holds mu) -- */
 
@@ -162,20 +214,12 @@ static void finish_chunk(engine_t *e, request_t *r, uint64_t moved, int err) {
         }
     }
     if (r->inflight == 0 && r->next >= r->nbytes) {
-        if (e->ncomp == e->capcomp) {
-            size_t cap = e->capcomp ? e->capcomp * 2 : 64;
-            completion_t *grown = realloc(e->comp, cap * sizeof *grown);
-            if (!grown) abort(); /* out of memory while completing I/O: nothing sane remains */
-            e->comp = grown;
-            e->capcomp = cap;
-        }
-        e->comp[e->ncomp].token = r->token;
-        e->comp[e->ncomp].err = r->err;
-        e->comp[e->ncomp].done = r->done;
-        e->ncomp++;
+        r->dnext = NULL; /* reap() frees it */
+        if (e->done_tail) e->done_tail->dnext = r; else e->done_head = r;
+        e->done_tail = r;
+        e->ndone++;
         if (r->op == OP_READ) e->bytes_read += r->done; else e->bytes_written += r->done;
         e->pending_requests--;
-        free(r);
         signal_eventfd(e);
     }
 }
@@ -185,6 +229,31 @@ static void finish_chunk(engine_t *e, request_t *r, uint64_t moved, int err) {
 static int needs_bounce(const request_t *r, const chunk_t *c) {
     if (!r->direct) return 0;
     return ((uintptr_t)(r->addr + c->pos) % ALIGN) != 0 || (c->len % ALIGN) != 0;
+}
+
+/* pread/pwrite buf[*got, io_len) at file offset off + *got, looping over short transfers and
+ * advancing *got; stops early at the end of the file.  Returns 0 or an errno. */
+static int rw_loop(const request_t *r, char *buf, uint64_t off, uint64_t io_len, uint64_t *got) {
+    while (*got < io_len) {
+        ssize_t n;
+        if (r->op == OP_WRITE) n = pwrite(r->fd, buf + *got, io_len - *got, (off_t)(off + *got));
+        else n = pread(r->fd, buf + *got, io_len - *got, (off_t)(off + *got));
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return errno;
+        }
+        if (n == 0) break; /* end of file (read) or no progress (write) */
+        uint64_t before = *got;
+        *got += (uint64_t)n;
+        if (r->direct && *got % ALIGN) {
+            if (r->op == OP_READ) break; /* O_DIRECT short read: end of file */
+            /* Short O_DIRECT write (the disk filled up): go on from the last aligned byte, so
+             * the next call keeps the alignment and reports the real errno (ENOSPC). */
+            *got -= *got % ALIGN;
+            if (*got <= before) return EIO;
+        }
+    }
+    return 0;
 }
 
 /* Move one chunk with pread/pwrite, looping over short transfers. Returns 0 or an errno. */
@@ -198,38 +267,25 @@ static int transfer_chunk(const request_t *r, const chunk_t *c, char **bounce, u
     if (needs_bounce(r, c)) {
         if (!*bounce) {
             void *p = NULL;
-            if (posix_memalign(&p, ALIGN, cap)) return ENOMEM;
+            if (fault(FAULT_ALLOC) || posix_memalign(&p, ALIGN, cap)) return ENOMEM;
             *bounce = p;
         }
         buf = *bounce;
         io_len = (len + ALIGN - 1) / ALIGN * ALIGN;
         if (r->op == OP_WRITE) {
+            copy_gate();
             memcpy(buf, src, len);
             memset(buf + len, 0, io_len - len);
         }
     }
     uint64_t got = 0;
-    while (got < io_len) {
-        ssize_t n;
-        if (r->op == OP_WRITE) n = pwrite(r->fd, buf + got, io_len - got, (off_t)(off + got));
-        else n = pread(r->fd, buf + got, io_len - got, (off_t)(off + got));
-        if (n < 0) {
-            if (errno == EINTR) continue;
-            return errno;
-        }
-        if (n == 0) break; /* end of file (read) or no progress (write) */
-        uint64_t before = got;
-        got += (uint64_t)n;
-        if (r->direct && got % ALIGN) {
-            if (r->op == OP_READ) break; /* O_DIRECT short read: end of file */
-            /* Short O_DIRECT write (the disk filled up): go on from the last aligned byte, so
-             * the next call keeps the alignment and reports the real errno (ENOSPC). */
-            got -= got % ALIGN;
-            if (got <= before) return EIO;
-        }
-    }
+    int err = rw_loop(r, buf, off, io_len, &got);
+    if (err) return err;
     if (got < len) return EIO;
-    if (buf != src && r->op == OP_READ) memcpy(src, buf, len);
+    if (buf != src && r->op == OP_READ) {
+        copy_gate();
+        memcpy(src, buf, len);
+    }
     *moved = len;
     return 0;
 }
@@ -259,12 +315,22 @@ static void *thread_main(void *arg) {
 /* ---------------------------------------------------------------------------- io_uring -- */
 
 #ifdef OFFLOADD_HAVE_URING
-typedef struct {
+/* A slot and its bounce buffer belong to the ring thread alone: it reads and writes them without
+ * the engine's mutex, which it takes only to hand out chunks and to report them finished. */
+enum {
+    SLOT_FREE,
+    SLOT_TAKEN, /* holds a chunk not started yet (its bounce copy is made outside the mutex) */
+    SLOT_RING,  /* its chunk is in the ring (an SQE written, or the kernel moving it) */
+    SLOT_DONE   /* finished with `err`, to be reported under the mutex */
+};
+
+typedef struct uslot {
     chunk_t c;
     char *buf;        /* where the kernel transfers (the source or a bounce buffer) */
     uint64_t io_len;  /* bytes the kernel must move */
     uint64_t got;     /* bytes moved so far */
-    int busy;
+    int state;
+    int err;          /* SLOT_DONE: 0 or an errno */
 } uslot_t;
 
 static int ring_setup(engine_t *e, unsigned entries) {
@@ -335,7 +401,8 @@ static void ring_prep(engine_t *e, uslot_t *s, unsigned idx) {
     __atomic_store_n(e->sq_tail, tail + 1, __ATOMIC_RELEASE);
 }
 
-/* Set up a slot for a new chunk; 0, or an errno for a chunk that fails before any I/O. */
+/* Set up a slot for a new chunk; 0, or an errno for a chunk that fails before any I/O.  Called
+ * without the mutex: a write's bounce copy can be as large as a chunk (up to 1 GiB). */
 static int slot_start(engine_t *e, uslot_t *s, char **bounce) {
     request_t *r = s->c.req;
     s->got = 0;
@@ -344,12 +411,14 @@ static int slot_start(engine_t *e, uslot_t *s, char **bounce) {
     if (needs_bounce(r, &s->c)) {
         if (!*bounce) {
             void *p = NULL;
-            if (posix_memalign(&p, ALIGN, e->chunk_bytes + ALIGN)) return ENOMEM;
+            if (fault(FAULT_ALLOC) || posix_memalign(&p, ALIGN, e->chunk_bytes + ALIGN))
+                return ENOMEM;
             *bounce = p;
         }
         s->buf = *bounce;
         s->io_len = (s->c.len + ALIGN - 1) / ALIGN * ALIGN;
         if (r->op == OP_WRITE) {
+            copy_gate();
             memcpy(s->buf, r->addr + s->c.pos, s->c.len);
             memset(s->buf + s->c.len, 0, s->io_len - s->c.len);
         }
@@ -362,13 +431,27 @@ static unsigned ring_unsubmitted(engine_t *e) {
     return *e->sq_tail - __atomic_load_n(e->sq_head, __ATOMIC_ACQUIRE);
 }
 
+#define RING_RETRIES 1000 /* EAGAIN/EBUSY from io_uring_enter, retried 1 ms apart: ~1 s */
+
+/* Submit what the SQ holds and wait for min_complete CQEs.  Transient errors are retried: EINTR
+ * always, EAGAIN/EBUSY (the kernel short of memory for requests) for about a second.  Returns
+ * -1 with errno set when the ring has failed. */
 static int ring_enter(engine_t *e, unsigned min_complete) {
-    int rc;
-    do {
-        rc = (int)syscall(__NR_io_uring_enter, e->ring_fd, ring_unsubmitted(e), min_complete,
-                          min_complete ? IORING_ENTER_GETEVENTS : 0, NULL, 0);
-    } while (rc < 0 && (errno == EINTR || errno == EAGAIN || errno == EBUSY));
-    return rc;
+    for (int tries = 0;;) {
+        int rc, injected = fault(FAULT_URING_ENTER);
+        if (injected) {
+            errno = injected;
+            rc = -1;
+        } else {
+            rc = (int)syscall(__NR_io_uring_enter, e->ring_fd, ring_unsubmitted(e), min_complete,
+                              min_complete ? IORING_ENTER_GETEVENTS : 0, NULL, 0);
+        }
+        if (rc >= 0) return rc;
+        if (errno == EINTR) continue;
+        if ((errno != EAGAIN && errno != EBUSY) || ++tries >= RING_RETRIES) return -1;
+        struct timespec ts = {0, 1000000};
+        nanosleep(&ts, NULL);
+    }
 }
 
 #define KICK_TOKEN UINT64_MAX
@@ -390,92 +473,188 @@ static void ring_arm_kick(engine_t *e) {
     __atomic_store_n(e->sq_tail, tail + 1, __ATOMIC_RELEASE);
 }
 
+/* The chunk of slot s is over (err 0 or an errno): check its length, copy a bounced read to its
+ * destination (no mutex held), and leave it SLOT_DONE for ring_report(). */
+static void slot_done(uslot_t *s, int err) {
+    request_t *r = s->c.req;
+    if (!err && s->got < s->c.len) err = EIO;
+    if (!err && r->op == OP_READ && s->buf != r->addr + s->c.pos) {
+        copy_gate();
+        memcpy(r->addr + s->c.pos, s->buf, s->c.len);
+    }
+    s->err = err;
+    s->state = SLOT_DONE;
+}
+
+/* The kernel moved `res` bytes (or failed with -res) for slot s.  Returns 1 if the chunk needs
+ * more I/O (a short transfer: the caller resubmits the rest), else 0 with the slot SLOT_DONE. */
+static int slot_result(uslot_t *s, int res) {
+    int err = 0;
+    if (res == -EAGAIN || res == -EINTR) return 1;
+    if (res < 0) err = -res;
+    else if (res > 0) {
+        uint64_t before = s->got;
+        s->got += (uint64_t)res;
+        if (s->got < s->io_len) {
+            if (!s->c.req->direct || s->got % ALIGN == 0) return 1;
+            if (s->c.req->op == OP_WRITE) { /* short O_DIRECT write: resume aligned */
+                s->got -= s->got % ALIGN;   /* (see transfer_chunk) */
+                if (s->got > before) return 1;
+                err = EIO;
+            } /* a short O_DIRECT read is the end of the file: slot_done checks the length */
+        }
+    } /* res == 0: end of file, or no progress: slot_done checks the length */
+    slot_done(s, err);
+    return 0;
+}
+
+/* Finish the chunk of slot s here with pread/pwrite, from where the kernel left it. */
+static void slot_sync(uslot_t *s) {
+    request_t *r = s->c.req;
+    slot_done(s, rw_loop(r, s->buf, r->offset + s->c.pos, s->io_len, &s->got));
+}
+
+/* Start the rest of the pool the engine was asked for (the ring thread is one of them); where
+ * pthread_create fails, fewer threads serve.  Holds mu. */
+static void pool_grow(engine_t *e) {
+    while (e->nthreads < e->pool_size && !e->stopping) {
+        if (pthread_create(&e->threads[e->nthreads], NULL, thread_main, e)) break;
+        e->nthreads++;
+    }
+}
+
+/* io_uring_enter failed with `err`, for good: the engine moves to the threads backend for the
+ * rest of its life.  Queued requests go to the pool at once.  Then this thread finishes the
+ * chunks it holds: one whose SQE the kernel never consumed is transferred here with
+ * pread/pwrite; one the kernel took completes with its CQE, which the kernel posts to the
+ * shared CQ without io_uring_enter.  Those are waited for, never failed early: until its CQE,
+ * the kernel may still write into the chunk's buffer. */
+static void ring_fall_back(engine_t *e, int err) {
+    uslot_t *slots = e->slots;
+    if (err <= 0) err = EIO; /* fallback_err 0 would read as "no fallback" */
+    pthread_mutex_lock(&e->mu);
+    e->use_kick = 0; /* submit() no longer wakes the ring */
+    e->ring_sleeping = 0;
+    __atomic_store_n(&e->fallback_err, err, __ATOMIC_RELEASE);
+    __atomic_store_n(&e->use_uring, 0, __ATOMIC_RELEASE);
+    pool_grow(e);
+    pthread_cond_broadcast(&e->work_cv);
+    pthread_mutex_unlock(&e->mu);
+
+    unsigned head = __atomic_load_n(e->sq_head, __ATOMIC_ACQUIRE);
+    for (unsigned tail = *e->sq_tail; head != tail; head++) { /* SQEs the kernel never took */
+        uint64_t idx = e->sqes[e->sq_array[head & *e->sq_mask]].user_data;
+        if (idx != KICK_TOKEN) slot_sync(&slots[idx]);
+    }
+    long nap_ns = 50000;
+    for (;;) {
+        unsigned waiting = 0;
+        pthread_mutex_lock(&e->mu);
+        for (unsigned i = 0; i < e->depth; i++) {
+            uslot_t *s = &slots[i];
+            if (s->state == SLOT_DONE) {
+                finish_chunk(e, s->c.req, s->err ? 0 : s->c.len, s->err);
+                s->state = SLOT_FREE;
+            } else if (s->state == SLOT_RING) {
+                waiting++;
+            }
+        }
+        pthread_mutex_unlock(&e->mu);
+        if (!waiting) break;
+        unsigned h = *e->cq_head;
+        unsigned t = __atomic_load_n(e->cq_tail, __ATOMIC_ACQUIRE);
+        if (h == t) { /* nothing yet: poll, backing off to 10 ms */
+            struct timespec ts = {0, nap_ns};
+            nanosleep(&ts, NULL);
+            if (nap_ns < 10000000) nap_ns *= 2;
+            continue;
+        }
+        nap_ns = 50000;
+        for (; h != t; h++) {
+            struct io_uring_cqe *cqe = &e->cqes[h & *e->cq_mask];
+            if (cqe->user_data == KICK_TOKEN) continue;
+            uslot_t *s = &slots[cqe->user_data];
+            if (slot_result(s, cqe->res)) slot_sync(s); /* a short transfer: the rest here */
+        }
+        __atomic_store_n(e->cq_head, h, __ATOMIC_RELEASE);
+    }
+    for (unsigned i = 0; i < e->depth; i++) { /* no slot is used again */
+        free(e->bounce[i]);
+        e->bounce[i] = NULL;
+    }
+}
+
 static void *ring_main(void *arg) {
     engine_t *e = arg;
     unsigned depth = e->depth;
-    uslot_t *slots = calloc(depth, sizeof *slots);
-    char **bounce = calloc(depth, sizeof *bounce);
-    unsigned inflight = 0;
-    if (!slots || !bounce) abort();
+    uslot_t *slots = e->slots;
+    unsigned held = 0; /* slots not SLOT_FREE */
+    int kick_failed = 0;
     pthread_mutex_lock(&e->mu);
     e->use_kick = 1;
     pthread_mutex_unlock(&e->mu);
     ring_arm_kick(e);
+    pthread_mutex_lock(&e->mu);
     for (;;) {
-        pthread_mutex_lock(&e->mu);
+        /* With the mutex: report the chunks that finished, take new ones into free slots. */
         e->ring_sleeping = 0;
-        for (unsigned i = 0; i < depth && inflight < depth; i++) {
-            if (slots[i].busy) continue;
-            if (!take_chunk(e, &slots[i].c)) break;
-            int err = slot_start(e, &slots[i], &bounce[i]);
-            if (err) {
-                finish_chunk(e, slots[i].c.req, 0, err);
-                continue;
+        if (kick_failed) e->use_kick = 0; /* the kick read fails here: wake on completions only */
+        kick_failed = 0;
+        for (unsigned i = 0; i < depth; i++) {
+            uslot_t *s = &slots[i];
+            if (s->state == SLOT_DONE) {
+                finish_chunk(e, s->c.req, s->err ? 0 : s->c.len, s->err);
+                s->state = SLOT_FREE;
+                held--;
             }
-            slots[i].busy = 1;
-            inflight++;
-            ring_prep(e, &slots[i], i);
+            if (s->state == SLOT_FREE && take_chunk(e, &s->c)) {
+                s->state = SLOT_TAKEN;
+                held++;
+            }
         }
-        if (inflight == 0) {
-            if (e->stopping && !e->qhead[0] && !e->qhead[1]) {
-                pthread_mutex_unlock(&e->mu);
-                break;
-            }
+        if (held == 0) {
+            if (e->stopping && !e->qhead[0] && !e->qhead[1]) break;
             if (!e->qhead[0] && !e->qhead[1]) pthread_cond_wait(&e->work_cv, &e->mu);
-            pthread_mutex_unlock(&e->mu);
             continue;
         }
         e->ring_sleeping = 1;
         pthread_mutex_unlock(&e->mu);
-        /* the ring itself broke: completions can no longer be delivered */
-        if (ring_enter(e, 1) < 0) abort();
+
+        /* Without it: bounce copies, SQEs, waiting, CQEs, copies back. */
+        int done = 0;
+        for (unsigned i = 0; i < depth; i++) {
+            uslot_t *s = &slots[i];
+            if (s->state != SLOT_TAKEN) continue;
+            int err = slot_start(e, s, &e->bounce[i]);
+            if (err) {
+                s->err = err;
+                s->state = SLOT_DONE;
+                done++;
+                continue;
+            }
+            s->state = SLOT_RING;
+            ring_prep(e, s, i);
+        }
+        if (ring_enter(e, done ? 0 : 1) < 0) {
+            ring_fall_back(e, errno);
+            return thread_main(e); /* serve in the pool until close() */
+        }
         unsigned head = *e->cq_head;
         unsigned tail = __atomic_load_n(e->cq_tail, __ATOMIC_ACQUIRE);
-        pthread_mutex_lock(&e->mu);
-        while (head != tail) {
+        for (; head != tail; head++) {
             struct io_uring_cqe *cqe = &e->cqes[head & *e->cq_mask];
             if (cqe->user_data == KICK_TOKEN) { /* woken for new work: re-arm */
-                head++;
                 if (cqe->res > 0) ring_arm_kick(e);
-                else e->use_kick = 0; /* the kick read fails here: wake on completions only */
+                else kick_failed = 1;
                 continue;
             }
             uslot_t *s = &slots[cqe->user_data];
-            int res = cqe->res;
-            head++;
-            int err = 0, more = 0;
-            if (res == -EAGAIN || res == -EINTR) more = 1;
-            else if (res < 0) err = -res;
-            else if (res == 0) err = s->got >= s->c.len ? 0 : EIO;
-            else {
-                uint64_t before = s->got;
-                s->got += (uint64_t)res;
-                if (s->got < s->io_len) {
-                    if (!s->c.req->direct || s->got % ALIGN == 0) more = 1;
-                    else if (s->c.req->op == OP_READ) err = s->got >= s->c.len ? 0 : EIO;
-                    else { /* short O_DIRECT write: resume aligned (see transfer_chunk) */
-                        s->got -= s->got % ALIGN;
-                        if (s->got <= before) err = EIO; else more = 1;
-                    }
-                }
-            }
-            if (more) { /* short transfer: resubmit the rest (next enter) */
-                ring_prep(e, s, (unsigned)(s - slots));
-                continue;
-            }
-            if (!err && s->got < s->c.len) err = EIO;
-            if (!err && s->c.req->op == OP_READ && s->buf != s->c.req->addr + s->c.pos)
-                memcpy(s->c.req->addr + s->c.pos, s->buf, s->c.len);
-            s->busy = 0;
-            inflight--;
-            finish_chunk(e, s->c.req, err ? 0 : s->c.len, err);
+            if (slot_result(s, cqe->res)) ring_prep(e, s, (unsigned)cqe->user_data);
         }
         __atomic_store_n(e->cq_head, head, __ATOMIC_RELEASE);
-        pthread_mutex_unlock(&e->mu);
+        pthread_mutex_lock(&e->mu);
     }
-    for (unsigned i = 0; i < depth; i++) free(bounce[i]);
-    free(bounce);
-    free(slots);
+    pthread_mutex_unlock(&e->mu);
     return NULL;
 }
 #endif
@@ -544,8 +723,17 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
             Py_DECREF(e);
             return NULL;
         }
+        /* Here, not in the ring thread: a failure is a MemoryError for the caller. */
+        if (!fault(FAULT_ALLOC)) {
+            e->slots = calloc(depth, sizeof *e->slots);
+            e->bounce = calloc(depth, sizeof *e->bounce);
+        }
+        if (!e->slots || !e->bounce) {
+            PyErr_NoMemory();
+            Py_DECREF(e);
+            return NULL;
+        }
         e->use_uring = 1;
-        threads = 1;
     }
 #else
     if (want_uring) {
@@ -554,11 +742,14 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
         return NULL;
     }
 #endif
+    /* With io_uring, one thread drives the ring; the pool is started only if the ring fails. */
+    e->pool_size = threads;
     e->threads = calloc((size_t)threads, sizeof(pthread_t));
     if (!e->threads) {
         Py_DECREF(e);
         return PyErr_NoMemory();
     }
+    if (e->use_uring) threads = 1;
     for (int i = 0; i < threads; i++) {
         void *(*fn)(void *) = thread_main;
 #ifdef OFFLOADD_HAVE_URING
@@ -571,7 +762,9 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
             Py_DECREF(e);
             return NULL;
         }
+        pthread_mutex_lock(&e->mu);
         e->nthreads = i + 1;
+        pthread_mutex_unlock(&e->mu);
     }
     return (PyObject *)e;
 }
@@ -583,10 +776,11 @@ static void engine_stop(engine_t *e) {
         return;
     }
     e->closed = 1;
-    e->stopping = 1;
+    e->stopping = 1; /* from here on no thread is started (pool_grow) */
     pthread_cond_broadcast(&e->work_cv);
+    int n = e->nthreads;
     pthread_mutex_unlock(&e->mu);
-    for (int i = 0; i < e->nthreads; i++) pthread_join(e->threads[i], NULL);
+    for (int i = 0; i < n; i++) pthread_join(e->threads[i], NULL);
     e->nthreads = 0;
 #ifdef OFFLOADD_HAVE_URING
     ring_teardown(e);
@@ -598,7 +792,15 @@ static void Engine_dealloc(engine_t *e) {
     engine_stop(e);
     Py_END_ALLOW_THREADS
     free(e->threads);
-    free(e->comp);
+#ifdef OFFLOADD_HAVE_URING
+    for (unsigned i = 0; e->bounce && i < e->depth; i++) free(e->bounce[i]);
+    free(e->bounce);
+    free(e->slots);
+#endif
+    for (request_t *r = e->done_head, *next; r; r = next) { /* never reaped */
+        next = r->dnext;
+        free(r);
+    }
     if (e->efd >= 0) close(e->efd);
     pthread_cond_destroy(&e->work_cv);
     pthread_mutex_destroy(&e->mu);
@@ -683,11 +885,26 @@ static PyObject *Engine_cancel(engine_t *e, PyObject *arg) {
     return PyBool_FromLong(found);
 }
 
+/* Put finished requests that reap() took but could not hand to Python back at the head of the
+ * completion list, in order, for the next reap(). */
+static void give_back(engine_t *e, request_t *got, size_t n) {
+    if (!got) return;
+    request_t *last = got;
+    while (last->dnext) last = last->dnext;
+    pthread_mutex_lock(&e->mu);
+    last->dnext = e->done_head;
+    if (!e->done_tail) e->done_tail = last;
+    e->done_head = got;
+    e->ndone += n;
+    signal_eventfd(e);
+    pthread_mutex_unlock(&e->mu);
+}
+
 static PyObject *Engine_reap(engine_t *e, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"timeout", NULL};
     double timeout = -1.0;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|d", kwlist, &timeout)) return NULL;
-    completion_t *got = NULL;
+    request_t *got = NULL;
     size_t n = 0;
     int poll_err = 0;
     Py_BEGIN_ALLOW_THREADS
@@ -697,11 +914,11 @@ static PyObject *Engine_reap(engine_t *e, PyObject *args, PyObject *kw) {
         uint64_t v;
         if (read(e->efd, &v, sizeof v) < 0 && errno != EAGAIN) { poll_err = errno; break; }
         pthread_mutex_lock(&e->mu);
-        if (e->ncomp) {
-            got = e->comp;
-            n = e->ncomp;
-            e->comp = NULL;
-            e->ncomp = e->capcomp = 0;
+        if (e->done_head) {
+            got = e->done_head;
+            n = e->ndone;
+            e->done_head = e->done_tail = NULL;
+            e->ndone = 0;
         }
         pthread_mutex_unlock(&e->mu);
         if (n || timeout == 0.0) break;
@@ -713,19 +930,32 @@ static PyObject *Engine_reap(engine_t *e, PyObject *args, PyObject *kw) {
     }
     Py_END_ALLOW_THREADS
     if (poll_err) {
-        free(got);
+        give_back(e, got, n);
         errno = poll_err;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
-    PyObject *list = PyList_New((Py_ssize_t)n);
-    if (!list) { free(got); return NULL; }
-    for (size_t i = 0; i < n; i++) {
-        PyObject *t = Py_BuildValue("(KiK)", (unsigned long long)got[i].token, got[i].err,
-                                    (unsigned long long)got[i].done);
-        if (!t) { free(got); Py_DECREF(list); return NULL; }
-        PyList_SET_ITEM(list, (Py_ssize_t)i, t);
+    /* Nothing is freed before the whole list is built: on MemoryError every completion taken
+     * goes back to the engine, and a later reap() delivers it. */
+    PyObject *list = fault(FAULT_COMPLETION) ? PyErr_NoMemory() : PyList_New((Py_ssize_t)n);
+    if (!list) {
+        give_back(e, got, n);
+        return NULL;
     }
-    free(got);
+    Py_ssize_t i = 0;
+    for (request_t *r = got; r; r = r->dnext, i++) {
+        PyObject *t = Py_BuildValue("(KiK)", (unsigned long long)r->token, r->err,
+                                    (unsigned long long)r->done);
+        if (!t) {
+            Py_DECREF(list);
+            give_back(e, got, n);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, i, t);
+    }
+    for (request_t *r = got, *next; r; r = next) {
+        next = r->dnext;
+        free(r);
+    }
     return list;
 }
 
@@ -748,7 +978,14 @@ static PyObject *Engine_counters(engine_t *e, PyObject *Py_UNUSED(ignored)) {
 }
 
 static PyObject *Engine_get_backend(engine_t *e, void *Py_UNUSED(closure)) {
-    return PyUnicode_FromString(e->use_uring ? "uring" : "threads");
+    return PyUnicode_FromString(__atomic_load_n(&e->use_uring, __ATOMIC_ACQUIRE) ? "uring"
+                                                                                  : "threads");
+}
+
+static PyObject *Engine_get_fallback(engine_t *e, void *Py_UNUSED(closure)) {
+    int err = __atomic_load_n(&e->fallback_err, __ATOMIC_ACQUIRE);
+    if (!err) Py_RETURN_NONE;
+    return PyUnicode_FromFormat("io_uring_enter: [Errno %d] %s", err, strerror(err));
 }
 
 static PyMethodDef Engine_methods[] = {
@@ -757,7 +994,8 @@ static PyMethodDef Engine_methods[] = {
     {"cancel", (PyCFunction)Engine_cancel, METH_O,
      "cancel(token) -> bool: drop a request none of whose chunks has started"},
     {"reap", (PyCFunction)(void (*)(void))Engine_reap, METH_VARARGS | METH_KEYWORDS,
-     "reap(timeout=-1) -> list[(token, errno, bytes)]: wait (GIL released) for completions"},
+     "reap(timeout=-1) -> list[(token, errno, bytes)]: wait (GIL released) for completions; "
+     "on MemoryError they stay queued for the next call"},
     {"close", (PyCFunction)Engine_close, METH_NOARGS,
      "close(): finish every submitted request, then stop the threads"},
     {"fileno", (PyCFunction)Engine_fileno, METH_NOARGS,
@@ -768,7 +1006,11 @@ static PyMethodDef Engine_methods[] = {
 };
 
 static PyGetSetDef Engine_getset[] = {
-    {"backend", (getter)Engine_get_backend, NULL, "'threads' or 'uring'", NULL},
+    {"backend", (getter)Engine_get_backend, NULL,
+     "'threads' or 'uring' ('threads' for good once the ring has failed)", NULL},
+    {"fallback", (getter)Engine_get_fallback, NULL,
+     "None, or why the io_uring backend moved to threads (the error io_uring_enter returned)",
+     NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -853,7 +1095,44 @@ static PyObject *probe_uring(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(igno
 #endif
 }
 
+static PyObject *inject_fault(PyObject *Py_UNUSED(self), PyObject *args) {
+    const char *name;
+    int count, err;
+    if (!PyArg_ParseTuple(args, "sii", &name, &count, &err)) return NULL;
+    for (int i = 0; i < NFAULTS; i++) {
+        if (strcmp(name, fault_names[i]) != 0) continue;
+        if (count != 0 && err <= 0) {
+            PyErr_Format(PyExc_ValueError, "errno must be > 0, got %d", err);
+            return NULL;
+        }
+        fault_errno[i] = err;
+        __atomic_store_n(&fault_count[i], count, __ATOMIC_RELEASE);
+        Py_RETURN_NONE;
+    }
+    PyErr_Format(PyExc_ValueError, "unknown fault point '%s'", name);
+    return NULL;
+}
+
+static PyObject *hold_copies_py(PyObject *Py_UNUSED(self), PyObject *arg) {
+    int on = PyObject_IsTrue(arg);
+    if (on < 0) return NULL;
+    __atomic_store_n(&hold_copies, on, __ATOMIC_RELEASE);
+    Py_RETURN_NONE;
+}
+
+static PyObject *held_copies_py(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(ignored)) {
+    return PyLong_FromLong(__atomic_load_n(&held_copies, __ATOMIC_ACQUIRE));
+}
+
 static PyMethodDef module_methods[] = {
+    {"_inject_fault", inject_fault, METH_VARARGS,
+     "_inject_fault(name, count, errno): for tests, the next `count` passes through the fault "
+     "point `name` ('uring_enter', 'alloc', 'completion') fail with `errno` (every pass if "
+     "count < 0); count 0 disarms"},
+    {"_hold_copies", hold_copies_py, METH_O,
+     "_hold_copies(on): for tests, every bounce-buffer copy waits (at most 5 s) while on"},
+    {"_held_copies", held_copies_py, METH_NOARGS,
+     "_held_copies() -> int: bounce-buffer copies waiting in _hold_copies now"},
     {"probe_uring", probe_uring, METH_NOARGS,
      "probe_uring() -> (bool, str): whether io_uring works in this process, and why not"},
     {NULL, NULL, 0, NULL},

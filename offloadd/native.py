@@ -11,6 +11,13 @@ It reports finished requests through an eventfd. This wrapper adds what needs Py
   runs the hook and then hands the request to the C side;
 * native errno values turned into ``OSError(errno, strerror, path)``.
 
+Faults never end the process. A failed allocation fails the request that needed it
+(``OSError(ENOMEM)``), or ``NativeEngine()`` itself with ``MemoryError``; if handing completions
+to Python fails, they wait for the next try. If the io_uring ring fails (``io_uring_enter``
+returns an error other than a transient one), the engine moves to its thread backend for good:
+queued requests go to the thread pool, those in the ring still finish, :attr:`backend` reads
+``"threads"``, :attr:`fallback` says why, and the dispatcher logs it once at WARNING.
+
 The extension is optional: :func:`available` says whether it was built and imports, and why not.
 """
 
@@ -82,7 +89,7 @@ class NativeEngine:
         self._native = mod.Engine(
             threads=num_threads, chunk_bytes=chunk_bytes, backend=backend, depth=depth
         )
-        self.backend: str = self._native.backend
+        self._watch_fallback = self._native.backend == "uring"  # not yet logged
         self._lock = threading.Lock()
         self._tokens = itertools.count(_SENTINEL + 1)
         self._pending: dict[int, Request] = {}  # token -> request handed to the C side
@@ -97,6 +104,17 @@ class NativeEngine:
             target=self._dispatch, name="offloadd-native-completions", daemon=True
         )
         self._dispatcher.start()
+
+    @property
+    def backend(self) -> str:
+        """'uring' or 'threads'; 'threads' for good once the io_uring ring has failed."""
+        return str(self._native.backend)
+
+    @property
+    def fallback(self) -> str | None:
+        """None, or why the io_uring backend moved to threads (io_uring_enter's error)."""
+        why = self._native.fallback
+        return None if why is None else str(why)
 
     # -- Engine protocol -------------------------------------------------------------------
 
@@ -207,7 +225,9 @@ class NativeEngine:
         while True:
             try:
                 finished = self._native.reap()
-            except OSError:  # never lose the dispatcher: every later callback would be lost
+            except (OSError, MemoryError):
+                # Never lose the dispatcher: every later callback would be lost. On MemoryError
+                # the completions stay with the C side, for the next reap().
                 log.exception("offloadd: waiting for native completions failed; retrying")
                 time.sleep(0.01)
                 continue
@@ -220,6 +240,13 @@ class NativeEngine:
                 complete(request, error)
                 del request, error  # not kept alive while waiting (see PythonEngine._work)
             del finished
+            if self._watch_fallback and self._native.fallback is not None:
+                self._watch_fallback = False
+                log.warning(
+                    "offloadd: the native engine's io_uring ring failed (%s); it now uses its "
+                    "'threads' backend for good (requests in flight still complete)",
+                    self._native.fallback,
+                )
             with self._lock:
                 if self._drained and not self._pending:
                     return

@@ -5,12 +5,16 @@ subset of every entry (each op of op_db that supports backward, each module of m
 first and its last sample under the primary configuration (ssd, dedup, float64), and its first
 sample under one other (configuration, dtype) pair, the pairs dealt out to the entries in turn so
 that every configuration and dtype runs on an evenly spread share of the corpora. The full sweep
-(every sample, every configuration, every dtype) is the ``slow`` test below.
+(every sample, every configuration, every dtype) is the ``slow`` test below;
+scripts/corpus_sweep.py runs the same sweep and records it in docs/corpus.md.
 """
 
 from __future__ import annotations
 
 import gc
+import json
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +27,7 @@ from . import corpus
 from .conftest import _disk_root
 from .daemon_proc import DaemonProc
 
+ROOT = Path(__file__).resolve().parents[1]
 ENTRIES = corpus.entries()
 
 
@@ -181,3 +186,33 @@ def test_harness_offloads_the_inputs(pool: corpus.OffloaderPool) -> None:
     assert after.saved_tensors > before.saved_tensors
     assert after.offloaded_bytes > before.offloaded_bytes
     assert after.bytes_read > before.bytes_read
+
+
+def test_sweep_script_on_a_few_entries(tmp_path: Path) -> None:
+    out = tmp_path / "corpus.md"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "corpus_sweep.py"),
+            "--only",
+            "sin,nn.functional.normalize,normal.number_mean,nn.Bilinear",
+            "--max-samples",
+            "2",
+            "--dtypes",
+            "float64,bfloat16",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.with_suffix(".json").read_text())
+    text = out.read_text()
+    assert doc["totals"]["failed"] == 0 and doc["totals"]["passed"] > 0
+    assert {c["config"] for c in doc["summary"]} == {str(c) for c in corpus.CONFIGS}
+    assert any(r["reason"] == "no output requires grad" for r in doc["skipped"])
+    assert "scripts/corpus_sweep.py" in text and "no output requires grad" in text
+    assert "4/4" in proc.stderr  # the progress line

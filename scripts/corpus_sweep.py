@@ -50,7 +50,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="comma-separated dtypes (default: %(default)s)",
     )
     p.add_argument("--max-samples", type=int, default=None, help="samples per entry and dtype")
-    p.add_argument("--every", type=int, default=1, help="every Nth entry only (a spread sample)")
+    p.add_argument(
+        "--shard", default="0/1", help="K/N: entries K, K+N, K+2N, ... only (default: %(default)s)"
+    )
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "corpus.md")
     p.add_argument("--dir", type=Path, default=None, help="offload directory (on disk, not tmpfs)")
     args = p.parse_args(argv)
@@ -65,9 +67,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         )
     except KeyError as e:
         p.error(f"unknown name {e}")
-    if args.every < 1:
-        p.error("--every must be at least 1")
-    args.entries = args.entries[:: args.every]
+    k, _, n = args.shard.partition("/")
+    if not (k.isdigit() and n.isdigit() and int(k) < int(n)):
+        p.error(f"--shard {args.shard}: expected K/N with 0 <= K < N")
+    args.entries = args.entries[int(k) :: int(n)]
     return args
 
 
@@ -149,6 +152,7 @@ def summarize(records: list[corpus.Record], args: argparse.Namespace, elapsed: f
         "entries": {
             "ops": sum(e.kind == "op" for e in args.entries),
             "modules": sum(e.kind == "module" for e in args.entries),
+            "in_corpora": len(corpus.entries()),
         },
         "configs": [str(c) for c in args.configs],
         "dtypes": [corpus.dtype_name(d) for d in args.dtypes],
@@ -185,7 +189,8 @@ def _where(records: list[dict], num_configs: int) -> str:
 def markdown(doc: dict) -> str:
     full = doc["max_samples"] is None and len(doc["configs"]) == len(corpus.CONFIGS)
     full = full and len(doc["dtypes"]) == len(corpus.DTYPES)
-    full = full and "--only" not in doc["command"] and "--every" not in doc["command"]
+    e = doc["entries"]
+    full = full and e["ops"] + e["modules"] == e["in_corpora"]
     t = doc["totals"]
     num_configs = len(doc["configs"])
     lines = [
@@ -200,15 +205,17 @@ def markdown(doc: dict) -> str:
         "or, with this record, the command below.",
         "",
         "```sh",
-        "python scripts/corpus_sweep.py            # full sweep; writes docs/corpus.md and corpus.json",
-        "python scripts/corpus_sweep.py --only sin,nn.Linear --configs ssd-dedup --dtypes float64",
+        "python scripts/corpus_sweep.py               # the full sweep: docs/corpus.md and .json",
+        "python scripts/corpus_sweep.py --shard 1/4   # entries 1, 5, 9, ...: a spread quarter",
+        "python scripts/corpus_sweep.py --only sin,nn.Linear --configs ssd-dedup \\",
+        "    --dtypes float64 --out /tmp/corpus.md    # a few entries, one configuration",
         "```",
         "",
         f"## Last run{'' if full else ' (partial)'}",
         "",
         f"- command: `{doc['command']}`",
         f"- date: {doc['date']}; torch {doc['torch']}, Python {doc['python']}, {doc['machine']}",
-        f"- entries: {doc['entries']['ops']} ops, {doc['entries']['modules']} modules; "
+        f"- entries: {e['ops']} ops, {e['modules']} modules (of {e['in_corpora']}); "
         f"configurations: {', '.join(doc['configs'])}; dtypes: {', '.join(doc['dtypes'])}; "
         f"samples per entry and dtype: {doc['max_samples'] or 'all'}",
         f"- elapsed: {_clock(doc['elapsed_s'])}",

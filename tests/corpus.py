@@ -1,0 +1,539 @@
+"""PyTorch's own corpora (``op_db``, ``module_db``) run with and without offloadd.
+
+Every op of ``torch.testing._internal.common_methods_invocations.op_db`` that supports autograd
+and every module of ``torch.testing._internal.common_modules.module_db`` runs on PyTorch's own
+sample inputs twice from the same RNG seed: once plainly (the reference) and once inside an
+Offloader with ``min_bytes=0``, so that every saved tensor goes through pack and unpack. Used by
+tests/test_corpus.py and by scripts/corpus_sweep.py.
+
+The comparison rule
+-------------------
+* **Inputs.** Each run gets fresh copies of the sample's tensors, with the sample's exact size,
+  stride, storage offset and overlap. A copy of a tensor that requires grad is a non-leaf (the
+  identity :class:`_Fresh`), so that offloadd moves it like any activation; a leaf that requires
+  grad would be kept in place, as parameters are. Gradients are taken with respect to the
+  sample's own leaves, through that identity.
+* **RNG.** The CPU generator is seeded with ``SEED`` before the samples are made and before each
+  forward, so random ops (dropout, rrelu, bernoulli) draw the same numbers in both runs.
+* **Gradients.** ``torch.autograd.grad`` of every output that requires grad, each with a fixed
+  seeded random tensor of its shape as grad_output (the gradient of ``sum(out * w)`` for every
+  output, with no reduction that could be reordered), with respect to every input that requires
+  grad and, for modules, every parameter (``allow_unused=True``). Modules run in training mode.
+  With offloadd, ``synchronize()`` runs between forward and backward, so offloaded bytes come
+  back from disk rather than from staging.
+* **Equality.** Every forward output (integer ones too) and every gradient must be bit-identical:
+  same dtype, same shape, and each element the same bits, except that a NaN equals a NaN whatever
+  its payload. ``-0.0`` and ``+0.0`` differ. A gradient that is None must be None in both runs.
+* **Skips** carry a reason: the sample raises without offloadd (the exception), it has no output
+  that requires grad, or the run with offloadd differed and so does one of up to ``RERUNS`` more
+  runs without it ("nondeterministic without offloadd"). Those runs are only made once a run
+  with offloadd differed; a sample that varies rarely may need several (``linalg.lstsq``'s gelsy
+  driver read uninitialised memory and changed a last bit in about one run in ten, until both
+  runs used ``torch.use_deterministic_algorithms(True, warn_only=True)``, which fills new tensors
+  and picks deterministic kernels where there are any; every run of :func:`check` uses it).
+* **Release.** After each run with offloadd, once its graph is gone, the Offloader must hold
+  nothing (``resident_bytes`` and ``disk_bytes`` 0 after ``synchronize()``) and no write may have
+  fallen back to memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import itertools
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch.testing._internal.common_methods_invocations import op_db
+from torch.testing._internal.common_modules import module_db
+
+from offloadd import Offloader
+
+from .helpers import small_offloader
+
+SEED = 0
+RERUNS = 10  # runs without offloadd that tell a nondeterministic sample from a wrong one
+DTYPES = (torch.float64, torch.float32, torch.bfloat16)
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """One way of running offloadd: tier, dedup, and the embedded engine or a daemon."""
+
+    tier: Literal["ssd", "cpu"]
+    dedup: bool
+    daemon: bool = False
+
+    def __str__(self) -> str:
+        where = "daemon" if self.daemon else self.tier
+        return f"{where}-{'dedup' if self.dedup else 'nodedup'}"
+
+
+CONFIGS = (
+    Config("ssd", True),
+    Config("ssd", False),
+    Config("cpu", True),
+    Config("cpu", False),
+    Config("ssd", True, daemon=True),
+)
+PRIMARY = CONFIGS[0]
+
+# Sizes so that the small tensors of the corpora still span several chunks and fill the staging
+# pool (backpressure), and backward prefetches.
+OFFLOADER_SIZES: dict[str, int] = dict(
+    chunk_bytes=4096, staging_bytes=64 << 10, prefetch_bytes=16 << 10, io_threads=2
+)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# -- results and their comparison -------------------------------------------------------------
+
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """Dense, conjugation and negation resolved, complex as (real, imag) pairs."""
+    if t.layout is not torch.strided:
+        t = t.to_dense()
+    t = t.resolve_conj().resolve_neg()
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def difference(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """None if ``a`` and ``b`` are bit-identical (a NaN equals any NaN), else what differs."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return f"{a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
+    a, b = _plain(a), _plain(b)
+    if a.is_floating_point():
+        bits = _INT_OF_SIZE[a.element_size()]
+        same = (a.view(bits) == b.view(bits)) | (a.isnan() & b.isnan())
+    else:
+        same = a == b
+    if bool(same.all()):
+        return None
+    first = tuple(int(i) for i in (~same).nonzero()[0])
+    values = f"{a[first].item()!r} vs {b[first].item()!r}"
+    return (
+        f"{int((~same).sum())} of {same.numel()} elements differ, first at {list(first)}: {values}"
+    )
+
+
+@dataclass
+class Result:
+    """What one run produced: its tensor outputs and the gradient for each name in ``wrt``."""
+
+    outputs: list[torch.Tensor]
+    wrt: list[str]
+    grads: list[torch.Tensor | None] | None  # None: no output requires grad
+
+
+def _kind(grad: torch.Tensor | None) -> str:
+    return "None" if grad is None else "a tensor"
+
+
+def result_difference(ref: Result, got: Result) -> str | None:
+    """The first difference between two runs of the same sample, or None."""
+    if len(ref.outputs) != len(got.outputs):
+        return f"{len(ref.outputs)} outputs vs {len(got.outputs)}"
+    for i, (a, b) in enumerate(zip(ref.outputs, got.outputs, strict=True)):
+        if (d := difference(a, b)) is not None:
+            return f"output {i}: {d}"
+    if (ref.grads is None) != (got.grads is None) or ref.wrt != got.wrt:
+        return "different outputs require grad"
+    for name, a, b in zip(ref.wrt, ref.grads or [], got.grads or [], strict=True):
+        if (a is None) != (b is None):
+            return f"grad of {name}: {_kind(a)} vs {_kind(b)}"
+        if a is not None and b is not None and (d := difference(a, b)) is not None:
+            return f"grad of {name}: {d}"
+    return None
+
+
+# -- running one sample -----------------------------------------------------------------------
+
+
+def _copy_layout(x: torch.Tensor) -> torch.Tensor:
+    """A copy of ``x`` in a new storage with the same size, stride, offset (and overlap)."""
+    if x.layout is not torch.strided or x.is_conj() or x.is_neg():
+        return x.clone()
+    storage = x.untyped_storage().clone()
+    return x.new_empty(0).set_(storage, x.storage_offset(), x.size(), x.stride())
+
+
+class _Fresh(torch.autograd.Function):
+    """Identity whose output is a non-leaf copy of its input (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return _copy_layout(x.detach())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _fresh(x: torch.Tensor) -> torch.Tensor:
+    if x.requires_grad:
+        return _Fresh.apply(x)  # type: ignore[no-any-return]
+    return _copy_layout(x)
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``obj`` with every tensor in it (through lists, tuples and dicts) replaced by ``fn(t)``."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple (PackedSequence)
+        return type(obj)(*(map_tensors(o, fn) for o in obj))
+    if isinstance(obj, list | tuple):
+        return type(obj)(map_tensors(o, fn) for o in obj)
+    if isinstance(obj, dict):
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in ``obj`` (tensor outputs of structseqs and namedtuples included)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, list | tuple):
+        return [t for o in obj for t in tensors_in(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in tensors_in(o)]
+    return []
+
+
+def _fresh_inputs(*objs: Any) -> tuple[list[Any], list[tuple[str, torch.Tensor]]]:
+    """Fresh copies of ``objs`` (one copy per distinct tensor) and the leaves to differentiate."""
+    memo: dict[int, torch.Tensor] = {}
+    leaves: list[tuple[str, torch.Tensor]] = []
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in memo:
+            memo[id(t)] = _fresh(t)
+            if t.requires_grad:
+                leaves.append((f"input {len(leaves)}", t))
+        return memo[id(t)]
+
+    return [map_tensors(o, copy) for o in objs], leaves
+
+
+def _weight(t: torch.Tensor, index: int) -> torch.Tensor:
+    """The fixed grad_output of output ``index`` (from a generator of its own: the global RNG is
+    left alone)."""
+    gen = torch.Generator().manual_seed(SEED + 1000 + index)
+    return torch.randn(t.shape, generator=gen, dtype=t.dtype)
+
+
+def _backward(out: Any, wrt: list[tuple[str, torch.Tensor]], off: Offloader | None) -> Result:
+    outputs = tensors_in(out)
+    diff = [t for t in outputs if t.requires_grad]
+    result = Result([t.detach() for t in outputs], [name for name, _ in wrt], None)
+    if diff and wrt:
+        if off is not None:
+            off.synchronize()
+        weights = [_weight(t, i) for i, t in enumerate(diff)]
+        grads = torch.autograd.grad(diff, [t for _, t in wrt], weights, allow_unused=True)
+        result.grads = list(grads)
+    return result
+
+
+def _seed() -> None:
+    # The CPU generator is all that these CPU runs use. torch.manual_seed also queues a seed for
+    # lazily initialised CUDA with a formatted stack, which costs milliseconds a call.
+    torch.default_generator.manual_seed(SEED)
+
+
+@contextlib.contextmanager
+def _deterministic() -> Iterator[None]:
+    """Deterministic kernels where PyTorch has them (a warning where not), and new tensors filled
+    instead of left uninitialised, so that an op reading memory it never wrote (``linalg.lstsq``)
+    gives the same result in both runs. Restores the previous setting."""
+    before = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=warn_only)
+
+
+def _scope(off: Offloader | None) -> contextlib.AbstractContextManager[Any]:
+    return off if off is not None else contextlib.nullcontext()
+
+
+@dataclass
+class OpSample:
+    """One ``SampleInput`` of an ``OpInfo``, run as the op's gradient tests run it."""
+
+    op: Any
+    sample: Any
+
+    def run(self, off: Offloader | None) -> Result:
+        s = self.sample
+        (inp, args, kwargs), wrt = _fresh_inputs(s.input, s.args, s.kwargs)
+        _seed()
+        with _scope(off):
+            out = self.op.gradcheck_wrapper(self.op.get_op(), inp, *args, **kwargs)
+            out = s.output_process_fn_grad(out)
+        return _backward(out, wrt, off)
+
+
+@dataclass
+class ModuleSample:
+    """One ``ModuleInput`` of a ``ModuleInfo``: a module built from the seed, in training mode."""
+
+    info: Any
+    module_input: Any
+    dtype: torch.dtype
+
+    def run(self, off: Offloader | None) -> Result:
+        ctor, fwd = self.module_input.constructor_input, self.module_input.forward_input
+        _seed()
+        module = self.info.module_cls(*ctor.args, **ctor.kwargs).to(self.dtype).train()
+        (args, kwargs), wrt = _fresh_inputs(fwd.args, fwd.kwargs)
+        _seed()
+        with _scope(off):
+            out = module(*args, **kwargs)
+        # after forward: lazy modules materialize their parameters there
+        wrt += [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        return _backward(out, wrt, off)
+
+
+Sample = OpSample | ModuleSample
+
+
+# -- the corpora ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One op (with its variant) or one module of the corpora."""
+
+    kind: Literal["op", "module"]
+    name: str
+    info: Any = field(compare=False, repr=False)
+
+    def dtypes(self) -> list[torch.dtype]:
+        if self.kind == "op":
+            supported = self.info.supported_backward_dtypes("cpu")
+        else:
+            supported = set(self.info.dtypes)
+        return [d for d in DTYPES if d in supported]
+
+    def samples(self, dtype: torch.dtype, limit: int | None = None) -> list[Sample]:
+        """The first ``limit`` samples (all by default); the same ones on every call."""
+        _seed()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. "sparse CSR support is in beta"
+            return self._make_samples(dtype, limit)
+
+    def _make_samples(self, dtype: torch.dtype, limit: int | None) -> list[Sample]:
+        if self.kind == "op":
+            # What op.sample_inputs() returns, without its wrapper, whose inspect.stack() per call
+            # cost two thirds of the default run. Seeded once here rather than per sample.
+            made = self.info.sample_inputs_func(self.info, "cpu", dtype, requires_grad=True)
+            return [OpSample(self.info, s) for s in itertools.islice(made, limit)]
+        made = self.info.module_inputs_func(
+            self.info, device="cpu", dtype=dtype, requires_grad=True, training=True
+        )
+        kept = (m for m in made if m.forward_input is not None)
+        return [ModuleSample(self.info, m, dtype) for m in itertools.islice(kept, limit)]
+
+
+def entries() -> list[Entry]:
+    """Every op of op_db that supports autograd, then every module of module_db."""
+    ops = [
+        Entry("op", f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name, op)
+        for op in op_db
+        if op.supports_autograd
+    ]
+    return ops + [Entry("module", m.name, m) for m in module_db]
+
+
+# -- checking ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    status: Literal["passed", "failed", "skipped"]
+    reason: str = ""
+
+
+def describe_exception(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    first = lines[0] if lines else ""
+    return f"{type(e).__name__}: {first if len(first) <= 200 else first[:199] + '…'}"
+
+
+def _leftover(off: Offloader, fallbacks_before: int) -> str | None:
+    """What the Offloader still holds once the sample's graph is gone, if anything."""
+    for attempt in range(2):
+        off.synchronize()
+        st = off.stats()
+        if not (st.resident_bytes or st.disk_bytes) or attempt:
+            break
+        gc.collect()  # a reference cycle in the op's own graph may hold the saved tensors
+    problems = [
+        f"{k} {v}"
+        for k, v in (("resident_bytes", st.resident_bytes), ("disk_bytes", st.disk_bytes))
+        if v
+    ]
+    if st.fallbacks > fallbacks_before:
+        problems.append(f"{st.fallbacks - fallbacks_before} write(s) fell back to memory")
+    return "left behind: " + ", ".join(problems) if problems else None
+
+
+class OffloaderPool:
+    """One Offloader per configuration, reused across samples (creating one is costly)."""
+
+    def __init__(self, disk_dir: Path, daemon_socket: Callable[[], str]) -> None:
+        self.disk_dir = disk_dir
+        self._daemon_socket = daemon_socket
+        self._live: dict[Config, Offloader] = {}
+
+    def get(self, config: Config) -> Offloader:
+        if config not in self._live:
+            self._live[config] = small_offloader(
+                self.disk_dir,
+                tier=config.tier,
+                dedup=config.dedup,
+                min_bytes=0,
+                daemon_socket=self._daemon_socket() if config.daemon else "",
+                **OFFLOADER_SIZES,
+            )
+        return self._live[config]
+
+    def discard(self, config: Config) -> None:
+        """Close ``config``'s Offloader (it holds something it should not); the next is new."""
+        off = self._live.pop(config, None)
+        if off is not None:
+            off.close()
+
+    def close(self) -> None:
+        for config in list(self._live):
+            self.discard(config)
+
+
+class _Reference:
+    """The run without offloadd, and whether the sample gives the same result every time."""
+
+    def __init__(self, sample: Sample, result: Result) -> None:
+        self.sample = sample
+        self.result = result
+        self._checked = False
+        self._varies: str | None = None
+
+    def varies(self) -> str | None:
+        """Why runs without offloadd disagree (None: ``RERUNS`` more runs matched the first).
+        Made only once a run with offloadd differed, and once per sample."""
+        if not self._checked:
+            self._checked = True
+            for _ in range(RERUNS):
+                try:
+                    again = self.sample.run(None)
+                except Exception as e:
+                    self._varies = f"a run without offloadd raises: {describe_exception(e)}"
+                    break
+                if result_difference(self.result, again) is not None:
+                    self._varies = "nondeterministic without offloadd"
+                    break
+        return self._varies
+
+
+def _check_with(sample: Sample, ref: _Reference, off: Offloader) -> Outcome:
+    fallbacks = off.stats().fallbacks
+    try:
+        got: Result | None = sample.run(off)
+    except Exception as e:
+        got, error = None, f"raises with offloadd: {describe_exception(e)}"
+    leak = _leftover(off, fallbacks)  # the exception (and the graph it holds) is gone here
+    if got is None:
+        return Outcome("failed", error + (f"; {leak}" if leak else ""))
+    if leak is not None:
+        return Outcome("failed", leak)
+    diff = result_difference(ref.result, got)
+    if diff is None:
+        return Outcome("passed")
+    if (why := ref.varies()) is not None:
+        return Outcome("skipped", why)
+    return Outcome("failed", diff)
+
+
+def check(sample: Sample, pool: OffloaderPool, configs: Iterable[Config]) -> dict[Config, Outcome]:
+    """Run ``sample`` without offloadd, then under each configuration, and compare."""
+    configs = list(configs)
+    with warnings.catch_warnings(), _deterministic():
+        warnings.simplefilter("ignore")  # the corpora warn a lot; offloadd's fallbacks are counted
+        try:
+            ref = _Reference(sample, sample.run(None))
+        except Exception as e:
+            skip = Outcome("skipped", f"raises without offloadd: {describe_exception(e)}")
+            return dict.fromkeys(configs, skip)
+        if ref.result.grads is None:
+            return dict.fromkeys(configs, Outcome("skipped", "no output requires grad"))
+        outcomes = {}
+        for config in configs:
+            outcomes[config] = _check_with(sample, ref, pool.get(config))
+            if outcomes[config].reason.startswith("left behind"):
+                pool.discard(config)  # the next sample starts from a clean Offloader
+        return outcomes
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One (entry, dtype, sample, configuration) of a sweep and its outcome."""
+
+    entry: str
+    kind: str
+    config: str
+    dtype: str
+    sample: int  # -1: the entry has no sample for this dtype, or making them raised
+    status: str
+    reason: str
+
+
+def sweep_entry(
+    entry: Entry,
+    pool: OffloaderPool,
+    configs: list[Config] | tuple[Config, ...] = CONFIGS,
+    dtypes: tuple[torch.dtype, ...] = DTYPES,
+    max_samples: int | None = None,
+) -> list[Record]:
+    """Every sample of ``entry`` in every dtype it supports (of ``dtypes``) under ``configs``."""
+    records: list[Record] = []
+
+    def note(config: Config, dtype: str, index: int, outcome: Outcome) -> None:
+        records.append(
+            Record(
+                entry.name, entry.kind, str(config), dtype, index, outcome.status, outcome.reason
+            )
+        )
+
+    supported = [d for d in entry.dtypes() if d in dtypes]
+    if not supported:
+        for config in configs:
+            note(config, "none", -1, Outcome("skipped", no_dtype_reason(dtypes)))
+    for dtype in supported:
+        try:
+            samples = entry.samples(dtype, max_samples)
+        except Exception as e:
+            samples, why = [], f"making the samples raises: {describe_exception(e)}"
+        else:
+            why = "no sample inputs"
+        if not samples:
+            for config in configs:
+                note(config, dtype_name(dtype), -1, Outcome("skipped", why))
+        for index, sample in enumerate(samples):
+            for config, outcome in check(sample, pool, configs).items():
+                note(config, dtype_name(dtype), index, outcome)
+    return records
+
+
+def no_dtype_reason(dtypes: tuple[torch.dtype, ...] = DTYPES) -> str:
+    return f"no backward in {'/'.join(dtype_name(d) for d in dtypes)} on CPU"

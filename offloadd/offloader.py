@@ -73,13 +73,25 @@ def _describe(t: torch.Tensor) -> str:
     return f"{t.type()} {list(t.shape)}"
 
 
+def _unlinked(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without its link into the graph, to be held by a packed object.
+
+    Note: [no cycle through the graph] An op that saves its own output (exp, sigmoid, softmax)
+    hands pack that output, whose ``grad_fn`` is the very node that will own the packed object.
+    Holding it would make a cycle node -> packed object -> tensor -> node through autograd's
+    C++ graph, which no garbage collector can see: a graph dropped without backward would never
+    be freed. A detached alias shares the storage and the version counter, which is all that
+    offloadd needs; autograd restores the graph links itself at unpack."""
+    return t if t.grad_fn is None else t.detach()
+
+
 class _Kept:
     """A saved tensor kept as it is (small, parameter, unsupported, or tier keep)."""
 
     __slots__ = ("nbytes", "released", "tensor", "version")
 
     def __init__(self, tensor: torch.Tensor, nbytes: int, released: deque[Any]) -> None:
-        self.tensor = tensor
+        self.tensor = _unlinked(tensor)
         self.version = tensor._version
         self.nbytes = nbytes
         self.released = released
@@ -247,7 +259,7 @@ class _Ref:
 
     def __init__(self, block: _Block, t: torch.Tensor, released: deque[Any], keep: bool) -> None:
         self.block = block
-        self.tensor = t if keep else None
+        self.tensor = _unlinked(t) if keep else None
         self.dtype = t.dtype
         self.size = t.size()
         self.stride = t.stride()
@@ -525,7 +537,7 @@ class Offloader:
                 return _Ref(block, t, self._released, keep=True)
             # Pending until the op that saved it has returned (see capture.py).
             block.state = _PENDING
-            block.source = t
+            block.source = _unlinked(t)  # see [no cycle through the graph]
             block.source_ptr = storage.data_ptr()
             block.version = t._version
             if t.device.type == "cuda":

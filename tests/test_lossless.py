@@ -248,3 +248,28 @@ def test_inplace_on_output_before_the_next_op(disk_dir: Path) -> None:
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
     off.close()
+
+
+@pytest.mark.parametrize(
+    ("tier", "min_bytes"),
+    [("keep", 0), ("cpu", 0), ("ssd", 1 << 20), ("ssd", 0)],
+    ids=["keep", "cpu", "ssd-small-kept", "ssd-moved"],
+)
+def test_saved_outputs_of_a_dropped_graph_are_released(
+    tier: str, min_bytes: int, disk_dir: Path
+) -> None:
+    """exp() saves its own output. Holding that tensor (with its grad_fn) from the packed object
+    would make a cycle through autograd's C++ graph that no garbage collector sees: a graph
+    dropped without backward (a metric computed inside the block) would never be freed."""
+    off = small_offloader(disk_dir, tier=tier, min_bytes=min_bytes)
+    x = torch.rand(N, N, requires_grad=True)
+    for _ in range(3):
+        with off:
+            x.exp()
+        with off:
+            y = x * 2
+            y.sigmoid()  # its output is saved; held until captured, then captured
+    off.synchronize()
+    st = off.stats()
+    off.close()
+    assert st.resident_bytes == 0 and st.disk_bytes == 0

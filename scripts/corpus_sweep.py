@@ -151,6 +151,7 @@ def summarize(records: list[corpus.Record], args: argparse.Namespace, elapsed: f
         "elapsed_s": round(elapsed, 1),
         "entries": {
             "ops": sum(e.kind == "op" for e in args.entries),
+            "inplace_ops": sum(e.kind == "inplace" for e in args.entries),
             "modules": sum(e.kind == "module" for e in args.entries),
             "in_corpora": len(corpus.entries()),
         },
@@ -190,13 +191,14 @@ def markdown(doc: dict) -> str:
     full = doc["max_samples"] is None and len(doc["configs"]) == len(corpus.CONFIGS)
     full = full and len(doc["dtypes"]) == len(corpus.DTYPES)
     e = doc["entries"]
-    full = full and e["ops"] + e["modules"] == e["in_corpora"]
+    full = full and e["ops"] + e["inplace_ops"] + e["modules"] == e["in_corpora"]
     t = doc["totals"]
     num_configs = len(doc["configs"])
     lines = [
         "# Corpus sweep: op_db and module_db with and without offloadd",
         "",
-        "Every op of PyTorch's `op_db` that supports backward and every module of its `module_db`,",
+        "Every op of PyTorch's `op_db` that supports backward (and its in-place variant, as `op_`,",
+        "where it has one with autograd) and every module of its `module_db`,",
         "run on their own sample inputs without offloadd and inside an Offloader with",
         "`min_bytes=0`; forward outputs and gradients (inputs and parameters) must be",
         "bit-identical (NaN equals NaN). The rule, skips included, is the docstring of",
@@ -215,7 +217,8 @@ def markdown(doc: dict) -> str:
         "",
         f"- command: `{doc['command']}`",
         f"- date: {doc['date']}; torch {doc['torch']}, Python {doc['python']}, {doc['machine']}",
-        f"- entries: {e['ops']} ops, {e['modules']} modules (of {e['in_corpora']}); "
+        f"- entries: {e['ops']} ops, {e['inplace_ops']} in-place variants, {e['modules']} modules "
+        f"(of {e['in_corpora']}); "
         f"configurations: {', '.join(doc['configs'])}; dtypes: {', '.join(doc['dtypes'])}; "
         f"samples per entry and dtype: {doc['max_samples'] or 'all'}",
         f"- elapsed: {_clock(doc['elapsed_s'])}",

@@ -1,7 +1,8 @@
 """PyTorch's own corpora (``op_db``, ``module_db``) run with and without offloadd.
 
 Every op of ``torch.testing._internal.common_methods_invocations.op_db`` that supports autograd
-and every module of ``torch.testing._internal.common_modules.module_db`` runs on PyTorch's own
+(and, as an entry of its own named ``op_``, its in-place variant where it has one that supports
+autograd: in-place ops are where version counters move) and every module of ``torch.testing._internal.common_modules.module_db`` runs on PyTorch's own
 sample inputs twice from the same RNG seed: once plainly (the reference) and once inside an
 Offloader with ``min_bytes=0``, so that every saved tensor goes through pack and unpack. Used by
 tests/test_corpus.py and by scripts/corpus_sweep.py.
@@ -10,9 +11,8 @@ The comparison rule
 -------------------
 * **Inputs.** Each run gets fresh copies of the sample's tensors, with the sample's exact size,
   stride, storage offset and overlap. A copy of a tensor that requires grad is a non-leaf (the
-  identity :class:`_Fresh`), so that offloadd moves it like any activation; a leaf that requires
-  grad would be kept in place, as parameters are. Gradients are taken with respect to the
-  sample's own leaves, through that identity.
+  identity :class:`_Fresh`), as activations are, and can be changed in place by an in-place
+  variant. Gradients are taken with respect to the sample's own leaves, through that identity.
 * **RNG.** The CPU generator is seeded with ``SEED`` before the samples are made and before each
   forward, so random ops (dropout, rrelu, bernoulli) draw the same numbers in both runs.
 * **Gradients.** ``torch.autograd.grad`` of every output that requires grad, each with a fixed
@@ -273,13 +273,15 @@ class OpSample:
 
     op: Any
     sample: Any
+    inplace: bool = False
 
     def run(self, off: Offloader | None) -> Result:
         s = self.sample
         (inp, args, kwargs), wrt = _fresh_inputs(s.input, s.args, s.kwargs)
+        fn = self.op.get_inplace() if self.inplace else self.op.get_op()
         _seed()
         with _scope(off):
-            out = self.op.gradcheck_wrapper(self.op.get_op(), inp, *args, **kwargs)
+            out = self.op.gradcheck_wrapper(fn, inp, *args, **kwargs)
             out = s.output_process_fn_grad(out)
         return _backward(out, wrt, off)
 
@@ -315,12 +317,12 @@ Sample = OpSample | ModuleSample
 class Entry:
     """One op (with its variant) or one module of the corpora."""
 
-    kind: Literal["op", "module"]
+    kind: Literal["op", "inplace", "module"]
     name: str
     info: Any = field(compare=False, repr=False)
 
     def dtypes(self) -> list[torch.dtype]:
-        if self.kind == "op":
+        if self.kind != "module":
             supported = self.info.supported_backward_dtypes("cpu")
         else:
             supported = set(self.info.dtypes)
@@ -334,11 +336,12 @@ class Entry:
             return self._make_samples(dtype, limit)
 
     def _make_samples(self, dtype: torch.dtype, limit: int | None) -> list[Sample]:
-        if self.kind == "op":
+        if self.kind != "module":
             # What op.sample_inputs() returns, without its wrapper, whose inspect.stack() per call
             # cost two thirds of the default run. Seeded once here rather than per sample.
             made = self.info.sample_inputs_func(self.info, "cpu", dtype, requires_grad=True)
-            return [OpSample(self.info, s) for s in itertools.islice(made, limit)]
+            inplace = self.kind == "inplace"
+            return [OpSample(self.info, s, inplace) for s in itertools.islice(made, limit)]
         made = self.info.module_inputs_func(
             self.info, device="cpu", dtype=dtype, requires_grad=True, training=True
         )
@@ -347,13 +350,21 @@ class Entry:
 
 
 def entries() -> list[Entry]:
-    """Every op of op_db that supports autograd, then every module of module_db."""
-    ops = [
-        Entry("op", f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name, op)
-        for op in op_db
-        if op.supports_autograd
+    """Every op of op_db that supports autograd, then the in-place variants of those that have
+    one supporting autograd, then every module of module_db."""
+    with_grad = [op for op in op_db if op.supports_autograd]
+    ops = [Entry("op", _op_name(op), op) for op in with_grad]
+    inplace = [
+        Entry("inplace", _op_name(op, "_"), op)
+        for op in with_grad
+        if op.inplace_variant is not None and op.supports_inplace_autograd
     ]
-    return ops + [Entry("module", m.name, m) for m in module_db]
+    return ops + inplace + [Entry("module", m.name, m) for m in module_db]
+
+
+def _op_name(op: Any, suffix: str = "") -> str:
+    name = op.name + suffix
+    return f"{name}.{op.variant_test_name}" if op.variant_test_name else name
 
 
 # -- checking ---------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Issue 11, item 3: PyTorch's op and module corpora, bit-identical with and without offloadd.
 
 The comparison rule and the harness are in tests/corpus.py. The default run takes a fixed
-subset of every entry (each op of op_db that supports backward, each module of module_db): its
+subset of every entry (each op of op_db that supports backward, its in-place variant where it
+has one, each module of module_db): its
 first and its last sample under the primary configuration (ssd, dedup, float64), and its first
 sample under one other (configuration, dtype) pair, the pairs dealt out to the entries in turn so
 that every configuration and dtype runs on an evenly spread share of the corpora. The full sweep

@@ -18,14 +18,30 @@ these holds, and the capture happens at the first of them:
 * the thread leaves the offloading scope (``Offloader.__exit__``) or calls ``synchronize()``:
   both run between ops;
 * backward unpacks it before any of that happened (another thread's backward, say): then unpack
-  uses the tensor itself, checked like a kept one, and nothing is copied.
+  uses the tensor itself, checked like a kept one, and nothing is copied yet.
 
 At capture the version counter must still be the one recorded at pack; if it moved, the tensor
 was changed in place after it was saved, and unpack raises PyTorch's in-place error, exactly as
 autograd does without hooks. On CUDA the producer event is recorded at capture on the stream
 recorded at pack, i.e. after the op's kernels were queued (see [CUDA ordering] in offloader.py).
-After capture the offloaded bytes are what backward gets; an in-place change made later is caught
-on CUDA until the copy completed and, after that, cannot change the copy.
+
+Note: [the version handle] The node number has one gap: an op that creates a node between its
+saves and its kernel. ``a.mul_(b)`` saves ``b``, then clones the original ``a`` (a new node, a
+larger number) before its kernel runs; ``_foreach_mul_`` saves every element before its one
+kernel. A save of such an op may be captured before the kernel ran. Those kernels are in-place
+ops: they bump the version of what they write. So each offloaded block also keeps a *version
+handle*, a tensor without storage that shares the saved tensor's version counter (made below
+the dispatch key that bumps versions, so making it bumps nothing), and unpack compares it with
+the version recorded at pack. Any in-place change between save and backward, before or after
+capture, raises PyTorch's error, as autograd does without hooks; a copy taken too early can
+therefore only be wrong for a kernel that writes a buffer it saved *without* bumping its
+version, and such a kernel (rrelu's) creates no node before it runs. What remains outside any
+version check, with or without hooks, is a write that bypasses the counter (``x.data``, ``set_``,
+the storage) or a kernel like rrelu's writing into a buffer that an earlier op saved: eager
+PyTorch then uses the live bytes, offloadd the bytes captured (README, "Known limit").
+
+Until capture, unpack returns a view of the saved tensor itself (sharing its version counter, so
+that a graph built on it by double backward still sees later in-place changes).
 """
 
 from __future__ import annotations

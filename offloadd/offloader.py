@@ -9,10 +9,11 @@ Note: [never a silently wrong gradient] With saved-tensor hooks installed, autog
 checks version counters at unpack. Kept tensors are checked by us and raise PyTorch's own error.
 An offloaded tensor is captured once the op that saved it has returned (see [capture after the
 op] in capture.py), after checking that its version is still the one recorded at pack; until
-then unpack uses the tensor itself, checked like a kept one. CPU tensors are copied into staging
-at capture, so unpack provably returns the value autograd would have seen. CUDA tensors are
-copied on a side stream; their version is checked again once the copy's event completed:
-unchanged then means no in-place op was enqueued before the copy ran, otherwise unpack raises.
+then unpack uses the tensor itself, checked like a kept one. After capture, a version handle
+(see [the version handle] in capture.py) is checked at unpack, so any in-place change between
+save and backward raises, as it does without hooks. CPU tensors are copied into staging at
+capture. CUDA tensors are copied on a side stream; their version is also checked once the
+copy's event completed.
 
 Note: [freeing] Autograd drops a packed object when the graph frees that saved tensor (after the
 node ran, or when the graph is released). Our objects' ``__del__`` only appends to a deque; the
@@ -81,8 +82,24 @@ def _unlinked(t: torch.Tensor) -> torch.Tensor:
     Holding it would make a cycle node -> packed object -> tensor -> node through autograd's
     C++ graph, which no garbage collector can see: a graph dropped without backward would never
     be freed. A detached alias shares the storage and the version counter, which is all that
-    offloadd needs; autograd restores the graph links itself at unpack."""
-    return t if t.grad_fn is None else t.detach()
+    offloadd needs; autograd restores the graph links itself at unpack. (Decided on
+    ``requires_grad``: reading ``grad_fn`` of a stale view creates a node, which would move the
+    node number that capture.py relies on.)"""
+    return t.detach() if t.requires_grad else t
+
+
+def _version_handle(t: torch.Tensor) -> torch.Tensor | None:
+    """A tensor without storage that shares ``t``'s version counter (None if this torch cannot
+    make one without bumping the counter). See [the version handle] in capture.py."""
+    if _BELOW_INPLACE_OR_VIEW is None:
+        return None
+    h = t.detach()
+    with _BELOW_INPLACE_OR_VIEW():  # below the kernel that bumps versions: set_ leaves it alone
+        h.set_(torch.empty(0, dtype=t.dtype, device=t.device).untyped_storage())
+    return h
+
+
+_BELOW_INPLACE_OR_VIEW = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", None)
 
 
 class _Kept:
@@ -135,6 +152,7 @@ class _Block:
         "finishing",
         "freed",
         "gen",
+        "handle",
         "key",
         "loading",
         "modified",
@@ -185,6 +203,7 @@ class _Block:
         self.version = 0  # its version counter at pack
         self.stream: Any = None  # CUDA: the stream it was produced on (current at pack)
         self.finishing = False  # a thread copies the read-back bytes to the device (no lock)
+        self.handle: torch.Tensor | None = None  # shares the saved tensor's version counter
 
 
 class _CudaCopy:
@@ -396,6 +415,7 @@ class Offloader:
         """A snapshot of the counters (see :class:`~offloadd.Stats`)."""
         with self._lock:
             self._drain()
+            self._poll_copies()
             if self._disk is not None:
                 self._stats.disk_bytes = self._disk.used_bytes
             snapshot = Stats(**self._stats.as_dict())
@@ -408,8 +428,13 @@ class Offloader:
         Called between ops, it first captures what this thread packed and has not captured."""
         self._capture_all()
         with self._lock:
+            copies = list(self._pending_copies)
+        for copy in copies:  # CUDA: D2H copies, waited for without the lock
+            copy.done(wait=True)
+        with self._lock:
             while self._writes_in_flight or any(b.loading for b in self._blocks.values()):
                 self._cond.wait()
+            self._poll_copies()
             self._drain()
 
     def close(self) -> None:
@@ -514,14 +539,15 @@ class Offloader:
                 # Held by the model anyway: kept, but not activation memory of ours.
                 self._stats.kept_bytes += nbytes
                 return _Kept(t, 0, self._released)
-            key = (t.device, storage._cdata, t._version)
+            # The dtype is in the key: a pending block's refs are views of its source.
+            key = (t.device, storage._cdata, t._version, t.dtype)
             root = t._base if t._base is not None else t
             hit = self._dedup.get(key) if self.config.dedup else None
             # The weak reference pins the StorageImpl's address while the entry lives, so an
             # equal ``_cdata`` means the same storage, never a new one at a reused address. The
             # root check keeps apart aliases that do not share a version counter (``.data``,
             # ``set_``): one of them may have been changed in place since the first save.
-            if hit is not None and not hit[0].expired() and hit[1]() is root:
+            if hit is not None and not hit[0].expired() and hit[1]() is root and not hit[2].freed:
                 block = hit[2]
                 block.refs += 1
                 st.deduplicated_bytes += nbytes
@@ -537,7 +563,8 @@ class Offloader:
                 return _Ref(block, t, self._released, keep=True)
             # Pending until the op that saved it has returned (see capture.py).
             block.state = _PENDING
-            block.source = _unlinked(t)  # see [no cycle through the graph]
+            block.source = t.detach()  # see [no cycle through the graph]
+            block.handle = _version_handle(t)
             block.source_ptr = storage.data_ptr()
             block.version = t._version
             if t.device.type == "cuda":
@@ -584,18 +611,23 @@ class Offloader:
             block.state = _CAPTURING
         try:
             self._write_out(block, t)
-        except Exception as e:  # never fail the forward because of offloading
-            self._warn_once("pack", f"offloadd: offloading failed, keeping the tensor: {e!r}")
+        except BaseException as e:
+            # Never fail the forward because of offloading: keep the tensor. An interrupt
+            # (KeyboardInterrupt while waiting for a slot) goes on up, the block still settled.
+            if isinstance(e, Exception):
+                self._warn_once("pack", f"offloadd: offloading failed, keeping the tensor: {e!r}")
             if block.copy_done is not None:
                 block.copy_done.stream.synchronize()
             with self._lock:
                 self._release_chunks(block)
-                self._stats.fallbacks += 1
+                self._stats.fallbacks += isinstance(e, Exception)
                 block.state = _HELD
                 block.copy_done = None
                 if block.freed:
                     self._free_block(block)
                 self._cond.notify_all()
+            if not isinstance(e, Exception):
+                raise
             return
         with self._lock:
             self._stats.offloaded_bytes += block.nbytes
@@ -909,10 +941,14 @@ class Offloader:
                 if self._closed and block.resident is None:
                     raise RuntimeError("offloadd: unpack after Offloader.close()")
                 copy = block.copy_done
-        if source is not None:  # not captured (yet): the saved tensor itself, checked
-            if source._version != block.version:
-                raise _inplace_error(ref.desc, block.version, source._version)
-            return _view(_storage_bytes(source), ref)
+        handle = source if source is not None else block.handle
+        if handle is not None and handle._version != block.version:
+            # Changed in place since it was saved (see [the version handle] in capture.py).
+            raise _inplace_error(ref.desc, block.version, handle._version)
+        if source is not None:
+            # Not captured (yet): a view of the saved tensor itself, which shares its version
+            # counter, so that a graph built on it (double backward) still sees in-place changes.
+            return source.as_strided(ref.size, ref.stride, ref.offset)
         if copy is not None:
             # CUDA: staging is complete, and the version checked, once the D2H copy completed.
             # Waited for without the lock: I/O callbacks and other threads need it meanwhile.
@@ -1153,7 +1189,8 @@ class Offloader:
         block.freed = True
         block.pinned_resident = False
         if block.state == _CAPTURING:
-            return  # the capturing thread frees it once done (see _capture)
+            self._forget(block)  # no new save may join it
+            return  # the capturing thread frees the rest once done (see _capture)
         self._release_source(block, _CAPTURED)
         # Even while reads are in flight: each request keeps its buffer alive, and the read
         # callback frees the disk slot of a freed block.

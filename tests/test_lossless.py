@@ -3,6 +3,9 @@ reaches the hooks crashes them (see [capture after the op] in offloadd/capture.p
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -269,6 +272,158 @@ def test_saved_outputs_of_a_dropped_graph_are_released(
         with off:
             y = x * 2
             y.sigmoid()  # its output is saved; held until captured, then captured
+    off.synchronize()
+    st = off.stats()
+    off.close()
+    assert st.resident_bytes == 0 and st.disk_bytes == 0
+
+
+def _raises_inplace(fn: Callable[[], object]) -> bool:
+    try:
+        fn()
+    except RuntimeError as e:
+        assert "modified by an inplace operation" in str(e)
+        return True
+    return False
+
+
+def test_double_backward_before_capture_sees_inplace_changes(disk_dir: Path) -> None:
+    """create_graph inside the block, before the saved output was captured: the double-backward
+    graph is built on what unpack returned, which must share the saved tensor's version counter,
+    so that a later in-place change still raises, as without hooks."""
+    x = torch.randn(N, N, requires_grad=True)
+    v = torch.randn(N, N, requires_grad=True)
+
+    def run(off: object) -> bool:
+        with off if off is not None else contextlib.nullcontext():  # type: ignore[attr-defined]
+            z = x.exp()  # saves its result: pending
+            (g,) = torch.autograd.grad(z, x, grad_outputs=v, create_graph=True)
+            z.mul_(2)
+        return _raises_inplace(lambda: torch.autograd.grad(g.sum(), v))
+
+    assert run(None)
+    off = small_offloader(disk_dir)
+    assert run(off)
+    off.close()
+
+
+@pytest.mark.parametrize("case", ["foreach", "mul_self"])
+def test_version_moved_by_the_op_itself_raises(case: str, disk_dir: Path) -> None:
+    """Some in-place ops create a node between their saves and their kernel (``a.mul_(a)``
+    clones the original self; ``_foreach_mul_`` saves every element first), so the node number
+    can capture a save before the kernel ran. The kernel bumps the version, and the version
+    handle sees it at unpack: PyTorch's error, as without hooks, never stale bytes."""
+
+    def body() -> torch.Tensor:
+        a0 = torch.randn(N, N, requires_grad=True, generator=torch.Generator().manual_seed(0))
+        b0 = torch.randn(N, N, requires_grad=True, generator=torch.Generator().manual_seed(1))
+        a, b = a0 * 1.0, b0 * 1.0
+        if case == "foreach":
+            torch._foreach_mul_([a, b], [b, a])
+            return torch.autograd.grad((a + b).sum(), [a0, b0])[0]  # type: ignore[no-any-return]
+        a.mul_(a)
+        return torch.autograd.grad(a.sum(), a0)[0]  # type: ignore[no-any-return]
+
+    assert _raises_inplace(body)
+    for min_bytes in (0, 4096):
+        off = small_offloader(disk_dir, min_bytes=min_bytes)
+
+        def scoped(off: object = off) -> torch.Tensor:
+            with off:  # type: ignore[attr-defined]
+                return body()
+
+        assert _raises_inplace(scoped)
+        off.close()
+
+
+def test_inplace_by_another_thread_during_capture_raises(disk_dir: Path) -> None:
+    """The version may move between capture's check and its copy (another thread): the version
+    handle catches it at unpack."""
+    x = torch.randn(N, N, requires_grad=True)
+    y = x * 1.0
+    off = small_offloader(disk_dir)
+    real = off._write_out
+
+    def write_out(block: object, t: torch.Tensor) -> None:
+        def change() -> None:
+            with torch.no_grad():
+                y.add_(100)  # bumps y's version
+
+        worker = threading.Thread(target=change)
+        worker.start()
+        worker.join()
+        real(block, t)  # type: ignore[arg-type]
+
+    off._write_out = write_out  # type: ignore[method-assign]
+    with off:
+        z = y.sin()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.sum().backward()
+    off.close()
+
+
+def test_block_freed_while_captured_is_not_joined(disk_dir: Path) -> None:
+    """A block whose refs all died while another thread copied it out must not be found by
+    dedup: a new save of the same tensor gets a block of its own."""
+    x = torch.randn(N, N, requires_grad=True)
+    expected = torch.autograd.grad(x.sin().sum(), x)[0]
+    off = small_offloader(disk_dir)
+    in_write, go = threading.Event(), threading.Event()
+    real = off._write_out
+
+    def write_out(block: object, t: torch.Tensor) -> None:
+        if threading.current_thread().name == "capturer":
+            in_write.set()
+            go.wait()
+        real(block, t)  # type: ignore[arg-type]
+
+    off._write_out = write_out  # type: ignore[method-assign]
+    box: dict[str, torch.Tensor] = {}
+
+    def first() -> None:
+        with off:
+            box["y"] = x.sin()  # captured at __exit__, held in write_out
+
+    t = threading.Thread(target=first, name="capturer")
+    t.start()
+    in_write.wait()
+    del box["y"]
+    gc.collect()
+    with off:
+        y2 = x.sin()  # drains the free of the first block: dedup must not join it
+    go.set()
+    t.join()
+    (g,) = torch.autograd.grad(y2.sum(), x)
+    assert torch.equal(g, expected)
+    del y2
+    off.synchronize()
+    st = off.stats()
+    off.close()
+    assert st.resident_bytes == 0 and st.disk_bytes == 0
+
+
+def test_interrupt_during_capture_settles_the_block(disk_dir: Path) -> None:
+    """A KeyboardInterrupt while capture waits for a staging slot propagates, and the block is
+    settled (kept in memory): backward still works, nothing leaks, nothing hangs."""
+    x = torch.randn(N, N, requires_grad=True)
+    expected = torch.autograd.grad(x.sin().sum(), x)[0]
+    off = small_offloader(disk_dir)
+    real = off._acquire_slot
+    calls = [0]
+
+    def acquire(pool: object, host_tier: bool) -> int | None:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise KeyboardInterrupt
+        return real(pool, host_tier)  # type: ignore[arg-type]
+
+    off._acquire_slot = acquire  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt), off:
+        y = x.sin()  # saves x: pending
+        y.exp()  # a later node: captures x, interrupted
+    (g,) = torch.autograd.grad(y.sum(), x)
+    assert torch.equal(g, expected)
+    del y
     off.synchronize()
     st = off.stats()
     off.close()

@@ -108,7 +108,8 @@ class _Kept:
     __slots__ = ("nbytes", "released", "tensor", "version")
 
     def __init__(self, tensor: torch.Tensor, nbytes: int, released: deque[Any]) -> None:
-        self.tensor = _unlinked(tensor)
+        # _unlinked(), inlined: this is the hot path of every small saved tensor
+        self.tensor = tensor.detach() if tensor.requires_grad else tensor
         self.version = tensor._version
         self.nbytes = nbytes
         self.released = released

@@ -2,8 +2,9 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -105,6 +106,31 @@ def daemon() -> Iterator[DaemonProc]:
     (root / "run").rmdir()
     (root / "daemon.log").unlink()
     root.rmdir()
+
+
+@pytest.fixture
+def own_daemon() -> Iterator[Callable[..., DaemonProc]]:
+    """Daemons of the test's own (killed, paused, restarted, configured): made by calling the
+    fixture with ``offloadd serve`` arguments (and ``dirs=``, ``env=``); afterwards each is
+    resumed and stopped, and no file may be left in their directories."""
+    root = Path(tempfile.mkdtemp(prefix="offloadd-own-", dir=_disk_root()))
+    procs: list[DaemonProc] = []
+
+    def make(
+        *args: str, dirs: list[Path] | None = None, env: dict[str, str] | None = None
+    ) -> DaemonProc:
+        p = DaemonProc(root, *args, dirs=dirs, env=env)
+        procs.append(p)
+        return p
+
+    yield make
+    for p in procs:
+        if p.proc is not None and p.proc.poll() is None:
+            p.resume()
+            p.stop()
+    leftovers = [q for p in procs for d in p.dirs if d.exists() for q in d.iterdir()]
+    shutil.rmtree(root, ignore_errors=True)
+    assert not leftovers, f"files left behind: {leftovers}"
 
 
 @pytest.fixture

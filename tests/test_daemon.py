@@ -11,10 +11,9 @@ import socket
 import stat
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,32 +24,11 @@ from offloadd import Offloader
 from offloadd.daemon import protocol as proto
 from offloadd.daemon.settings import DaemonConfig
 
-from .conftest import _disk_root
 from .daemon_proc import DaemonProc, RawSession, held_descriptors
 from .helpers import SavePayload, assert_bitwise_equal, small_offloader, train
 from .test_equivalence import MODELS
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture
-def own_daemon() -> Iterator[Callable[..., DaemonProc]]:
-    """Daemons of the test's own (killed, restarted, configured); all checked for leftovers."""
-    root = Path(tempfile.mkdtemp(prefix="offloadd-own-", dir=_disk_root()))
-    procs: list[DaemonProc] = []
-
-    def make(*args: str, dirs: list[Path] | None = None) -> DaemonProc:
-        p = DaemonProc(root, *args, dirs=dirs)
-        procs.append(p)
-        return p
-
-    yield make
-    for p in procs:
-        if p.proc is not None and p.proc.poll() is None:
-            p.stop()
-    leftovers = [q for p in procs for d in p.dirs if d.exists() for q in d.iterdir()]
-    shutil.rmtree(root, ignore_errors=True)
-    assert not leftovers, f"files left behind: {leftovers}"
 
 
 def _client_leftovers(d: DaemonProc) -> dict[str, int]:

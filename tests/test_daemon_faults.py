@@ -13,10 +13,9 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,39 +27,12 @@ from offloadd.daemon.client import DaemonBackend
 from offloadd.engine import Op, Request
 from offloadd.staging import AlignedBuffer
 
-from .conftest import _disk_root
 from .daemon_proc import DaemonProc, RawSession, held_descriptors
 from .helpers import small_offloader
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTHING = {"files": 0, "memfds": 0, "mappings": 0}
 CHUNK = 64 << 10
-
-
-@pytest.fixture
-def own() -> Iterator[Callable[..., DaemonProc]]:
-    """Daemons of the test's own, stopped (and resumed first) afterwards; no file may be left."""
-    root = Path(tempfile.mkdtemp(prefix="offloadd-faults-", dir=_disk_root()))
-    procs: list[DaemonProc] = []
-
-    def make(
-        *args: str, dirs: list[Path] | None = None, env: dict[str, str] | None = None
-    ) -> DaemonProc:
-        p = DaemonProc(root, *args, dirs=dirs, env=env)
-        procs.append(p)
-        return p
-
-    yield make
-    for p in procs:
-        if p.proc is not None and p.proc.poll() is None:
-            p.resume()
-            p.stop()
-    leftovers = [q for p in procs for d in p.dirs if d.exists() for q in d.iterdir()]
-    shutil.rmtree(root, ignore_errors=True)
-    assert not leftovers, f"files left behind: {leftovers}"
-
-
-# -- close() while the daemon does not answer ------------------------------------------------------
 
 
 class _Done:
@@ -82,14 +54,14 @@ def _submit(b: DaemonBackend, op: Op, voffset: int, address: int) -> _Done:
 
 
 def test_close_returns_when_the_daemon_stops_answering(
-    own: Callable[..., DaemonProc],
+    own_daemon: Callable[..., DaemonProc],
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A SIGSTOPped daemon holds a write and a read: close() gives up after its deadline, fails
     the write, reads the chunk from the session's file itself, and releases every descriptor."""
     monkeypatch.setattr(client, "CLOSE_TIMEOUT_S", 1.0, raising=False)
-    d = own().start()
+    d = own_daemon().start()
     cfg = OffloadConfig(
         ssd_dirs=[str(d.dirs[0])],
         daemon_socket=d.socket,
@@ -160,14 +132,14 @@ psutil.disk_usage = disk_usage
 
 
 def test_a_slow_file_system_probe_never_stalls_sessions(
-    own: Callable[..., DaemonProc], tmp_path: Path
+    own_daemon: Callable[..., DaemonProc], tmp_path: Path
 ) -> None:
     """psutil.disk_usage takes 2 s (an NFS mount, a dying disk): round trips stay fast; a daemon
     whose probe hangs still stops."""
     hook, flag = tmp_path / "hook", tmp_path / "slow"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(_SLOW_PROBE.format(flag=str(flag)))
-    d = own(env=dict(os.environ, PYTHONPATH=str(hook))).start()
+    d = own_daemon(env=dict(os.environ, PYTHONPATH=str(hook))).start()
     raw = RawSession(d.socket)
     try:
         flag.write_text("2")
@@ -213,9 +185,9 @@ def test_a_slow_file_system_probe_never_stalls_sessions(
 # -- every loss of the daemon is reported ----------------------------------------------------------
 
 
-def test_every_daemon_loss_is_reported(own: Callable[..., DaemonProc]) -> None:
+def test_every_daemon_loss_is_reported(own_daemon: Callable[..., DaemonProc]) -> None:
     """Two losses of two daemons (each gave this client session 1): two warnings, not one."""
-    first = own().start()
+    first = own_daemon().start()
     off = small_offloader(first.dirs[0], daemon_socket=first.socket)
     daemon = off._daemon
     assert daemon is not None
@@ -229,7 +201,7 @@ def test_every_daemon_loss_is_reported(own: Callable[..., DaemonProc]) -> None:
 
     with pytest.warns(RuntimeWarning) as got:
         lose(first)
-        second = own(dirs=first.dirs).start()
+        second = own_daemon(dirs=first.dirs).start()
         with off:
             pass
         assert daemon.connected
@@ -257,14 +229,14 @@ def _core_requirements() -> set[str]:
     return names
 
 
-def test_serve_needs_no_extra(own: Callable[..., DaemonProc]) -> None:
+def test_serve_needs_no_extra(own_daemon: Callable[..., DaemonProc]) -> None:
     """uvloop and xxhash (the default checksum) are core dependencies; the ``daemon`` extra is
     kept (prometheus-client), and ``offloadd serve`` with the documented defaults warns of
     neither."""
     assert {"uvloop", "xxhash", "torch", "psutil"} <= _core_requirements()
     extras = importlib.metadata.metadata("offloadd").get_all("Provides-Extra") or []
     assert "daemon" in extras
-    d = own("--config", str(ROOT / "configs" / "daemon.toml")).start()
+    d = own_daemon("--config", str(ROOT / "configs" / "daemon.toml")).start()
     assert d.status()["checksum"] == "xxh3"
     assert d.stop() == 0
     log = d.log_text()

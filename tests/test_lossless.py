@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from offloadd import capture
+from offloadd import Offloader, capture
 
 from .helpers import SavePayload, small_offloader
 
@@ -24,6 +24,14 @@ pytestmark = pytest.mark.usefixtures("backend")
 ENGINE_PARAMS = ("native-threads",)
 
 N = 256
+
+
+def _close_released(off: Offloader) -> None:
+    """Close ``off`` after checking that it holds nothing (its graphs are gone)."""
+    off.synchronize()
+    st = off.stats()
+    off.close()
+    assert st.resident_bytes == 0 and st.disk_bytes == 0
 
 
 def _grads(
@@ -272,10 +280,7 @@ def test_saved_outputs_of_a_dropped_graph_are_released(
         with off:
             y = x * 2
             y.sigmoid()  # its output is saved; held until captured, then captured
-    off.synchronize()
-    st = off.stats()
-    off.close()
-    assert st.resident_bytes == 0 and st.disk_bytes == 0
+    _close_released(off)
 
 
 def _raises_inplace(fn: Callable[[], object]) -> bool:
@@ -396,10 +401,7 @@ def test_block_freed_while_captured_is_not_joined(disk_dir: Path) -> None:
     (g,) = torch.autograd.grad(y2.sum(), x)
     assert torch.equal(g, expected)
     del y2
-    off.synchronize()
-    st = off.stats()
-    off.close()
-    assert st.resident_bytes == 0 and st.disk_bytes == 0
+    _close_released(off)
 
 
 def test_interrupt_during_capture_settles_the_block(disk_dir: Path) -> None:
@@ -424,7 +426,4 @@ def test_interrupt_during_capture_settles_the_block(disk_dir: Path) -> None:
     (g,) = torch.autograd.grad(y.sum(), x)
     assert torch.equal(g, expected)
     del y
-    off.synchronize()
-    st = off.stats()
-    off.close()
-    assert st.resident_bytes == 0 and st.disk_bytes == 0
+    _close_released(off)

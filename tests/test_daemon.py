@@ -236,6 +236,8 @@ def _steps(
 
 
 @pytest.mark.parametrize("where", ["forward", "backward"])
+# A write in flight when the daemon dies fails and keeps its tensors in memory (as it should).
+@pytest.mark.filterwarnings("ignore:offloadd. write failed:RuntimeWarning")
 def test_kill_9_of_the_daemon_mid_step(where: str, own_daemon: Callable[..., DaemonProc]) -> None:
     """The step completes bit-identically; the restarted daemon serves the next steps."""
     reference = train(*MODELS["gpt"], None, steps=4)

@@ -101,6 +101,8 @@ def _version_handle(t: torch.Tensor) -> torch.Tensor | None:
 
 _BELOW_INPLACE_OR_VIEW = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", None)
 
+_DRAIN_AT = 4096  # events queued by the lock-free hot path before pack applies them itself
+
 
 class _Kept:
     """A saved tensor kept as it is (small, parameter, unsupported, or tier keep)."""
@@ -509,28 +511,24 @@ class Offloader:
     def _pack(self, t: torch.Tensor) -> Any:
         if self._captures.num_pending:
             self._capture_due()
-        st = self._stats
-        tier = self.config.tier
         storage = None
         if type(t) is torch.Tensor and t.layout is torch.strided:
             nbytes = t.nbytes
             if nbytes >= self._min_bytes and nbytes:
-                storage = _movable_storage(t, tier)
+                storage = _movable_storage(t, self.config.tier)
         else:  # subclasses (fake, DTensor…), sparse, nested: passed through untouched
             nbytes = _nbytes(t)
         if storage is None:
-            # The hot path (most saved tensors are small): one lock, no further calls.
-            with self._lock:
-                if self._released:
+            # The hot path (most saved tensors are small): no lock. The save is queued as an
+            # event, in order with the releases, and counted at the next drain (see _drain).
+            q = self._released
+            q.append(~nbytes)
+            if len(q) > _DRAIN_AT:
+                with self._lock:
                     self._drain()
-                st.saved_tensors += 1
-                st.saved_bytes += nbytes
-                st.kept_bytes += nbytes
-                st.resident_bytes += nbytes
-                if st.resident_bytes > st.peak_resident_bytes:
-                    st.peak_resident_bytes = st.resident_bytes
-            return _Kept(t, nbytes, self._released)
-        keep = tier == "keep"
+            return _Kept(t, nbytes, q)
+        st = self._stats
+        keep = self.config.tier == "keep"
         with self._lock:
             st.saved_tensors += 1
             st.saved_bytes += nbytes
@@ -1164,12 +1162,24 @@ class Offloader:
     # -- freeing ---------------------------------------------------------------------------
 
     def _drain(self) -> None:
-        """Apply releases queued by ``__del__`` (lock held)."""
+        """Apply the events queued without the lock (lock held), in the order they happened:
+        ``~nbytes`` for a small tensor saved and kept (pack's hot path), ``nbytes`` for its
+        release (``_Kept.__del__``), a ``_Ref`` for the release of a ref to a block. Every path
+        that adds resident bytes in bulk (a block packed, a read) drains first, so the peak is
+        that of the sequence of events."""
         q = self._released
+        st = self._stats
         while q:
             item = q.popleft()
             if type(item) is int:
-                self._sub_resident(item)
+                if item < 0:
+                    n = ~item
+                    st.saved_tensors += 1
+                    st.saved_bytes += n
+                    st.kept_bytes += n
+                    self._add_resident(n)
+                else:
+                    self._sub_resident(item)
                 continue
             ref: _Ref = item
             block = ref.block

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from offloadd import Offloader
+from offloadd.offloader import _DRAIN_AT
 from offloadd.staging import SlotPool
 
 from .helpers import SavePayload, small_offloader
@@ -33,7 +34,9 @@ def fast_switching() -> Iterator[None]:
 
 @pytest.mark.usefixtures("fast_switching")
 def test_counters_exact_with_threads_packing(disk_dir: Path) -> None:
-    """saved_tensors and saved_bytes are counted under the lock: none lost between threads.
+    """saved_tensors and saved_bytes lose no count between threads: a small tensor's save is
+    an event appended to a deque (atomic) and counted under the lock at the next drain, every
+    other count is updated under the lock.
 
     Before, they were updated outside it. On CPython 3.11 with the GIL that cannot lose a count
     (``st.n += 1`` on a plain attribute has no point where the interpreter switches threads), so
@@ -58,6 +61,26 @@ def test_counters_exact_with_threads_packing(disk_dir: Path) -> None:
     off.close()
     assert st.saved_tensors == 2 * per_thread * threads
     assert st.saved_bytes == 2 * per_thread * threads * 16
+
+
+def test_small_tensors_counted_exactly_queue_bounded() -> None:
+    """The lock-free hot path: counts and the peak are exact, and the queue of events stays
+    bounded even if nothing else drains it (a long scope saving only small tensors)."""
+    off = Offloader(tier="keep", min_bytes=1 << 20)
+    x = torch.randn(16, requires_grad=True)  # 64 bytes
+    n = 3 * _DRAIN_AT
+    with off:
+        y = x
+        for _ in range(n):
+            y = y.sin()  # saves its input
+            assert len(off._released) <= _DRAIN_AT + 1
+    st = off.stats()
+    assert (st.saved_tensors, st.saved_bytes, st.kept_bytes) == (n, 64 * n, 64 * n)
+    assert st.resident_bytes == st.peak_resident_bytes == 64 * n
+    y.sum().backward()
+    st = off.stats()
+    assert st.resident_bytes == 0 and st.peak_resident_bytes == 64 * n
+    off.close()
 
 
 def test_warn_once_is_once_across_threads(disk_dir: Path) -> None:

@@ -421,6 +421,9 @@ class Offloader:
             self._poll_copies()
             if self._disk is not None:
                 self._stats.disk_bytes = self._disk.used_bytes
+            if self._stats.engine == "native/uring" and self._daemon is None:
+                # the native engine moves to its threads for good if its ring fails
+                self._stats.engine = f"native/{getattr(self._engine, 'backend', 'uring')}"
             snapshot = Stats(**self._stats.as_dict())
         self._flush_warnings()
         return snapshot

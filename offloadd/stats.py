@@ -50,7 +50,8 @@ class Stats:
     buffered_io: bool = False
     """True when some file fell back from O_DIRECT to buffered I/O."""
     engine: str = ""
-    """The I/O engine in use ("native/uring", "native/threads", "python"; empty for tier keep)."""
+    """The I/O engine in use ("native/uring", "native/threads", "python", "daemon"; empty for
+    tier keep). "native/threads" too once a failed io_uring ring moved the engine to threads."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

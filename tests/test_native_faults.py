@@ -309,6 +309,44 @@ def test_ring_failure_falls_back_to_threads(scratch: Path) -> None:
     assert "threads" in out["warnings"][0] and out["why"] in out["warnings"][0]
 
 
+_RING_FAILS_IN_TRAINING = """
+from offloadd import Offloader
+
+def step(off):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU())
+                                  for _ in range(4)])
+    x = torch.randn(64, 256)
+    ctx = off if off is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t,
+                                                                               lambda t: t)
+    with ctx:
+        loss = model(x).square().mean()
+    loss.backward()
+    return [p.grad for p in model.parameters()]
+
+reference = step(None)
+off = Offloader(tier="ssd", ssd_dirs=[DIR], min_bytes=0, engine="native", io_uring="on")
+first = off.stats().engine
+_native._inject_fault("uring_enter", 1, errno.EPERM)
+got = step(off)
+_native._inject_fault("uring_enter", 0, 0)
+st = off.stats()
+off.close()
+same = all(torch.equal(a, b) for a, b in zip(reference, got))
+print(json.dumps({"first": first, "after": st.engine, "same": same, "written": st.bytes_written,
+                  "fallbacks": st.fallbacks}))
+"""
+
+
+@needs_uring
+def test_ring_failure_in_training_is_reported_and_lossless(scratch: Path) -> None:
+    """The ring fails mid-step under an Offloader: gradients stay bit-identical, nothing falls
+    back to memory, and stats() names the engine that now runs (it said native/uring before)."""
+    out = _child(_RING_FAILS_IN_TRAINING, scratch)
+    assert out["first"] == "native/uring" and out["after"] == "native/threads", out
+    assert out["same"] and out["written"] > 0 and out["fallbacks"] == 0, out
+
+
 @needs_uring
 def test_ring_transient_errors_are_retried(scratch: Path) -> None:
     """A few EAGAIN from io_uring_enter are retried: still io_uring, nothing fails, no warning."""

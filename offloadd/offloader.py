@@ -539,7 +539,7 @@ class Offloader:
             self._poll_copies()
             if self._backs_parameter(t, storage):
                 # Held by the model anyway: kept, but not activation memory of ours.
-                self._stats.kept_bytes += nbytes
+                st.kept_bytes += nbytes
                 return _Kept(t, 0, self._released)
             # The dtype is in the key: a pending block's refs are views of its source.
             key = (t.device, storage._cdata, t._version, t.dtype)
@@ -565,7 +565,7 @@ class Offloader:
                 return _Ref(block, t, self._released, keep=True)
             # Pending until the op that saved it has returned (see capture.py).
             block.state = _PENDING
-            block.source = t.detach()  # see [no cycle through the graph]
+            block.source = _unlinked(t)
             block.handle = _version_handle(t)
             block.source_ptr = storage.data_ptr()
             block.version = t._version
@@ -1167,9 +1167,9 @@ class Offloader:
     def _drain(self) -> None:
         """Apply the events queued without the lock (lock held), in the order they happened:
         ``~nbytes`` for a small tensor saved and kept (pack's hot path), ``nbytes`` for its
-        release (``_Kept.__del__``), a ``_Ref`` for the release of a ref to a block. Every path
-        that adds resident bytes in bulk (a block packed, a read) drains first, so the peak is
-        that of the sequence of events."""
+        release (``_Kept.__del__``), a ``_Ref`` for the release of a ref to a block. The paths
+        that add resident bytes in bulk (a block packed or captured, a read) drain first, so no
+        queued save is counted after a later add and the peak sees it."""
         q = self._released
         st = self._stats
         while q:

@@ -38,11 +38,10 @@ The comparison rule
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import itertools
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -53,9 +52,17 @@ from torch.testing._internal.common_modules import module_db
 
 from offloadd import Offloader
 
+from .corpus_run import (
+    Result,
+    backward,
+    deterministic,
+    fresh_inputs,
+    result_difference,
+    scope,
+    seed_rng,
+)
 from .helpers import small_offloader
 
-SEED = 0
 RERUNS = 10  # runs without offloadd that tell a nondeterministic sample from a wrong one
 DTYPES = (torch.float64, torch.float32, torch.bfloat16)
 
@@ -93,180 +100,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-# -- results and their comparison -------------------------------------------------------------
-
-_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """Dense, conjugation and negation resolved, complex as (real, imag) pairs."""
-    if t.layout is not torch.strided:
-        t = t.to_dense()
-    t = t.resolve_conj().resolve_neg()
-    return torch.view_as_real(t) if t.is_complex() else t
-
-
-def difference(a: torch.Tensor, b: torch.Tensor) -> str | None:
-    """None if ``a`` and ``b`` are bit-identical (a NaN equals any NaN), else what differs."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return f"{a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
-    a, b = _plain(a), _plain(b)
-    if a.is_floating_point():
-        bits = _INT_OF_SIZE[a.element_size()]
-        same = (a.view(bits) == b.view(bits)) | (a.isnan() & b.isnan())
-    else:
-        same = a == b
-    if bool(same.all()):
-        return None
-    first = tuple(int(i) for i in (~same).nonzero()[0])
-    values = f"{a[first].item()!r} vs {b[first].item()!r}"
-    return (
-        f"{int((~same).sum())} of {same.numel()} elements differ, first at {list(first)}: {values}"
-    )
-
-
-@dataclass
-class Result:
-    """What one run produced: its tensor outputs and the gradient for each name in ``wrt``."""
-
-    outputs: list[torch.Tensor]
-    wrt: list[str]
-    grads: list[torch.Tensor | None] | None  # None: no output requires grad
-
-
-def _kind(grad: torch.Tensor | None) -> str:
-    return "None" if grad is None else "a tensor"
-
-
-def result_difference(ref: Result, got: Result) -> str | None:
-    """The first difference between two runs of the same sample, or None."""
-    if len(ref.outputs) != len(got.outputs):
-        return f"{len(ref.outputs)} outputs vs {len(got.outputs)}"
-    for i, (a, b) in enumerate(zip(ref.outputs, got.outputs, strict=True)):
-        if (d := difference(a, b)) is not None:
-            return f"output {i}: {d}"
-    if (ref.grads is None) != (got.grads is None) or ref.wrt != got.wrt:
-        return "different outputs require grad"
-    for name, a, b in zip(ref.wrt, ref.grads or [], got.grads or [], strict=True):
-        if (a is None) != (b is None):
-            return f"grad of {name}: {_kind(a)} vs {_kind(b)}"
-        if a is not None and b is not None and (d := difference(a, b)) is not None:
-            return f"grad of {name}: {d}"
-    return None
-
-
-# -- running one sample -----------------------------------------------------------------------
-
-
-def _copy_layout(x: torch.Tensor) -> torch.Tensor:
-    """A copy of ``x`` in a new storage with the same size, stride, offset (and overlap)."""
-    if x.layout is not torch.strided or x.is_conj() or x.is_neg():
-        return x.clone()
-    storage = x.untyped_storage().clone()
-    return x.new_empty(0).set_(storage, x.storage_offset(), x.size(), x.stride())
-
-
-class _Fresh(torch.autograd.Function):
-    """Identity whose output is a non-leaf copy of its input (see the module docstring)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return _copy_layout(x.detach())
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad
-
-
-def _fresh(x: torch.Tensor) -> torch.Tensor:
-    if x.requires_grad:
-        return _Fresh.apply(x)  # type: ignore[no-any-return]
-    return _copy_layout(x)
-
-
-def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """``obj`` with every tensor in it (through lists, tuples and dicts) replaced by ``fn(t)``."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple (PackedSequence)
-        return type(obj)(*(map_tensors(o, fn) for o in obj))
-    if isinstance(obj, list | tuple):
-        return type(obj)(map_tensors(o, fn) for o in obj)
-    if isinstance(obj, dict):
-        return {k: map_tensors(v, fn) for k, v in obj.items()}
-    return obj
-
-
-def tensors_in(obj: Any) -> list[torch.Tensor]:
-    """Every tensor in ``obj`` (tensor outputs of structseqs and namedtuples included)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, list | tuple):
-        return [t for o in obj for t in tensors_in(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in tensors_in(o)]
-    return []
-
-
-def _fresh_inputs(*objs: Any) -> tuple[list[Any], list[tuple[str, torch.Tensor]]]:
-    """Fresh copies of ``objs`` (one copy per distinct tensor) and the leaves to differentiate."""
-    memo: dict[int, torch.Tensor] = {}
-    leaves: list[tuple[str, torch.Tensor]] = []
-
-    def copy(t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in memo:
-            memo[id(t)] = _fresh(t)
-            if t.requires_grad:
-                leaves.append((f"input {len(leaves)}", t))
-        return memo[id(t)]
-
-    return [map_tensors(o, copy) for o in objs], leaves
-
-
-def _weight(t: torch.Tensor, index: int) -> torch.Tensor:
-    """The fixed grad_output of output ``index`` (from a generator of its own: the global RNG is
-    left alone)."""
-    gen = torch.Generator().manual_seed(SEED + 1000 + index)
-    return torch.randn(t.shape, generator=gen, dtype=t.dtype)
-
-
-def _backward(out: Any, wrt: list[tuple[str, torch.Tensor]], off: Offloader | None) -> Result:
-    outputs = tensors_in(out)
-    diff = [t for t in outputs if t.requires_grad]
-    result = Result([t.detach() for t in outputs], [name for name, _ in wrt], None)
-    if diff and wrt:
-        if off is not None:
-            off.synchronize()
-        weights = [_weight(t, i) for i, t in enumerate(diff)]
-        grads = torch.autograd.grad(diff, [t for _, t in wrt], weights, allow_unused=True)
-        result.grads = list(grads)
-    return result
-
-
-def _seed() -> None:
-    # The CPU generator is all that these CPU runs use. torch.manual_seed also queues a seed for
-    # lazily initialised CUDA with a formatted stack, which costs milliseconds a call.
-    torch.default_generator.manual_seed(SEED)
-
-
-@contextlib.contextmanager
-def _deterministic() -> Iterator[None]:
-    """Deterministic kernels where PyTorch has them (a warning where not), and new tensors filled
-    instead of left uninitialised, so that an op reading memory it never wrote (``linalg.lstsq``)
-    gives the same result in both runs. Restores the previous setting."""
-    before = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before, warn_only=warn_only)
-
-
-def _scope(off: Offloader | None) -> contextlib.AbstractContextManager[Any]:
-    return off if off is not None else contextlib.nullcontext()
-
-
 @dataclass
 class OpSample:
     """One ``SampleInput`` of an ``OpInfo``, run as the op's gradient tests run it."""
@@ -277,13 +110,13 @@ class OpSample:
 
     def run(self, off: Offloader | None) -> Result:
         s = self.sample
-        (inp, args, kwargs), wrt = _fresh_inputs(s.input, s.args, s.kwargs)
+        (inp, args, kwargs), wrt = fresh_inputs(s.input, s.args, s.kwargs)
         fn = self.op.get_inplace() if self.inplace else self.op.get_op()
-        _seed()
-        with _scope(off):
+        seed_rng()
+        with scope(off):
             out = self.op.gradcheck_wrapper(fn, inp, *args, **kwargs)
             out = s.output_process_fn_grad(out)
-        return _backward(out, wrt, off)
+        return backward(out, wrt, off)
 
 
 @dataclass
@@ -296,15 +129,15 @@ class ModuleSample:
 
     def run(self, off: Offloader | None) -> Result:
         ctor, fwd = self.module_input.constructor_input, self.module_input.forward_input
-        _seed()
+        seed_rng()
         module = self.info.module_cls(*ctor.args, **ctor.kwargs).to(self.dtype).train()
-        (args, kwargs), wrt = _fresh_inputs(fwd.args, fwd.kwargs)
-        _seed()
-        with _scope(off):
+        (args, kwargs), wrt = fresh_inputs(fwd.args, fwd.kwargs)
+        seed_rng()
+        with scope(off):
             out = module(*args, **kwargs)
         # after forward: lazy modules materialize their parameters there
         wrt += [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        return _backward(out, wrt, off)
+        return backward(out, wrt, off)
 
 
 Sample = OpSample | ModuleSample
@@ -330,7 +163,7 @@ class Entry:
 
     def samples(self, dtype: torch.dtype, limit: int | None = None) -> list[Sample]:
         """The first ``limit`` samples (all by default); the same ones on every call."""
-        _seed()
+        seed_rng()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. "sparse CSR support is in beta"
             return self._make_samples(dtype, limit)
@@ -479,7 +312,7 @@ def _check_with(sample: Sample, ref: _Reference, off: Offloader) -> Outcome:
 def check(sample: Sample, pool: OffloaderPool, configs: Iterable[Config]) -> dict[Config, Outcome]:
     """Run ``sample`` without offloadd, then under each configuration, and compare."""
     configs = list(configs)
-    with warnings.catch_warnings(), _deterministic():
+    with warnings.catch_warnings(), deterministic():
         warnings.simplefilter("ignore")  # the corpora warn a lot; offloadd's fallbacks are counted
         try:
             ref = _Reference(sample, sample.run(None))

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from . import corpus
+from . import corpus, corpus_run
 from .conftest import _disk_root
 from .daemon_proc import DaemonProc
 
@@ -141,20 +141,21 @@ def test_difference_is_bitwise_and_nan_aware() -> None:
     other_nan = nan.clone()
     other_nan.view(torch.int64)[0] ^= 1  # another NaN payload
     assert torch.isnan(other_nan[0])
-    assert corpus.difference(nan, other_nan) is None
-    assert corpus.difference(nan, torch.tensor([1.0, float("nan")])) is not None
-    assert corpus.difference(torch.tensor([0.0]), torch.tensor([-0.0])) is not None
-    assert corpus.difference(torch.ones(2), torch.ones(2, dtype=torch.float64)) is not None
-    assert corpus.difference(torch.ones(2), torch.ones(1, 2)) is not None
+    assert corpus_run.difference(nan, other_nan) is None
+    assert corpus_run.difference(nan, torch.tensor([1.0, float("nan")])) is not None
+    assert corpus_run.difference(torch.tensor([0.0]), torch.tensor([-0.0])) is not None
+    assert corpus_run.difference(torch.ones(2), torch.ones(2, dtype=torch.float64)) is not None
+    assert corpus_run.difference(torch.ones(2), torch.ones(1, 2)) is not None
     z = torch.tensor([1 + 2j, complex("nan")])
-    assert corpus.difference(z, z.clone()) is None
-    assert corpus.difference(z, z.conj().resolve_conj().conj()) is None  # a conj view, same values
+    assert corpus_run.difference(z, z.clone()) is None
+    # a conj view, same values
+    assert corpus_run.difference(z, z.conj().resolve_conj().conj()) is None
     bf = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
     assert "1 of 2 elements differ, first at [1]" in str(
-        corpus.difference(bf, bf * torch.tensor([1, 3]))
+        corpus_run.difference(bf, bf * torch.tensor([1, 3]))
     )
-    assert corpus.difference(torch.arange(3), torch.arange(3)) is None
-    assert corpus.difference(torch.arange(3), torch.arange(1, 4)) is not None
+    assert corpus_run.difference(torch.arange(3), torch.arange(3)) is None
+    assert corpus_run.difference(torch.arange(3), torch.arange(1, 4)) is not None
 
 
 def _entry(name: str) -> corpus.Entry:
@@ -170,8 +171,8 @@ def test_harness_sees_a_changed_saved_tensor() -> None:
     )
     with nudged:
         got = sample.run(None)
-    assert corpus.result_difference(ref, sample.run(None)) is None
-    assert str(corpus.result_difference(ref, got)).startswith("grad of input 0:")
+    assert corpus_run.result_difference(ref, sample.run(None)) is None
+    assert str(corpus_run.result_difference(ref, got)).startswith("grad of input 0:")
 
 
 def test_harness_offloads_the_inputs(pool: corpus.OffloaderPool) -> None:

@@ -17,6 +17,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from enum import IntEnum
 from typing import Any, Protocol
@@ -192,13 +193,19 @@ class PythonEngine:
             return False
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for _ in self._threads:
-            self._queue.put((99, next(self._seq), None))
+        self.close_within(None)
+
+    def close_within(self, timeout: float | None) -> bool:
+        """``close()``, waiting ``timeout`` seconds at most (None: for ever). False if a thread
+        is still in a transfer (stuck on its disk) when the time ran out."""
+        if not self._closed:
+            self._closed = True
+            for _ in self._threads:
+                self._queue.put((99, next(self._seq), None))
+        until = None if timeout is None else time.monotonic() + timeout
         for t in self._threads:
-            t.join()
+            t.join(None if until is None else max(0.0, until - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads)
 
     def transfer(self, request: Request) -> None:
         """Move the bytes of one request (subclasses replace this, e.g. with GDS)."""

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from offloadd import OffloadConfig
+from offloadd import engine as engine_module
 from offloadd.daemon import client
 from offloadd.daemon import protocol as proto
 from offloadd.daemon.client import DaemonBackend
@@ -53,6 +54,50 @@ def _submit(b: DaemonBackend, op: Op, voffset: int, address: int) -> _Done:
     return done
 
 
+def _stopped_daemon_holding_a_write_and_a_read(
+    d: DaemonProc, b: DaemonBackend, dest: AlignedBuffer
+) -> tuple[_Done, _Done, bytes]:
+    """Write a chunk, SIGSTOP the daemon, then send a write and a read of that chunk that it
+    never answers. Returns (the write, the read, the chunk's bytes)."""
+    vfile = b.disk.files[0]
+    data = os.urandom(CHUNK)
+    slot_a, slot_b = b.staging.acquire(), b.staging.acquire()
+    assert slot_a is not None and slot_b is not None
+    ctypes.memmove(b.staging.address(slot_a), data, CHUNK)
+    written = vfile.alloc()
+    w = _submit(b, Op.WRITE, written, b.staging.address(slot_a))
+    assert w.event.wait(30) and w.error is None
+    d.pause()
+    w2 = _submit(b, Op.WRITE, vfile.alloc(), b.staging.address(slot_b))
+    r = _submit(b, Op.READ, written, dest.address)
+    time.sleep(0.3)
+    assert not w2.event.is_set() and not r.event.is_set()  # in flight, never answered
+    return w2, r, data
+
+
+def _backend(d: DaemonProc, warned: list[str]) -> DaemonBackend:
+    cfg = OffloadConfig(
+        ssd_dirs=[str(d.dirs[0])],
+        daemon_socket=d.socket,
+        chunk_bytes=CHUNK,
+        staging_bytes=4 * CHUNK,
+        prefetch_bytes=4 * CHUNK,
+    )
+    return DaemonBackend(cfg, warn=lambda _key, message: warned.append(message))
+
+
+def _timed_close(b: DaemonBackend, caplog: pytest.LogCaptureFixture) -> tuple[float, list[str]]:
+    """close() on a thread; (seconds it took, the warnings logged). Fails if it hangs."""
+    closer = threading.Thread(target=b.close, name="test-close", daemon=True)
+    with caplog.at_level(logging.WARNING, logger="offloadd"):
+        t0 = time.monotonic()
+        closer.start()
+        closer.join(15)
+        took = time.monotonic() - t0
+    assert not closer.is_alive(), "close() still waits after 15 s"
+    return took, [rec.getMessage() for rec in caplog.records if rec.levelno == logging.WARNING]
+
+
 def test_close_returns_when_the_daemon_stops_answering(
     own_daemon: Callable[..., DaemonProc],
     monkeypatch: pytest.MonkeyPatch,
@@ -62,54 +107,64 @@ def test_close_returns_when_the_daemon_stops_answering(
     the write, reads the chunk from the session's file itself, and releases every descriptor."""
     monkeypatch.setattr(client, "CLOSE_TIMEOUT_S", 1.0, raising=False)
     d = own_daemon().start()
-    cfg = OffloadConfig(
-        ssd_dirs=[str(d.dirs[0])],
-        daemon_socket=d.socket,
-        chunk_bytes=CHUNK,
-        staging_bytes=4 * CHUNK,
-        prefetch_bytes=4 * CHUNK,
-    )
     warned: list[str] = []
-    b = DaemonBackend(cfg, warn=lambda _key, message: warned.append(message))
-    closer = threading.Thread(target=b.close, name="test-close", daemon=True)
+    b = _backend(d, warned)
     dest = AlignedBuffer(CHUNK)
     try:
-        vfile = b.disk.files[0]
-        data = os.urandom(CHUNK)
-        slot_a, slot_b = b.staging.acquire(), b.staging.acquire()
-        assert slot_a is not None and slot_b is not None
-        ctypes.memmove(b.staging.address(slot_a), data, CHUNK)
-        written = vfile.alloc()
-        w = _submit(b, Op.WRITE, written, b.staging.address(slot_a))
-        assert w.event.wait(30) and w.error is None
-        d.pause()
-        w2 = _submit(b, Op.WRITE, vfile.alloc(), b.staging.address(slot_b))
-        r = _submit(b, Op.READ, written, dest.address)
-        time.sleep(0.3)
-        assert not w2.event.is_set() and not r.event.is_set()  # in flight, never answered
-        with caplog.at_level(logging.WARNING, logger="offloadd"):
-            t0 = time.monotonic()
-            closer.start()
-            closer.join(15)
-            took = time.monotonic() - t0
-        assert not closer.is_alive(), "close() still waits for the stopped daemon after 15 s"
+        w2, r, data = _stopped_daemon_holding_a_write_and_a_read(d, b, dest)
+        took, msgs = _timed_close(b, caplog)
         assert 1.0 <= took < 5.0, took
         assert isinstance(w2.error, OSError) and w2.error.errno == errno.EPIPE
         assert r.event.is_set() and r.error is None
         assert bytes(dest.tensor.numpy()) == data  # read back from the session's file
-        msgs = [rec.getMessage() for rec in caplog.records if rec.levelno == logging.WARNING]
         assert any(d.socket in m and "1 write" in m and "1 read" in m for m in msgs), msgs
         assert not warned  # closing: the Offloader is not told the daemon was lost
         dest.close()
         assert held_descriptors(os.getpid(), [str(x) for x in d.dirs]) == NOTHING
     finally:
         d.resume()
-        if closer.is_alive():
-            closer.join(30)
         dest.close()
     # The daemon, running again, ends the session that the client abandoned.
     assert not d.wait_idle()["sessions"]
     assert d.held() == NOTHING
+    assert d.stop() == 0
+
+
+def test_close_returns_when_the_local_read_is_stuck_too(
+    own_daemon: Callable[..., DaemonProc],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The daemon stops answering and the read close() makes from the session's file itself
+    hangs on the disk as well: close() still returns within its deadlines, says so, and leaves
+    the file open under the read, which completes with the right bytes once the disk answers."""
+    monkeypatch.setattr(client, "CLOSE_TIMEOUT_S", 1.0, raising=False)
+    monkeypatch.setattr(client, "_TEARDOWN_TIMEOUT_S", 1.0, raising=False)
+    disk = threading.Event()
+    real_transfer = engine_module.transfer
+
+    def hung_reads(req: Request) -> None:
+        if req.op is Op.READ:
+            assert disk.wait(60), "the test never let the read go on"
+        real_transfer(req)
+
+    monkeypatch.setattr(engine_module, "transfer", hung_reads)
+    d = own_daemon().start()
+    b = _backend(d, [])
+    dest = AlignedBuffer(CHUNK)
+    try:
+        _w2, r, data = _stopped_daemon_holding_a_write_and_a_read(d, b, dest)
+        took, msgs = _timed_close(b, caplog)
+        assert 2.0 <= took < 5.0, took  # both deadlines ran out, nothing more
+        assert not r.event.is_set()
+        assert any("still stuck" in m and "leaving those files open" in m for m in msgs), msgs
+        disk.set()
+        assert r.event.wait(30) and r.error is None
+        assert bytes(dest.tensor.numpy()) == data  # its descriptor was never closed or reused
+    finally:
+        disk.set()
+        d.resume()
+        dest.close()
     assert d.stop() == 0
 
 

@@ -56,6 +56,7 @@ CLOSE_TIMEOUT_S = 5.0
 """How long ``DaemonBackend.close`` waits for the daemon (requests in flight, then the session's
 close) before it treats the connection as lost."""
 _TEARDOWN_TIMEOUT_S = 5.0  # then for our own threads and the local engine's reads, in all
+_LAST_GRACE_S = 0.5  # what the local engine still gets if the teardown's time is spent
 _MAX_FDS = 16
 
 
@@ -399,16 +400,18 @@ class DaemonBackend:
         (see [daemon loss]) with a warning, and the rest of the teardown is bounded as well."""
         deadline = time.monotonic() + CLOSE_TIMEOUT_S
         with self._lock:
-            if self._closed or self._closing:
+            if self._closing:
                 return
             self._closing = True
             idle = self._wait_idle(deadline)
             stuck = self._current
+        until: float | None = None  # the teardown's own deadline, from the first wait on it
         if not idle:
             if stuck is not None:
                 self._abandon(stuck)
+            until = time.monotonic() + _TEARDOWN_TIMEOUT_S
             with self._lock:
-                if not self._wait_idle(time.monotonic() + _TEARDOWN_TIMEOUT_S):
+                if not self._wait_idle(until):
                     log.warning(
                         "offloadd: closing the session with the daemon at %s with %d request(s) "
                         "still unsettled (the local engine that reads the session's files has "
@@ -430,7 +433,8 @@ class DaemonBackend:
                     CLOSE_TIMEOUT_S,
                 )
                 self._lost(gen, TimeoutError("no answer to close"), announce=False)
-        until = time.monotonic() + _TEARDOWN_TIMEOUT_S
+        if until is None:
+            until = time.monotonic() + _TEARDOWN_TIMEOUT_S
         for g in self._gens:
             with contextlib.suppress(OSError):  # wakes our threads blocked on the socket
                 g.sock.shutdown(socket.SHUT_RDWR)
@@ -442,10 +446,22 @@ class DaemonBackend:
             self._copyq.put(None)
         for t in self._copiers:
             self._join(t, until)
-        if self._local is not None:
-            self._local.close()  # finishes the reads from the session's files first
-        for g in self._gens:
-            self._close_files(g)
+        # The local engine finishes the reads from the session's files first. One stuck on its
+        # disk past the deadline keeps the files open: closing them under the read would let
+        # the descriptor numbers be reused while it runs.
+        local_done = self._local is None or self._local.close_within(
+            max(_LAST_GRACE_S, until - time.monotonic())
+        )
+        if local_done:
+            for g in self._gens:
+                self._close_files(g)
+        else:
+            log.warning(
+                "offloadd: closing the session with the daemon at %s: a read from the session's "
+                "files is still stuck after %.0f s; leaving those files open",
+                self.socket_path,
+                _TEARDOWN_TIMEOUT_S,
+            )
         self._records.clear()
         if self._buffer is not None:
             self._buffer.close()

@@ -408,7 +408,7 @@ class DaemonBackend:
         until: float | None = None  # the teardown's own deadline, from the first wait on it
         if not idle:
             if stuck is not None:
-                self._abandon(stuck)
+                self._abandon(stuck, f"settle session {stuck.session}'s requests")
             until = time.monotonic() + _TEARDOWN_TIMEOUT_S
             with self._lock:
                 if not self._wait_idle(until):
@@ -425,14 +425,7 @@ class DaemonBackend:
         if gen is not None:
             gen.sendq.put(proto.Request(proto.Msg.CLOSE, next(self._ids)))
             if not gen.closed_event.wait(timeout=max(0.0, deadline - time.monotonic())):
-                log.warning(
-                    "offloadd: the daemon at %s did not answer the close of session %d within "
-                    "%.0f s; closing the connection",
-                    self.socket_path,
-                    gen.session,
-                    CLOSE_TIMEOUT_S,
-                )
-                self._lost(gen, TimeoutError("no answer to close"), announce=False)
+                self._abandon(gen, f"answer the close of session {gen.session}")
         if until is None:
             until = time.monotonic() + _TEARDOWN_TIMEOUT_S
         for g in self._gens:
@@ -475,19 +468,19 @@ class DaemonBackend:
             self._idle.wait(timeout=left)
         return True
 
-    def _abandon(self, gen: _Generation) -> None:
-        """close() gave up waiting on the daemon: treat the connection as lost, say so."""
+    def _abandon(self, gen: _Generation, what: str) -> None:
+        """close() gave up waiting for the daemon to ``what``: treat the connection as lost,
+        say so."""
         with self._lock:
             sent = [req for req, _slot in gen.pending.values() if req is not _CLOSE_MARK]
             writes = sum(1 for req in sent if req.op is Op.WRITE)
             unsent = gen.sendq.qsize() + len(self._read_wait)
         log.warning(
-            "offloadd: the daemon at %s did not settle session %d's requests within %.0f s of "
-            "close(); abandoning the connection: %d write(s) in flight fail, %d read(s) in "
-            "flight are read from the session's files, %d request(s) not yet sent are settled "
-            "the same way",
+            "offloadd: the daemon at %s did not %s within %.0f s of close(); abandoning the "
+            "connection: %d write(s) in flight fail, %d read(s) in flight are read from the "
+            "session's files, %d request(s) not yet sent are settled the same way",
             self.socket_path,
-            gen.session,
+            what,
             CLOSE_TIMEOUT_S,
             writes,
             len(sent) - writes,

@@ -474,7 +474,8 @@ static void ring_arm_kick(engine_t *e) {
 }
 
 /* The chunk of slot s is over (err 0 or an errno): check its length, copy a bounced read to its
- * destination (no mutex held), and leave it SLOT_DONE for ring_report(). */
+ * destination (no mutex held), and leave it SLOT_DONE: ring_main (or ring_teardown) reports it
+ * with the mutex held. */
 static void slot_done(uslot_t *s, int err) {
     request_t *r = s->c.req;
     if (!err && s->got < s->c.len) err = EIO;
@@ -929,8 +930,7 @@ static PyObject *Engine_reap(engine_t *e, PyObject *args, PyObject *kw) {
         if (rc == 0) timeout = 0.0; /* one last look, then return empty */
     }
     Py_END_ALLOW_THREADS
-    if (poll_err) {
-        give_back(e, got, n);
+    if (poll_err) { /* poll runs only once nothing was taken (n == 0): nothing to give back */
         errno = poll_err;
         return PyErr_SetFromErrno(PyExc_OSError);
     }

@@ -930,7 +930,7 @@ static PyObject *Engine_reap(engine_t *e, PyObject *args, PyObject *kw) {
         if (rc == 0) timeout = 0.0; /* one last look, then return empty */
     }
     Py_END_ALLOW_THREADS
-    if (poll_err) { /* poll runs only once nothing was taken (n == 0): nothing to give back */
+    if (poll_err) { /* the loop only goes on while nothing was taken: nothing to give back */
         errno = poll_err;
         return PyErr_SetFromErrno(PyExc_OSError);
     }

@@ -4,7 +4,7 @@ Installing offloadd puts ``offloadd.pth`` into site-packages. Its one line runs 
 interpreter start and only looks at ``os.environ``: unless ``OFFLOADD`` or ``OFFLOADD_CONFIG``
 is set, this module is not even imported. When one is set, :func:`install` adds an import hook
 and returns; nothing else happens until the program imports torch. Right after torch's own
-``__init__`` has run, :func:`offloadd.autoload.activate` validates the environment (a bad
+``__init__`` has run, :func:`offloadd.integrations.autoload.activate` validates the environment (a bad
 ``OFFLOADD_*`` value fails the ``import torch`` with an error naming it) and installs the
 module hooks that offload each training forward.
 
@@ -68,7 +68,7 @@ def install() -> None:
 
 
 def _activate() -> None:
-    from offloadd.autoload import activate
+    from offloadd.integrations.autoload import activate
 
     activate()
 

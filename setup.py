@@ -1,6 +1,6 @@
 """Build steps that pyproject.toml cannot express.
 
-1. The optional native I/O engine (csrc/native.c -> offloadd._native). If the compiler or the
+1. The optional native I/O engine (csrc/native.c -> offloadd.io._native). If the compiler or the
    headers are missing, ``pip install`` still succeeds, ``import offloadd`` still works, and
    ``engine = "auto"`` logs that it fell back to the Python engine and why.
 2. offloadd.pth: the start-up hook (see offloadd_boot.py) must land at the top of site-packages,
@@ -51,7 +51,7 @@ setup(
     cmdclass={"build_py": BuildPyWithPth},
     ext_modules=[
         Extension(
-            "offloadd._native",
+            "offloadd.io._native",
             sources=["csrc/native.c"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
             extra_link_args=["-pthread"],

@@ -1,5 +1,5 @@
 /*
- * offloadd._native: the native I/O engine.
+ * offloadd.io._native: the native I/O engine.
  *
  * Requests are (token, op, fd, offset, address, nbytes).  Each request is cut into chunks of at
  * most `chunk_bytes`; chunks of the same request run concurrently.  Two backends move the chunks:
@@ -116,7 +116,7 @@ typedef struct engine {
 
 /* ----------------------------------------------------------------- test hooks (faults) -- */
 
-/* Fault injection for the tests (offloadd._native._inject_fault): the next `count` passes
+/* Fault injection for the tests (offloadd.io._native._inject_fault): the next `count` passes
  * through a fault point (every pass if count < 0) fail with `err` instead of doing the real
  * call.  Checked only where an
  * allocation or io_uring_enter is about to happen, never per byte: one relaxed load when
@@ -143,7 +143,7 @@ static int fault(int which) {
     return 0;
 }
 
-/* offloadd._native._hold_copies: while on, every bounce-buffer copy waits before it starts (at
+/* offloadd.io._native._hold_copies: while on, every bounce-buffer copy waits before it starts (at
  * most 5 s), so a test can look at the engine while a copy is "running". */
 static int hold_copies;
 static int held_copies; /* copies waiting now */
@@ -738,7 +738,7 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     }
 #else
     if (want_uring) {
-        PyErr_SetString(PyExc_OSError, "offloadd._native was built without io_uring support");
+        PyErr_SetString(PyExc_OSError, "offloadd.io._native was built without io_uring support");
         Py_DECREF(e);
         return NULL;
     }
@@ -1015,7 +1015,7 @@ static PyGetSetDef Engine_getset[] = {
 };
 
 static PyTypeObject EngineType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "offloadd._native.Engine",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "offloadd.io._native.Engine",
     .tp_basicsize = sizeof(engine_t),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Native I/O engine: pthread pool or io_uring, completions through an eventfd.",
@@ -1139,7 +1139,7 @@ static PyMethodDef module_methods[] = {
 };
 
 static struct PyModuleDef moduledef = {
-    PyModuleDef_HEAD_INIT, "offloadd._native", "offloadd's native I/O engine.", -1,
+    PyModuleDef_HEAD_INIT, "offloadd.io._native", "offloadd's native I/O engine.", -1,
     module_methods, NULL, NULL, NULL, NULL,
 };
 

@@ -1,9 +1,9 @@
 """offloadd: lossless, asynchronous offloading of saved activations to SSD or host memory."""
 
-from offloadd.config import OffloadConfig
-from offloadd.offloader import Offloader
-from offloadd.stats import Stats
+from offloadd.config import Config
+from offloadd.runtime.offloader import Offloader
+from offloadd.runtime.stats import Stats
 
-__all__ = ["OffloadConfig", "Offloader", "Stats", "__version__"]
+__all__ = ["Config", "Offloader", "Stats", "__version__"]
 
 __version__ = "0.1.0"

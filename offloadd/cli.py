@@ -18,13 +18,13 @@ __all__ = ["main"]
 
 # name -> module (imported lazily so that ``offloadd --help`` does not import torch)
 _COMMANDS: dict[str, str] = {
-    "demo": "offloadd.demo",
-    "bench": "offloadd.bench",
-    "run": "offloadd.launch",
+    "demo": "offloadd.tools.demo",
+    "bench": "offloadd.tools.bench",
+    "run": "offloadd.integrations.launch",
     "serve": "offloadd.daemon.cmd_serve",
     "status": "offloadd.daemon.cmd_status",
     "stop": "offloadd.daemon.cmd_stop",
-    "rok": "offloadd.rok",
+    "rok": "offloadd.tools.rok",
 }
 
 _HELP: dict[str, str] = {

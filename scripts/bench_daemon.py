@@ -113,7 +113,7 @@ class Daemon:
         cmd = [sys.executable, "-m", "offloadd", "serve", "--socket", self.socket, "--dir", data]
         with open(root / "daemon.log", "ab") as log:
             self.proc = subprocess.Popen([*cmd, *args], stdout=log, stderr=log)
-        from offloadd.daemon.client import DaemonError
+        from offloadd.backend.daemon import DaemonError
         from offloadd.daemon.cmd_status import query
 
         for _ in range(600):
@@ -173,10 +173,10 @@ def throughput(results: list[dict[str, Any]]) -> dict[str, float]:
 def latency(socket_path: str, data_dir: str, n: int) -> dict[str, float]:
     import mmap
 
+    from offloadd.backend.daemon import _recv_frame, connect_control
     from offloadd.daemon import protocol as proto
-    from offloadd.daemon.client import _recv_frame, connect_control
-    from offloadd.staging import AlignedBuffer
-    from offloadd.storage import SlotFile
+    from offloadd.io.buffers import AlignedBuffer
+    from offloadd.io.files import SlotFile
 
     sock = connect_control(socket_path)
     sock.sendall(proto.encode_open(1, 4096, 4096 * 4, 4096 * 4, False))

@@ -24,8 +24,8 @@ import psutil
 import torch
 
 from offloadd import Offloader
-from offloadd.stats import format_bytes
-from offloadd.train import RunSpec, add_model_arguments, model_kwargs, run_in_subprocess
+from offloadd.runtime.stats import format_bytes
+from offloadd.tools.train import RunSpec, add_model_arguments, model_kwargs, run_in_subprocess
 
 
 def hook_cost_us(ops: int = 5000, pairs: int = 15) -> dict[str, float]:

@@ -17,10 +17,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from offloadd.machine import machine_line
-from offloadd.rok import read_points
-from offloadd.rok_summary import aggregate
-from offloadd.stats import format_bytes
+from offloadd.runtime.stats import format_bytes
+from offloadd.tools.machine import machine_line
+from offloadd.tools.rok import read_points
+from offloadd.tools.rok_summary import aggregate
 
 
 def _cell(r: dict[str, Any], key: str, fmt: str) -> str:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from offloadd import native
-from offloadd.storage import filesystem_type
+from offloadd.io import native
+from offloadd.io.files import filesystem_type
 
 from . import helpers
 from .daemon_proc import DaemonProc, held_descriptors

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from offloadd.daemon.client import DaemonError
+from offloadd.backend.daemon import DaemonError
 from offloadd.daemon.cmd_status import query
 
 
@@ -135,8 +135,8 @@ class RawSession:
     def __init__(self, socket_path: str, chunk: int = 4096, slots: int = 4) -> None:
         import mmap
 
+        from offloadd.backend.daemon import _recv_frame, connect_control
         from offloadd.daemon import protocol as proto
-        from offloadd.daemon.client import _recv_frame, connect_control
 
         self.proto = proto
         self.chunk = chunk
@@ -155,7 +155,7 @@ class RawSession:
 
     def call(self, kind: Any, **fields: int) -> Any:
         """Send one request, return its reply."""
-        from offloadd.daemon.client import _recv_frame
+        from offloadd.backend.daemon import _recv_frame
 
         self._req += 1
         self.sock.sendall(self.proto.encode_request(self.proto.Request(kind, self._req, **fields)))

@@ -10,9 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from offloadd import OffloadConfig, Offloader
-from offloadd.engine import Engine, Op, PythonEngine, Request
-from offloadd.engines import open_host_engine
+from offloadd import Config, Offloader
+from offloadd.io.python_engine import PythonEngine
+from offloadd.io.request import Engine, Op, Request
+from offloadd.io.select import open_host_engine
 
 ENGINE_OPTIONS: dict[str, dict[str, str]] = {
     "native-uring": {"engine": "native", "io_uring": "on"},
@@ -25,7 +26,7 @@ ENGINE: dict[str, str] = ENGINE_OPTIONS["default"]  # set per test by the engine
 
 def make_engine(num_threads: int) -> Engine:
     """The engine the current test runs on (see ``engine_name``), standalone."""
-    engine, _ = open_host_engine(OffloadConfig(io_threads=num_threads, **ENGINE))  # type: ignore[arg-type]
+    engine, _ = open_host_engine(Config(io_threads=num_threads, **ENGINE))  # type: ignore[arg-type]
     return engine
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 import offloadd_boot
-from offloadd.autoload import EnvSettings
-from offloadd.ranks import rank_info
+from offloadd.integrations.autoload import EnvSettings
+from offloadd.integrations.ranks import rank_info
 from tests.envrun import (
     CLIENTS,
     PYTHON,
@@ -126,9 +126,9 @@ site.addsitedir(sysconfig.get_paths()["purelib"])  # the .pth line runs a second
 offloadd_boot.install()
 watchers = [f for f in sys.meta_path if type(f).__name__ == "_TorchWatcher"]
 assert len(watchers) == 1, watchers
-assert "offloadd.autoload" not in sys.modules
+assert "offloadd.integrations.autoload" not in sys.modules
 import torch
-from offloadd import autoload
+from offloadd.integrations import autoload
 state = autoload.current()
 assert state is not None and autoload.activate() is state
 assert not any(type(f).__name__ == "_TorchWatcher" for f in sys.meta_path)

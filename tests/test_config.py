@@ -4,14 +4,14 @@ from pathlib import Path
 
 import pytest
 
-from offloadd import OffloadConfig, Offloader
+from offloadd import Config, Offloader
 from offloadd.config import parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_defaults_work_and_match_default_toml() -> None:
-    assert OffloadConfig.from_toml(ROOT / "configs" / "default.toml") == OffloadConfig()
+    assert Config.from_toml(ROOT / "configs" / "default.toml") == Config()
 
 
 @pytest.mark.parametrize(
@@ -29,7 +29,7 @@ def test_sizes(text: str, expected: int) -> None:
 
 
 def test_env_overrides() -> None:
-    cfg = OffloadConfig.from_env(
+    cfg = Config.from_env(
         {
             "OFFLOADD_TIER": "keep",
             "OFFLOADD_MIN_BYTES": "64k",
@@ -62,7 +62,7 @@ def test_env_overrides() -> None:
 )
 def test_env_bad_value_names_key_and_value(var: str, value: str) -> None:
     with pytest.raises(ValueError) as e:
-        OffloadConfig.from_env({var: value})
+        Config.from_env({var: value})
     msg = str(e.value)
     key = var.removeprefix("OFFLOADD_").lower()
     assert (var in msg or key in msg) and (value in msg)
@@ -70,28 +70,28 @@ def test_env_bad_value_names_key_and_value(var: str, value: str) -> None:
 
 def test_env_unknown_variable_is_an_error() -> None:
     with pytest.raises(ValueError, match="OFFLOADD_MIN_BYTE="):
-        OffloadConfig.from_env({"OFFLOADD_MIN_BYTE": "1"})
+        Config.from_env({"OFFLOADD_MIN_BYTE": "1"})
 
 
 def test_toml_unknown_key_and_bad_file(tmp_path: Path) -> None:
     p = tmp_path / "c.toml"
     p.write_text('tier = "ssd"\nmin_byte = 3\n')
     with pytest.raises(ValueError, match=r"c\.toml.*min_byte"):
-        OffloadConfig.from_toml(p)
+        Config.from_toml(p)
     p.write_text("tier = \n")
     with pytest.raises(ValueError, match="not valid TOML"):
-        OffloadConfig.from_toml(p)
+        Config.from_toml(p)
     with pytest.raises(ValueError, match="does not exist"):
-        OffloadConfig.from_toml(tmp_path / "missing.toml")
+        Config.from_toml(tmp_path / "missing.toml")
     p.write_text('[offload]\ntier = "keep"\nstaging_bytes = "8MiB"\n')
-    assert OffloadConfig.from_toml(p).staging_bytes == 8 << 20
+    assert Config.from_toml(p).staging_bytes == 8 << 20
 
 
 def test_kwargs_validate() -> None:
     with pytest.raises(ValueError, match="tier"):
-        OffloadConfig(tier="gpu")  # type: ignore[arg-type]
+        Config(tier="gpu")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="staging_bytes"):
-        OffloadConfig(staging_bytes=4096, chunk_bytes=8192)
+        Config(staging_bytes=4096, chunk_bytes=8192)
     with pytest.raises(ValueError, match="min_bytes"):
         Offloader(tier="keep", min_bytes=-1)
 
@@ -106,7 +106,7 @@ def test_missing_or_unwritable_dir(tmp_path: Path) -> None:
 
 
 def test_default_dir_is_on_disk(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from offloadd.storage import default_offload_dir, filesystem_type
+    from offloadd.io.files import default_offload_dir, filesystem_type
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     d = default_offload_dir()

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from offloadd import Offloader
+from offloadd.config import DaemonConfig
 from offloadd.daemon import protocol as proto
-from offloadd.daemon.settings import DaemonConfig
 
 from .daemon_proc import DaemonProc, RawSession, held_descriptors
 from .helpers import SavePayload, assert_bitwise_equal, small_offloader, train
@@ -435,12 +435,12 @@ def test_bad_daemon_settings_name_the_key(tmp_path: Path) -> None:
 
 
 def test_unreachable_daemon_raises_at_construction(tmp_path: Path) -> None:
-    from offloadd.daemon.client import DaemonError
+    from offloadd.backend.daemon import DaemonError
 
     with pytest.raises(DaemonError, match="cannot reach a daemon"):
         Offloader(daemon_socket=str(tmp_path / "none.sock"))
     with pytest.raises(ValueError, match="io_engine cannot be combined"):
-        from offloadd.engine import PythonEngine
+        from offloadd.io.python_engine import PythonEngine
 
         Offloader(daemon_socket=str(tmp_path / "none.sock"), io_engine=PythonEngine(1))
 
@@ -456,7 +456,7 @@ def test_runs_on_uvloop_and_without_it(tmp_path: Path, daemon: DaemonProc) -> No
     cmd = [sys.executable, "-c", code, "serve", "--socket", sock, "--dir", str(tmp_path / "data")]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     try:
-        from offloadd.daemon.client import DaemonError
+        from offloadd.backend.daemon import DaemonError
         from offloadd.daemon.cmd_status import query
 
         for _ in range(1200):
@@ -498,11 +498,9 @@ def test_offloader_dropped_without_close_ends_its_session(daemon: DaemonProc) ->
 
 
 def test_env_variable_selects_the_daemon(daemon: DaemonProc) -> None:
-    from offloadd import OffloadConfig
+    from offloadd import Config
 
-    cfg = OffloadConfig.from_env(
-        {"OFFLOADD_DAEMON_SOCKET": daemon.socket, "OFFLOADD_MIN_BYTES": "4096"}
-    )
+    cfg = Config.from_env({"OFFLOADD_DAEMON_SOCKET": daemon.socket, "OFFLOADD_MIN_BYTES": "4096"})
     assert cfg.daemon_socket == daemon.socket
     off = Offloader(cfg)
     x = torch.randn(256, 256, requires_grad=True)

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from offloadd import OffloadConfig
-from offloadd import engine as engine_module
-from offloadd.daemon import client
+from offloadd import Config
+from offloadd.backend import daemon as client
+from offloadd.backend.daemon import DaemonBackend
 from offloadd.daemon import protocol as proto
-from offloadd.daemon.client import DaemonBackend
-from offloadd.engine import Op, Request
-from offloadd.staging import AlignedBuffer
+from offloadd.io import python_engine as engine_module
+from offloadd.io.buffers import AlignedBuffer
+from offloadd.io.request import Op, Request
 
 from .daemon_proc import DaemonProc, RawSession, held_descriptors
 from .helpers import small_offloader
@@ -76,7 +76,7 @@ def _stopped_daemon_holding_a_write_and_a_read(
 
 
 def _backend(d: DaemonProc, warned: list[str]) -> DaemonBackend:
-    cfg = OffloadConfig(
+    cfg = Config(
         ssd_dirs=[str(d.dirs[0])],
         daemon_socket=d.socket,
         chunk_bytes=CHUNK,

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from offloadd import Offloader
-from offloadd.engine import Op, PythonEngine, Request
-from offloadd.staging import AlignedBuffer, aligned_empty
-from offloadd.storage import DiskStore, SlotFile
+from offloadd.io.buffers import AlignedBuffer, aligned_empty
+from offloadd.io.files import DiskStore, SlotFile
+from offloadd.io.python_engine import PythonEngine
+from offloadd.io.request import Op, Request
 
 from . import helpers
 from .helpers import SavePayload, make_engine, small_offloader

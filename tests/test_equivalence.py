@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from offloadd.models import GPT, GPTConfig
+from offloadd.tools.models import GPT, GPTConfig
 
 from .helpers import SlowEngine, assert_bitwise_equal, small_offloader, train
 

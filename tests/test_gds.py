@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from offloadd import Offloader, gds
-from offloadd.engine import Op, Request
+from offloadd import Offloader
+from offloadd.io import gds
+from offloadd.io.request import Op, Request
 
 from .helpers import assert_bitwise_equal, small_offloader
 from .test_cuda import check_inplace_before_capture_raises, check_producer_stream, train_cuda

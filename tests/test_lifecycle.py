@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from offloadd import Offloader
-from offloadd.staging import round_up
+from offloadd.io.buffers import round_up
 
 from .helpers import SavePayload, assert_bitwise_equal, small_offloader, train
 

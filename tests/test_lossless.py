@@ -1,5 +1,5 @@
 """Issue 11's regressions: the bytes captured are the ones autograd would use, and nothing that
-reaches the hooks crashes them (see [capture after the op] in offloadd/capture.py)."""
+reaches the hooks crashes them (see [capture after the op] in offloadd/runtime/capture.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from offloadd import Offloader, capture
+from offloadd import Offloader
+from offloadd.runtime import capture
 
 from .helpers import SavePayload, small_offloader
 

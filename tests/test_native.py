@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from offloadd import OffloadConfig, Offloader, native
-from offloadd.engine import Op, Request, RequestState
-from offloadd.engines import open_host_engine
-from offloadd.native import NativeEngine
-from offloadd.staging import AlignedBuffer
+from offloadd import Config, Offloader
+from offloadd.io import native
+from offloadd.io.buffers import AlignedBuffer
+from offloadd.io.native import NativeEngine
+from offloadd.io.request import Op, Request, RequestState
+from offloadd.io.select import open_host_engine
 
 from .helpers import SavePayload
 
@@ -185,7 +186,7 @@ def test_cancel_and_close_drain(disk_dir: Path) -> None:
 
 
 def test_eventfd_signals_completion(disk_dir: Path) -> None:
-    from offloadd import _native
+    from offloadd.io import _native
 
     eng = _native.Engine(threads=2, chunk_bytes=4096)
     fd, path = _direct_file(disk_dir)
@@ -202,7 +203,7 @@ def test_eventfd_signals_completion(disk_dir: Path) -> None:
 
 
 def test_bad_arguments_name_the_value() -> None:
-    from offloadd import _native
+    from offloadd.io import _native
 
     with pytest.raises(ValueError, match=r"chunk_bytes .* got 1000"):
         _native.Engine(chunk_bytes=1000)
@@ -219,12 +220,12 @@ def test_auto_falls_back_to_python_and_says_why(
 ) -> None:
     monkeypatch.setattr(native, "_load", lambda: (None, "simulated: extension not built"))
     with caplog.at_level("INFO", logger="offloadd"):
-        eng, choice = open_host_engine(OffloadConfig(engine="auto"))
+        eng, choice = open_host_engine(Config(engine="auto"))
     eng.close()
     assert choice.name == "python" and "simulated" in choice.reason
     assert "simulated: extension not built" in caplog.text
     with pytest.raises(RuntimeError, match="engine = native, but simulated"):
-        open_host_engine(OffloadConfig(engine="native"))
+        open_host_engine(Config(engine="native"))
     # and training still works, on the fallback
     off = Offloader(ssd_dirs=[str(disk_dir)], min_bytes=1, engine="auto")
     assert off.stats().engine == "python"
@@ -240,11 +241,11 @@ def test_auto_falls_back_to_python_and_says_why(
 
 def test_auto_picks_native_and_logs(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level("INFO", logger="offloadd"):
-        eng, choice = open_host_engine(OffloadConfig())
+        eng, choice = open_host_engine(Config())
     eng.close()
     assert choice.name.startswith("native/")
     assert f"I/O engine {choice.name}" in caplog.text
-    eng, choice = open_host_engine(OffloadConfig(io_uring="off"))
+    eng, choice = open_host_engine(Config(io_uring="off"))
     eng.close()
     assert choice.name == "native/threads"
 
@@ -269,11 +270,11 @@ def test_deleted_directory_while_training(disk_dir: Path) -> None:
 def test_refused_io_uring_falls_back_to_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where a seccomp profile refuses io_uring, auto uses the thread pool and says why; on errors."""
     monkeypatch.setattr(native, "uring_available", lambda: (False, "simulated: EPERM"))
-    eng, choice = open_host_engine(OffloadConfig(io_uring="auto"))
+    eng, choice = open_host_engine(Config(io_uring="auto"))
     eng.close()
     assert choice.name == "native/threads" and "simulated: EPERM" in choice.reason
     with pytest.raises(RuntimeError, match=r"io_uring = on, but .*simulated: EPERM"):
-        open_host_engine(OffloadConfig(io_uring="on"))
+        open_host_engine(Config(io_uring="on"))
 
 
 def test_cancel_while_before_hook_runs_is_refused(disk_dir: Path) -> None:
@@ -306,7 +307,7 @@ def test_engine_creation_failing_on_emfile_leaves_other_fds_alone() -> None:
     """No descriptors left: Engine() raises OSError and closes nothing it does not own."""
     code = """
 import os, resource
-from offloadd import _native
+from offloadd.io import _native
 keep = []
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from offloadd import native
+from offloadd.io import native
 
 ENGINE_PARAMS = ("default",)  # disk_dir once: these tests choose their engines themselves
 
@@ -34,9 +34,9 @@ needs_uring = pytest.mark.skipif(
 _PRELUDE = r"""
 import collections, errno, json, logging, os, sys, threading
 import torch
-from offloadd import _native
-from offloadd.engine import Op, Request
-from offloadd.native import NativeEngine
+from offloadd.io import _native
+from offloadd.io.request import Op, Request
+from offloadd.io.native import NativeEngine
 
 DIR = sys.argv[1]
 RECORDS = []
@@ -231,8 +231,8 @@ print(json.dumps({"ok": True}))
 def test_bounce_buffer_allocation_failing_fails_the_request(scratch: Path, kind: str) -> None:
     """No memory for a bounce buffer: that request fails with OSError(ENOMEM, path); the next
     one succeeds and the data round-trips."""
-    from offloadd import _native
-    from offloadd.engine import Op, Request
+    from offloadd.io import _native
+    from offloadd.io.request import Op, Request
 
     from .test_native import Waiter, _bytes, _direct_file
 
@@ -374,7 +374,7 @@ def test_bounce_copy_runs_without_the_engine_mutex(scratch: Path, kind: str, op:
     """While a bounce-buffer copy is in progress (held in place by a test hook, as a copy of
     hundreds of MiB would be), submit(), cancel() and counters() return at once: the copy does
     not hold the engine's mutex, which those take with the GIL held."""
-    from offloadd import _native
+    from offloadd.io import _native
 
     eng = _native.Engine(threads=2, chunk_bytes=1 << 20, backend=kind, depth=4)
     fd = os.open(str(scratch / "data"), os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
@@ -423,7 +423,7 @@ def test_bounce_copy_runs_without_the_engine_mutex(scratch: Path, kind: str, op:
 
 
 def test_fault_hooks_refuse_unknown_names() -> None:
-    from offloadd import _native
+    from offloadd.io import _native
 
     with pytest.raises(ValueError, match="unknown fault point 'disk'"):
         _native._inject_fault("disk", 1, errno.EIO)

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from offloadd import cli
-from offloadd.rok_summary import aggregate, compare, interpolate
-from offloadd.train import RunSpec, run
+from offloadd.tools.rok_summary import aggregate, compare, interpolate
+from offloadd.tools.train import RunSpec, run
 
 ENGINE_PARAMS = ("default",)  # the runs under test choose the engine (auto)
 

@@ -1,4 +1,4 @@
-"""The scope rule of environment activation (offloadd.scope), on real modules in this process.
+"""The scope rule of environment activation (offloadd.integrations.scope), on real modules in this process.
 
 Each test installs a ModuleScope whose enter/leave record what happened, and removes it after.
 """
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from offloadd.scope import ModuleScope
+from offloadd.integrations.scope import ModuleScope
 
 
 class Recorder:

@@ -1,5 +1,5 @@
 """An Offloader collected on one of its own I/O threads (issue 11): see [shutdown] in
-offloadd/offloader.py."""
+offloadd/runtime/offloader.py."""
 
 from __future__ import annotations
 

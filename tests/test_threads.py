@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from offloadd import Offloader
-from offloadd.offloader import _DRAIN_AT
-from offloadd.staging import SlotPool
+from offloadd.io.buffers import SlotPool
+from offloadd.runtime.offloader import _DRAIN_AT
 
 from .helpers import SavePayload, small_offloader
 
@@ -95,7 +95,7 @@ def test_warn_once_is_once_across_threads(disk_dir: Path) -> None:
             return found
 
     off._warned = SlowSet()
-    import offloadd.offloader as mod
+    import offloadd.runtime.offloader as mod
 
     real = mod.log.warning
     mod.log.warning = lambda msg, *a: logged.append(msg)  # type: ignore[method-assign]

@@ -2,7 +2,7 @@
 
 ``protocol`` (wire format), ``settings`` (DaemonConfig, ``configs/daemon.toml``), ``server`` (the
 asyncio service), ``session`` (one client's memory, files and blocks), ``client`` (the training
-side: :class:`~offloadd.daemon.client.DaemonBackend`), ``commands`` (``serve``/``status``/``stop``).
+side: :class:`~offloadd.backend.daemon.DaemonBackend`), ``commands`` (``serve``/``status``/``stop``).
 """
 
 __all__: list[str] = []

@@ -6,8 +6,7 @@ import argparse
 import logging
 import sys
 
-from offloadd.config import parse_size
-from offloadd.daemon.settings import DaemonConfig
+from offloadd.config import DaemonConfig, parse_size
 
 __all__ = ["add_arguments", "main"]
 

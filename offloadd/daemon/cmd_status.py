@@ -7,10 +7,10 @@ import json
 import sys
 from typing import Any
 
+from offloadd.backend.daemon import DaemonError, _recv_frame, connect_control
+from offloadd.config import default_socket_path
 from offloadd.daemon import protocol as proto
-from offloadd.daemon.client import DaemonError, _recv_frame, connect_control
-from offloadd.daemon.settings import default_socket_path
-from offloadd.stats import format_bytes
+from offloadd.runtime.stats import format_bytes
 
 __all__ = ["add_arguments", "main", "query"]
 

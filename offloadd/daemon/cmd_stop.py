@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from offloadd.backend.daemon import DaemonError
+from offloadd.config import default_socket_path
 from offloadd.daemon import protocol as proto
-from offloadd.daemon.client import DaemonError
 from offloadd.daemon.cmd_status import query
-from offloadd.daemon.settings import default_socket_path
 
 __all__ = ["add_arguments", "main"]
 

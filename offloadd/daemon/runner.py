@@ -28,11 +28,11 @@ def session_for_run(env: dict[str, str]) -> Iterator[str]:
     The daemon offloads to the configuration's ``ssd_dirs`` (``OFFLOADD_CONFIG`` and
     ``OFFLOADD_*`` in ``env``; else its own default directory), and runs without ``OFFLOADD`` in its environment, so it never offloads its own tensors. Its log
     goes to a file next to the socket and is shown if it fails to start."""
-    from offloadd.config import OffloadConfig
-    from offloadd.daemon.client import DaemonError
+    from offloadd.backend.daemon import DaemonError
+    from offloadd.config import Config
     from offloadd.daemon.cmd_status import query
 
-    cfg = OffloadConfig.from_env(env)
+    cfg = Config.from_env(env)
 
     run_dir = tempfile.mkdtemp(prefix="offloadd-run-")  # 0700
     sock = os.path.join(run_dir, "daemon.sock")

@@ -43,7 +43,7 @@ from typing import Any
 
 import psutil
 
-from offloadd.config import OffloadConfig
+from offloadd.config import Config, DaemonConfig
 from offloadd.daemon import protocol as proto
 from offloadd.daemon.checksum import checksum_function
 from offloadd.daemon.connection import MAX_FDS, Connection, close_all, fds_of
@@ -54,11 +54,10 @@ from offloadd.daemon.session import (
     check_memfd,
     create_memfd,
 )
-from offloadd.daemon.settings import DaemonConfig
-from offloadd.engine import Engine, Op, Request
-from offloadd.engines import open_host_engine
-from offloadd.staging import ALIGN
-from offloadd.storage import SlotFile, default_offload_dir, filesystem_type
+from offloadd.io.buffers import ALIGN
+from offloadd.io.files import SlotFile, default_offload_dir, filesystem_type
+from offloadd.io.request import Engine, Op, Request
+from offloadd.io.select import open_host_engine
 
 __all__ = ["Server", "make_engine", "probe_dirs", "serve"]
 
@@ -71,7 +70,7 @@ _UCRED = struct.Struct("3i")
 
 def make_engine(config: DaemonConfig) -> Engine:
     """The daemon's I/O engine, chosen as the embedded one is (native where it built)."""
-    engine, choice = open_host_engine(OffloadConfig(io_threads=config.io_threads))
+    engine, choice = open_host_engine(Config(io_threads=config.io_threads))
     log.info("I/O engine %s (%s)", choice.name, choice.reason)
     return engine
 

@@ -22,8 +22,8 @@ import os
 import stat
 from dataclasses import dataclass, field
 
-from offloadd.staging import ALIGN
-from offloadd.storage import SlotFile
+from offloadd.io.buffers import ALIGN
+from offloadd.io.files import SlotFile
 
 __all__ = ["Block", "Session", "SessionError", "create_memfd", "check_memfd"]
 

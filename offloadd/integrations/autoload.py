@@ -3,12 +3,12 @@
 ``offloadd_boot`` (run from ``offloadd.pth`` at start-up) calls :func:`activate` right after the
 program imported torch. Activation reads and validates the environment at once, so a typo fails
 the ``import torch`` with an error naming the variable, long before the first forward. It then
-installs the :mod:`offloadd.scope` hooks. The :class:`~offloadd.Offloader` itself is created
+installs the :mod:`offloadd.integrations.scope` hooks. The :class:`~offloadd.Offloader` itself is created
 at the first training forward, so processes that import torch but never train (launchers,
 data-loader workers, tools) open no files and print nothing.
 
 Variables: ``OFFLOADD`` (1/true/yes/on, or 0/false/no/off), ``OFFLOADD_CONFIG`` (a TOML file),
-``OFFLOADD_<FIELD>`` (any :class:`~offloadd.OffloadConfig` field), ``OFFLOADD_REPORT`` (a JSON
+``OFFLOADD_<FIELD>`` (any :class:`~offloadd.Config` field), ``OFFLOADD_REPORT`` (a JSON
 path written at exit, ``{rank}`` substituted) and ``OFFLOADD_LOG`` (the level of offloadd's
 log on stderr: debug, info, warning, error).
 
@@ -36,11 +36,11 @@ from pathlib import Path
 
 from torch import nn
 
-from offloadd.config import OffloadConfig
-from offloadd.offloader import Offloader
-from offloadd.ranks import RankInfo, rank_info
-from offloadd.report import summary_line, write_report
-from offloadd.scope import ModuleScope
+from offloadd.config import Config
+from offloadd.integrations.ranks import RankInfo, rank_info
+from offloadd.integrations.report import summary_line, write_report
+from offloadd.integrations.scope import ModuleScope
+from offloadd.runtime.offloader import Offloader
 
 __all__ = ["AutoOffload", "EnvSettings", "activate", "current"]
 
@@ -56,7 +56,7 @@ class EnvSettings:
     """Everything activation reads from the environment, validated."""
 
     enabled: bool
-    config: OffloadConfig
+    config: Config
     ranks: RankInfo
     report: str | None = None
     """``OFFLOADD_REPORT`` with ``{rank}`` substituted (None: no report)."""
@@ -79,7 +79,7 @@ class EnvSettings:
             raise ValueError(
                 f"OFFLOADD must be one of 1, true, yes, on, 0, false, no, off; got {flag!r}"
             )
-        config = OffloadConfig.from_env(env)
+        config = Config.from_env(env)
         for d in config.ssd_dirs:
             _check_dir(d)
         ranks = rank_info(env)
@@ -173,8 +173,8 @@ class AutoOffload:
             atexit.register(self.finish)
             return self.offloader
 
-    def _rank_dirs(self, cfg: OffloadConfig) -> tuple[str, ...]:
-        from offloadd.storage import default_offload_dir
+    def _rank_dirs(self, cfg: Config) -> tuple[str, ...]:
+        from offloadd.io.files import default_offload_dir
 
         dirs = list(cfg.ssd_dirs) or [default_offload_dir()]
         ranks = self.settings.ranks

@@ -1,8 +1,8 @@
-"""Choosing the I/O engine from ``OffloadConfig.engine`` and ``io_uring``, and saying why.
+"""Choosing the I/O engine from ``Config.engine`` and ``io_uring``, and saying why.
 
-* ``"python"``: :class:`~offloadd.engine.PythonEngine`, the reference implementation.
-* ``"native"``: :class:`~offloadd.native.NativeEngine`; an error if the extension did not build.
-* ``"kvikio"``: GPUDirect Storage for CUDA tensors (:mod:`offloadd.gds`); host memory still
+* ``"python"``: :class:`~offloadd.io.request.PythonEngine`, the reference implementation.
+* ``"native"``: :class:`~offloadd.io.native.NativeEngine`; an error if the extension did not build.
+* ``"kvikio"``: GPUDirect Storage for CUDA tensors (:mod:`offloadd.io.gds`); host memory still
   goes through native (or python). An error if kvikio or cuFile does not work.
 * ``"auto"``: native where it loads, else python; kvikio for CUDA tensors where it works.
 
@@ -15,8 +15,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from offloadd.config import OffloadConfig
-from offloadd.engine import Engine, PythonEngine
+from offloadd.config import Config
+from offloadd.io.python_engine import PythonEngine
+from offloadd.io.request import Engine
 
 __all__ = ["EngineChoice", "open_host_engine"]
 
@@ -29,11 +30,11 @@ class EngineChoice:
     reason: str
 
 
-def open_host_engine(cfg: OffloadConfig) -> tuple[Engine, EngineChoice]:
+def open_host_engine(cfg: Config) -> tuple[Engine, EngineChoice]:
     """The engine for host memory (staging slots, pinned pool) named by ``cfg``."""
     if cfg.engine == "python":
         return PythonEngine(cfg.io_threads), EngineChoice("python", "engine = python")
-    from offloadd import native
+    from offloadd.io import native
 
     ok, why = native.available()
     if not ok:

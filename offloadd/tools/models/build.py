@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from offloadd.models.gpt import GPT, GPTConfig
-from offloadd.models.hf import HF_FAMILIES, HF_VOCAB, build_hf
+from offloadd.tools.models.gpt import GPT, GPTConfig
+from offloadd.tools.models.hf import HF_FAMILIES, HF_VOCAB, build_hf
 
 __all__ = ["MODELS", "TrainModel", "build_model", "default_vocab"]
 

@@ -41,11 +41,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from offloadd.config import OffloadConfig
+from offloadd.config import Config
 from offloadd.daemon import protocol as proto
 from offloadd.daemon.checksum import checksum_function
-from offloadd.engine import Op, PythonEngine, Request, RequestState, mark_engine_thread
-from offloadd.staging import AlignedBuffer, SlotPool, address_view
+from offloadd.io.buffers import AlignedBuffer, SlotPool, address_view
+from offloadd.io.python_engine import PythonEngine
+from offloadd.io.request import Op, Request, RequestState, mark_engine_thread
 
 __all__ = ["DaemonBackend", "DaemonError", "connect_control"]
 
@@ -226,7 +227,7 @@ class _Engine:
 class DaemonBackend:
     """Staging memory, disk and engine for an Offloader whose I/O is done by ``offloadd serve``."""
 
-    def __init__(self, config: OffloadConfig, warn: Callable[[str, str], None]) -> None:
+    def __init__(self, config: Config, warn: Callable[[str, str], None]) -> None:
         self.socket_path = config.daemon_socket
         self.chunk_bytes = config.chunk_bytes
         slots = max(1, config.staging_bytes // config.chunk_bytes)

@@ -31,8 +31,9 @@ def _chain() -> None:
 
 try:
     import offloadd_boot
-except ModuleNotFoundError:  # offloadd_boot sits next to the offloadd package
-    sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+except ModuleNotFoundError:  # offloadd_boot sits next to the offloadd package, 3 levels up
+    _pkg = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.append(os.path.dirname(_pkg))
     import offloadd_boot
 
 offloadd_boot.install()

@@ -1,4 +1,4 @@
-"""The native I/O engine (csrc/native.c) behind the :class:`~offloadd.engine.Engine` protocol.
+"""The native I/O engine (csrc/native.c) behind the :class:`~offloadd.io.request.Engine` protocol.
 
 The C side moves the bytes: a pthread pool doing ``pread``/``pwrite``, or one thread driving an
 io_uring ring, splitting each request into chunks that run concurrently, never touching the GIL.
@@ -6,7 +6,7 @@ It reports finished requests through an eventfd. This wrapper adds what needs Py
 
 * a *dispatcher* thread that waits on that eventfd with the GIL released and runs the requests'
   callbacks (one GIL acquisition per finished request, not one per system call as in
-  :class:`~offloadd.engine.PythonEngine`);
+  :class:`~offloadd.io.request.PythonEngine`);
 * a *gate* thread for requests with a ``before`` hook (e.g. wait for a CUDA copy's event), which
   runs the hook and then hands the request to the C side;
 * native errno values turned into ``OSError(errno, strerror, path)``.
@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Any
 
-from offloadd.engine import Request, RequestState, complete, mark_engine_thread
+from offloadd.io.request import Request, RequestState, complete, mark_engine_thread
 
 __all__ = ["NativeEngine", "available", "uring_available"]
 
@@ -42,9 +42,9 @@ _SENTINEL = 0  # token of the empty request that wakes the dispatcher at close()
 
 def _load() -> tuple[Any, str]:
     try:
-        from offloadd import _native
+        from offloadd.io import _native
     except ImportError as e:
-        return None, f"the native extension offloadd._native is not built or does not load ({e})"
+        return None, f"the native extension offloadd.io._native is not built or does not load ({e})"
     return _native, "ok"
 
 
@@ -64,7 +64,7 @@ def uring_available() -> tuple[bool, str]:
 
 
 class NativeEngine:
-    """Engine backed by offloadd._native. ``backend`` is "threads", "uring" or "auto"."""
+    """Engine backed by offloadd.io._native. ``backend`` is "threads", "uring" or "auto"."""
 
     name = "native"
 

@@ -1,5 +1,5 @@
 """Models built into offloadd (no downloads)."""
 
-from offloadd.models.gpt import GPT, GPTConfig
+from offloadd.tools.models.gpt import GPT, GPTConfig
 
 __all__ = ["GPT", "GPTConfig"]

@@ -44,13 +44,13 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.parameter import is_lazy
 
-from offloadd.capture import CaptureQueue
-from offloadd.config import OffloadConfig
-from offloadd.engine import Engine, Op, Request, on_engine_thread
-from offloadd.engines import open_host_engine
-from offloadd.staging import SlotPool, aligned_empty, round_up
-from offloadd.stats import Stats
-from offloadd.storage import DiskStore, default_offload_dir
+from offloadd.config import Config
+from offloadd.io.buffers import SlotPool, aligned_empty, round_up
+from offloadd.io.files import DiskStore, default_offload_dir
+from offloadd.io.request import Engine, Op, Request, on_engine_thread
+from offloadd.io.select import open_host_engine
+from offloadd.runtime.capture import CaptureQueue
+from offloadd.runtime.stats import Stats
 
 __all__ = ["Offloader"]
 
@@ -298,18 +298,18 @@ class _Ref:
 class Offloader:
     """Saved-tensor hooks that offload activations; use as a context manager around forward.
 
-    ``Offloader(tier="ssd", ssd_dirs=[...])``, ``Offloader(OffloadConfig(...))``, or both
+    ``Offloader(tier="ssd", ssd_dirs=[...])``, ``Offloader(Config(...))``, or both
     (keyword arguments override the config's fields). ``io_engine`` plugs in another engine.
     """
 
     def __init__(
         self,
-        config: OffloadConfig | None = None,
+        config: Config | None = None,
         *,
         io_engine: Engine | None = None,
         **overrides: Any,
     ) -> None:
-        cfg = config if config is not None else OffloadConfig()
+        cfg = config if config is not None else Config()
         if overrides:
             cfg = cfg.replace(**overrides)
         self.config = cfg
@@ -347,12 +347,12 @@ class Offloader:
         self._gds_checked = (
             cfg.engine not in ("auto", "kvikio") or cfg.tier != "ssd" or bool(cfg.daemon_socket)
         )
-        # Daemon mode (offloadd/daemon/client.py): staging memory, disk and engine of a daemon.
+        # Daemon mode (offloadd/backend/daemon.py): staging memory, disk and engine of a daemon.
         self._daemon: Any = None
         if cfg.tier == "ssd" and cfg.daemon_socket:
             if io_engine is not None:
                 raise ValueError("io_engine cannot be combined with daemon_socket")
-            from offloadd.daemon.client import DaemonBackend
+            from offloadd.backend.daemon import DaemonBackend
 
             self._daemon = DaemonBackend(cfg, warn=self._warn_once)
             self._disk, self._engine = self._daemon.disk, self._daemon.engine
@@ -719,7 +719,7 @@ class Offloader:
 
     def _open_gds(self) -> Engine | None:
         """The GDS engine for CUDA tensors, opened on first use; None where GDS is unavailable."""
-        from offloadd import gds
+        from offloadd.io import gds
 
         with self._lock:
             if self._gds_checked:

@@ -2,7 +2,7 @@
 
 With GDS, a CUDA activation goes from device memory to the offload file with no host staging
 copy, and comes back into a fresh device buffer. The engine is the reference thread pool of
-:class:`~offloadd.engine.PythonEngine` with its transfer replaced by ``kvikio.CuFile.pwrite`` /
+:class:`~offloadd.io.request.PythonEngine` with its transfer replaced by ``kvikio.CuFile.pwrite`` /
 ``pread``; kvikio runs the transfer in its own thread pool with the GIL released.
 
 Requests for this engine carry the device memory as ``request.keepalive``: a contiguous uint8
@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from offloadd.engine import Op, PythonEngine, Request
+from offloadd.io.python_engine import PythonEngine
+from offloadd.io.request import Op, Request
 
 __all__ = ["KvikioEngine", "probe"]
 

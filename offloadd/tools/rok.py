@@ -1,6 +1,6 @@
 """``offloadd rok``: recompute-offload-keep (ROK) curves of a model on this machine.
 
-One point per (strategy, batch size), each measured in its own process (``offloadd.train``): one
+One point per (strategy, batch size), each measured in its own process (``offloadd.tools.train``): one
 warm-up step, then timed steps. Points go to ``DIR/rok.csv`` as they finish (``--resume`` skips
 those already there), the machine to ``DIR/rok.json``, the figure to ``DIR/rok.png`` and a short
 comparison to ``DIR/summary.txt`` and stdout. A point that runs out of memory is a recorded
@@ -27,14 +27,14 @@ from typing import Any
 
 import torch
 
-from offloadd.config import OffloadConfig, parse_size
-from offloadd.machine import describe_machine, machine_line
-from offloadd.models.build import MODELS, default_vocab
-from offloadd.models.hf import HF_FAMILIES
-from offloadd.rok_summary import aggregate, summary_lines
-from offloadd.stats import format_bytes
-from offloadd.storage import default_offload_dir
-from offloadd.train import RunFailed, RunSpec, run_in_subprocess
+from offloadd.config import Config, parse_size
+from offloadd.io.files import default_offload_dir
+from offloadd.runtime.stats import format_bytes
+from offloadd.tools.machine import describe_machine, machine_line
+from offloadd.tools.models.build import MODELS, default_vocab
+from offloadd.tools.models.hf import HF_FAMILIES
+from offloadd.tools.rok_summary import aggregate, summary_lines
+from offloadd.tools.train import RunFailed, RunSpec, run_in_subprocess
 
 __all__ = ["FIELDS", "STRATEGIES", "Sweep", "add_arguments", "main", "read_points"]
 
@@ -282,9 +282,7 @@ def resolve(ns: argparse.Namespace) -> Sweep:
     offload_dir = None
     if "offload-ssd" in strategies or "offload-cpu" in strategies:
         try:
-            cfg = OffloadConfig.from_env(
-                base=OffloadConfig(ssd_dirs=(ns.ssd_dir,) if ns.ssd_dir else ())
-            )
+            cfg = Config.from_env(base=Config(ssd_dirs=(ns.ssd_dir,) if ns.ssd_dir else ()))
             offload_dir = cfg.ssd_dirs[0] if cfg.ssd_dirs else default_offload_dir()
         except ValueError as e:
             raise UsageError(f"--ssd-dir: {e}") from None
@@ -533,7 +531,7 @@ def main(ns: argparse.Namespace) -> int:
     }
     (sw.out / "rok.json").write_text(json.dumps(report, indent=2) + "\n")
     if sw.plot:
-        from offloadd.rok_plot import plot
+        from offloadd.tools.rok_plot import plot
 
         plot(points, sw.out / "rok.png", f"{sw.title()}\n{machine_line(machine)}")
     print()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from offloadd.staging import ALIGN, AlignedBuffer, address_view
+from offloadd.io.buffers import ALIGN, AlignedBuffer, address_view
 
 __all__ = ["DiskStore", "SlotFile", "default_offload_dir", "filesystem_type"]
 

@@ -7,8 +7,8 @@ import sys
 
 import torch
 
-from offloadd.stats import format_bytes
-from offloadd.train import RunSpec, add_model_arguments, model_kwargs, run_in_subprocess
+from offloadd.runtime.stats import format_bytes
+from offloadd.tools.train import RunSpec, add_model_arguments, model_kwargs, run_in_subprocess
 
 __all__ = ["add_arguments", "main"]
 
@@ -92,6 +92,6 @@ def main(ns: argparse.Namespace) -> int:
 
 
 def _summary(stats: dict[str, object]) -> str:
-    from offloadd.stats import Stats
+    from offloadd.runtime.stats import Stats
 
     return Stats(**stats).summary()  # type: ignore[arg-type]

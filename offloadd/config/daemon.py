@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Literal, get_args
 
-from offloadd.config import parse_size, read_toml
+from offloadd.config.schema import parse_size, read_toml
 
 __all__ = ["Checksum", "DaemonConfig", "default_socket_path"]
 

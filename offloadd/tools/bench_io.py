@@ -32,9 +32,10 @@ import psutil
 import torch
 
 from offloadd.config import parse_size
-from offloadd.engine import Engine, Op, PythonEngine, Request
-from offloadd.staging import AlignedBuffer
-from offloadd.storage import SlotFile, default_offload_dir, filesystem_type
+from offloadd.io.buffers import AlignedBuffer
+from offloadd.io.files import SlotFile, default_offload_dir, filesystem_type
+from offloadd.io.python_engine import PythonEngine
+from offloadd.io.request import Engine, Op, Request
 
 __all__ = ["ENGINES", "add_arguments", "format_summary", "main", "run_bench"]
 
@@ -143,7 +144,7 @@ def _options(ns: argparse.Namespace) -> dict[str, Any]:
 def make_engine(name: str, threads: int, chunk_bytes: int) -> Engine:
     if name == "python":
         return PythonEngine(threads)
-    from offloadd.native import NativeEngine
+    from offloadd.io.native import NativeEngine
 
     backend = name.removeprefix("native-")
     return NativeEngine(threads, chunk_bytes=chunk_bytes, backend=backend, depth=2 * threads)
@@ -332,7 +333,7 @@ def run_bench(
     gil: bool,
     fio: str | None,
 ) -> dict[str, Any]:
-    from offloadd import native
+    from offloadd.io import native
 
     if any(e.startswith("native") for e in engines) and not native.available()[0]:
         raise RuntimeError(f"bench io: {native.available()[1]}")

@@ -14,7 +14,7 @@ import psutil
 import torch
 
 from offloadd import __version__
-from offloadd.storage import filesystem_type
+from offloadd.io.files import filesystem_type
 
 __all__ = ["describe_machine", "machine_line"]
 

@@ -1,6 +1,6 @@
 """One measured training run of a model: what the demo, ``offloadd rok`` and the benchmarks execute.
 
-Each strategy runs in its own process (``python -m offloadd.train``) so that its peak RSS is its
+Each strategy runs in its own process (``python -m offloadd.tools.train``) so that its peak RSS is its
 own; the parent compares the JSON each child prints. A run that runs out of memory reports
 ``"oom": true`` instead of failing.
 """
@@ -21,10 +21,10 @@ from typing import Any
 import psutil
 import torch
 
-from offloadd.config import OffloadConfig
-from offloadd.models.build import build_model, default_vocab
-from offloadd.offloader import Offloader
-from offloadd.staging import address_view
+from offloadd.config import Config
+from offloadd.io.buffers import address_view
+from offloadd.runtime.offloader import Offloader
+from offloadd.tools.models.build import build_model, default_vocab
 
 __all__ = [
     "STRATEGIES",
@@ -156,8 +156,8 @@ def run(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
     ]
     off = None
     if spec.strategy in ("keep", "ssd", "cpu"):
-        ocfg = OffloadConfig.from_env(
-            base=OffloadConfig(
+        ocfg = Config.from_env(
+            base=Config(
                 tier=spec.strategy,  # type: ignore[arg-type]
                 ssd_dirs=(spec.ssd_dir,) if spec.ssd_dir else (),
                 min_bytes=spec.min_bytes,
@@ -248,7 +248,14 @@ def run_in_subprocess(
     import subprocess
 
     # -P: import the installed offloadd, never a source tree that happens to be the cwd
-    args = [sys.executable, "-P", "-m", "offloadd.train", "--json", json.dumps(_spec_dict(spec))]
+    args = [
+        sys.executable,
+        "-P",
+        "-m",
+        "offloadd.tools.train",
+        "--json",
+        json.dumps(_spec_dict(spec)),
+    ]
     if progress:
         args.append("--progress")
     proc = subprocess.run(
@@ -273,7 +280,7 @@ def _spec_dict(spec: RunSpec) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m offloadd.train")
+    parser = argparse.ArgumentParser(prog="python -m offloadd.tools.train")
     parser.add_argument("--json", required=True, help="RunSpec fields as a JSON object")
     parser.add_argument("--progress", action="store_true")
     ns = parser.parse_args(argv)

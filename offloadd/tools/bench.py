@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from offloadd import bench_io
+from offloadd.tools import bench_io
 
 __all__ = ["HELP", "add_arguments", "main"]
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-__all__ = ["ENV_PREFIX", "RESERVED_ENV", "OffloadConfig", "parse_size"]
+__all__ = ["ENV_PREFIX", "RESERVED_ENV", "Config", "parse_size"]
 
 ENV_PREFIX = "OFFLOADD_"
 #: ``OFFLOADD_*`` variables that are not config fields but are read by other parts of offloadd.
@@ -84,7 +84,7 @@ def _parse_dirs(key: str, value: object) -> tuple[str, ...]:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
-class OffloadConfig:
+class Config:
     """How the offloader treats saved activations. Every field has a default that works."""
 
     tier: Tier = "ssd"
@@ -185,7 +185,7 @@ class OffloadConfig:
         return tuple(f.name for f in fields(cls))
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any], *, source: str = "config") -> OffloadConfig:
+    def from_mapping(cls, values: Mapping[str, Any], *, source: str = "config") -> Config:
         """Build from ``{field: value}``, converting strings; unknown keys raise naming ``source``."""
         names = set(cls.field_names())
         unknown = sorted(set(values) - names)
@@ -196,14 +196,14 @@ class OffloadConfig:
         return cls(**{k: _convert(k, v) for k, v in values.items()})
 
     @classmethod
-    def from_toml(cls, path: str | os.PathLike[str]) -> OffloadConfig:
+    def from_toml(cls, path: str | os.PathLike[str]) -> Config:
         """Read a TOML file whose top-level keys (or ``[offload]`` table) are field names."""
         return cls.from_mapping(read_toml(path, "offload"), source=str(path))
 
     @classmethod
     def from_env(
-        cls, environ: Mapping[str, str] | None = None, *, base: OffloadConfig | None = None
-    ) -> OffloadConfig:
+        cls, environ: Mapping[str, str] | None = None, *, base: Config | None = None
+    ) -> Config:
         """Apply ``OFFLOADD_<FIELD>`` variables (and ``OFFLOADD_CONFIG=file.toml``) over ``base``.
 
         An ``OFFLOADD_*`` variable that is neither a field nor reserved raises ``ValueError``, so a
@@ -226,7 +226,7 @@ class OffloadConfig:
             overrides[key] = _convert(var, value, key)
         return dataclasses.replace(cfg, **overrides)
 
-    def replace(self, **changes: Any) -> OffloadConfig:
+    def replace(self, **changes: Any) -> Config:
         return self.from_mapping({**self.as_dict(), **changes})
 
     def as_dict(self) -> dict[str, Any]:

@@ -8,9 +8,9 @@ import socket
 import tempfile
 from typing import Any
 
-from offloadd.config import OffloadConfig
-from offloadd.ranks import RankInfo
-from offloadd.stats import Stats, format_bytes
+from offloadd.config import Config
+from offloadd.integrations.ranks import RankInfo
+from offloadd.runtime.stats import Stats, format_bytes
 
 __all__ = ["report_dict", "summary_line", "write_report"]
 
@@ -26,7 +26,7 @@ def summary_line(stats: Stats, ranks: RankInfo, forwards: int, wall_s: float) ->
 
 
 def report_dict(
-    *, stats: Stats, ranks: RankInfo, config: OffloadConfig, forwards: int, wall_s: float
+    *, stats: Stats, ranks: RankInfo, config: Config, forwards: int, wall_s: float
 ) -> dict[str, Any]:
     return {
         "rank": ranks.rank,
@@ -46,7 +46,7 @@ def write_report(
     *,
     stats: Stats,
     ranks: RankInfo,
-    config: OffloadConfig,
+    config: Config,
     forwards: int,
     wall_s: float,
 ) -> None:

@@ -1,0 +1,133 @@
+"""What an I/O engine is: the :class:`Request` it takes and the :class:`Engine` protocol.
+
+An engine takes :class:`Request` objects (address, length, file descriptor, offset) and calls
+each request's ``callback`` once it is done, failed or was cancelled, from one of its own threads.
+Reads are served before writes: reads are on backward's critical path, writes are not.
+
+:class:`~offloadd.io.python_engine.PythonEngine` is the reference implementation; the native
+and kvikio engines, and any other, plug in by implementing :class:`Engine`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from enum import IntEnum
+from typing import Any, Protocol
+
+__all__ = [
+    "Engine",
+    "Op",
+    "Request",
+    "RequestState",
+    "complete",
+    "mark_engine_thread",
+    "on_engine_thread",
+]
+
+log = logging.getLogger("offloadd")
+
+_thread_role = threading.local()
+
+
+def mark_engine_thread() -> None:
+    """Called first by every thread of an engine that runs request callbacks.
+
+    Such a thread may drop the last reference to the owner of its engine (a callback holds the
+    Offloader); the owner's finalizer must then not close the engine from there, since closing
+    joins this very thread (see ``Offloader._shutdown``)."""
+    _thread_role.engine = True
+
+
+def on_engine_thread() -> bool:
+    """True on a thread that called :func:`mark_engine_thread`."""
+    return getattr(_thread_role, "engine", False)
+
+
+class Op(IntEnum):
+    READ = 0  # sorts first: reads are served before writes
+    WRITE = 1
+
+
+class RequestState(IntEnum):
+    PENDING = 0
+    RUNNING = 1
+    DONE = 2
+    CANCELLED = 3
+
+
+class Request:
+    """One contiguous transfer. ``address`` must stay valid until ``callback`` has run."""
+
+    __slots__ = (
+        "address",
+        "before",
+        "callback",
+        "context",
+        "error",
+        "fd",
+        "keepalive",
+        "nbytes",
+        "offset",
+        "op",
+        "path",
+        "state",
+        "token",
+    )
+
+    def __init__(
+        self,
+        op: Op,
+        fd: int,
+        path: str,
+        offset: int,
+        address: int,
+        nbytes: int,
+        callback: Callable[[Request], None],
+        *,
+        before: Callable[[], None] | None = None,
+        keepalive: Any = None,
+        context: Any = None,
+    ) -> None:
+        self.op = op
+        self.fd = fd
+        self.path = path
+        self.offset = offset
+        self.address = address
+        self.nbytes = nbytes
+        self.callback = callback
+        self.before = before  # run by the I/O thread first (e.g. wait for a device copy)
+        self.state = RequestState.PENDING
+        self.error: BaseException | None = None
+        self.keepalive = keepalive  # what owns the memory at ``address``
+        self.context = context  # the submitter's bookkeeping
+        self.token: int | None = None  # the engine's own handle, set when it is queued
+
+
+class Engine(Protocol):
+    name: str
+
+    def submit(self, request: Request) -> None: ...
+
+    def cancel(self, request: Request) -> bool:
+        """Cancel a request that has not started; True if it will never run (no callback)."""
+        ...
+
+    def close(self) -> None:
+        """Finish every submitted request, then stop."""
+        ...
+
+
+def complete(request: Request, error: BaseException | None) -> None:
+    """Finish ``request``: record the error (an OSError names the request's path) and call back.
+
+    A callback that raises is logged: it must never take an engine's thread down with it."""
+    if isinstance(error, OSError) and error.filename is None:
+        error = OSError(error.errno, error.strerror, request.path)
+    request.error = error
+    request.state = RequestState.DONE
+    try:
+        request.callback(request)
+    except BaseException:
+        log.exception("offloadd: I/O completion callback failed for %s", request.path)

@@ -243,7 +243,7 @@ def test_kill_9_of_the_daemon_mid_step(where: str, own_daemon: Callable[..., Dae
     reference = train(*MODELS["gpt"], None, steps=4)
     d = own_daemon().start()
     off = small_offloader(d.dirs[0], daemon_socket=d.socket)
-    assert off._daemon is not None
+    assert off._backend is not None
     again = own_daemon(dirs=d.dirs)
     used: list[dict[str, object]] = []
 
@@ -251,7 +251,7 @@ def test_kill_9_of_the_daemon_mid_step(where: str, own_daemon: Callable[..., Dae
         if step == 1 and at == where:
             d.kill()
         elif step == 2 and at == "start":
-            assert not off._daemon.connected
+            assert not off._backend.connected
             again.start()
         elif step == 3 and at == "backward":
             used.append(again.status())
@@ -259,7 +259,7 @@ def test_kill_9_of_the_daemon_mid_step(where: str, own_daemon: Callable[..., Dae
     with pytest.warns(RuntimeWarning, match="lost the daemon"):
         got = _steps(off, 4, hook=hook)
     assert_bitwise_equal(reference, got)
-    assert off._daemon.connected
+    assert off._backend.connected
     sessions = used[0]["sessions"]
     assert isinstance(sessions, list) and len(sessions) == 1 and sessions[0]["bytes_written"] > 0
     off.close()

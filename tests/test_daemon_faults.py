@@ -50,7 +50,7 @@ class _Done:
 
 def _submit(b: DaemonBackend, op: Op, voffset: int, address: int) -> _Done:
     done = _Done()
-    b.engine.submit(Request(op, -1, b.disk.files[0].path, voffset, address, CHUNK, done))
+    b.submit(op, 0, voffset, address, CHUNK, done)
     return done
 
 
@@ -59,16 +59,16 @@ def _stopped_daemon_holding_a_write_and_a_read(
 ) -> tuple[_Done, _Done, bytes]:
     """Write a chunk, SIGSTOP the daemon, then send a write and a read of that chunk that it
     never answers. Returns (the write, the read, the chunk's bytes)."""
-    vfile = b.disk.files[0]
     data = os.urandom(CHUNK)
-    slot_a, slot_b = b.staging.acquire(), b.staging.acquire()
+    staging = b.staging()
+    slot_a, slot_b = staging.acquire(), staging.acquire()
     assert slot_a is not None and slot_b is not None
-    ctypes.memmove(b.staging.address(slot_a), data, CHUNK)
-    written = vfile.alloc()
-    w = _submit(b, Op.WRITE, written, b.staging.address(slot_a))
+    ctypes.memmove(staging.address(slot_a), data, CHUNK)
+    _, written = b.place(0)
+    w = _submit(b, Op.WRITE, written, staging.address(slot_a))
     assert w.event.wait(30) and w.error is None
     d.pause()
-    w2 = _submit(b, Op.WRITE, vfile.alloc(), b.staging.address(slot_b))
+    w2 = _submit(b, Op.WRITE, b.place(0)[1], staging.address(slot_b))
     r = _submit(b, Op.READ, written, dest.address)
     time.sleep(0.3)
     assert not w2.event.is_set() and not r.event.is_set()  # in flight, never answered
@@ -244,7 +244,7 @@ def test_every_daemon_loss_is_reported(own_daemon: Callable[..., DaemonProc]) ->
     """Two losses of two daemons (each gave this client session 1): two warnings, not one."""
     first = own_daemon().start()
     off = small_offloader(first.dirs[0], daemon_socket=first.socket)
-    daemon = off._daemon
+    daemon = off._backend
     assert daemon is not None
 
     def lose(d: DaemonProc) -> None:

@@ -399,8 +399,8 @@ def test_unsupported_tensors_are_kept(disk_dir: Path) -> None:
 def test_heap_trim_cadence(trim_bytes: int, disk_dir: Path) -> None:
     off = small_offloader(disk_dir, trim_host_bytes=trim_bytes)
     calls: list[int] = []
-    if off._trim is not None:
-        off._trim = lambda pad: calls.append(pad) or 1  # type: ignore[assignment]
+    if off._ledger._trim is not None:
+        off._ledger._trim = lambda pad: calls.append(pad) or 1  # type: ignore[assignment]
     x = torch.randn(N, N, requires_grad=True)
     with off:
         h = x
@@ -411,7 +411,7 @@ def test_heap_trim_cadence(trim_bytes: int, disk_dir: Path) -> None:
     if trim_bytes:
         assert len(calls) >= moved // trim_bytes  # out and back in: about twice that
     else:
-        assert off._trim is None and not calls
+        assert off._ledger._trim is None and not calls
     off.close()
 
 
@@ -485,7 +485,7 @@ def test_two_threads_packing_at_once(disk_dir: Path) -> None:
             assert all(
                 torch.equal(p.grad, e) for p, e in zip(m.parameters(), expected, strict=True)
             )
-        assert len(off._pools) == 1
+        assert len(off._writer.pools) == 1
         off.close()
 
 
@@ -494,7 +494,7 @@ def test_memory_fallback_chunk_of_unaligned_size(
 ) -> None:
     """When no staging slot can ever be had, the chunk stays in memory, padded like the rest."""
     off = small_offloader(disk_dir, min_bytes=1)
-    monkeypatch.setattr(off, "_acquire_slot", lambda pool, host_tier: None)
+    monkeypatch.setattr(off._writer, "_acquire_slot", lambda pool: None)
     payload = torch.randint(0, 256, (3 * 65536 + 7,), dtype=torch.uint8)
     SavePayload.seen.clear()
     x = torch.ones(1, requires_grad=True)

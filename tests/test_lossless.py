@@ -348,7 +348,7 @@ def test_inplace_by_another_thread_during_capture_raises(disk_dir: Path) -> None
     x = torch.randn(N, N, requires_grad=True)
     y = x * 1.0
     off = small_offloader(disk_dir)
-    real = off._write_out
+    real = off._writer.write_out
 
     def write_out(block: object, t: torch.Tensor) -> None:
         def change() -> None:
@@ -360,7 +360,7 @@ def test_inplace_by_another_thread_during_capture_raises(disk_dir: Path) -> None
         worker.join()
         real(block, t)  # type: ignore[arg-type]
 
-    off._write_out = write_out  # type: ignore[method-assign]
+    off._writer.write_out = write_out  # type: ignore[method-assign]
     with off:
         z = y.sin()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
@@ -375,7 +375,7 @@ def test_block_freed_while_captured_is_not_joined(disk_dir: Path) -> None:
     expected = torch.autograd.grad(x.sin().sum(), x)[0]
     off = small_offloader(disk_dir)
     in_write, go = threading.Event(), threading.Event()
-    real = off._write_out
+    real = off._writer.write_out
 
     def write_out(block: object, t: torch.Tensor) -> None:
         if threading.current_thread().name == "capturer":
@@ -383,7 +383,7 @@ def test_block_freed_while_captured_is_not_joined(disk_dir: Path) -> None:
             go.wait()
         real(block, t)  # type: ignore[arg-type]
 
-    off._write_out = write_out  # type: ignore[method-assign]
+    off._writer.write_out = write_out  # type: ignore[method-assign]
     box: dict[str, torch.Tensor] = {}
 
     def first() -> None:
@@ -411,16 +411,16 @@ def test_interrupt_during_capture_settles_the_block(disk_dir: Path) -> None:
     x = torch.randn(N, N, requires_grad=True)
     expected = torch.autograd.grad(x.sin().sum(), x)[0]
     off = small_offloader(disk_dir)
-    real = off._acquire_slot
+    real = off._writer._acquire_slot
     calls = [0]
 
-    def acquire(pool: object, host_tier: bool) -> int | None:
+    def acquire(pool: object) -> int | None:
         calls[0] += 1
         if calls[0] == 1:
             raise KeyboardInterrupt
-        return real(pool, host_tier)  # type: ignore[arg-type]
+        return real(pool)  # type: ignore[arg-type]
 
-    off._acquire_slot = acquire  # type: ignore[method-assign]
+    off._writer._acquire_slot = acquire  # type: ignore[method-assign]
     with pytest.raises(KeyboardInterrupt), off:
         y = x.sin()  # saves x: pending
         y.exp()  # a later node: captures x, interrupted

@@ -32,16 +32,16 @@ def unraisable() -> Iterator[list[str]]:
 
 
 def _gate_writes(off: Offloader, gate: threading.Event) -> None:
-    """Hold every write of ``off`` on its engine until ``gate`` is set."""
-    engine = off._engine
-    assert engine is not None
-    real = engine.submit
+    """Hold every write of ``off`` on its backend until ``gate`` is set."""
+    backend = off._backend
+    assert backend is not None
+    real = backend.submit
 
-    def submit(request: Any) -> None:
-        request.before = gate.wait
-        real(request)
+    def submit(*args: Any, **kw: Any) -> Any:
+        kw["before"] = gate.wait
+        return real(*args, **kw)
 
-    engine.submit = submit  # type: ignore[method-assign]
+    backend.submit = submit  # type: ignore[method-assign]
 
 
 @pytest.mark.usefixtures("backend")

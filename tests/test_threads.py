@@ -94,20 +94,20 @@ def test_warn_once_is_once_across_threads(disk_dir: Path) -> None:
             time.sleep(0.05)  # widen the window between the check and the add
             return found
 
-    off._warned = SlowSet()
-    import offloadd.runtime.offloader as mod
+    off._ledger._warned = SlowSet()
+    import offloadd.runtime.ledger as mod
 
     real = mod.log.warning
     mod.log.warning = lambda msg, *a: logged.append(msg)  # type: ignore[method-assign]
     try:
-        pool = [threading.Thread(target=off._warn_once, args=("k", "m")) for _ in range(4)]
+        pool = [threading.Thread(target=off._ledger.warn_once, args=("k", "m")) for _ in range(4)]
         for t in pool:
             t.start()
         for t in pool:
             t.join()
     finally:
         mod.log.warning = real  # type: ignore[method-assign]
-    off._warnings.clear()
+    off._ledger._warnings.clear()
     off.close()
     assert logged == ["m"]
 
@@ -141,7 +141,7 @@ def test_copy_waits_are_made_without_the_lock(disk_dir: Path) -> None:
     SavePayload.seen.clear()
     with off:
         y = SavePayload.apply(x, payload)
-    block = next(iter(off._blocks.values()))
+    block = next(iter(off._blocks))
     fake = _FakeCopy(off)
     block.copy_done = fake  # type: ignore[assignment]
     y.sum().backward()
@@ -150,17 +150,17 @@ def test_copy_waits_are_made_without_the_lock(disk_dir: Path) -> None:
     # freed while "copying": the chunks stay until a poll sees the copy complete
     with off:
         y = SavePayload.apply(x, payload)
-    block = next(iter(off._blocks.values()))
+    block = next(iter(off._blocks))
     fake = _FakeCopy(off)
     block.copy_done = fake  # type: ignore[assignment]
     off.synchronize()
     del y
     gc.collect()
     off.stats()  # drains the release: the copy is still running
-    assert off._awaiting_copy == [block]
-    while off._awaiting_copy:
+    assert off._writer.awaiting_copy == [block]
+    while off._writer.awaiting_copy:
         with off._lock:
-            off._poll_copies()
+            off._writer.poll_copies()
     assert fake.waited_with_lock == []
     assert all(c.slot is None and c.offset < 0 for c in block.chunks)
     off.close()
@@ -193,8 +193,8 @@ def test_finalizer_drains_copy_streams_before_freeing_pools(
         y = SavePayload.apply(x, torch.randn(1 << 16))
     y.sum().backward()
     off.synchronize()
-    assert off._pools
-    off._copy_streams[0] = _FakeStream(log)
+    assert off._writer.pools
+    off._ordering._streams[0] = _FakeStream(log)  # type: ignore[attr-defined]
     del off
     gc.collect()
     assert log[:2] == ["stream", "pool"], log

@@ -1,3 +1,36 @@
-"""Where the runtime's blocks go: the embedded engine or a node's daemon."""
+"""Where the runtime's chunks go: one :class:`Backend` interface, two implementations.
 
-__all__: list[str] = []
+:class:`~offloadd.backend.embedded.EmbeddedBackend` (files and an I/O engine in the training
+process, the default) and :class:`~offloadd.backend.daemon.DaemonBackend` (the node's
+``offloadd serve``); :func:`open_backend` picks the one a config names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from offloadd.backend.base import Backend
+from offloadd.config import Config
+from offloadd.io.request import Engine
+
+__all__ = ["Backend", "open_backend"]
+
+
+def open_backend(
+    cfg: Config, io_engine: Engine | None, warn: Callable[[str, str], None]
+) -> Backend | None:
+    """The backend ``cfg`` names: None for tier keep, the daemon client, or embedded.
+
+    ``io_engine`` replaces the embedded backend's engine; ``warn(key, message)`` is how the
+    daemon client reports a lost daemon (once per key)."""
+    if cfg.tier == "keep":
+        return None
+    if cfg.tier == "ssd" and cfg.daemon_socket:
+        if io_engine is not None:
+            raise ValueError("io_engine cannot be combined with daemon_socket")
+        from offloadd.backend.daemon import DaemonBackend
+
+        return DaemonBackend(cfg, warn=warn)
+    from offloadd.backend.embedded import EmbeddedBackend
+
+    return EmbeddedBackend(cfg, io_engine)

@@ -1,13 +1,13 @@
-"""The training side of daemon mode: :class:`DaemonBackend` gives the Offloader its staging
-memory, a disk and an engine that all go through ``offloadd serve``.
+"""The daemon client: :class:`DaemonBackend`, the :class:`~offloadd.backend.base.Backend` whose
+staging memory, places and I/O all go through ``offloadd serve``.
 
-The Offloader keeps doing what it does with its embedded engine (slots, chunks, prefetch,
-forwarding, fallbacks); only three objects change. The staging pool lies in the session's shared
-memory (a memfd the daemon created), so a write is a request naming a range of it. The disk is
-virtual: its slot offsets are the Offloader's names for chunks, which the backend maps to the
-daemon's blocks. The engine sends requests from a sender thread (which also waits on CUDA copy
-events, as the embedded engine's I/O threads do) and completes them from a reader thread; a read
-lands in a read slot of the shared memory and is copied to its destination.
+The runtime does what it does with the embedded backend (slots, chunks, prefetch, forwarding,
+fallbacks). The staging pool lies in the session's shared memory (a memfd the daemon created), so
+a write is a request naming a range of it. Places are virtual: their offsets are the runtime's
+names for chunks, which the backend maps to the daemon's blocks. Requests are sent from a sender
+thread (which also runs each request's ``before``, e.g. a wait for the copy that fills the slot,
+as the embedded engine's I/O threads do) and completed from a reader thread; a read lands in a
+read slot of the shared memory and is copied to its destination.
 
 Note: [daemon loss] When the connection breaks (daemon killed, restarted, stopped), requests in
 flight are settled at once and the step goes on: writes fail, so the Offloader keeps those
@@ -129,52 +129,6 @@ class _StagingPool(SlotPool):
         self.buffer.close()
 
 
-class _VirtualFile:
-    """What the Offloader sees as its offload file: slot offsets are names for chunks."""
-
-    def __init__(self, backend: DaemonBackend, slot_bytes: int) -> None:
-        self.backend = backend
-        self.fd = -1
-        self.path = f"daemon:{backend.socket_path}"
-        self.directory = self.path
-        self.slot_bytes = slot_bytes
-        self.direct = True
-        self.used_slots = 0
-        self._free: list[int] = []
-        self._end = 0
-
-    def alloc(self) -> int:
-        self.used_slots += 1
-        if self._free:
-            return self._free.pop() * self.slot_bytes
-        self._end += 1
-        return (self._end - 1) * self.slot_bytes
-
-    def free(self, offset: int) -> None:
-        self.used_slots -= 1
-        self._free.append(offset // self.slot_bytes)
-        self.backend.forget(offset)
-
-    def close(self) -> None:
-        pass
-
-
-class _VirtualDisk:
-    """DiskStore's API for the Offloader; the daemon stripes over its own directories."""
-
-    def __init__(self, backend: DaemonBackend, slot_bytes: int) -> None:
-        self.files = [_VirtualFile(backend, slot_bytes)]
-        self.slot_bytes = slot_bytes
-        self.buffered = False
-
-    @property
-    def used_bytes(self) -> int:
-        return self.files[0].used_slots * self.slot_bytes
-
-    def close(self) -> None:
-        pass
-
-
 @dataclass(slots=True, eq=False)
 class _Generation:
     """One connection to a daemon (one session); replaced after a reconnect."""
@@ -206,29 +160,17 @@ class _Placed:
     checksum: int
 
 
-class _Engine:
-    """The Engine protocol, served by the backend."""
+class DaemonBackend:
+    """:class:`~offloadd.backend.base.Backend` whose I/O is done by ``offloadd serve``.
+
+    A place is ``(0, voffset)``: the virtual offset names a chunk, mapped to the daemon's block
+    once its write is answered; the daemon stripes over its own directories."""
 
     name = "daemon"
 
-    def __init__(self, backend: DaemonBackend) -> None:
-        self.backend = backend
-
-    def submit(self, request: Request) -> None:
-        self.backend.submit(request)
-
-    def cancel(self, request: Request) -> bool:
-        return self.backend.cancel(request)
-
-    def close(self) -> None:
-        self.backend.close()
-
-
-class DaemonBackend:
-    """Staging memory, disk and engine for an Offloader whose I/O is done by ``offloadd serve``."""
-
     def __init__(self, config: Config, warn: Callable[[str, str], None]) -> None:
         self.socket_path = config.daemon_socket
+        self._path = f"daemon:{self.socket_path}"
         self.chunk_bytes = config.chunk_bytes
         slots = max(1, config.staging_bytes // config.chunk_bytes)
         self.staging_bytes = slots * config.chunk_bytes
@@ -262,13 +204,15 @@ class DaemonBackend:
             threading.Thread(target=self._copy_loop, name=f"offloadd-daemon-copy-{i}", daemon=True)
             for i in range(2)
         ]
-        self.disk = _VirtualDisk(self, config.chunk_bytes)
-        self.engine = _Engine(self)
+        self.buffered = False
+        self._used_slots = 0
+        self._free_slots: list[int] = []  # virtual slots given back, reused first
+        self._end = 0
         gen = self._connect()  # raises DaemonError: like a missing ssd_dir, fail at construction
         for t in self._copiers:
             t.start()
         assert self._buffer is not None
-        self.staging = _StagingPool(self._buffer, self.staging_bytes, config.chunk_bytes)
+        self._staging: SlotPool = _StagingPool(self._buffer, self.staging_bytes, config.chunk_bytes)
         self._current = gen
 
     # -- connection ------------------------------------------------------------------------
@@ -302,7 +246,7 @@ class DaemonBackend:
                 os.close(shm_fd)  # the daemon's copy of our own memfd
             else:
                 self._buffer = AlignedBuffer(info["shm_bytes"], fd=shm_fd)
-            self.disk.buffered = any(info["buffered"])
+            self.buffered = any(info["buffered"])
         except BaseException as e:
             for fd in fds:
                 os.close(fd)
@@ -349,9 +293,65 @@ class DaemonBackend:
             "offloadd: reconnected to the daemon at %s (session %d)", self.socket_path, gen.session
         )
 
-    # -- the engine ------------------------------------------------------------------------
+    # -- the Backend -----------------------------------------------------------------------
 
-    def submit(self, req: Request) -> None:
+    @property
+    def used_bytes(self) -> int:
+        return self._used_slots * self.chunk_bytes
+
+    def staging(self) -> SlotPool:
+        return self._staging
+
+    def place(self, hint: int) -> tuple[int, int]:
+        self._used_slots += 1
+        if self._free_slots:
+            return 0, self._free_slots.pop() * self.chunk_bytes
+        self._end += 1
+        return 0, (self._end - 1) * self.chunk_bytes
+
+    def free(self, file: int, offset: int) -> None:
+        """The Offloader freed a chunk's place (its lock held): free the daemon's block."""
+        self._used_slots -= 1
+        self._free_slots.append(offset // self.chunk_bytes)
+        self._forget(offset)
+
+    def open_direct(self) -> bool:
+        return False  # device memory goes through the shared staging memory
+
+    def release(self) -> None:
+        pass  # close() released everything; the staging pool is the Offloader's to close
+
+    def submit(
+        self,
+        op: Op,
+        file: int,
+        offset: int,
+        address: int,
+        nbytes: int,
+        callback: Callable[[Request], None],
+        *,
+        before: Callable[[], None] | None = None,
+        keepalive: Any = None,
+        context: Any = None,
+        direct: bool = False,
+    ) -> Request:
+        assert not direct, "the daemon takes host memory only"
+        req = Request(
+            op,
+            -1,
+            self._path,
+            offset,
+            address,
+            nbytes,
+            callback,
+            before=before,
+            keepalive=keepalive,
+            context=context,
+        )
+        self._submit(req)
+        return req
+
+    def _submit(self, req: Request) -> None:
         with self._lock:
             self._outstanding += 1
             if req.op is Op.WRITE:
@@ -380,8 +380,7 @@ class DaemonBackend:
                 return True
             return False
 
-    def forget(self, voffset: int) -> None:
-        """The Offloader freed a chunk's disk slot (its lock held): free the daemon's block."""
+    def _forget(self, voffset: int) -> None:
         with self._lock:
             rec = self._records.pop(voffset, None)
             if rec is None:

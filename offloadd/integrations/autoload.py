@@ -138,14 +138,14 @@ class AutoOffload:
         self.scope.enabled = False
         if self.offloader is not None:
             # The parent's I/O threads do not exist here: closing at exit would wait for them.
-            self.offloader._finalizer.detach()
+            self.offloader.detach()
 
     def _enter(self, module: nn.Module) -> bool:
         off = self.offloader or self._create()
         off.__enter__()
         # Offloader notes parameter storages from a global pre-hook that it registers on entry,
         # which is too late for the module whose call is starting.
-        off._note_module(module, ())
+        off.note_module(module)
         return True
 
     def _leave(self) -> None:

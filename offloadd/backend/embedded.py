@@ -1,0 +1,145 @@
+"""The default backend: offload files and an I/O engine inside the training process."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from offloadd.config import Config
+from offloadd.io.buffers import SlotPool
+from offloadd.io.files import DiskStore, default_offload_dir
+from offloadd.io.request import Engine, Op, Request
+from offloadd.io.select import open_host_engine
+
+__all__ = ["EmbeddedBackend"]
+
+log = logging.getLogger("offloadd")
+
+
+class EmbeddedBackend:
+    """:class:`~offloadd.backend.base.Backend` over a :class:`DiskStore` and a host engine
+    (``engine``, or the one ``config`` names), plus GDS for CUDA tensors where it works."""
+
+    def __init__(self, config: Config, engine: Engine | None = None) -> None:
+        self._config = config
+        dirs = list(config.ssd_dirs) or [default_offload_dir()]
+        self._disk = DiskStore(dirs, config.chunk_bytes, config.direct_io)
+        try:
+            if engine is not None:
+                self._engine = engine
+                self._name = getattr(engine, "name", type(engine).__name__)
+            else:
+                self._engine, choice = open_host_engine(config)
+                self._name = choice.name
+        except BaseException:
+            self._disk.close()
+            raise
+        self._engines: list[Engine] = [self._engine]
+        self._staging: SlotPool | None = None
+        self._lock = threading.Lock()
+        self._gds: Engine | None = None
+        self._gds_checked = config.engine not in ("auto", "kvikio") or config.tier != "ssd"
+        if config.engine == "kvikio" and config.tier == "ssd":
+            self.open_direct()  # named explicitly: fail now, not at the first CUDA tensor
+
+    @property
+    def name(self) -> str:
+        name = self._name
+        if name == "native/uring":  # the native engine moves to its threads if its ring fails
+            name = f"native/{getattr(self._engine, 'backend', 'uring')}"
+        return name + ("+kvikio" if self._gds is not None else "")
+
+    @property
+    def buffered(self) -> bool:
+        return self._disk.buffered
+
+    @property
+    def used_bytes(self) -> int:
+        return self._disk.used_bytes
+
+    def staging(self) -> SlotPool:
+        with self._lock:
+            if self._staging is None:
+                self._staging = SlotPool(self._config.staging_bytes, self._config.chunk_bytes)
+            return self._staging
+
+    def place(self, hint: int) -> tuple[int, int]:
+        file = hint % len(self._disk.files)
+        return file, self._disk.files[file].alloc()
+
+    def free(self, file: int, offset: int) -> None:
+        self._disk.files[file].free(offset)
+
+    def submit(
+        self,
+        op: Op,
+        file: int,
+        offset: int,
+        address: int,
+        nbytes: int,
+        callback: Callable[[Request], None],
+        *,
+        before: Callable[[], None] | None = None,
+        keepalive: Any = None,
+        context: Any = None,
+        direct: bool = False,
+    ) -> Request:
+        f = self._disk.files[file]
+        req = Request(
+            op,
+            f.fd,
+            f.path,
+            offset,
+            address,
+            nbytes,
+            callback,
+            before=before,
+            keepalive=keepalive,
+            context=context,
+        )
+        engine = self._gds if direct else self._engine
+        assert engine is not None, "direct I/O without GDS"
+        engine.submit(req)
+        return req
+
+    def cancel(self, request: Request) -> bool:
+        return self._engine.cancel(request)
+
+    def open_direct(self) -> bool:
+        """Probe GDS (kvikio and cuFile) once; log the outcome, raise if it was asked for."""
+        if self._gds_checked:
+            return self._gds is not None
+        from offloadd.io import gds
+
+        with self._lock:
+            if self._gds_checked:
+                return self._gds is not None
+            self._gds_checked = True  # whatever happens below: probe once
+            ok, why = gds.probe()
+            if ok:
+                try:
+                    self._gds = gds.KvikioEngine(self._config.io_threads)
+                except Exception as e:
+                    ok, why = False, f"kvikio engine failed to start ({e!r})"
+            if not ok and self._config.engine == "kvikio":
+                raise RuntimeError(f"offloadd: engine = kvikio, but {why}")
+            if self._gds is not None:
+                self._engines.append(self._gds)
+            log.info(
+                "offloadd: CUDA tensors %s (%s)",
+                "use GDS" if ok else "go through host staging",
+                why,
+            )
+            return self._gds is not None
+
+    def begin_step(self) -> None:
+        pass
+
+    def close(self) -> None:
+        for engine in self._engines:
+            engine.close()
+
+    def release(self) -> None:
+        self._disk.close()

@@ -1,0 +1,154 @@
+"""Blocks and chunks: one storage's bytes on their way out, out, or back in; and the map of them.
+
+A *block* is one storage being offloaded; it is cut into *chunks* of ``chunk_bytes``, the unit of
+staging slots, disk slots and I/O requests. Blocks are numbered in pack order (``seq``): backward
+unpacks roughly in reverse, which is the order the prefetcher reads them back in.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from offloadd.io.buffers import round_up
+from offloadd.io.request import Request
+
+__all__ = ["CAPTURED", "CAPTURING", "HELD", "PENDING", "Block", "BlockMap", "Chunk"]
+
+# A block's capture (see [capture after the op] in capture.py):
+PENDING = 0  # ``source`` holds the data; the op that saved it may still be running
+CAPTURING = 1  # one thread is copying it out; unpack waits
+CAPTURED = 2  # the data is in chunks (staging, host pool, disk) or was never needed
+HELD = 3  # capture failed or made no sense: ``source`` holds the data for good
+
+
+class Chunk:
+    __slots__ = ("file", "index", "mem", "nbytes", "offset", "on_disk", "ready", "request", "slot")
+
+    def __init__(self, index: int, nbytes: int) -> None:
+        self.index = index
+        self.nbytes = nbytes  # padded to 4096
+        self.file = -1  # the backend's file index
+        self.offset = -1  # byte offset in that file
+        self.slot: int | None = None  # staging/host slot holding the data
+        self.request: Request | None = None  # write or read in flight
+        self.on_disk = False
+        self.mem: torch.Tensor | None = None  # fallback copy after a failed write
+        self.ready: Callable[[], None] | None = None  # waits for its copy into the slot
+
+
+class Block:
+    """One storage's bytes, on their way out, out, or back in."""
+
+    __slots__ = (
+        "chunks",
+        "copy_done",
+        "device",
+        "direct",
+        "direct_pending",
+        "direct_source",
+        "error",
+        "finishing",
+        "freed",
+        "gen",
+        "handle",
+        "key",
+        "loading",
+        "modified",
+        "nbytes",
+        "padded",
+        "pinned_resident",
+        "prefetched",
+        "refs",
+        "resident",
+        "resident_bytes",
+        "seq",
+        "source",
+        "source_ptr",
+        "state",
+        "stream",
+        "unconsumed",
+        "version",
+    )
+
+    def __init__(self, seq: int, nbytes: int, device: torch.device, chunk_bytes: int) -> None:
+        self.seq = seq
+        self.nbytes = nbytes
+        self.padded = round_up(nbytes)
+        self.device = device
+        self.chunks = [
+            Chunk(k, min(chunk_bytes, self.padded - start))
+            for k, start in enumerate(range(0, self.padded, chunk_bytes))
+        ]
+        self.refs = 0
+        self.key: tuple[Any, ...] | None = None
+        self.resident: torch.Tensor | None = None  # uint8, padded bytes, on host or device
+        self.resident_bytes = 0
+        self.loading = 0  # reads in flight into ``resident``
+        self.gen = 0  # bumped on each load; refs remember which load they consumed
+        self.unconsumed = 0
+        self.prefetched = False
+        self.pinned_resident = False  # the only copy is ``resident`` (a write was cancelled)
+        self.error: BaseException | None = None
+        self.modified = False
+        self.freed = False
+        self.copy_done: Any = None  # async devices: the copy into staging (see ordering.py)
+        self.direct = False  # CUDA with GDS: written from and read into device memory
+        self.direct_pending = 0  # GDS writes in flight
+        self.direct_source: tuple[torch.Tensor, int] | None = None  # (tensor, version at pack)
+        self.state = CAPTURED
+        self.source: torch.Tensor | None = None  # the saved tensor until captured (or held)
+        self.source_ptr = 0  # its storage's address at pack
+        self.version = 0  # its version counter at pack
+        self.stream: Any = None  # async devices: the producer (the stream current at pack)
+        self.finishing = False  # a thread copies the read-back bytes to the device (no lock)
+        self.handle: torch.Tensor | None = None  # shares the saved tensor's version counter
+
+    def copy_completed(self) -> bool:
+        """True unless an asynchronous copy into staging is still running (never waits)."""
+        return self.copy_done is None or bool(self.copy_done.done(wait=False))
+
+
+class BlockMap:
+    """The live blocks by ``seq``, and their seqs in order (lock held for every call)."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[int, Block] = {}
+        self._order: list[int] = []
+        self._seq = 0
+
+    def new(self, nbytes: int, device: torch.device, chunk_bytes: int) -> Block:
+        """A block with the next seq, registered, holding one ref."""
+        self._seq += 1
+        block = Block(self._seq, nbytes, device, chunk_bytes)
+        block.refs = 1
+        self._blocks[block.seq] = block
+        # Usually the largest seq, but threads packing at once can register out of order.
+        bisect.insort(self._order, block.seq)
+        return block
+
+    def forget(self, block: Block) -> None:
+        if self._blocks.pop(block.seq, None) is not None:
+            i = bisect.bisect_left(self._order, block.seq)
+            if i < len(self._order) and self._order[i] == block.seq:
+                del self._order[i]
+
+    def __iter__(self) -> Iterator[Block]:
+        """Live blocks, oldest first."""
+        return (self._blocks[seq] for seq in self._order)
+
+    def any_loading(self) -> bool:
+        return any(b.loading for b in self._blocks.values())
+
+    def position_below(self, seq: int) -> int:
+        """Index in pack order of the last block packed before ``seq`` (-1 if none)."""
+        return bisect.bisect_left(self._order, seq) - 1
+
+    def at(self, i: int) -> Block:
+        return self._blocks[self._order[i]]
+
+    def seq_at(self, i: int) -> int:
+        return self._order[i]

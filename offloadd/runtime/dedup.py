@@ -1,0 +1,88 @@
+"""Which storage a saved tensor lives in: a parameter's (never moved), or one already saved.
+
+Note: [dedup identity] Views, transposes and expands of one storage are saved as separate
+tensors; a storage is moved once and each saved tensor becomes a ref to its block. The key is
+(device, StorageImpl address, version, dtype). The weak reference kept with each entry pins the
+StorageImpl's address while the entry lives, so an equal address means the same storage, never
+a new one at a reused address. The root (``t._base`` or ``t``) must be the same object too: that
+keeps apart aliases that do not share a version counter (``.data``, ``set_``), one of which may
+have been changed in place since the first save. The dtype is in the key because a pending
+block's refs are views of its source.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from offloadd.runtime.blocks import Block
+from offloadd.runtime.handles import storage_of
+
+__all__ = ["StorageIndex"]
+
+
+class StorageIndex:
+    """Parameter storages seen in the scope, and storages already saved (lock held)."""
+
+    def __init__(self, dedup: bool) -> None:
+        self.dedup = dedup
+        self._saved: dict[tuple[Any, ...], tuple[StorageWeakRef, Any, Block]] = {}
+        self._params: dict[tuple[Any, ...], StorageWeakRef] = {}
+
+    # -- parameters ------------------------------------------------------------------------
+
+    def note_module(self, module: torch.nn.Module) -> None:
+        """Remember the storages that back ``module``'s own parameters and buffers.
+
+        Lazy modules' uninitialized parameters and buffers, meta tensors and tensors without a
+        storage of their own (functorch wrappers) are skipped, never touched."""
+        for tensors in (module._parameters, module._buffers):
+            for p in tensors.values():
+                s = storage_of(p) if p is not None else None
+                if p is not None and s is not None:
+                    self._params[(p.device, s._cdata)] = StorageWeakRef(s)
+
+    def clear_parameters(self) -> None:
+        self._params.clear()
+
+    def backs_parameter(self, t: torch.Tensor, storage: torch.UntypedStorage) -> bool:
+        """Whether ``t`` is a parameter, a view of one, or shares the storage of a parameter or
+        buffer of a module called in the scope (a transposed weight, an FSDP flat parameter).
+
+        A leaf that requires grad is not a parameter by itself: the detached inputs of
+        reentrant checkpointing are such leaves, and they are activations."""
+        if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
+            return True
+        ref = self._params.get((t.device, storage._cdata))
+        return ref is not None and not ref.expired()
+
+    # -- saved storages (see [dedup identity]) ---------------------------------------------
+
+    @staticmethod
+    def key(t: torch.Tensor, storage: torch.UntypedStorage) -> tuple[Any, ...]:
+        return (t.device, storage._cdata, t._version, t.dtype)
+
+    def lookup(self, key: tuple[Any, ...], root: torch.Tensor) -> Block | None:
+        """The live block already holding this storage, if dedup is on and there is one."""
+        if not self.dedup:
+            return None
+        hit = self._saved.get(key)
+        if hit is not None and not hit[0].expired() and hit[1]() is root and not hit[2].freed:
+            return hit[2]
+        return None
+
+    def remember(
+        self, key: tuple[Any, ...], storage: torch.UntypedStorage, root: torch.Tensor, block: Block
+    ) -> None:
+        if self.dedup:
+            block.key = key
+            self._saved[key] = (StorageWeakRef(storage), weakref.ref(root), block)
+
+    def forget(self, block: Block) -> None:
+        if block.key is not None:
+            hit = self._saved.get(block.key)
+            if hit is not None and hit[2] is block:
+                del self._saved[block.key]

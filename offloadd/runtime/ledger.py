@@ -1,0 +1,99 @@
+"""The runtime's one lock, its counters, and what must happen outside the lock.
+
+Every part of the runtime (pack and unpack, the write path, the read path, I/O callbacks) shares
+one :class:`Ledger`: its ``lock`` guards all block state, its ``cond`` is notified whenever a
+write or read completes or a capture settles, and its :class:`~offloadd.Stats` are the counters
+that ``Offloader.stats()`` snapshots.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import platform
+import threading
+import warnings
+from collections import deque
+from collections.abc import Callable
+
+from offloadd.runtime.stats import Stats
+
+__all__ = ["Ledger"]
+
+log = logging.getLogger("offloadd")
+
+
+class Ledger:
+    """The lock, the stats, resident/disk accounting, deferred warnings and heap trimming."""
+
+    def __init__(self, trim_host_bytes: int) -> None:
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
+        self.stats = Stats()
+        self._warned: set[str] = set()
+        self._warn_lock = threading.Lock()  # warn_once runs on I/O threads too, lock or not
+        self._warnings: deque[str] = deque()  # raised by flush_warnings, outside the lock
+        self._trim_every = trim_host_bytes
+        self._trim = _malloc_trim() if trim_host_bytes else None
+        self._moved_since_trim = 0  # CPU bytes moved out or in since the last trim
+
+    # -- accounting (lock held) ------------------------------------------------------------
+
+    def add_resident(self, n: int) -> None:
+        st = self.stats
+        st.resident_bytes += n
+        if st.resident_bytes > st.peak_resident_bytes:
+            st.peak_resident_bytes = st.resident_bytes
+
+    def sub_resident(self, n: int) -> None:
+        self.stats.resident_bytes -= n
+
+    def note_disk(self, used: int) -> None:
+        st = self.stats
+        st.disk_bytes = used
+        if used > st.peak_disk_bytes:
+            st.peak_disk_bytes = used
+
+    def note_moved(self, nbytes: int) -> None:
+        """Trim the C heap once per ``trim_host_bytes`` of CPU activations moved (see config)."""
+        if self._trim is None:
+            return
+        self._moved_since_trim += nbytes
+        if self._moved_since_trim >= self._trim_every:
+            self._moved_since_trim = 0
+            self._trim(0)
+
+    # -- warnings --------------------------------------------------------------------------
+
+    def warn_once(self, key: str, message: str) -> None:
+        """Log now; raise the Python warning later on the training thread, outside the lock
+        (I/O callbacks call this, and warnings may be configured to raise). Callers may or may
+        not hold ``lock`` (the daemon client's threads do not): its own lock."""
+        with self._warn_lock:
+            if key in self._warned:
+                return
+            self._warned.add(key)
+        log.warning(message)
+        self._warnings.append(message)
+
+    @property
+    def warnings_due(self) -> bool:
+        return bool(self._warnings)
+
+    def flush_warnings(self) -> None:
+        """Raise the queued warnings (the caller does not hold ``lock``)."""
+        while self._warnings:
+            warnings.warn(self._warnings.popleft(), RuntimeWarning, stacklevel=4)
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, or None elsewhere (musl, macOS)."""
+    if platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        fn = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return fn

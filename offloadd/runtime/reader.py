@@ -1,0 +1,261 @@
+"""The read path: a block made resident again for unpack, and the prefetcher that runs ahead.
+
+Note: [forwarding] A chunk still in a slot when backward needs it is copied from the slot and its
+write is cancelled if it has not started: the last tensors of a forward are often never written
+at all.
+
+Note: [prefetch window] Backward unpacks roughly in reverse pack order. At each unpack, blocks
+packed before it are read ahead, newest first, while the bytes of blocks prefetched and not yet
+consumed stay under ``prefetch_bytes``. A sweep remembers where it stopped: an unpack inside the
+range already scanned resumes there, so backward costs O(blocks) in all, not per unpack.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from offloadd.config import Config
+from offloadd.io.buffers import aligned_empty
+from offloadd.io.request import Op, Request
+from offloadd.runtime.blocks import CAPTURED, CAPTURING, Block, BlockMap
+from offloadd.runtime.handles import Ref, inplace_error, view
+from offloadd.runtime.ledger import Ledger
+from offloadd.runtime.ordering import Ordering
+from offloadd.runtime.writer import Writer
+
+if TYPE_CHECKING:
+    from offloadd.backend.base import Backend
+
+__all__ = ["Reader"]
+
+
+class Reader:
+    """Unpack of offloaded refs, loads, consumption and prefetch (lock held, except
+    :meth:`unpack` and :meth:`to_device`)."""
+
+    def __init__(
+        self,
+        config: Config,
+        ledger: Ledger,
+        blocks: BlockMap,
+        backend: Backend | None,
+        ordering: Ordering,
+        writer: Writer,
+    ) -> None:
+        self.config = config
+        self.ledger = ledger
+        self.blocks = blocks
+        self.backend = backend
+        self.ordering = ordering
+        self.writer = writer
+        self.prefetch_live = 0  # bytes held by prefetched blocks not yet consumed
+        self._pf_low = 0  # prefetch sweep: blocks with seq in [_pf_low, _pf_high) were scanned
+        self._pf_high = 0
+
+    def unpack(self, ref: Ref, closed: bool) -> torch.Tensor:
+        """The saved tensor of an offloaded ref: its source until captured, else read back."""
+        block = ref.block
+        with self.ledger.lock:
+            while block.state == CAPTURING:
+                self.ledger.cond.wait()
+            source = block.source
+            if source is None:
+                if closed and block.resident is None:
+                    raise RuntimeError("offloadd: unpack after Offloader.close()")
+                copy = block.copy_done
+        handle = source if source is not None else block.handle
+        if handle is not None and handle._version != block.version:
+            # Changed in place since it was saved (see [the version handle] in capture.py).
+            raise inplace_error(ref.desc, block.version, handle._version)
+        if source is not None:
+            # Not captured (yet): a view of the saved tensor itself, which shares its version
+            # counter, so that a graph built on it (double backward) still sees in-place changes.
+            return source.as_strided(ref.size, ref.stride, ref.offset)
+        if copy is not None:
+            # Async devices: the slots are complete, and the version checked, once the copy
+            # completed. Waited for without the lock: I/O callbacks and other threads need it.
+            copy.done(wait=True)
+        with self.ledger.lock:
+            direct = block.direct_source  # GDS: writes may still read the device source
+            if direct is not None and direct[0]._version != direct[1]:
+                block.modified = True
+            if block.modified:
+                raise inplace_error(ref.desc, block.version, block.version + 1)
+            if block.resident is None and block.loading == 0:
+                self.load(block, prefetch=False)
+            self.prefetch_below(block.seq)
+            if block.loading or block.finishing:
+                start = time.perf_counter()
+                while block.loading or block.finishing:
+                    self.ledger.cond.wait()
+                self.ledger.stats.io_wait_s += time.perf_counter() - start
+            if block.error is not None:
+                err = block.error
+                raise OSError(
+                    getattr(err, "errno", None),
+                    f"offloadd: reading back a saved activation failed: {err}",
+                    getattr(err, "filename", None),
+                ) from err
+            buf = block.resident
+            assert buf is not None
+            upload = self.ordering.is_async(block.device) and not block.direct
+            if upload:
+                block.finishing = True  # other unpacks of this block wait for the copy below
+            else:
+                fresh = ref.gen != block.gen
+                self.consume(block, ref)
+        if upload:
+            buf, fresh = self.to_device(block, ref, buf)
+        if fresh and buf.device.type == "cpu":
+            self.ledger.note_moved(block.padded)
+        if self.ledger.warnings_due:
+            self.ledger.flush_warnings()
+        return view(buf, ref)
+
+    def load(self, block: Block, *, prefetch: bool) -> None:
+        """Make ``block.resident``: copy chunks held in memory, read the others (async)."""
+        backend = self.backend
+        assert backend is not None
+        # Async devices: slots are complete only once the copy is; unpack waited for it without
+        # the lock and prefetch only takes blocks whose copy completed.
+        assert block.copy_completed()
+        ledger = self.ledger
+        ready: Callable[[], None] | None = None
+        if block.direct:
+            buf = torch.empty(block.padded, dtype=torch.uint8, device=block.device)
+            # The caching allocator may hand out memory that kernels queued on this stream
+            # still use; a GDS read from another thread ignores stream order, so wait for them.
+            ready = self.ordering.record(self.ordering.producer(block.device)).synchronize
+        else:
+            buf = aligned_empty(block.padded)
+        block.resident = buf
+        block.resident_bytes = block.padded
+        block.gen += 1
+        block.unconsumed = block.refs
+        block.prefetched = prefetch
+        block.error = None
+        ledger.add_resident(block.padded)
+        if prefetch:
+            self.prefetch_live += block.padded
+        on_demand = False
+        pool = self.writer.pool
+        pos = 0
+        for chunk in block.chunks:
+            dst = buf[pos : pos + chunk.nbytes]
+            if block.direct:  # GDS chunks hold their real length, not the padded one
+                dst = dst[: max(0, min(chunk.nbytes, block.nbytes - pos))]
+            write = chunk.request
+            if chunk.mem is not None:
+                dst.copy_(chunk.mem[: dst.numel()])
+            elif block.direct and write is not None and write.op is Op.WRITE:
+                dst.copy_(write.keepalive)  # still being written: take the device source
+                ledger.stats.forwarded_bytes += chunk.nbytes
+            elif chunk.slot is not None:  # see [forwarding]
+                assert pool is not None
+                dst.copy_(pool.tensor(chunk.slot, chunk.nbytes))
+                if self.writer.cancel_write(chunk):
+                    pool.release(chunk.slot)
+                    chunk.slot = None
+                    ledger.sub_resident(chunk.nbytes)
+                    block.pinned_resident = True
+                ledger.stats.forwarded_bytes += chunk.nbytes
+            elif chunk.on_disk:
+                chunk.request = backend.submit(
+                    Op.READ,
+                    chunk.file,
+                    chunk.offset,
+                    dst.data_ptr(),
+                    dst.numel(),
+                    self._on_read_done,
+                    before=ready,
+                    keepalive=dst if block.direct else buf,
+                    context=(block, chunk),
+                    direct=block.direct,
+                )
+                block.loading += 1
+                on_demand = True
+            else:
+                raise AssertionError("chunk without data")
+            pos += chunk.nbytes
+        if prefetch:
+            ledger.stats.prefetched_bytes += block.padded
+        elif on_demand:
+            ledger.stats.on_demand_reads += 1
+
+    def _on_read_done(self, req: Request) -> None:
+        block, chunk = req.context
+        with self.ledger.lock:
+            chunk.request = None
+            block.loading -= 1
+            if req.error is not None:
+                block.error = req.error
+            else:
+                self.ledger.stats.bytes_read += chunk.nbytes
+            if block.freed:
+                self.writer.free_chunk_disk(chunk)
+            self.ledger.cond.notify_all()
+
+    def consume(self, block: Block, ref: Ref) -> None:
+        if ref.gen != block.gen:
+            ref.gen = block.gen
+            block.unconsumed -= 1
+            if block.unconsumed <= 0 and not block.pinned_resident:
+                self.drop_resident(block)
+
+    def drop_resident(self, block: Block, *, loading_ok: bool = False) -> None:
+        if block.resident is None or (block.loading and not loading_ok):
+            return
+        block.resident = None
+        self.ledger.sub_resident(block.resident_bytes)
+        if block.prefetched:
+            self.prefetch_live -= block.padded
+            block.prefetched = False
+
+    def prefetch_below(self, seq: int) -> None:
+        """Read ahead, in reverse pack order from ``seq`` (see [prefetch window])."""
+        window = self.config.prefetch_bytes
+        if self.prefetch_live >= window:
+            return
+        if self._pf_low <= seq <= self._pf_high:
+            start = self._pf_low
+        else:  # a new sweep (a new backward, or a jump below what was scanned)
+            start = self._pf_high = seq
+        blocks = self.blocks
+        i = blocks.position_below(start)
+        while i >= 0 and self.prefetch_live < window:
+            block = blocks.at(i)
+            i -= 1
+            if (
+                block.resident is None
+                and block.state == CAPTURED
+                and (block.gen == 0 or block.unconsumed > 0)  # not consumed by every ref yet
+                and not block.modified
+                and block.copy_completed()
+                and any(c.on_disk and c.request is None for c in block.chunks)
+            ):
+                self.load(block, prefetch=True)
+        self._pf_low = blocks.seq_at(i) + 1 if i >= 0 else 0
+
+    def to_device(self, block: Block, ref: Ref, host: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """Copy a block read back into host memory to its device, without the lock held.
+
+        The device buffer is allocated on the current (compute) stream of this backward thread,
+        so the caching allocator orders its reuse after the kernels that will read it."""
+        dev: torch.Tensor | None = None
+        try:
+            dev = self.ordering.upload(host, block.device)
+        finally:
+            with self.ledger.lock:
+                block.finishing = False
+                if dev is not None and block.resident is host:
+                    block.resident = dev
+                fresh = ref.gen != block.gen
+                if dev is not None:
+                    self.consume(block, ref)
+                self.ledger.cond.notify_all()
+        assert dev is not None
+        return dev, fresh

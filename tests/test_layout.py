@@ -1,4 +1,4 @@
-"""The package's layout: which of offloadd's packages may import which.
+"""The package's layout: which of offloadd's packages may import which, and the tools' shape.
 
 The rules are written by package prefix, so that modules can move and split inside a package
 without touching this file:
@@ -15,6 +15,9 @@ and ``importlib.import_module``/``__import__`` calls with a literal name) and, f
 rule, by running: a fresh interpreter imports every module outside the tools, runs each
 subcommand's ``--help`` outside the tools, or trains a step under ``OFFLOADD=1``, and then holds
 no ``offloadd.tools`` module.
+
+Every module of the tools also stays under 400 lines and declares its public names in
+``__all__``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "offloadd"
@@ -388,3 +393,71 @@ def test_offloading_a_training_step_loads_no_tool(tmp_path: Path) -> None:
     assert "offloadd.runtime.offloader" in result["modules"], "OFFLOADD=1 did not activate"
     loaded = _tools_loaded(result["modules"])
     assert not loaded, f"a training step under OFFLOADD=1 loaded {', '.join(loaded)}"
+
+
+# -- the tools' own shape --------------------------------------------------------------------
+
+MAX_LINES = 400
+
+
+def _tool_files() -> list[Path]:
+    return sorted(TOOLS.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", _tool_files(), ids=lambda p: str(p.relative_to(TOOLS)))
+def test_tool_module_is_short(path: Path) -> None:
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_LINES, f"{path.relative_to(ROOT)}: {lines} lines (at most {MAX_LINES})"
+
+
+def _defined_at_module_level(tree: ast.Module) -> set[str]:
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return names
+
+
+def _public_definitions(tree: ast.Module) -> set[str]:
+    """Functions, classes and constants (UPPER_CASE) the module defines without a leading _."""
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name) and t.id.isupper())
+    return {n for n in names if not n.startswith("_")}
+
+
+@pytest.mark.parametrize("path", _tool_files(), ids=lambda p: str(p.relative_to(TOOLS)))
+def test_tool_module_declares_its_public_names(path: Path) -> None:
+    """Every tools module lists its public names in a literal ``__all__``: each one exists, and
+    every public function, class and constant it defines is in it (or is renamed ``_private``)."""
+    where = path.relative_to(ROOT)
+    tree = ast.parse(path.read_text(), filename=str(path))
+    declared = [
+        node
+        for node in tree.body
+        if isinstance(node, ast.Assign | ast.AnnAssign)
+        and any(
+            isinstance(t, ast.Name) and t.id == "__all__"
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        )
+    ]
+    assert len(declared) == 1, f"{where}: no __all__ (or more than one)"
+    value = declared[0].value
+    assert isinstance(value, ast.List | ast.Tuple) and all(
+        isinstance(e, ast.Constant) and isinstance(e.value, str) for e in value.elts
+    ), f"{where}:{declared[0].lineno}: __all__ must be a literal list of names"
+    names = [e.value for e in value.elts if isinstance(e, ast.Constant)]
+    assert len(names) == len(set(names)), f"{where}: __all__ repeats a name"
+    undefined = set(names) - _defined_at_module_level(tree)
+    assert not undefined, f"{where}: __all__ names what the module does not define: {undefined}"
+    unlisted = _public_definitions(tree) - set(names)
+    assert not unlisted, f"{where}: public but not in __all__ (export it or prefix _): {unlisted}"

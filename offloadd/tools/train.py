@@ -31,6 +31,7 @@ __all__ = [
     "RunFailed",
     "RunSpec",
     "add_model_arguments",
+    "main",
     "model_kwargs",
     "run",
     "run_in_subprocess",
@@ -280,6 +281,7 @@ def _spec_dict(spec: RunSpec) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m offloadd.tools.train --json SPEC``: run the spec, print its result as JSON."""
     parser = argparse.ArgumentParser(prog="python -m offloadd.tools.train")
     parser.add_argument("--json", required=True, help="RunSpec fields as a JSON object")
     parser.add_argument("--progress", action="store_true")

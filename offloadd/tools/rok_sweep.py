@@ -1,4 +1,4 @@
-"""The sweep of ``offloadd rok``: what it measures, checked and completed from the command's options.
+"""The sweep of ``offloadd rok``: what it measures, checked and completed from its options.
 
 A :class:`Sweep` is one model shape on one device, run at every (strategy, batch size), in
 ``repeats`` rounds. :func:`resolve` builds it from the options of ``offloadd rok`` (see

@@ -20,7 +20,7 @@ RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorc
 # Everything `pip install .` builds from (setup.py, offloadd_boot.py and csrc/ too: without them
 # the wheel lacks the start-up hook and the native engine; with no compiler in this image, the
 # native engine is skipped and the daemon logs that it runs the Python engine).
-COPY pyproject.toml setup.py offloadd_boot.py README.md /src/
+COPY pyproject.toml setup.py offloadd_boot.py README.md LICENSE /src/
 COPY offloadd /src/offloadd
 COPY csrc /src/csrc
 COPY configs /src/configs

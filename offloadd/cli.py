@@ -1,8 +1,9 @@
 """The ``offloadd`` command.
 
-Each subcommand lives in its own module, which provides ``HELP`` (one line), ``add_arguments``
-(fills its argparse parser) and ``main`` (takes the parsed namespace, returns the exit status).
-Adding a subcommand is one entry in ``_COMMANDS``.
+Each subcommand lives in its own module, which provides ``add_arguments`` (fills its argparse
+parser) and ``main`` (takes the parsed namespace, returns the exit status). Adding a subcommand is
+one entry in ``_COMMANDS`` and its one-line help in ``_HELP``: the help lines stay here so that
+``offloadd --help`` imports none of those modules.
 """
 
 from __future__ import annotations

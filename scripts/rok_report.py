@@ -19,7 +19,7 @@ from typing import Any
 
 from offloadd.runtime.stats import format_bytes
 from offloadd.tools.machine import machine_line
-from offloadd.tools.rok import read_points
+from offloadd.tools.rok_points import read_points
 from offloadd.tools.rok_summary import aggregate
 
 

@@ -6,9 +6,7 @@ import argparse
 
 from offloadd.tools import bench_io
 
-__all__ = ["HELP", "add_arguments", "main"]
-
-HELP = "benchmarks: `offloadd bench io` (engines against fio)"
+__all__ = ["add_arguments", "main"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,6 +1,6 @@
 """What a ROK sweep says: offload against recompute and keep, at equal batch and equal memory.
 
-Works on the typed point rows of ``offloadd rok`` (see ``offloadd.tools.rok.FIELDS``).
+Works on the typed point rows of ``offloadd rok`` (see ``offloadd.tools.rok_points.FIELDS``).
 """
 
 from __future__ import annotations
@@ -100,6 +100,16 @@ def compare(rows: list[Row], offload: str) -> list[Row]:
     return out
 
 
+_VERDICTS = (
+    (
+        "dominates_recompute",
+        "dominates recompute (memory <= 1.10x and higher throughput at equal batch)",
+    ),
+    ("keep_target", ">= 0.95x keep's throughput at <= 0.5x keep's memory"),
+)
+"""The yes/no columns of ``compare`` that the summary counts, and how it words them."""
+
+
 def _fmt(c: Row, key: str) -> str:
     return f"{c[key]:.2f}x" if key in c else "-"
 
@@ -125,18 +135,9 @@ def summary_lines(rows: list[Row]) -> list[str]:
                 f"thr {_fmt(c, 'thr_vs_recompute')} | {_fmt(c, 'thr_vs_recompute_at_equal_memory')}"
                 f" | {_fmt(c, 'fastest_vs_keep')}, {_fmt(c, 'fastest_vs_recompute')}"
             )
-        dom = [c for c in comps if "dominates_recompute" in c]
-        if dom:
-            yes = [c["batch_size"] for c in dom if c["dominates_recompute"]]
-            lines.append(
-                f"  dominates recompute (memory <= 1.10x and higher throughput at equal batch): "
-                f"{len(yes)}/{len(dom)} batch sizes {yes}"
-            )
-        tgt = [c for c in comps if "keep_target" in c]
-        if tgt:
-            yes = [c["batch_size"] for c in tgt if c["keep_target"]]
-            lines.append(
-                f"  >= 0.95x keep's throughput at <= 0.5x keep's memory: "
-                f"{len(yes)}/{len(tgt)} batch sizes {yes}"
-            )
+        for key, verdict in _VERDICTS:
+            judged = [c for c in comps if key in c]
+            if judged:
+                yes = [c["batch_size"] for c in judged if c[key]]
+                lines.append(f"  {verdict}: {len(yes)}/{len(judged)} batch sizes {yes}")
     return lines

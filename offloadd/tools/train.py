@@ -1,8 +1,8 @@
 """One measured training run of a model: what the demo, ``offloadd rok`` and the benchmarks execute.
 
-Each strategy runs in its own process (``python -m offloadd.tools.train``) so that its peak RSS is its
-own; the parent compares the JSON each child prints. A run that runs out of memory reports
-``"oom": true`` instead of failing.
+Each strategy runs in its own process (``python -m offloadd.tools.train``) so that its peak RSS
+is its own; the parent compares the JSON each child prints. A run that runs out of memory
+reports ``"oom": true`` instead of failing.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ __all__ = [
     "RunFailed",
     "RunSpec",
     "add_model_arguments",
+    "main",
     "model_kwargs",
     "run",
     "run_in_subprocess",
@@ -76,7 +77,7 @@ _SIZE_ARGS = ("layers", "d_model", "heads", "seq", "batch", "steps")
 
 
 def add_model_arguments(p: argparse.ArgumentParser, **defaults: int) -> None:
-    """The model and run options shared by ``offloadd demo`` and the benchmark scripts."""
+    """The model and run options shared by ``offloadd demo`` and scripts/bench_step.py."""
     d = {"layers": 6, "d_model": 384, "heads": 6, "seq": 256, "batch": 8, "steps": 4, **defaults}
     p.add_argument("--layers", type=int, default=d["layers"], help="transformer blocks")
     p.add_argument("--d-model", type=int, default=d["d_model"], help="model width")
@@ -280,6 +281,7 @@ def _spec_dict(spec: RunSpec) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m offloadd.tools.train --json SPEC``: run the spec, print its result as JSON."""
     parser = argparse.ArgumentParser(prog="python -m offloadd.tools.train")
     parser.add_argument("--json", required=True, help="RunSpec fields as a JSON object")
     parser.add_argument("--progress", action="store_true")

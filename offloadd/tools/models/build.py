@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -52,16 +53,17 @@ def build_model(
     """Build ``name`` (one of MODELS) with random weights from the current torch seed."""
     if name not in MODELS:
         raise ValueError(f"model must be one of {', '.join(MODELS)}, got {name!r}")
-    vocab = vocab_size or default_vocab(name)
+    # The same shape for the built-in GPT and for the transformers families.
+    shape: dict[str, Any] = {
+        "num_layers": num_layers,
+        "d_model": d_model,
+        "num_heads": num_heads,
+        "seq_len": seq_len,
+        "vocab_size": vocab_size or default_vocab(name),
+        "recompute": recompute,
+    }
     if name == "mini-gpt":
-        cfg = GPTConfig(
-            num_layers=num_layers,
-            d_model=d_model,
-            num_heads=num_heads,
-            seq_len=seq_len,
-            vocab_size=vocab,
-            recompute=recompute,
-        )
+        cfg = GPTConfig(**shape)
         gpt = GPT(cfg)
         return TrainModel(
             module=gpt,
@@ -70,15 +72,7 @@ def build_model(
             attention_layers=num_layers,
             d_model=d_model,
         )
-    module = build_hf(
-        name,
-        num_layers=num_layers,
-        d_model=d_model,
-        num_heads=num_heads,
-        seq_len=seq_len,
-        vocab_size=vocab,
-        recompute=recompute,
-    )
+    module = build_hf(name, **shape)
 
     def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         # GPT-2 shifts its labels itself; BERT (every position masked-LM) and T5 take them as is.

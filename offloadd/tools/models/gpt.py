@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["GPT", "GPTConfig"]
+__all__ = ["GPT", "Block", "GPTConfig"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -40,6 +40,8 @@ class GPTConfig:
 
 
 class Block(nn.Module):
+    """One pre-norm transformer block: causal self-attention, then a GELU MLP, each residual."""
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         d = cfg.d_model

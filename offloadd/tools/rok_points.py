@@ -1,0 +1,164 @@
+"""The points of ``offloadd rok``: measuring one, the row it gives, and rok.csv, which holds them.
+
+One point is one (strategy, batch size, round) of a :class:`~offloadd.tools.rok_sweep.Sweep`,
+trained in its own process by ``offloadd.tools.train``. A point that runs out of memory gives a
+row with status ``oom``; one that fails otherwise or times out, status ``error``.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from offloadd.runtime.stats import format_bytes
+from offloadd.tools.rok_sweep import STRATEGIES, Sweep
+from offloadd.tools.train import RunFailed, RunSpec, run_in_subprocess
+
+__all__ = ["FIELDS", "measure", "point_line", "read_points", "write_points"]
+
+FIELDS: dict[str, type] = {
+    "model": str,
+    "layers": int,
+    "hidden": int,
+    "heads": int,
+    "seq": int,
+    "vocab": int,
+    "device": str,
+    "steps": int,
+    "strategy": str,
+    "batch_size": int,
+    "round": int,  # 1..--repeats
+    "status": str,  # ok, oom or error
+    "step_time_s": float,  # median of the timed steps
+    "step_time_min_s": float,
+    "samples_per_s": float,
+    "tokens_per_s": float,
+    "model_tflops": float,  # model FLOPs (6·N·tokens + attention) per second, recompute not counted
+    "activation_peak_bytes": int,  # CUDA: device peak above the built model; CPU: peak RSS above it
+    "peak_rss_above_base": int,
+    "peak_device_above_base": int,
+    "peak_resident_bytes": int,  # offloadd's own accounting (strategies with hooks)
+    "saved_bytes": int,
+    "bytes_written": int,
+    "bytes_read": int,
+    "io_wait_s": float,
+    "params": int,
+    "flops_per_step": int,
+    "weights_sha256": str,
+    "error": str,
+}
+"""The columns of rok.csv and their types (an empty cell reads back as None)."""
+
+
+def _parse(name: str, text: str) -> Any:
+    if text == "":
+        return None
+    return FIELDS[name](text)
+
+
+def read_points(path: Path) -> list[dict[str, Any]]:
+    """The typed rows of a rok.csv; ValueError if its columns are not this version's."""
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames != list(FIELDS):
+            raise ValueError(f"{path} does not have the columns of this offloadd version")
+        return [{k: _parse(k, v) for k, v in row.items()} for row in reader]
+
+
+def write_points(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Replace rok.csv with ``rows`` at once (a reader never sees half a file)."""
+    tmp = path.with_suffix(".csv.tmp")
+    with tmp.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(FIELDS))
+        w.writeheader()
+        for r in rows:
+            w.writerow(r)
+    os.replace(tmp, path)
+
+
+def measure(sw: Sweep, strategy: str, batch: int, n: int) -> dict[str, Any]:
+    """Train the point (``strategy``, ``batch``, round ``n``) in its own process; its row."""
+    spec = RunSpec(
+        strategy=STRATEGIES[strategy],
+        model=sw.model,
+        num_layers=sw.layers,
+        d_model=sw.hidden,
+        num_heads=sw.heads,
+        seq_len=sw.seq,
+        vocab_size=sw.vocab,
+        batch_size=batch,
+        steps=sw.steps,
+        device=sw.device,
+        ssd_dir=sw.ssd_dir,
+        memory_limit_bytes=sw.memory_limit,
+    )
+    row: dict[str, Any] = {**sw.key(), "strategy": strategy, "batch_size": batch, "round": n}
+    try:
+        res = run_in_subprocess(spec, timeout=sw.point_timeout)
+    except subprocess.TimeoutExpired:
+        return {**row, "status": "error", "error": f"timed out after {sw.point_timeout} s"}
+    except RunFailed as e:
+        return {**row, **_failure(e)}
+    return {**row, **_results(res, batch, cuda=sw.device == "cuda")}
+
+
+def _failure(e: RunFailed) -> dict[str, Any]:
+    if e.returncode == -signal.SIGKILL:
+        # What the kernel's OOM killer does to a process that outgrew the machine.
+        return {"status": "oom", "error": "killed by SIGKILL (out of memory?)"}
+    last = [ln for ln in e.stderr.strip().splitlines() if ln.strip()]
+    msg = last[-1] if last else f"exit {e.returncode}"
+    return {"status": "error", "error": msg[:300]}
+
+
+def _results(res: dict[str, Any], batch: int, *, cuda: bool) -> dict[str, Any]:
+    """The columns of a run whose process exited cleanly: ok, or oom if it ran out of memory."""
+    st = res.get("stats") or {}
+    step = res["step_time_s"]
+    ok = not res["oom"] and step is not None and math.isfinite(step) and step > 0
+    out: dict[str, Any] = {
+        "status": "ok" if ok else "oom",
+        "error": res.get("error"),
+        "peak_rss_above_base": res["peak_rss_above_base"],
+        "peak_device_above_base": res.get("peak_device_above_base"),
+        "activation_peak_bytes": (
+            res["peak_device_above_base"] if cuda else res["peak_rss_above_base"]
+        ),
+        "peak_resident_bytes": st.get("peak_resident_bytes"),
+        "saved_bytes": st.get("saved_bytes"),
+        "bytes_written": st.get("bytes_written"),
+        "bytes_read": st.get("bytes_read"),
+        "io_wait_s": st.get("io_wait_s"),
+        "params": res["params"],
+        "flops_per_step": res["flops_per_step"],
+        "weights_sha256": res["weights_sha256"] if ok else None,
+    }
+    if ok:
+        out.update(
+            step_time_s=step,
+            step_time_min_s=min(res["step_times_s"]),
+            samples_per_s=batch / step,
+            tokens_per_s=res["tokens_per_step"] / step,
+            model_tflops=res["flops_per_step"] / step / 1e12,
+        )
+    return out
+
+
+def point_line(r: dict[str, Any]) -> str:
+    """One line for a measured point, as the sweep goes."""
+    head = f"{r['strategy']:>12} batch {r['batch_size']:>4}" + (
+        f" round {r['round']}: " if r.get("round", 1) > 1 else ": "
+    )
+    if r["status"] != "ok":
+        return head + f"{r['status'].upper()} ({r['error']})"
+    held = r["peak_resident_bytes"]
+    return head + (
+        f"{r['step_time_s']:.3f} s/step, {r['samples_per_s']:.2f} samples/s, "
+        f"{r['model_tflops'] * 1e3:.1f} GFLOP/s, activations {format_bytes(r['activation_peak_bytes'])}"
+        + (f" (offloadd holds {format_bytes(held)})" if held is not None else "")
+    )

@@ -1,0 +1,208 @@
+"""The sweep of ``offloadd rok``: what it measures, checked and completed from its options.
+
+A :class:`Sweep` is one model shape on one device, run at every (strategy, batch size), in
+``repeats`` rounds. :func:`resolve` builds it from the options of ``offloadd rok`` (see
+``offloadd.tools.rok.add_arguments``) and raises :class:`UsageError`, naming the option, before
+any point runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from offloadd.config import Config, parse_size
+from offloadd.io.files import default_offload_dir
+from offloadd.tools.models.build import default_vocab
+from offloadd.tools.models.hf import HF_FAMILIES
+
+__all__ = ["KEY", "STRATEGIES", "Sweep", "UsageError", "resolve"]
+
+STRATEGIES = {"keep": "keep", "recompute": "recompute", "offload-ssd": "ssd", "offload-cpu": "cpu"}
+"""``--strategies`` names -> ``RunSpec.strategy``. keep runs offloadd's hooks with the keep tier
+(nothing moves, but its resident-byte accounting is there to compare)."""
+
+KEY = ("model", "layers", "hidden", "heads", "seq", "vocab", "device", "steps")
+"""The fields that tell sweeps apart; ``--resume`` continues only a rok.csv whose rows match."""
+
+_SIZES: dict[str, dict[str, int]] = {
+    "full": {"layers": 12, "hidden": 768, "heads": 12, "seq": 512, "steps": 3},
+    "quick": {"layers": 4, "hidden": 256, "heads": 4, "seq": 256, "steps": 2},
+}
+_BATCH_SIZES = {"full": "1,2,4,8", "quick": "1,2,4"}
+
+
+class UsageError(ValueError):
+    """A bad argument, reported before any point runs."""
+
+
+@dataclass(kw_only=True)
+class Sweep:
+    """One sweep, every option checked and every default filled in."""
+
+    model: str
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int
+    batch_sizes: list[int]
+    strategies: list[str]
+    device: str
+    steps: int
+    repeats: int
+    out: Path
+    ssd_dir: str | None
+    offload_dir: str | None
+    memory_limit: int
+    point_timeout: float | None
+    resume: bool
+    plot: bool
+
+    def key(self) -> dict[str, Any]:
+        """The ``KEY`` fields and their values, which every row of this sweep starts with."""
+        return {k: getattr(self, k) for k in KEY}
+
+    def points(self) -> Iterator[tuple[int, int, str]]:
+        """(round, batch size, strategy): round by round, batch size by batch size, every
+        strategy in turn, so that drift and other load hit all strategies alike."""
+        for n in range(1, self.repeats + 1):
+            for b in self.batch_sizes:
+                for s in self.strategies:
+                    yield n, b, s
+
+    def title(self) -> str:
+        return (
+            f"{self.model}: {self.layers} layers, hidden {self.hidden}, {self.heads} heads, "
+            f"seq {self.seq}, vocab {self.vocab}; {self.steps} timed steps on {self.device}"
+        )
+
+
+def _int_list(text: str, option: str) -> list[int]:
+    parts = [t.strip() for t in text.split(",") if t.strip()]
+    if not parts:
+        raise UsageError(f"{option} must list at least one batch size, got {text!r}")
+    try:
+        values = [int(t) for t in parts]
+    except ValueError:
+        raise UsageError(f"{option} must be comma-separated integers, got {text!r}") from None
+    if any(v <= 0 for v in values):
+        raise UsageError(f"{option} must be positive, got {text!r}")
+    return sorted(set(values))
+
+
+def _check_out(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".rok-probe-"):
+            pass
+    except OSError as e:
+        raise UsageError(f"--out {str(out)!r} is not a writable directory: {e}") from None
+
+
+def resolve(ns: argparse.Namespace) -> Sweep:
+    """Check every argument and fill in defaults; UsageError names the bad option."""
+    kind = "quick" if ns.quick else "full"
+    size = _SIZES[kind]
+    if ns.device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif ns.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: torch sees no CUDA device")
+    else:
+        device = ns.device
+    layers = ns.layers if ns.layers is not None else size["layers"]
+    hidden = ns.hidden if ns.hidden is not None else size["hidden"]
+    heads = ns.heads if ns.heads is not None else size["heads"]
+    seq = ns.seq if ns.seq is not None else size["seq"]
+    steps = ns.steps if ns.steps is not None else size["steps"]
+    for name, value in (
+        ("--layers", layers),
+        ("--hidden", hidden),
+        ("--heads", heads),
+        ("--seq", seq),
+        ("--steps", steps),
+        ("--repeats", ns.repeats),
+    ):
+        if value <= 0:
+            raise UsageError(f"{name} must be positive, got {value}")
+    if hidden % heads:
+        raise UsageError(f"--heads ({heads}) must divide --hidden ({hidden})")
+    if ns.vocab is not None and ns.vocab < 2:
+        raise UsageError(f"--vocab must be at least 2, got {ns.vocab}")
+    batch_sizes = _int_list(
+        ns.batch_sizes if ns.batch_sizes is not None else _BATCH_SIZES[kind],
+        "--batch-sizes",
+    )
+    if ns.strategies is None:
+        strategies = ["keep", "recompute", "offload-ssd"]
+        if device == "cuda":
+            strategies.append("offload-cpu")
+    else:
+        strategies = [s.strip() for s in ns.strategies.split(",") if s.strip()]
+        if not strategies:
+            raise UsageError(f"--strategies must name at least one strategy, got {ns.strategies!r}")
+        unknown = [s for s in strategies if s not in STRATEGIES]
+        if unknown:
+            raise UsageError(
+                f"--strategies: unknown strategy {unknown[0]!r} "
+                f"(choose from {', '.join(STRATEGIES)})"
+            )
+        strategies = list(dict.fromkeys(strategies))
+    if "offload-cpu" in strategies and device != "cuda":
+        raise UsageError(
+            "--strategies: offload-cpu needs --device cuda; the cpu tier leaves CPU tensors where "
+            "they are, so on CPU it would only measure keep again (use offload-ssd)"
+        )
+    if ns.model in HF_FAMILIES and importlib.util.find_spec("transformers") is None:
+        raise UsageError(
+            f"--model {ns.model} needs transformers: pip install 'offloadd[hf]' "
+            "(or use --model mini-gpt)"
+        )
+    if not ns.no_plot and importlib.util.find_spec("matplotlib") is None:
+        raise UsageError(
+            "rok.png needs matplotlib: pip install 'offloadd[rok]' (or pass --no-plot)"
+        )
+    try:
+        memory_limit = parse_size("--memory-limit", ns.memory_limit)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if memory_limit < 0:
+        raise UsageError(f"--memory-limit must not be negative, got {ns.memory_limit!r}")
+    if ns.point_timeout is not None and ns.point_timeout <= 0:
+        raise UsageError(f"--point-timeout must be positive, got {ns.point_timeout}")
+    offload_dir = None
+    if "offload-ssd" in strategies or "offload-cpu" in strategies:
+        try:
+            cfg = Config.from_env(base=Config(ssd_dirs=(ns.ssd_dir,) if ns.ssd_dir else ()))
+            offload_dir = cfg.ssd_dirs[0] if cfg.ssd_dirs else default_offload_dir()
+        except ValueError as e:
+            raise UsageError(f"--ssd-dir: {e}") from None
+    out = Path(ns.out)
+    _check_out(out)
+    return Sweep(
+        model=ns.model,
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        seq=seq,
+        vocab=ns.vocab if ns.vocab is not None else default_vocab(ns.model),
+        batch_sizes=batch_sizes,
+        strategies=strategies,
+        device=device,
+        steps=steps,
+        repeats=ns.repeats,
+        out=out,
+        ssd_dir=ns.ssd_dir,
+        offload_dir=offload_dir,
+        memory_limit=memory_limit,
+        point_timeout=ns.point_timeout,
+        resume=ns.resume,
+        plot=not ns.no_plot,
+    )

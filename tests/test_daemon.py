@@ -373,7 +373,7 @@ def test_a_client_that_does_not_read_never_stalls_others(daemon: DaemonProc) -> 
     """A session floods writes and never reads a reply; another session's steps go on."""
     flood = RawSession(daemon.socket, chunk=4096, slots=4)
     msgs = b"".join(
-        proto.encode_request(proto.Request(proto.Msg.WRITE, 100 + i, shm_offset=0, nbytes=4096))
+        proto.encode_request(proto.Command(proto.Msg.WRITE, 100 + i, shm_offset=0, nbytes=4096))
         for i in range(3000)
     )
     flood.sock.setblocking(False)

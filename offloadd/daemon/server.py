@@ -269,7 +269,7 @@ class Server:
             self._end_session(conn.session)
 
     def _handle(
-        self, conn: Connection, msg: proto.Hello | proto.Open | proto.Request, fds: list[int]
+        self, conn: Connection, msg: proto.Hello | proto.Open | proto.Command, fds: list[int]
     ) -> None:
         if not conn.hello:
             if not isinstance(msg, proto.Hello):
@@ -418,7 +418,7 @@ class Server:
 
     # -- requests --------------------------------------------------------------------------
 
-    def _request(self, conn: Connection, s: Session, msg: proto.Request) -> None:
+    def _request(self, conn: Connection, s: Session, msg: proto.Command) -> None:
         if s.queued_reads + s.queued_writes + s.inflight >= _MAX_QUEUED:
             raise SessionError(errno.EBUSY, f"more than {_MAX_QUEUED} requests outstanding")
         if msg.kind is proto.Msg.WRITE:

@@ -514,33 +514,20 @@ def test_env_variable_selects_the_daemon(daemon: DaemonProc) -> None:
     off.close()
 
 
-def test_dispatch_order_reads_first_round_robin(tmp_path: Path) -> None:
+def test_dispatch_order_reads_first_round_robin() -> None:
     """The daemon's queue policy: every waiting read before any write, sessions taking turns."""
-    import asyncio
-    from collections import deque
     from types import SimpleNamespace
 
-    from offloadd.daemon.server import Server, _Op
+    from offloadd.daemon.scheduler import Job, Scheduler
 
-    async def order() -> list[tuple[str, int]]:
-        srv = Server(DaemonConfig(dirs=(str(tmp_path),), io_threads=1))
-        try:
-            for sid in (1, 2):
-                sess = SimpleNamespace(id=sid, queued_reads=0, queued_writes=0)
-                srv._rr.append(sid)
-                srv._reads[sid], srv._writes[sid] = deque(), deque()
-                for kind, q, n in (
-                    (proto.Msg.WRITE, srv._writes, 3),
-                    (proto.Msg.READ, srv._reads, 2),
-                ):
-                    for i in range(n):
-                        q[sid].append(_Op(None, sess, kind, i, 0, None, 0, 4096))  # type: ignore[arg-type]
-            out = []
-            while (op := srv._next_op()) is not None:
-                out.append((op.kind.name, op.session.id))
-            return out
-        finally:
-            srv.engine.close()
-
-    got = asyncio.run(order())
+    sched = Scheduler(None, 0, None, None, None)  # type: ignore[arg-type]  # depth 0: all wait
+    for sid in (1, 2):
+        sess = SimpleNamespace(id=sid, queued_reads=0, queued_writes=0)
+        sched.add(sid)
+        for kind, n in ((proto.Msg.WRITE, 3), (proto.Msg.READ, 2)):
+            for i in range(n):
+                sched.submit(Job(None, sess, kind, i, 0, None, 0, 4096))  # type: ignore[arg-type]
+    got = []
+    while (job := sched.pick()) is not None:
+        got.append((job.kind.name, job.session.id))
     assert got == [("READ", 1), ("READ", 2)] * 2 + [("WRITE", 1), ("WRITE", 2)] * 3

@@ -1,6 +1,6 @@
 """One client connection of the daemon: a non-blocking socket read and written from the loop.
 
-See offloadd/daemon/server.py [never blocked by a client]: a send never blocks; what the socket
+See offloadd/daemon/core.py [never blocked by a client]: a send never blocks; what the socket
 does not take is kept, up to ``MAX_OUTBUF`` bytes, and sent when it becomes writable.
 """
 

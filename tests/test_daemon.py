@@ -514,6 +514,20 @@ def test_env_variable_selects_the_daemon(daemon: DaemonProc) -> None:
     off.close()
 
 
+def test_start_is_logged_once_without_repeating_the_prefix(
+    own_daemon: Callable[..., DaemonProc],
+) -> None:
+    """The engine's choice is logged once, and the daemon's own lines do not start with the
+    "offloadd" that the log format already puts before them."""
+    d = own_daemon().start()
+    assert d.stop() == 0
+    log = d.log_text()
+    assert log.count("I/O engine") == 1, log
+    own = [line for line in log.splitlines() if " offloadd.daemon: " in line]
+    assert any("serving" in line for line in own) and own[-1].endswith(": stopped"), log
+    assert not [line for line in own if "offloadd.daemon: offloadd" in line], log
+
+
 def test_dispatch_order_reads_first_round_robin() -> None:
     """The daemon's queue policy: every waiting read before any write, sessions taking turns."""
     from types import SimpleNamespace

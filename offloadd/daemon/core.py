@@ -46,9 +46,10 @@ _UCRED = struct.Struct("3i")
 
 
 def make_engine(config: DaemonConfig) -> Engine:
-    """The daemon's I/O engine, chosen as the embedded one is (native where it built)."""
-    engine, choice = open_host_engine(Config(io_threads=config.io_threads))
-    log.info("I/O engine %s (%s)", choice.name, choice.reason)
+    """The daemon's I/O engine, chosen as the embedded one is (native where it built).
+
+    The choice and its reason are logged by ``open_host_engine``, once."""
+    engine, _choice = open_host_engine(Config(io_threads=config.io_threads))
     return engine
 
 
@@ -105,7 +106,7 @@ class Server:
         sock.setblocking(False)
         self._listener = sock
         self.loop.add_reader(sock.fileno(), self._accept)
-        log.info("offloadd daemon %d serving %s, dirs %s", os.getpid(), path, ", ".join(self.dirs))
+        log.info("serving %s as pid %d, dirs %s", path, os.getpid(), ", ".join(self.dirs))
 
     async def run(self) -> None:
         self.listen()
@@ -119,7 +120,7 @@ class Server:
         self._stopping.set()
 
     async def shutdown(self) -> None:
-        log.info("offloadd daemon stopping")
+        log.info("stopping")
         self.status.stop()
         if self._listener is not None:
             self.loop.remove_reader(self._listener.fileno())
@@ -244,5 +245,5 @@ def serve(config: DaemonConfig) -> int:
 
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(main())
-    log.info("offloadd daemon stopped")
+    log.info("stopped")
     return 0

@@ -15,6 +15,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -526,6 +527,41 @@ def test_start_is_logged_once_without_repeating_the_prefix(
     own = [line for line in log.splitlines() if " offloadd.daemon: " in line]
     assert any("serving" in line for line in own) and own[-1].endswith(": stopped"), log
     assert not [line for line in own if "offloadd.daemon: offloadd" in line], log
+
+
+def test_the_directories_are_probed_once_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon probes its directories before it serves; the sampler's first probe comes a
+    second later, not at once beside that one."""
+    import asyncio
+
+    from offloadd.daemon import status
+    from offloadd.daemon.core import Server
+
+    probed: list[float] = []
+    real = status.probe_dirs
+
+    def probe_dirs(dirs: list[str]) -> list[dict[str, Any]]:
+        probed.append(time.monotonic())
+        return real(dirs)
+
+    monkeypatch.setattr(status, "probe_dirs", probe_dirs)
+
+    async def start() -> float:
+        srv = Server(DaemonConfig(dirs=(str(tmp_path),), io_threads=1))
+        try:
+            t0 = time.monotonic()
+            srv.status.start()
+            while len(probed) < 2 and time.monotonic() < t0 + 10:
+                await asyncio.sleep(0.05)
+            return t0
+        finally:
+            srv.status.stop()
+            srv.engine.close()
+
+    t0 = asyncio.run(start())
+    assert len(probed) == 2 and probed[0] < t0 and probed[1] >= t0 + 0.9, (probed, t0)
 
 
 def test_dispatch_order_reads_first_round_robin() -> None:

@@ -57,18 +57,19 @@ class Status:
         self.errors.append(f"{time.strftime('%H:%M:%S')} {text}")
 
     def start(self) -> None:
-        """Take the first sample; one follows every second until :meth:`stop`."""
-        self._sample()
+        """Take the first sample; one follows every second until :meth:`stop`. The first one
+        starts no probe: ``__init__`` has just probed the directories."""
+        self._sample(probe=False)
 
     def stop(self) -> None:
         if self._sampler is not None:
             self._sampler.cancel()
             self._sampler = None
 
-    def _sample(self) -> None:
+    def _sample(self, probe: bool = True) -> None:
         now = time.monotonic()
         self._samples.append((now, self.totals["bytes_written"], self.totals["bytes_read"]))
-        if self._probe_since is None:
+        if probe and self._probe_since is None:
             self._start_probe()
         self.status_doc = self.document()
         self._sampler = self.server.loop.call_later(_SAMPLE_EVERY_S, self._sample)

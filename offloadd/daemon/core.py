@@ -130,7 +130,7 @@ class Server:
                 os.unlink(self.socket_path)
         for conn in list(self.conns):
             self.drop(conn, "daemon stopping", error=False)
-        sessions = self.handlers.sessions
+        sessions = self.handlers.sessions  # see ops [a session ends after its I/O]
         while any(s.inflight for s in sessions.values()):
             await asyncio.sleep(0.01)
         await self.loop.run_in_executor(None, self.engine.close)
@@ -193,7 +193,7 @@ class Server:
             close_all(fds)
 
     def drop(self, conn: Connection, why: str, *, error: bool = True) -> None:
-        """Close a connection; its session's blocks and files are freed (see end_session)."""
+        """Close a connection, and end its session (see ops [a session ends after its I/O])."""
         if conn.closed:
             return
         conn.closed = True

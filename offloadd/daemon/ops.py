@@ -2,7 +2,18 @@
 
 HELLO, STATS, STOP and CLOSE are answered at once; OPEN makes a session; WRITE and READ are
 checked here and queued with the scheduler, which hands them back done (:meth:`Handlers.done`);
-FREE gives a block's disk slot back, once no read of it is left in the engine.
+FREE gives a block's disk slot back.
+
+Note: [a session ends after its I/O] A connection that goes (CLOSE, end of file, a drop) ends its
+session: its waiting jobs are cancelled, but those already in the engine still write from its
+shared memory into its files, or read back, so the memory stays mapped and the files open until
+the last of them has completed; only then is the session finished (``finish_session``). A write
+that completes for an ended session makes no block, and no slot is given back one by one: closing
+the files frees all their space. Shutdown waits for the engine in the same way.
+
+Note: [a freed block's slot waits for its reads] FREE forgets the block id at once (a later READ
+of it is refused with ENOENT), but the disk slot goes back to its file only once no READ of the
+block is left in the engine (``Block.busy``): a new write must not overwrite bytes being read.
 """
 
 from __future__ import annotations
@@ -170,7 +181,7 @@ class Handlers:
         log.info("session %d opened by pid %d %r", sid, conn.pid, conn.identity)
 
     def end_session(self, s: Session) -> None:
-        """The client is gone: cancel its queued work, free its blocks once the engine is done."""
+        """The client is gone (see [a session ends after its I/O])."""
         s.closing = True
         self.server.scheduler.cancel(s)
         if s.inflight == 0:
@@ -208,7 +219,7 @@ class Handlers:
             del s.blocks[msg.block]
             self.block_owner.pop(msg.block, None)
             block.freed = True
-            if block.busy == 0:
+            if block.busy == 0:  # see [a freed block's slot waits for its reads]
                 s.release(block.file, block.offset)
             conn.reply(proto.Reply(msg.req, block=msg.block))
             return
@@ -257,7 +268,7 @@ class Handlers:
                     s.release(block.file, block.offset)
                 self._failed(job)
         else:
-            block.busy -= 1
+            block.busy -= 1  # see [a freed block's slot waits for its reads]
             if block.freed and block.busy == 0 and not s.closing:
                 s.release(block.file, block.offset)
             if job.status == 0:
@@ -266,7 +277,7 @@ class Handlers:
                 job.conn.reply(proto.Reply(job.req, 0, job.block_id))
             else:
                 self._failed(job)
-        if s.closing and s.inflight == 0:
+        if s.closing and s.inflight == 0:  # see [a session ends after its I/O]
             self.finish_session(s)
 
     def _failed(self, job: Job) -> None:

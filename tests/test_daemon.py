@@ -564,6 +564,31 @@ def test_the_directories_are_probed_once_at_start(
     assert len(probed) == 2 and probed[0] < t0 and probed[1] >= t0 + 0.9, (probed, t0)
 
 
+def test_a_write_done_after_its_session_ended_is_no_error() -> None:
+    """A client that goes with writes in the engine: each that succeeds makes no block and no
+    reply, and is no I/O error (it used to be counted and logged as one, with an empty text)."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from offloadd.daemon.ops import Handlers
+    from offloadd.daemon.scheduler import Job
+    from offloadd.daemon.session import Block
+
+    errors: list[str] = []
+    replies: list[proto.Reply] = []
+    server = SimpleNamespace(status=SimpleNamespace(totals=Counter[str](), error=errors.append))
+    handlers = Handlers(server)  # type: ignore[arg-type]
+    conn = SimpleNamespace(reply=replies.append)
+    sess = SimpleNamespace(id=1, closing=True, inflight=0, errors=0, blocks={}, bytes_written=0)
+    job = Job(conn, sess, proto.Msg.WRITE, 7, 0, Block(0, 0, 4096, 0), 0, 4096)  # type: ignore[arg-type]
+    handlers.done(job)
+    assert (errors, replies, sess.errors, sess.blocks) == ([], [], 0, {})
+    assert server.status.totals == Counter()
+    job.status, job.message = errno.EIO, "disk gone"  # a write that failed still is one
+    handlers.done(job)
+    assert sess.errors == 1 and server.status.totals["io_errors"] == 1 and len(errors) == 1
+
+
 def test_dispatch_order_reads_first_round_robin() -> None:
     """The daemon's queue policy: every waiting read before any write, sessions taking turns."""
     from types import SimpleNamespace

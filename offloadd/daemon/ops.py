@@ -251,7 +251,11 @@ class Handlers:
         assert block is not None
         totals = self.server.status.totals
         if job.kind is proto.Msg.WRITE:
-            if job.status == 0 and not s.closing:
+            if job.status != 0:
+                if not s.closing:
+                    s.release(block.file, block.offset)
+                self._failed(job)
+            elif not s.closing:  # else no block: see [a session ends after its I/O]
                 bid = next(self._block_ids)
                 block.checksum = job.checksum
                 s.blocks[bid] = block
@@ -263,10 +267,6 @@ class Handlers:
                         job.req, 0, bid, block.file, block.offset, block.checksum, job.nbytes
                     )
                 )
-            else:
-                if not s.closing:
-                    s.release(block.file, block.offset)
-                self._failed(job)
         else:
             block.busy -= 1  # see [a freed block's slot waits for its reads]
             if block.freed and block.busy == 0 and not s.closing:

@@ -23,7 +23,7 @@ import signal
 import socket
 import stat
 import struct
-from typing import Any
+from collections.abc import Callable
 
 from offloadd.config import Config, DaemonConfig
 from offloadd.daemon import protocol as proto
@@ -214,7 +214,7 @@ class Server:
             self.handlers.end_session(conn.session)
 
 
-def _loop_factory() -> Any:
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
     try:
         import uvloop
     except ImportError:

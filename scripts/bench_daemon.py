@@ -196,13 +196,13 @@ def latency(socket_path: str, data_dir: str, n: int) -> dict[str, float]:
 
     noop, write, free_ = [], [], []
     for i in range(n):
-        dt, _ = rtt(proto.encode_request(proto.Request(proto.Msg.FREE, i + 10, block=2**62)))
+        dt, _ = rtt(proto.encode_request(proto.Command(proto.Msg.FREE, i + 10, block=2**62)))
         noop.append(dt)
         dt, rep = rtt(
-            proto.encode_request(proto.Request(proto.Msg.WRITE, i + 10, shm_offset=0, nbytes=4096))
+            proto.encode_request(proto.Command(proto.Msg.WRITE, i + 10, shm_offset=0, nbytes=4096))
         )
         write.append(dt)
-        dt, _ = rtt(proto.encode_request(proto.Request(proto.Msg.FREE, i + 10, block=rep.block)))
+        dt, _ = rtt(proto.encode_request(proto.Command(proto.Msg.FREE, i + 10, block=rep.block)))
         free_.append(dt)
     sock.close()
     shm.close()

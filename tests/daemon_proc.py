@@ -158,7 +158,7 @@ class RawSession:
         from offloadd.backend.daemon import _recv_frame
 
         self._req += 1
-        self.sock.sendall(self.proto.encode_request(self.proto.Request(kind, self._req, **fields)))
+        self.sock.sendall(self.proto.encode_request(self.proto.Command(kind, self._req, **fields)))
         r = self.proto.decode_reply(_recv_frame(self.sock, self.buf))
         assert r.req == self._req
         return r

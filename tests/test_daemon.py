@@ -15,6 +15,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -373,7 +374,7 @@ def test_a_client_that_does_not_read_never_stalls_others(daemon: DaemonProc) -> 
     """A session floods writes and never reads a reply; another session's steps go on."""
     flood = RawSession(daemon.socket, chunk=4096, slots=4)
     msgs = b"".join(
-        proto.encode_request(proto.Request(proto.Msg.WRITE, 100 + i, shm_offset=0, nbytes=4096))
+        proto.encode_request(proto.Command(proto.Msg.WRITE, 100 + i, shm_offset=0, nbytes=4096))
         for i in range(3000)
     )
     flood.sock.setblocking(False)
@@ -514,33 +515,94 @@ def test_env_variable_selects_the_daemon(daemon: DaemonProc) -> None:
     off.close()
 
 
-def test_dispatch_order_reads_first_round_robin(tmp_path: Path) -> None:
-    """The daemon's queue policy: every waiting read before any write, sessions taking turns."""
+def test_start_is_logged_once_without_repeating_the_prefix(
+    own_daemon: Callable[..., DaemonProc],
+) -> None:
+    """The engine's choice is logged once, and the daemon's own lines do not start with the
+    "offloadd" that the log format already puts before them."""
+    d = own_daemon().start()
+    assert d.stop() == 0
+    log = d.log_text()
+    assert log.count("I/O engine") == 1, log
+    own = [line for line in log.splitlines() if " offloadd.daemon: " in line]
+    assert any("serving" in line for line in own) and own[-1].endswith(": stopped"), log
+    assert not [line for line in own if "offloadd.daemon: offloadd" in line], log
+
+
+def test_the_directories_are_probed_once_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon probes its directories before it serves; the sampler's first probe comes a
+    second later, not at once beside that one."""
     import asyncio
-    from collections import deque
-    from types import SimpleNamespace
 
-    from offloadd.daemon.server import Server, _Op
+    from offloadd.daemon import status
+    from offloadd.daemon.core import Server
 
-    async def order() -> list[tuple[str, int]]:
+    probed: list[float] = []
+    real = status.probe_dirs
+
+    def probe_dirs(dirs: list[str]) -> list[dict[str, Any]]:
+        probed.append(time.monotonic())
+        return real(dirs)
+
+    monkeypatch.setattr(status, "probe_dirs", probe_dirs)
+
+    async def start() -> float:
         srv = Server(DaemonConfig(dirs=(str(tmp_path),), io_threads=1))
         try:
-            for sid in (1, 2):
-                sess = SimpleNamespace(id=sid, queued_reads=0, queued_writes=0)
-                srv._rr.append(sid)
-                srv._reads[sid], srv._writes[sid] = deque(), deque()
-                for kind, q, n in (
-                    (proto.Msg.WRITE, srv._writes, 3),
-                    (proto.Msg.READ, srv._reads, 2),
-                ):
-                    for i in range(n):
-                        q[sid].append(_Op(None, sess, kind, i, 0, None, 0, 4096))  # type: ignore[arg-type]
-            out = []
-            while (op := srv._next_op()) is not None:
-                out.append((op.kind.name, op.session.id))
-            return out
+            t0 = time.monotonic()
+            srv.status.start()
+            while len(probed) < 2 and time.monotonic() < t0 + 10:
+                await asyncio.sleep(0.05)
+            return t0
         finally:
+            srv.status.stop()
             srv.engine.close()
 
-    got = asyncio.run(order())
+    t0 = asyncio.run(start())
+    assert len(probed) == 2 and probed[0] < t0 and probed[1] >= t0 + 0.9, (probed, t0)
+
+
+def test_a_write_done_after_its_session_ended_is_no_error() -> None:
+    """A client that goes with writes in the engine: each that succeeds makes no block and no
+    reply, and is no I/O error (it used to be counted and logged as one, with an empty text)."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from offloadd.daemon.ops import Handlers
+    from offloadd.daemon.scheduler import Job
+    from offloadd.daemon.session import Block
+
+    errors: list[str] = []
+    replies: list[proto.Reply] = []
+    server = SimpleNamespace(status=SimpleNamespace(totals=Counter[str](), error=errors.append))
+    handlers = Handlers(server)  # type: ignore[arg-type]
+    conn = SimpleNamespace(reply=replies.append)
+    sess = SimpleNamespace(id=1, closing=True, inflight=0, errors=0, blocks={}, bytes_written=0)
+    job = Job(conn, sess, proto.Msg.WRITE, 7, 0, Block(0, 0, 4096, 0), 0, 4096)  # type: ignore[arg-type]
+    handlers.done(job)
+    assert (errors, replies, sess.errors, sess.blocks) == ([], [], 0, {})
+    assert server.status.totals == Counter()
+    job.status, job.message = errno.EIO, "disk gone"  # a write that failed still is one
+    handlers.done(job)
+    assert sess.errors == 1 and server.status.totals["io_errors"] == 1 and len(errors) == 1
+
+
+def test_dispatch_order_reads_first_round_robin() -> None:
+    """The daemon's queue policy: every waiting read before any write, sessions taking turns."""
+    from types import SimpleNamespace
+
+    from offloadd.daemon.scheduler import Job, Scheduler
+
+    sched = Scheduler(None, 0, None, None, None)  # type: ignore[arg-type]  # depth 0: all wait
+    for sid in (1, 2):
+        sess = SimpleNamespace(id=sid, queued_reads=0, queued_writes=0)
+        sched.add(sid)
+        for kind, n in ((proto.Msg.WRITE, 3), (proto.Msg.READ, 2)):
+            for i in range(n):
+                sched.submit(Job(None, sess, kind, i, 0, None, 0, 4096))  # type: ignore[arg-type]
+    got = []
+    while (job := sched.pick()) is not None:
+        got.append((job.kind.name, job.session.id))
     assert got == [("READ", 1), ("READ", 2)] * 2 + [("WRITE", 1), ("WRITE", 2)] * 3

@@ -39,7 +39,7 @@ def _frame(body: bytes) -> bytes:
 
 _requests = st.builds(
     lambda kind, req, block, off, n: proto.encode_request(
-        proto.Request(kind, req, block=block, shm_offset=off, nbytes=n)
+        proto.Command(kind, req, block=block, shm_offset=off, nbytes=n)
     ),
     st.sampled_from(
         [proto.Msg.WRITE, proto.Msg.READ, proto.Msg.FREE, proto.Msg.STATS, proto.Msg.CLOSE]

@@ -15,10 +15,10 @@ def test_round_trips() -> None:
     body = proto.split_frames(bytearray(proto.encode_open(1, 4096, 8192, 4096, True)), 512)[0]
     assert proto.decode_request(body) == proto.Open(1, 4096, 8192, 4096, True)
     for r in (
-        proto.Request(proto.Msg.WRITE, 5, shm_offset=4096, nbytes=4096),
-        proto.Request(proto.Msg.READ, 6, block=9, shm_offset=0, nbytes=8192),
-        proto.Request(proto.Msg.FREE, 7, block=9),
-        proto.Request(proto.Msg.STATS, 8),
+        proto.Command(proto.Msg.WRITE, 5, shm_offset=4096, nbytes=4096),
+        proto.Command(proto.Msg.READ, 6, block=9, shm_offset=0, nbytes=8192),
+        proto.Command(proto.Msg.FREE, 7, block=9),
+        proto.Command(proto.Msg.STATS, 8),
     ):
         frames = proto.split_frames(bytearray(proto.encode_request(r)), 512)
         assert proto.decode_request(frames[0]) == r
@@ -30,7 +30,7 @@ def test_round_trips() -> None:
 
 
 def test_frames_are_split_only_when_complete() -> None:
-    data = proto.encode_request(proto.Request(proto.Msg.STATS, 1)) * 2
+    data = proto.encode_request(proto.Command(proto.Msg.STATS, 1)) * 2
     buf = bytearray(data[:-3])
     assert len(proto.split_frames(buf, 512)) == 1 and len(buf) == len(data) // 2 - 3
     buf += data[-3:]

@@ -388,7 +388,7 @@ class DaemonBackend:
             gen = rec.gen
             gen.live -= 1
             if gen is self._current:
-                gen.sendq.put(proto.Request(proto.Msg.FREE, next(self._ids), block=rec.block))
+                gen.sendq.put(proto.Command(proto.Msg.FREE, next(self._ids), block=rec.block))
             elif gen.dead and gen.live == 0:
                 self._close_files(gen)
 
@@ -423,7 +423,7 @@ class DaemonBackend:
             self._closed = True
             gen, self._current = self._current, None
         if gen is not None:
-            gen.sendq.put(proto.Request(proto.Msg.CLOSE, next(self._ids)))
+            gen.sendq.put(proto.Command(proto.Msg.CLOSE, next(self._ids)))
             if not gen.closed_event.wait(timeout=max(0.0, deadline - time.monotonic())):
                 self._abandon(gen, f"answer the close of session {gen.session}")
         if until is None:
@@ -523,7 +523,7 @@ class DaemonBackend:
 
     def _prepare(self, gen: _Generation, item: Any) -> bytes | None:
         """The frame for a queued item, registered as pending; None if settled otherwise."""
-        if isinstance(item, proto.Request):  # FREE or CLOSE
+        if isinstance(item, proto.Command):  # FREE or CLOSE
             with self._lock:
                 if gen.dead:
                     return None
@@ -540,7 +540,7 @@ class DaemonBackend:
                     gen.pending[rid] = (req, slot)
                     off = self.staging_bytes + slot * self.chunk_bytes
                     return proto.encode_request(
-                        proto.Request(proto.Msg.READ, rid, rec.block, off, req.nbytes)
+                        proto.Command(proto.Msg.READ, rid, rec.block, off, req.nbytes)
                     )
                 self._read_free.append(slot)
                 placed = self._records.get(req.offset)
@@ -565,7 +565,7 @@ class DaemonBackend:
             if not gen.dead:
                 gen.pending[rid] = (req, -1)
                 return proto.encode_request(
-                    proto.Request(proto.Msg.WRITE, rid, shm_offset=off, nbytes=req.nbytes)
+                    proto.Command(proto.Msg.WRITE, rid, shm_offset=off, nbytes=req.nbytes)
                 )
         self._complete(req, OSError(errno.EPIPE, "the daemon is gone", req.path))
         return None

@@ -45,7 +45,7 @@ def main(ns: argparse.Namespace) -> int:
     logging.getLogger("offloadd").setLevel(logging.DEBUG if ns.verbose else logging.INFO)
     try:
         cfg = config_from_args(ns)
-        from offloadd.daemon.server import serve
+        from offloadd.daemon.core import serve
 
         return serve(cfg)
     except ValueError as e:

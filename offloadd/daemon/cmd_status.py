@@ -26,7 +26,7 @@ def query(path: str, kind: proto.Msg = proto.Msg.STATS) -> proto.Reply:
     """Send one STATS or STOP request to the daemon at ``path``; return its reply."""
     sock = connect_control(path)
     try:
-        sock.sendall(proto.encode_request(proto.Request(kind, 1)))
+        sock.sendall(proto.encode_request(proto.Command(kind, 1)))
         return proto.decode_reply(_recv_frame(sock, bytearray()))
     except (OSError, proto.ProtocolError) as e:
         raise DaemonError(f"daemon at {path!r} did not answer: {e}") from e

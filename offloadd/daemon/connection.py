@@ -1,6 +1,6 @@
 """One client connection of the daemon: a non-blocking socket read and written from the loop.
 
-See offloadd/daemon/server.py [never blocked by a client]: a send never blocks; what the socket
+See offloadd/daemon/core.py [never blocked by a client]: a send never blocks; what the socket
 does not take is kept, up to ``MAX_OUTBUF`` bytes, and sent when it becomes writable.
 """
 
@@ -11,10 +11,13 @@ import contextlib
 import os
 import socket
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING
 
 from offloadd.daemon import protocol as proto
 from offloadd.daemon.session import Session
+
+if TYPE_CHECKING:
+    from offloadd.daemon.core import Server
 
 __all__ = ["MAX_FDS", "MAX_OUTBUF", "Connection", "close_all", "fds_of"]
 
@@ -25,7 +28,7 @@ MAX_FDS = 16  # descriptors accepted with one message (only OPEN may carry one)
 class Connection:
     """One client connection: a non-blocking socket read and written from the loop."""
 
-    def __init__(self, server: Any, sock: socket.socket, uid: int, pid: int) -> None:
+    def __init__(self, server: Server, sock: socket.socket, uid: int, pid: int) -> None:
         self.server = server
         self.sock = sock
         self.uid = uid

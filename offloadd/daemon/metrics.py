@@ -7,6 +7,7 @@ the HTTP thread never touches live daemon state.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -17,8 +18,12 @@ class _HasStatus(Protocol):
     status_doc: dict[str, Any]
 
 
+class _Shuts(Protocol):
+    def shutdown(self) -> None: ...
+
+
 class _Handle:
-    def __init__(self, server: Any, thread: Any) -> None:
+    def __init__(self, server: _Shuts, thread: threading.Thread) -> None:
         self._server = server
         self._thread = thread
 
@@ -27,7 +32,7 @@ class _Handle:
         self._thread.join(timeout=5)
 
 
-def start_metrics(daemon: _HasStatus, port: int) -> _Handle:
+def start_metrics(status: _HasStatus, port: int) -> _Handle:
     """Serve the daemon's figures on http://127.0.0.1:``port``/metrics."""
     try:
         from prometheus_client import start_http_server
@@ -39,7 +44,7 @@ def start_metrics(daemon: _HasStatus, port: int) -> _Handle:
 
     class Collector:
         def collect(self) -> Iterator[Any]:
-            doc = daemon.status_doc
+            doc = status.status_doc
             for key, help_text in (
                 ("bytes_held", "Disk bytes held by all sessions"),
                 ("bytes_written", "Bytes written since start"),

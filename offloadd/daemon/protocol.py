@@ -3,7 +3,8 @@
 Every frame is a 4-byte little-endian body length followed by the body; the body starts with a
 one-byte message type. Requests from clients have a fixed size per type (the hello carries a
 bounded identity string), so a frame is checked against an exact length before any field is read.
-Replies carry a fixed header and an optional tail (an error text or a JSON document).
+Replies carry a fixed header and an optional tail (an error text or a JSON document). A client's
+frame decodes to :class:`Hello`, :class:`Open` or :class:`Command`; the daemon's to :class:`Reply`.
 
 Note: [no payload on the socket] Activation bytes never cross the socket: a write names a range
 of the session's shared memory (a memfd the daemon created and passed with SCM_RIGHTS), the
@@ -32,8 +33,8 @@ __all__ = [
     "Msg",
     "Open",
     "ProtocolError",
+    "Command",
     "Reply",
-    "Request",
     "decode_request",
     "encode_hello",
     "encode_open",
@@ -108,8 +109,11 @@ class Open:
 
 
 @dataclass(frozen=True, slots=True)
-class Request:
-    """WRITE, READ, FREE, STATS, CLOSE or STOP; unused fields are 0."""
+class Command:
+    """A request after the handshake: WRITE, READ, FREE, STATS, CLOSE or STOP; unused fields are 0.
+
+    Not :class:`offloadd.io.request.Request`, the I/O request an engine takes: the daemon turns
+    each WRITE and READ command into one of those."""
 
     kind: Msg
     req: int
@@ -166,7 +170,7 @@ def encode_open(
     )
 
 
-def encode_request(r: Request) -> bytes:
+def encode_request(r: Command) -> bytes:
     if r.kind is Msg.WRITE:
         body = _WRITE.pack(r.req, r.shm_offset, r.nbytes)
     elif r.kind is Msg.READ:
@@ -180,7 +184,7 @@ def encode_request(r: Request) -> bytes:
     return _frame(bytes([r.kind]) + body)
 
 
-def decode_request(body: bytes) -> Hello | Open | Request:
+def decode_request(body: bytes) -> Hello | Open | Command:
     """Parse one client frame body; anything not exactly well-formed raises ProtocolError."""
     try:
         kind = Msg(body[0])
@@ -213,15 +217,15 @@ def decode_request(body: bytes) -> Hello | Open | Request:
         return Open(req, chunk, staging, read, bool(attach))
     if kind is Msg.WRITE:
         req, off, n = _WRITE.unpack(rest)
-        return Request(kind, req, shm_offset=off, nbytes=n)
+        return Command(kind, req, shm_offset=off, nbytes=n)
     if kind is Msg.READ:
         req, block, off, n = _READ.unpack(rest)
-        return Request(kind, req, block=block, shm_offset=off, nbytes=n)
+        return Command(kind, req, block=block, shm_offset=off, nbytes=n)
     if kind is Msg.FREE:
         req, block = _FREE.unpack(rest)
-        return Request(kind, req, block=block)
+        return Command(kind, req, block=block)
     (req,) = _REQ.unpack(rest)
-    return Request(kind, req)
+    return Command(kind, req)
 
 
 def encode_reply(r: Reply) -> bytes:

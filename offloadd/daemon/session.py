@@ -16,6 +16,7 @@ of getting a new one; the daemon accepts it only if it carries these seals and h
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import mmap
 import os
@@ -68,6 +69,8 @@ def check_memfd(fd: int, low: int, high: int) -> int:
 
 @dataclass(slots=True)
 class Block:
+    """A chunk on disk: which of the session's files, where, and its checksum."""
+
     file: int
     offset: int
     nbytes: int
@@ -115,8 +118,6 @@ class Session:
 
     def check_range(self, offset: int, nbytes: int) -> None:
         """A chunk-sized, aligned range inside the shared memory, or SessionError(EINVAL)."""
-        import errno
-
         if (
             nbytes <= 0
             or nbytes > self.chunk_bytes
@@ -132,8 +133,6 @@ class Session:
 
     def alloc(self) -> tuple[int, int]:
         """A disk slot (file index, offset), striping over the files, honouring the quota."""
-        import errno
-
         if self.quota_bytes and self.used_bytes + self.chunk_bytes > self.quota_bytes:
             raise SessionError(
                 errno.EDQUOT,

@@ -1,0 +1,249 @@
+"""``offloadd serve``: the asyncio service around one I/O engine shared by all sessions.
+
+The :class:`Server` listens, accepts and reads its connections, and shuts down; what it reads
+goes to :class:`~offloadd.daemon.ops.Handlers`, which queue I/O with the
+:class:`~offloadd.daemon.scheduler.Scheduler`; :class:`~offloadd.daemon.status.Status` keeps
+the figures that ``offloadd status`` shows.
+
+Note: [never blocked by a client] The loop only does non-blocking socket calls (it reads with
+``recvmsg`` when a socket is readable and writes what the socket takes, keeping the rest in a
+bounded buffer), and the engine's threads never wait on a client. A client that stops reading
+gets its replies buffered up to a limit and is then dropped; a client that dies is seen as end
+of file. Neither delays any other session.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import stat
+import struct
+from collections.abc import Callable
+
+from offloadd.config import Config, DaemonConfig
+from offloadd.daemon import protocol as proto
+from offloadd.daemon.checksum import checksum_function
+from offloadd.daemon.connection import MAX_FDS, Connection, close_all, fds_of
+from offloadd.daemon.ops import Handlers
+from offloadd.daemon.scheduler import Scheduler
+from offloadd.daemon.session import SessionError
+from offloadd.daemon.status import Status
+from offloadd.io.buffers import ALIGN
+from offloadd.io.files import SlotFile, default_offload_dir
+from offloadd.io.request import Engine
+from offloadd.io.select import open_host_engine
+
+__all__ = ["Server", "make_engine", "serve"]
+
+log = logging.getLogger("offloadd.daemon")
+
+_UCRED = struct.Struct("3i")
+
+
+def make_engine(config: DaemonConfig) -> Engine:
+    """The daemon's I/O engine, chosen as the embedded one is (native where it built).
+
+    The choice and its reason are logged by ``open_host_engine``, once."""
+    engine, _choice = open_host_engine(Config(io_threads=config.io_threads))
+    return engine
+
+
+class Server:
+    """The daemon: its listening socket, its connections, and the parts that answer them."""
+
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.socket_path = config.socket_path
+        self.dirs = list(config.dirs) or [default_offload_dir()]
+        for d in self.dirs:  # the same checks as the client's ssd_dirs, before binding
+            SlotFile(d, ALIGN, config.direct_io).close()
+        checksum = checksum_function(config.checksum)
+        self.engine = make_engine(config)
+        self.loop: asyncio.AbstractEventLoop = asyncio.get_running_loop()
+        self.conns: set[Connection] = set()
+        self._stopping = asyncio.Event()
+        self._listener: socket.socket | None = None
+        self.handlers = Handlers(self)
+        self.scheduler = Scheduler(
+            self.engine, 2 * config.io_threads, checksum, self.loop, self.handlers
+        )
+        self.status = Status(self)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def listen(self) -> None:
+        path = self.socket_path
+        directory = os.path.dirname(path) or "."
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        st = os.stat(directory)
+        if st.st_uid != os.getuid():
+            raise ValueError(f"socket: directory {directory!r} belongs to uid {st.st_uid}")
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.chmod(directory, 0o700)
+        if os.path.exists(path):
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(path)
+            except OSError:
+                os.unlink(path)  # left by a daemon that was killed
+            else:
+                raise ValueError(f"socket: another daemon is serving {path!r}")
+            finally:
+                probe.close()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            sock.bind(path)
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o600)
+        sock.listen(128)
+        sock.setblocking(False)
+        self._listener = sock
+        self.loop.add_reader(sock.fileno(), self._accept)
+        log.info("serving %s as pid %d, dirs %s", path, os.getpid(), ", ".join(self.dirs))
+
+    async def run(self) -> None:
+        self.listen()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.loop.add_signal_handler(sig, self.stop)
+        self.status.start()
+        await self._stopping.wait()
+        await self.shutdown()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def shutdown(self) -> None:
+        log.info("stopping")
+        self.status.stop()
+        if self._listener is not None:
+            self.loop.remove_reader(self._listener.fileno())
+            self._listener.close()
+            self._listener = None
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.socket_path)
+        for conn in list(self.conns):
+            self.drop(conn, "daemon stopping", error=False)
+        sessions = self.handlers.sessions  # see ops [a session ends after its I/O]
+        while any(s.inflight for s in sessions.values()):
+            await asyncio.sleep(0.01)
+        await self.loop.run_in_executor(None, self.engine.close)
+        for s in list(sessions.values()):
+            self.handlers.finish_session(s)
+
+    # -- connections -----------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                log.error("accept failed: %s", e)
+                return
+            pid, uid, _gid = _UCRED.unpack(
+                sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+            )
+            if uid != os.getuid() and uid not in self.config.allowed_uids:
+                log.error("refused a connection from uid %d (pid %d): not allowed", uid, pid)
+                self.status.totals["refused_connections"] += 1
+                sock.close()
+                continue
+            sock.setblocking(False)
+            conn = Connection(self, sock, uid, pid)
+            self.conns.add(conn)
+            self.loop.add_reader(sock.fileno(), self._readable, conn)
+
+    def _readable(self, conn: Connection) -> None:
+        try:
+            data, anc, _flags, _ = conn.sock.recvmsg(
+                65536, socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+            )
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            self.drop(conn, f"receive failed: {e}")
+            return
+        fds = fds_of(anc)
+        if not data:
+            close_all(fds)
+            self.drop(conn, "client closed the connection", error=False)
+            return
+        conn.inbuf += data
+        try:
+            frames = proto.split_frames(conn.inbuf, proto.MAX_FRAME)
+            if fds and not (len(frames) == 1 and frames[0][:1] == bytes([proto.Msg.OPEN])):
+                raise proto.ProtocolError("descriptors sent with a message other than OPEN")
+            for i, body in enumerate(frames):
+                if conn.closed:
+                    break
+                self.handlers.handle(conn, proto.decode_request(body), fds if i == 0 else [])
+                close_all(fds)  # any that OPEN did not take
+        except (proto.ProtocolError, SessionError) as e:
+            self.drop(conn, f"protocol error: {e}")
+        finally:
+            close_all(fds)
+
+    def drop(self, conn: Connection, why: str, *, error: bool = True) -> None:
+        """Close a connection, and end its session (see ops [a session ends after its I/O])."""
+        if conn.closed:
+            return
+        conn.closed = True
+        who = f"pid {conn.pid} {conn.identity!r}"
+        if error:
+            log.error("dropping connection of %s: %s", who, why)
+            self.status.totals["dropped_connections"] += 1
+            self.status.error(f"{who}: {why}")
+        else:
+            log.info("connection of %s closed: %s", who, why)
+        fd = conn.sock.fileno()
+        self.loop.remove_reader(fd)
+        if conn.writing:
+            self.loop.remove_writer(fd)
+        conn.sock.close()
+        self.conns.discard(conn)
+        if conn.session is not None:
+            self.handlers.end_session(conn.session)
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
+    try:
+        import uvloop
+    except ImportError:
+        log.warning(
+            "uvloop is not installed; using asyncio's default event loop (uvloop is a "
+            "dependency of offloadd: pip install uvloop)"
+        )
+        return asyncio.new_event_loop
+    log.info("event loop: uvloop %s", uvloop.__version__)
+    return uvloop.new_event_loop
+
+
+def serve(config: DaemonConfig) -> int:
+    """Run the daemon in the foreground until SIGTERM/SIGINT or ``offloadd stop``."""
+
+    async def main() -> None:
+        server = Server(config)
+        metrics = None
+        if config.metrics_port:
+            from offloadd.daemon.metrics import start_metrics
+
+            metrics = start_metrics(server.status, config.metrics_port)
+        try:
+            await server.run()
+        finally:
+            if metrics is not None:
+                metrics.shutdown()
+
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        runner.run(main())
+    log.info("stopped")
+    return 0

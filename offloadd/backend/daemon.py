@@ -107,7 +107,7 @@ def connect_control(path: str, timeout: float = _CONNECT_TIMEOUT_S) -> socket.so
         r = proto.decode_reply(_recv_frame(sock, bytearray()))
     except (OSError, proto.ProtocolError) as e:
         sock.close()
-        raise DaemonError(f"daemon_socket: cannot reach a daemon at {path!r}: {e}") from e
+        raise DaemonError(f"daemon.socket: cannot reach a daemon at {path!r}: {e}") from e
     if r.status:
         sock.close()
         raise DaemonError(
@@ -228,7 +228,7 @@ class DaemonBackend:
     """Staging memory, disk and engine for an Offloader whose I/O is done by ``offloadd serve``."""
 
     def __init__(self, config: Config, warn: Callable[[str, str], None]) -> None:
-        self.socket_path = config.daemon_socket
+        self.socket_path = config.daemon.socket
         self.chunk_bytes = config.chunk_bytes
         slots = max(1, config.staging_bytes // config.chunk_bytes)
         self.staging_bytes = slots * config.chunk_bytes
@@ -308,7 +308,7 @@ class DaemonBackend:
                 os.close(fd)
             sock.close()
             if isinstance(e, OSError | proto.ProtocolError | ValueError | KeyError):
-                raise DaemonError(f"daemon_socket {self.socket_path!r}: {e}") from e
+                raise DaemonError(f"daemon.socket {self.socket_path!r}: {e}") from e
             raise
         sock.settimeout(None)
         gen = _Generation(

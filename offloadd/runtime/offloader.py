@@ -345,13 +345,13 @@ class Offloader:
         self._engines: list[Engine] = []  # every engine opened, closed at shutdown
         self._gds: Engine | None = None  # CUDA tensors with GPUDirect Storage (kvikio)
         self._gds_checked = (
-            cfg.engine not in ("auto", "kvikio") or cfg.tier != "ssd" or bool(cfg.daemon_socket)
+            cfg.engine not in ("auto", "kvikio") or cfg.tier != "ssd" or bool(cfg.daemon.socket)
         )
         # Daemon mode (offloadd/backend/daemon.py): staging memory, disk and engine of a daemon.
         self._daemon: Any = None
-        if cfg.tier == "ssd" and cfg.daemon_socket:
+        if cfg.tier == "ssd" and cfg.daemon.socket:
             if io_engine is not None:
-                raise ValueError("io_engine cannot be combined with daemon_socket")
+                raise ValueError("io_engine cannot be combined with daemon.socket")
             from offloadd.backend.daemon import DaemonBackend
 
             self._daemon = DaemonBackend(cfg, warn=self._warn_once)

@@ -8,7 +8,7 @@ the value and where it came from.
 
 from offloadd.config.daemon import DaemonConfig, default_socket_path
 from offloadd.config.kinds import parse_size
-from offloadd.config.loader import DAEMON_ENV_PREFIX, ENV_PREFIX, RESERVED_ENV, env_var
+from offloadd.config.loader import DAEMON_ENV_PREFIX, ENV_PREFIX, RESERVED_ENV, env_var, load_daemon
 from offloadd.config.schema import Config
 
 __all__ = [
@@ -19,5 +19,6 @@ __all__ = [
     "DaemonConfig",
     "default_socket_path",
     "env_var",
+    "load_daemon",
     "parse_size",
 ]

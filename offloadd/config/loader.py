@@ -36,6 +36,7 @@ __all__ = [
     "flatten",
     "from_environ",
     "load",
+    "load_daemon",
     "read_file",
 ]
 
@@ -64,6 +65,18 @@ def load(
         flat.update(flatten(read_file(file), str(file)))
     flat.update(from_environ(env))
     return build(flat)
+
+
+def load_daemon(
+    path: str | os.PathLike[str] | None = None, *, environ: Mapping[str, str] | None = None
+) -> DaemonConfig:
+    """The section as ``offloadd serve``, ``status`` and ``stop`` read it: :func:`load` of
+    ``path`` with only the ``OFFLOADD_DAEMON_*`` variables of ``environ`` (default:
+    ``os.environ``). The training side's variables, ``OFFLOADD_CONFIG`` too, are not read: they
+    are not the daemon's business, and the daemon's process often inherits them."""
+    env = os.environ if environ is None else environ
+    daemon_vars = {k: v for k, v in env.items() if k.startswith(DAEMON_ENV_PREFIX)}
+    return load(path, environ=daemon_vars).daemon
 
 
 def read_file(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """``offloadd serve``: run the daemon in the foreground (logs to stderr; SIGTERM/SIGINT stop it).
 
 Its settings are the ``daemon`` section of the one config, read by the one loader
-(:meth:`offloadd.config.Config.load`): the ``[daemon]`` table of ``--config FILE``, then the
+(:func:`offloadd.config.load_daemon`): the ``[daemon]`` table of ``--config FILE``, then the
 ``OFFLOADD_DAEMON_*`` variables, then the command-line options. The training side's variables
 (``OFFLOADD_CONFIG`` and the other ``OFFLOADD_*``) are not the daemon's business and are not read.
 """
@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
-from offloadd.config import DAEMON_ENV_PREFIX, Config, DaemonConfig, parse_size
+from offloadd.config import DaemonConfig, load_daemon, parse_size
 
 __all__ = ["add_arguments", "main"]
 
@@ -22,7 +21,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--config", help="TOML file whose [daemon] table is read (see configs/daemon.toml)"
     )
-    p.add_argument("--socket", help="Unix socket path (default: per-user runtime directory)")
+    p.add_argument(
+        "--socket",
+        help="Unix socket path (default: $OFFLOADD_DAEMON_SOCKET, else per-user runtime directory)",
+    )
     p.add_argument(
         "--dir", action="append", dest="dirs", metavar="DIR", help="offload directory (repeatable)"
     )
@@ -33,8 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(ns: argparse.Namespace) -> DaemonConfig:
-    daemon_vars = {k: v for k, v in os.environ.items() if k.startswith(DAEMON_ENV_PREFIX)}
-    cfg = Config.load(ns.config, environ=daemon_vars).daemon
+    cfg = load_daemon(ns.config)
     changes: dict[str, object] = {}
     if ns.socket:
         changes["socket"] = ns.socket

@@ -434,6 +434,81 @@ def test_bad_daemon_settings_name_the_key(tmp_path: Path) -> None:
     assert out.returncode == 2 and "does not exist" in out.stderr
 
 
+def test_serve_settings_file_then_environment_then_options(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import argparse
+
+    from offloadd.daemon.cmd_serve import add_arguments, config_from_args
+
+    def settings(*argv: str) -> DaemonConfig:
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        return config_from_args(p.parse_args(argv))
+
+    f = tmp_path / "serve.toml"
+    f.write_text('min_bytes = "4k"\n[daemon]\nchecksum = "crc32"\nquota_bytes = "1GiB"\n')
+    assert settings("--config", str(f)) == DaemonConfig(checksum="crc32", quota_bytes=1 << 30)
+    monkeypatch.setenv("OFFLOADD_DAEMON_QUOTA_BYTES", "2GiB")
+    monkeypatch.setenv("OFFLOADD_DAEMON_MAX_SESSIONS", "3")
+    # the training side's variables are not the daemon's: neither read nor checked
+    monkeypatch.setenv("OFFLOADD_CONFIG", str(tmp_path / "missing.toml"))
+    monkeypatch.setenv("OFFLOADD_MIN_BYTE", "typo")
+    got = settings("--config", str(f), "--quota-bytes", "3GiB")
+    assert (got.checksum, got.quota_bytes, got.max_sessions) == ("crc32", 3 << 30, 3)
+    assert settings("--config", str(f)).quota_bytes == 2 << 30
+    monkeypatch.setenv("OFFLOADD_DAEMON_QUOTA_BYTES", "12 apples")
+    with pytest.raises(ValueError, match=r"'12 apples' is not a size.*OFFLOADD_DAEMON_QUOTA_BYTES"):
+        settings()
+    monkeypatch.setenv("OFFLOADD_DAEMON_QUOTA_BYTES", "0")
+    monkeypatch.setenv("OFFLOADD_DAEMON_QUOTA", "1GiB")
+    with pytest.raises(ValueError, match="unknown environment variable OFFLOADD_DAEMON_QUOTA="):
+        settings()
+
+
+def test_serve_status_and_stop_find_the_socket_in_the_environment(tmp_path: Path) -> None:
+    sock = str(tmp_path / "run" / "d.sock")
+    (tmp_path / "data").mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OFFLOADD")}
+    env.update(
+        OFFLOADD_DAEMON_SOCKET=sock,
+        OFFLOADD_DAEMON_DIRS=str(tmp_path / "data"),
+        OFFLOADD_DAEMON_CHECKSUM="crc32",
+    )
+    offloadd = [sys.executable, "-m", "offloadd"]
+    proc = subprocess.Popen([*offloadd, "serve"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        from offloadd.backend.daemon import DaemonError
+        from offloadd.daemon.cmd_status import query
+
+        for _ in range(1200):
+            try:
+                query(sock)
+                break
+            except DaemonError:
+                assert proc.poll() is None, proc.communicate()[1]
+                time.sleep(0.05)
+        out = subprocess.run(
+            [*offloadd, "status", "--json"], env=env, capture_output=True, text=True
+        )
+        assert out.returncode == 0, out.stderr
+        doc = json.loads(out.stdout)
+        assert (doc["socket"], doc["checksum"]) == (sock, "crc32")
+        assert [d["path"] for d in doc["dirs"]] == [str(tmp_path / "data")]
+        out = subprocess.run([*offloadd, "stop"], env=env, capture_output=True, text=True)
+        assert out.returncode == 0 and sock in out.stdout, out.stderr
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+    bad = {**env, "OFFLOADD_DAEMON_CHECKSUM": "md5"}
+    for cmd in ("serve", "status"):
+        out = subprocess.run([*offloadd, cmd], env=bad, capture_output=True, text=True)
+        assert out.returncode == 2, out.stderr
+        assert "daemon.checksum: 'md5' is not one of xxh3, crc32, none" in out.stderr
+
+
 def test_unreachable_daemon_raises_at_construction(tmp_path: Path) -> None:
     from offloadd.backend.daemon import DaemonError
 

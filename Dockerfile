@@ -4,8 +4,12 @@
 #   docker run -d --name offloadd --user "$(id -u):$(id -g)" \
 #       -v /run/user/$(id -u)/offloadd:/run/offloadd \
 #       -v /mnt/nvme0/offloadd:/nvme0 -v /mnt/nvme1/offloadd:/nvme1 \
+#       -e OFFLOADD_DAEMON_QUOTA_BYTES=64GiB \
 #       offloadd --dir /nvme0 --dir /nvme1
 #   # ranks on the host: OFFLOADD_DAEMON_SOCKET=/run/user/$(id -u)/offloadd/daemon.sock
+#
+# Settings: the [daemon] table of /etc/offloadd.toml (configs/daemon.toml), then OFFLOADD_DAEMON_*
+# variables (docker run -e), then the options given after the image name.
 #
 # Run it as the training jobs' user (--user): the daemon accepts only its own uid (SO_PEERCRED)
 # unless allowed_uids says otherwise, and the socket directory (first volume) must be that

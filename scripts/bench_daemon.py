@@ -61,7 +61,7 @@ def client(ns: argparse.Namespace) -> int:
         min_bytes=1, chunk_bytes=CHUNK, staging_bytes=128 << 20, prefetch_bytes=128 << 20
     )
     if ns.socket:
-        kw["daemon_socket"] = ns.socket
+        kw["daemon"] = {"socket": ns.socket}
     else:
         kw["ssd_dirs"] = [ns.dir]
     off = Offloader(**kw)

@@ -145,7 +145,7 @@ def backend(request: pytest.FixtureRequest) -> Iterator[str]:
     if tier != "ssd":
         pytest.skip(f"tier {tier} does not use the daemon: the embedded run covers it")
     proc: DaemonProc = request.getfixturevalue("daemon")
-    helpers.BACKEND["daemon_socket"] = proc.socket
+    helpers.BACKEND["daemon"] = {"socket": proc.socket}
     try:
         yield "daemon"
     finally:

@@ -248,7 +248,7 @@ class OffloaderPool:
                 tier=config.tier,
                 dedup=config.dedup,
                 min_bytes=0,
-                daemon_socket=self._daemon_socket() if config.daemon else "",
+                daemon={"socket": self._daemon_socket() if config.daemon else ""},
                 **OFFLOADER_SIZES,
             )
         return self._live[config]

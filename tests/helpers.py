@@ -49,7 +49,8 @@ def small_offloader(disk_dir: object, **kw: object) -> Offloader:
     opts.update(ENGINE)
     opts.update(BACKEND)
     opts.update(kw)
-    if opts.get("daemon_socket") and "io_engine" in opts:
+    daemon = opts.get("daemon")
+    if isinstance(daemon, dict) and daemon.get("socket") and "io_engine" in opts:
         pytest.skip("an injected engine is embedded-only; tests/test_daemon.py covers the daemon")
     if opts["tier"] == "keep":
         opts.pop("ssd_dirs")

@@ -1,11 +1,12 @@
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
 from offloadd import Config, Offloader
-from offloadd.config import parse_size
+from offloadd.config import DaemonConfig, parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -113,3 +114,179 @@ def test_default_dir_is_on_disk(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
     assert filesystem_type(d) not in ("tmpfs", "ramfs")
     off = Offloader()
     off.close()
+
+
+# -- the daemon's section ---------------------------------------------------------------------
+
+
+def test_keys_and_variables_map_one_to_one() -> None:
+    from offloadd.config import env_var
+    from offloadd.config.daemon import KINDS as DAEMON_KINDS
+    from offloadd.config.schema import KINDS
+
+    top = {f.name for f in fields(Config)}
+    assert set(KINDS) == top - {"daemon"}  # every field is read by a kind
+    assert set(DAEMON_KINDS) == {f.name for f in fields(DaemonConfig)}
+    # OFFLOADD_DAEMON_<KEY> is the section's: no top-level key may start with daemon_
+    assert not [k for k in top if k.startswith("daemon_")]
+    keys = [*KINDS, *(f"daemon.{k}" for k in DAEMON_KINDS)]
+    assert len({env_var(k) for k in keys}) == len(keys)
+    assert env_var("daemon.quota_bytes") == "OFFLOADD_DAEMON_QUOTA_BYTES"
+
+
+def test_config_files_document_every_key() -> None:
+    import tomllib
+
+    with (ROOT / "configs" / "default.toml").open("rb") as f:
+        default = tomllib.load(f)
+    with (ROOT / "configs" / "daemon.toml").open("rb") as f:
+        daemon = tomllib.load(f)
+    assert set(default["offload"]) == {f.name for f in fields(Config)} - {"daemon"}
+    assert set(default["daemon"]) == {"socket"}  # the one key the training side reads
+    assert set(daemon) == {"daemon"}
+    assert set(daemon["daemon"]) == {f.name for f in fields(DaemonConfig)}
+    assert Config.from_toml(ROOT / "configs" / "daemon.toml") == Config()
+
+
+def test_section_from_toml(tmp_path: Path) -> None:
+    p = tmp_path / "both.toml"
+    p.write_text(
+        'min_bytes = "64k"\n'
+        "[daemon]\n"
+        'socket = "~/d.sock"\ndirs = ["/n0", "/n1"]\nquota_bytes = "8GiB"\n'
+        "allowed_uids = [1000]\nio_threads = 8\n"
+    )
+    cfg = Config.from_toml(p)
+    assert cfg.min_bytes == 64 << 10 and cfg.io_threads == 4  # the top level keeps its own
+    d = cfg.daemon
+    assert d.socket == str(Path.home() / "d.sock") and d.dirs == ("/n0", "/n1")
+    assert (d.quota_bytes, d.allowed_uids, d.io_threads) == (8 << 30, (1000,), 8)
+    assert d.checksum == "xxh3"  # keys not given keep their defaults
+    # the same with an [offload] table, and with the section inside it
+    p.write_text('[offload]\nmin_bytes = "64k"\n[daemon]\nquota_bytes = "8GiB"\n')
+    assert Config.from_toml(p).daemon.quota_bytes == 8 << 30
+    p.write_text('[offload]\nmin_bytes = "64k"\n[offload.daemon]\nquota_bytes = "8GiB"\n')
+    assert Config.from_toml(p).daemon.quota_bytes == 8 << 30
+    p.write_text("[offload]\n[offload.daemon]\nio_threads = 2\n[daemon]\nio_threads = 3\n")
+    with pytest.raises(ValueError, match=r"daemon: given twice.*both\.toml"):
+        Config.from_toml(p)
+    p.write_text('[offload]\ntier = "keep"\n[other]\nx = 1\n')
+    with pytest.raises(ValueError, match=r"other: outside the \[offload\] and \[daemon\] tables"):
+        Config.from_toml(p)
+    p.write_text('daemon = "/run/d.sock"\n')
+    with pytest.raises(ValueError, match=r"daemon: '/run/d\.sock' is not a table"):
+        Config.from_toml(p)
+
+
+def test_section_from_env(tmp_path: Path) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text('[daemon]\nchecksum = "crc32"\nquota_bytes = "1GiB"\n')
+    cfg = Config.from_env(
+        {
+            "OFFLOADD_CONFIG": str(p),
+            "OFFLOADD_DAEMON_SOCKET": " /run/d.sock ",
+            "OFFLOADD_DAEMON_DIRS": "/n0,/n1",
+            "OFFLOADD_DAEMON_ALLOWED_UIDS": "1000,1001",
+            "OFFLOADD_DAEMON_QUOTA_BYTES": "64GiB",
+            "OFFLOADD_DAEMON_DIRECT_IO": "off",
+            "OFFLOADD_IO_THREADS": "2",
+        }
+    )
+    d = cfg.daemon
+    assert (d.socket, d.dirs, d.allowed_uids) == ("/run/d.sock", ("/n0", "/n1"), (1000, 1001))
+    assert (d.quota_bytes, d.checksum) == (64 << 30, "crc32")  # variable over file; file's own
+    assert (d.direct_io, cfg.direct_io, d.io_threads, cfg.io_threads) == ("off", "auto", 4, 2)
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "named"),
+    [
+        (
+            "OFFLOADD_DAEMON_QUOTA_BYTES",
+            "12 apples",
+            "daemon.quota_bytes: '12 apples' is not a size",
+        ),
+        ("OFFLOADD_DAEMON_CHECKSUM", "md5", "daemon.checksum: 'md5' is not one of xxh3"),
+        ("OFFLOADD_DAEMON_IO_THREADS", "0", "daemon.io_threads: '0' is not an integer in 1..256"),
+        ("OFFLOADD_DAEMON_ALLOWED_UIDS", "1000,root", "daemon.allowed_uids: '1000,root' is not"),
+        ("OFFLOADD_DAEMON_MAX_CHUNK_BYTES", "2GiB", "daemon.max_chunk_bytes: '2GiB' is not a size"),
+        ("OFFLOADD_MIN_BYTES", "lots", "min_bytes: 'lots' is not a size"),
+    ],
+)
+def test_errors_name_the_dotted_key_value_and_source(
+    tmp_path: Path, var: str, value: str, named: str
+) -> None:
+    with pytest.raises(ValueError) as e:
+        Config.from_env({var: value})
+    assert str(e.value).startswith(named) and str(e.value).endswith(f"(from {var})")
+    key = named.split(":")[0]
+    section, _, name = key.rpartition(".")
+    p = tmp_path / "x.toml"
+    p.write_text(f"[{section}]\n" if section else "")
+    with p.open("a") as f:
+        f.write(f'{name} = "{value}"\n')
+    with pytest.raises(ValueError) as e:
+        Config.from_toml(p)
+    assert str(e.value).startswith(named) and str(e.value).endswith(f"(from {p})")
+
+
+def test_unknown_section_keys_list_the_valid_ones(tmp_path: Path) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text('[daemon]\nquota = "1GiB"\nsockets = "x"\n')
+    with pytest.raises(ValueError) as e:
+        Config.from_toml(p)
+    assert str(e.value).startswith(f"daemon.quota, daemon.sockets: unknown keys (from {p})")
+    assert "the [daemon] keys are: allowed_uids, checksum, direct_io, dirs," in str(e.value)
+    with pytest.raises(
+        ValueError, match="OFFLOADD_DAEMON_QUOTA='1'; known: OFFLOADD_DAEMON_SOCKET"
+    ):
+        Config.from_env({"OFFLOADD_DAEMON_QUOTA": "1"})
+    with pytest.raises(ValueError, match="OFFLOADD_DAEMON_<KEY> for the keys of the"):
+        Config.from_env({"OFFLOADD_SOCKET": "/run/d.sock"})
+    # daemon keys written where the top-level ones go: the error says where they belong
+    p.write_text('daemon_socket = "/run/d.sock"\n')
+    with pytest.raises(
+        ValueError, match=r"daemon_socket: unknown key.*did you mean daemon\.socket"
+    ):
+        Config.from_toml(p)
+    p.write_text('quota_bytes = "1GiB"\n')
+    with pytest.raises(ValueError, match=r"did you mean daemon\.quota_bytes"):
+        Config.from_toml(p)
+    with pytest.raises(ValueError, match=r"daemon_socket: unknown key.*daemon=\{'socket'"):
+        Offloader(tier="keep", daemon_socket="/run/d.sock")
+
+
+def test_replace_and_the_section() -> None:
+    cfg = Config(min_bytes=4096)
+    got = cfg.replace(daemon={"socket": "/run/d.sock"})
+    assert got.daemon == DaemonConfig(socket="/run/d.sock") and got.min_bytes == 4096
+    again = got.replace(daemon={"quota_bytes": "1GiB"})  # merged into the current section
+    assert (again.daemon.socket, again.daemon.quota_bytes) == ("/run/d.sock", 1 << 30)
+    assert again.replace(daemon=DaemonConfig()).daemon == DaemonConfig()  # the whole section
+    assert Config.from_mapping(again.as_dict()) == again
+    with pytest.raises(ValueError, match=r"daemon\.quota_bytes: -1 is not a size"):
+        cfg.replace(daemon={"quota_bytes": -1})
+    with pytest.raises(ValueError, match=r"daemon\.io_threads: 0 is not an integer"):
+        DaemonConfig(io_threads=0)
+    with pytest.raises(ValueError, match="daemon: 'x' is not a DaemonConfig"):
+        Config(daemon="x")  # type: ignore[arg-type]
+
+
+def test_load_layers_base_file_and_environment(tmp_path: Path) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text('staging_bytes = "8MiB"\n[daemon]\nsocket = "/run/file.sock"\n')
+    base = Config(tier="keep", min_bytes=1)
+    env = {"OFFLOADD_CONFIG": str(p), "OFFLOADD_DAEMON_SOCKET": "/run/env.sock"}
+    cfg = Config.load(environ=env, base=base)
+    assert (cfg.tier, cfg.min_bytes, cfg.staging_bytes) == ("keep", 1, 8 << 20)
+    assert cfg.daemon.socket == "/run/env.sock"
+    assert (
+        Config.load(p, environ={}).daemon.socket == "/run/file.sock"
+    )  # path: OFFLOADD_CONFIG unread
+    assert Config.from_env(env) == Config.load(environ=env)
+    # a rule between two keys names them and where the values came from
+    env = {"OFFLOADD_CONFIG": str(p), "OFFLOADD_CHUNK_BYTES": "16MiB"}
+    with pytest.raises(
+        ValueError, match=rf"staging_bytes: .*chunk_bytes.*from {p}, OFFLOADD_CHUNK"
+    ):
+        Config.from_env(env)

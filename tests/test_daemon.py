@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from offloadd import Offloader
+from offloadd import Config, Offloader
 from offloadd.config import DaemonConfig
 from offloadd.daemon import protocol as proto
 
@@ -58,7 +58,7 @@ def test_peer_uid_is_checked(own_daemon: Callable[..., DaemonProc]) -> None:
     assert d.status()["refused_connections"] == 1
     assert "refused a connection from uid 65534" in d.log_text()
     d.stop()
-    allowed = own_daemon("--config", str(_toml(d.root, "allowed_uids = [65534]"))).start()
+    allowed = own_daemon("--config", str(_toml(d.root, "[daemon]\nallowed_uids = [65534]"))).start()
     os.chmod(os.path.dirname(allowed.socket), 0o755)
     os.chmod(allowed.socket, 0o777)
     hello = proto.encode_hello(0, "nobody").hex()
@@ -134,7 +134,7 @@ def test_protocol_version_mismatch_and_garbage_drop_only_that_connection(
 
 def test_corrupted_block_raises_in_client(daemon: DaemonProc) -> None:
     """Flip bytes in the daemon's file: unpack raises, wrong bytes never reach autograd."""
-    off = small_offloader(daemon.dirs[0], daemon_socket=daemon.socket)
+    off = small_offloader(daemon.dirs[0], daemon={"socket": daemon.socket})
     SavePayload.seen.clear()
     x = torch.ones(1, requires_grad=True)
     with off:
@@ -165,7 +165,7 @@ import sys, time, torch
 sys.path.insert(0, sys.argv[2])
 from offloadd import Offloader
 from tests.helpers import SavePayload
-off = Offloader(daemon_socket=sys.argv[1], min_bytes=1, chunk_bytes=1 << 16, staging_bytes=1 << 20)
+off = Offloader(daemon={"socket": sys.argv[1]}, min_bytes=1, chunk_bytes=1 << 16, staging_bytes=1 << 20)
 x = torch.ones(1, requires_grad=True)
 with off:
     y = SavePayload.apply(x, torch.randn(1 << 20))
@@ -243,7 +243,7 @@ def test_kill_9_of_the_daemon_mid_step(where: str, own_daemon: Callable[..., Dae
     """The step completes bit-identically; the restarted daemon serves the next steps."""
     reference = train(*MODELS["gpt"], None, steps=4)
     d = own_daemon().start()
-    off = small_offloader(d.dirs[0], daemon_socket=d.socket)
+    off = small_offloader(d.dirs[0], daemon={"socket": d.socket})
     assert off._backend is not None
     again = own_daemon(dirs=d.dirs)
     used: list[dict[str, object]] = []
@@ -279,7 +279,7 @@ def test_quota_exceeded_falls_back_other_sessions_unaffected(
     held = other.write(data)
     assert held.status == 0
     reference = train(*MODELS["gpt"], None)
-    off = small_offloader(d.dirs[0], daemon_socket=d.socket)
+    off = small_offloader(d.dirs[0], daemon={"socket": d.socket})
     with pytest.warns(RuntimeWarning, match="quota"):
         got = train(*MODELS["gpt"], off)
     assert_bitwise_equal(reference, got)
@@ -318,7 +318,7 @@ def test_real_disk_full_falls_back(tmp_path: Path, own_daemon: Callable[..., Dae
         data.mkdir()
         d = own_daemon(dirs=[data]).start()
         reference = train(mlp, make_input, None, steps=2)
-        off = small_offloader(data, daemon_socket=d.socket, staging_bytes=4 << 20)
+        off = small_offloader(data, daemon={"socket": d.socket}, staging_bytes=4 << 20)
         with pytest.warns(RuntimeWarning, match="write failed"):
             got = train(mlp, make_input, off, steps=2)
         assert_bitwise_equal(reference, got)
@@ -381,7 +381,7 @@ def test_a_client_that_does_not_read_never_stalls_others(daemon: DaemonProc) -> 
     with contextlib.suppress(BlockingIOError):
         flood.sock.send(msgs)  # as much as the socket takes; the replies are never read
     reference = train(*MODELS["mlp"], None, steps=2)
-    off = small_offloader(daemon.dirs[0], daemon_socket=daemon.socket)
+    off = small_offloader(daemon.dirs[0], daemon={"socket": daemon.socket})
     t0 = time.monotonic()
     got = train(*MODELS["mlp"], off, steps=2)
     assert time.monotonic() - t0 < 60
@@ -396,7 +396,7 @@ def test_checksum_choices(kind: str, own_daemon: Callable[..., DaemonProc]) -> N
     d = own_daemon("--checksum", kind).start()
     assert d.status()["checksum"] == kind
     reference = train(*MODELS["gpt"], None, steps=2)
-    off = small_offloader(d.dirs[0], daemon_socket=d.socket)
+    off = small_offloader(d.dirs[0], daemon={"socket": d.socket})
     got = train(*MODELS["gpt"], off, steps=2)
     assert_bitwise_equal(reference, got)
     assert off.stats().bytes_read > 0
@@ -404,20 +404,20 @@ def test_checksum_choices(kind: str, own_daemon: Callable[..., DaemonProc]) -> N
 
 
 def test_daemon_toml_documents_the_defaults() -> None:
-    assert DaemonConfig.from_toml(ROOT / "configs" / "daemon.toml") == DaemonConfig()
+    assert Config.from_toml(ROOT / "configs" / "daemon.toml") == Config()
 
 
 def test_bad_daemon_settings_name_the_key(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
-    bad.write_text('quota = "1GiB"\n')
-    with pytest.raises(ValueError, match=r"unknown key.*quota"):
-        DaemonConfig.from_toml(bad)
-    bad.write_text('checksum = "md5"\n')
-    with pytest.raises(ValueError, match="checksum must be one of"):
-        DaemonConfig.from_toml(bad)
-    bad.write_text('quota_bytes = "lots"\n')
-    with pytest.raises(ValueError, match="quota_bytes"):
-        DaemonConfig.from_toml(bad)
+    bad.write_text('[daemon]\nquota = "1GiB"\n')
+    with pytest.raises(ValueError, match=r"daemon\.quota: unknown key.*bad\.toml"):
+        Config.from_toml(bad)
+    bad.write_text('[daemon]\nchecksum = "md5"\n')
+    with pytest.raises(ValueError, match=r"daemon\.checksum: 'md5' is not one of xxh3"):
+        Config.from_toml(bad)
+    bad.write_text('[daemon]\nquota_bytes = "lots"\n')
+    with pytest.raises(ValueError, match=r"daemon\.quota_bytes: 'lots' is not a size"):
+        Config.from_toml(bad)
     out = subprocess.run(
         [
             sys.executable,
@@ -435,15 +435,90 @@ def test_bad_daemon_settings_name_the_key(tmp_path: Path) -> None:
     assert out.returncode == 2 and "does not exist" in out.stderr
 
 
+def test_serve_settings_file_then_environment_then_options(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import argparse
+
+    from offloadd.daemon.cmd_serve import add_arguments, config_from_args
+
+    def settings(*argv: str) -> DaemonConfig:
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        return config_from_args(p.parse_args(argv))
+
+    f = tmp_path / "serve.toml"
+    f.write_text('min_bytes = "4k"\n[daemon]\nchecksum = "crc32"\nquota_bytes = "1GiB"\n')
+    assert settings("--config", str(f)) == DaemonConfig(checksum="crc32", quota_bytes=1 << 30)
+    monkeypatch.setenv("OFFLOADD_DAEMON_QUOTA_BYTES", "2GiB")
+    monkeypatch.setenv("OFFLOADD_DAEMON_MAX_SESSIONS", "3")
+    # the training side's variables are not the daemon's: neither read nor checked
+    monkeypatch.setenv("OFFLOADD_CONFIG", str(tmp_path / "missing.toml"))
+    monkeypatch.setenv("OFFLOADD_MIN_BYTE", "typo")
+    got = settings("--config", str(f), "--quota-bytes", "3GiB")
+    assert (got.checksum, got.quota_bytes, got.max_sessions) == ("crc32", 3 << 30, 3)
+    assert settings("--config", str(f)).quota_bytes == 2 << 30
+    monkeypatch.setenv("OFFLOADD_DAEMON_QUOTA_BYTES", "12 apples")
+    with pytest.raises(ValueError, match=r"'12 apples' is not a size.*OFFLOADD_DAEMON_QUOTA_BYTES"):
+        settings()
+    monkeypatch.setenv("OFFLOADD_DAEMON_QUOTA_BYTES", "0")
+    monkeypatch.setenv("OFFLOADD_DAEMON_QUOTA", "1GiB")
+    with pytest.raises(ValueError, match="unknown environment variable OFFLOADD_DAEMON_QUOTA="):
+        settings()
+
+
+def test_serve_status_and_stop_find_the_socket_in_the_environment(tmp_path: Path) -> None:
+    sock = str(tmp_path / "run" / "d.sock")
+    (tmp_path / "data").mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OFFLOADD")}
+    env.update(
+        OFFLOADD_DAEMON_SOCKET=sock,
+        OFFLOADD_DAEMON_DIRS=str(tmp_path / "data"),
+        OFFLOADD_DAEMON_CHECKSUM="crc32",
+    )
+    offloadd = [sys.executable, "-m", "offloadd"]
+    proc = subprocess.Popen([*offloadd, "serve"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        from offloadd.backend.daemon import DaemonError
+        from offloadd.daemon.cmd_status import query
+
+        for _ in range(1200):
+            try:
+                query(sock)
+                break
+            except DaemonError:
+                assert proc.poll() is None, proc.communicate()[1]
+                time.sleep(0.05)
+        out = subprocess.run(
+            [*offloadd, "status", "--json"], env=env, capture_output=True, text=True
+        )
+        assert out.returncode == 0, out.stderr
+        doc = json.loads(out.stdout)
+        assert (doc["socket"], doc["checksum"]) == (sock, "crc32")
+        assert [d["path"] for d in doc["dirs"]] == [str(tmp_path / "data")]
+        out = subprocess.run([*offloadd, "stop"], env=env, capture_output=True, text=True)
+        assert out.returncode == 0 and sock in out.stdout, out.stderr
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+    bad = {**env, "OFFLOADD_DAEMON_CHECKSUM": "md5"}
+    for cmd in ("serve", "status"):
+        out = subprocess.run([*offloadd, cmd], env=bad, capture_output=True, text=True)
+        assert out.returncode == 2, out.stderr
+        assert "daemon.checksum: 'md5' is not one of xxh3, crc32, none" in out.stderr
+
+
 def test_unreachable_daemon_raises_at_construction(tmp_path: Path) -> None:
     from offloadd.backend.daemon import DaemonError
 
     with pytest.raises(DaemonError, match="cannot reach a daemon"):
-        Offloader(daemon_socket=str(tmp_path / "none.sock"))
+        Offloader(daemon={"socket": str(tmp_path / "none.sock")})
     with pytest.raises(ValueError, match="io_engine cannot be combined"):
         from offloadd.io.python_engine import PythonEngine
 
-        Offloader(daemon_socket=str(tmp_path / "none.sock"), io_engine=PythonEngine(1))
+        Offloader(daemon={"socket": str(tmp_path / "none.sock")}, io_engine=PythonEngine(1))
 
 
 def test_runs_on_uvloop_and_without_it(tmp_path: Path, daemon: DaemonProc) -> None:
@@ -482,7 +557,7 @@ def test_runs_on_uvloop_and_without_it(tmp_path: Path, daemon: DaemonProc) -> No
 def test_offloader_dropped_without_close_ends_its_session(daemon: DaemonProc) -> None:
     import gc
 
-    off = small_offloader(daemon.dirs[0], daemon_socket=daemon.socket)
+    off = small_offloader(daemon.dirs[0], daemon={"socket": daemon.socket})
     x = torch.ones(1, requires_grad=True)
     with off:
         y = SavePayload.apply(x, torch.randn(1 << 16))
@@ -499,10 +574,8 @@ def test_offloader_dropped_without_close_ends_its_session(daemon: DaemonProc) ->
 
 
 def test_env_variable_selects_the_daemon(daemon: DaemonProc) -> None:
-    from offloadd import Config
-
     cfg = Config.from_env({"OFFLOADD_DAEMON_SOCKET": daemon.socket, "OFFLOADD_MIN_BYTES": "4096"})
-    assert cfg.daemon_socket == daemon.socket
+    assert cfg.daemon.socket == daemon.socket
     off = Offloader(cfg)
     x = torch.randn(256, 256, requires_grad=True)
     expected = torch.autograd.grad((x * 2).sin().sum(), x)[0]

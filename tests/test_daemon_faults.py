@@ -23,6 +23,7 @@ import pytest
 from offloadd import Config
 from offloadd.backend import daemon as client
 from offloadd.backend.daemon import DaemonBackend
+from offloadd.config import DaemonConfig
 from offloadd.daemon import protocol as proto
 from offloadd.io import python_engine as engine_module
 from offloadd.io.buffers import AlignedBuffer
@@ -78,7 +79,7 @@ def _stopped_daemon_holding_a_write_and_a_read(
 def _backend(d: DaemonProc, warned: list[str]) -> DaemonBackend:
     cfg = Config(
         ssd_dirs=[str(d.dirs[0])],
-        daemon_socket=d.socket,
+        daemon=DaemonConfig(socket=d.socket),
         chunk_bytes=CHUNK,
         staging_bytes=4 * CHUNK,
         prefetch_bytes=4 * CHUNK,
@@ -243,7 +244,7 @@ def test_a_slow_file_system_probe_never_stalls_sessions(
 def test_every_daemon_loss_is_reported(own_daemon: Callable[..., DaemonProc]) -> None:
     """Two losses of two daemons (each gave this client session 1): two warnings, not one."""
     first = own_daemon().start()
-    off = small_offloader(first.dirs[0], daemon_socket=first.socket)
+    off = small_offloader(first.dirs[0], daemon={"socket": first.socket})
     daemon = off._backend
     assert daemon is not None
 

@@ -25,9 +25,9 @@ def open_backend(
     daemon client reports a lost daemon (once per key)."""
     if cfg.tier == "keep":
         return None
-    if cfg.tier == "ssd" and cfg.daemon_socket:
+    if cfg.tier == "ssd" and cfg.daemon.socket:
         if io_engine is not None:
-            raise ValueError("io_engine cannot be combined with daemon_socket")
+            raise ValueError("io_engine cannot be combined with daemon.socket")
         from offloadd.backend.daemon import DaemonBackend
 
         return DaemonBackend(cfg, warn=warn)

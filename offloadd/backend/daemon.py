@@ -107,7 +107,7 @@ def connect_control(path: str, timeout: float = _CONNECT_TIMEOUT_S) -> socket.so
         r = proto.decode_reply(_recv_frame(sock, bytearray()))
     except (OSError, proto.ProtocolError) as e:
         sock.close()
-        raise DaemonError(f"daemon_socket: cannot reach a daemon at {path!r}: {e}") from e
+        raise DaemonError(f"daemon.socket: cannot reach a daemon at {path!r}: {e}") from e
     if r.status:
         sock.close()
         raise DaemonError(
@@ -169,7 +169,7 @@ class DaemonBackend:
     name = "daemon"
 
     def __init__(self, config: Config, warn: Callable[[str, str], None]) -> None:
-        self.socket_path = config.daemon_socket
+        self.socket_path = config.daemon.socket
         self._path = f"daemon:{self.socket_path}"
         self.chunk_bytes = config.chunk_bytes
         slots = max(1, config.staging_bytes // config.chunk_bytes)
@@ -252,7 +252,7 @@ class DaemonBackend:
                 os.close(fd)
             sock.close()
             if isinstance(e, OSError | proto.ProtocolError | ValueError | KeyError):
-                raise DaemonError(f"daemon_socket {self.socket_path!r}: {e}") from e
+                raise DaemonError(f"daemon.socket {self.socket_path!r}: {e}") from e
             raise
         sock.settimeout(None)
         gen = _Generation(

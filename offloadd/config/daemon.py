@@ -1,7 +1,9 @@
-"""The daemon's configuration: a kw-only dataclass read from TOML (``configs/daemon.toml``).
+"""The daemon's settings: the ``daemon`` section of :class:`~offloadd.config.Config`.
 
-Every field is a TOML key; the ``offloadd serve`` options override the file. Bad values raise
-:class:`ValueError` naming the key and the value.
+In TOML they are the ``[daemon]`` table (``configs/daemon.toml`` documents every key); in the
+environment ``OFFLOADD_DAEMON_<KEY>`` (``OFFLOADD_DAEMON_QUOTA_BYTES=64GiB``). ``offloadd serve``
+reads the whole section, and its command-line options override it; the training side reads only
+``socket``. Errors name the dotted key (``daemon.quota_bytes``).
 """
 
 from __future__ import annotations
@@ -10,12 +12,24 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Literal, get_args
 
-from offloadd.config.schema import parse_size, read_toml
+from offloadd.config.kinds import (
+    Choice,
+    DirectIO,
+    Dirs,
+    Int,
+    Kind,
+    Size,
+    SocketPath,
+    Uids,
+    check,
+)
 
-__all__ = ["Checksum", "DaemonConfig", "default_socket_path"]
+__all__ = ["KINDS", "SECTION", "Checksum", "DaemonConfig", "default_socket_path"]
+
+SECTION = "daemon"
+"""The section's name: its TOML table, the prefix of its dotted keys and of its variables."""
 
 Checksum = Literal["xxh3", "crc32", "none"]
-DirectIO = Literal["auto", "on", "off"]
 
 
 def default_socket_path() -> str:
@@ -27,15 +41,19 @@ def default_socket_path() -> str:
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class DaemonConfig:
-    """How ``offloadd serve`` runs. Every field has a default that works."""
+    """How ``offloadd serve`` runs and where clients find it. Every field has a working default."""
 
     socket: str = ""
-    """Unix socket path; its directory is created 0700 and the socket 0600. Empty: the per-user
-    default (``$XDG_RUNTIME_DIR/offloadd/daemon.sock`` or ``/tmp/offloadd-run-$UID/daemon.sock``)."""
+    """Unix socket path. The daemon listens on it (its directory is created 0700, the socket
+    0600); the training side, when it is set and the tier is ``ssd``, has the daemon there do its
+    I/O: staging memory is shared with it, and ``ssd_dirs``/``engine``/``io_threads``/``direct_io``
+    are the daemon's business (an unreachable daemon raises at the Offloader's construction).
+    Empty: the daemon listens on the per-user default (``$XDG_RUNTIME_DIR/offloadd/daemon.sock``
+    or ``/tmp/offloadd-run-$UID/daemon.sock``), and the training side uses its embedded engine."""
 
     dirs: tuple[str, ...] = ()
     """Offload directories (one per drive), striped chunk by chunk. Empty: the per-user default
-    directory of the embedded engine."""
+    directory of the embedded engine. (The training side's ``ssd_dirs`` do not apply here.)"""
 
     quota_bytes: int = 0
     """Disk bytes one session may hold at once; a write past it is refused and the client keeps
@@ -49,10 +67,12 @@ class DaemonConfig:
     """User ids besides the daemon's own that may connect (checked with SO_PEERCRED)."""
 
     io_threads: int = 4
-    """Requests the I/O engine runs at once (shared by all sessions)."""
+    """Requests the daemon's I/O engine runs at once (shared by all sessions). The daemon's own
+    value: the training side's ``io_threads`` sizes only its embedded engine."""
 
     direct_io: DirectIO = "auto"
-    """O_DIRECT use for offload files, as the client's ``direct_io``."""
+    """O_DIRECT use for the daemon's offload files, with the same values as the training side's
+    ``direct_io``, which applies only to the embedded engine's files."""
 
     max_sessions: int = 64
     """Sessions open at once; more are refused."""
@@ -68,65 +88,35 @@ class DaemonConfig:
     extra). 0: off."""
 
     def __post_init__(self) -> None:
-        for key, choices in (("checksum", get_args(Checksum)), ("direct_io", get_args(DirectIO))):
-            if getattr(self, key) not in choices:
-                raise ValueError(
-                    f"{key} must be one of {', '.join(choices)}; got {getattr(self, key)!r}"
-                )
-        if not isinstance(self.socket, str):
-            raise ValueError(f"socket must be a path, got {self.socket!r}")
-        object.__setattr__(self, "socket", os.path.expanduser(self.socket))
-        dirs = self.dirs
-        if isinstance(dirs, str) or not all(isinstance(d, str) and d.strip() for d in dirs):
-            raise ValueError(f"dirs must be a list of directory paths, got {dirs!r}")
-        object.__setattr__(self, "dirs", tuple(os.path.expanduser(d) for d in dirs))
-        uids = self.allowed_uids
-        if isinstance(uids, str) or not all(
-            isinstance(u, int) and not isinstance(u, bool) and u >= 0 for u in uids
-        ):
-            raise ValueError(f"allowed_uids must be a list of user ids, got {uids!r}")
-        object.__setattr__(self, "allowed_uids", tuple(uids))
-        for key, low, high in (
-            ("quota_bytes", 0, 1 << 62),
-            ("io_threads", 1, 256),
-            ("max_sessions", 1, 1 << 16),
-            ("max_shm_bytes", 4096, 1 << 40),
-            ("max_chunk_bytes", 4096, 1 << 30),
-            ("metrics_port", 0, 65535),
-        ):
-            v = getattr(self, key)
-            if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= high:
-                raise ValueError(f"{key} must be an integer in {low}..{high}, got {v!r}")
+        for name, kind in KINDS.items():
+            value = check(f"{SECTION}.{name}", kind, getattr(self, name))
+            object.__setattr__(self, name, value)
 
     @property
     def socket_path(self) -> str:
+        """Where the daemon listens: ``socket``, else the per-user default."""
         return self.socket or default_socket_path()
 
-    @classmethod
-    def from_mapping(cls, values: dict[str, Any], *, source: str = "config") -> DaemonConfig:
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - names)
-        if unknown:
-            raise ValueError(
-                f"{source}: unknown key(s) {', '.join(unknown)}; known keys: {', '.join(sorted(names))}"
-            )
-        conv: dict[str, Any] = {}
-        for k, v in values.items():
-            if k in ("quota_bytes", "max_shm_bytes", "max_chunk_bytes"):
-                v = parse_size(k, v)
-            elif k in ("dirs", "allowed_uids"):
-                if not isinstance(v, list | tuple):
-                    raise ValueError(f"{source}: {k} must be a list, got {v!r}")
-                v = tuple(v)
-            conv[k] = v
-        return cls(**conv)
-
-    @classmethod
-    def from_toml(cls, path: str | os.PathLike[str]) -> DaemonConfig:
-        """Read a TOML file whose top-level keys (or ``[daemon]`` table) are field names."""
-        return cls.from_mapping(read_toml(path, "daemon"), source=str(path))
-
     def replace(self, **changes: Any) -> DaemonConfig:
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        values.update(changes)
-        return DaemonConfig(**values)
+        """A copy with ``changes`` applied and checked."""
+        return DaemonConfig(**{**self.as_dict(), **changes})
+
+    def as_dict(self) -> dict[str, Any]:
+        """``{key: value}``, as the ``[daemon]`` table would hold it."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+KINDS: dict[str, Kind] = {
+    "socket": SocketPath(),
+    "dirs": Dirs(),
+    "quota_bytes": Size(0, 1 << 62),
+    "checksum": Choice(get_args(Checksum)),
+    "allowed_uids": Uids(),
+    "io_threads": Int(1, 256),
+    "direct_io": Choice(get_args(DirectIO)),
+    "max_sessions": Int(1, 1 << 16),
+    "max_shm_bytes": Size(4096, 1 << 40),
+    "max_chunk_bytes": Size(4096, 1 << 30),
+    "metrics_port": Int(0, 65535),
+}
+"""How each field is read and checked (:mod:`offloadd.config.kinds`)."""

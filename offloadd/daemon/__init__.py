@@ -8,8 +8,8 @@ client's memory, files and blocks), ``checksum``. Shared with the client: ``prot
 format). The commands: ``cmd_serve``, ``cmd_status``, ``cmd_stop``, and ``runner`` (``offloadd run
 --daemon``).
 
-Elsewhere: the settings are :class:`~offloadd.config.DaemonConfig` (``offloadd/config/daemon.py``,
-``configs/daemon.toml``); the client, on the training side, is
+Elsewhere: the settings are the ``daemon`` section of :mod:`offloadd.config`
+(:class:`~offloadd.config.DaemonConfig`, ``configs/daemon.toml``); the client, on the training side, is
 :class:`~offloadd.backend.daemon.DaemonBackend`.
 """
 

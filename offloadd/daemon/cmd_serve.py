@@ -1,4 +1,10 @@
-"""``offloadd serve``: run the daemon in the foreground (logs to stderr; SIGTERM/SIGINT stop it)."""
+"""``offloadd serve``: run the daemon in the foreground (logs to stderr; SIGTERM/SIGINT stop it).
+
+Its settings are the ``daemon`` section of the one config, read by the one loader
+(:func:`offloadd.config.load_daemon`): the ``[daemon]`` table of ``--config FILE``, then the
+``OFFLOADD_DAEMON_*`` variables, then the command-line options. The training side's variables
+(``OFFLOADD_CONFIG`` and the other ``OFFLOADD_*``) are not the daemon's business and are not read.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +12,19 @@ import argparse
 import logging
 import sys
 
-from offloadd.config import DaemonConfig, parse_size
+from offloadd.config import DaemonConfig, load_daemon, parse_size
 
 __all__ = ["add_arguments", "main"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="TOML file of daemon settings (see configs/daemon.toml)")
-    p.add_argument("--socket", help="Unix socket path (default: per-user runtime directory)")
+    p.add_argument(
+        "--config", help="TOML file whose [daemon] table is read (see configs/daemon.toml)"
+    )
+    p.add_argument(
+        "--socket",
+        help="Unix socket path (default: $OFFLOADD_DAEMON_SOCKET, else per-user runtime directory)",
+    )
     p.add_argument(
         "--dir", action="append", dest="dirs", metavar="DIR", help="offload directory (repeatable)"
     )
@@ -24,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(ns: argparse.Namespace) -> DaemonConfig:
-    cfg = DaemonConfig.from_toml(ns.config) if ns.config else DaemonConfig()
+    cfg = load_daemon(ns.config)
     changes: dict[str, object] = {}
     if ns.socket:
         changes["socket"] = ns.socket

@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from offloadd.backend.daemon import DaemonError, _recv_frame, connect_control
-from offloadd.config import default_socket_path
+from offloadd.config import load_daemon
 from offloadd.daemon import protocol as proto
 from offloadd.runtime.stats import format_bytes
 
@@ -18,7 +18,11 @@ _STALE_S = 5.0  # the daemon probes its directories every second: older figures 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--socket", default=None, help="daemon socket (default: per-user path)")
+    p.add_argument(
+        "--socket",
+        default=None,
+        help="daemon socket (default: $OFFLOADD_DAEMON_SOCKET, else the per-user path)",
+    )
     p.add_argument("--json", action="store_true", help="print the status document as JSON")
 
 
@@ -69,7 +73,11 @@ def _table(doc: dict[str, Any]) -> str:
 
 
 def main(ns: argparse.Namespace) -> int:
-    path = ns.socket or default_socket_path()
+    try:
+        path = ns.socket or load_daemon().socket_path
+    except ValueError as e:
+        print(f"offloadd status: {e}", file=sys.stderr)
+        return 2
     try:
         r = query(path)
     except DaemonError as e:

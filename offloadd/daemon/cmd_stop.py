@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from offloadd.backend.daemon import DaemonError
-from offloadd.config import default_socket_path
+from offloadd.config import load_daemon
 from offloadd.daemon import protocol as proto
 from offloadd.daemon.cmd_status import query
 
@@ -14,11 +14,19 @@ __all__ = ["add_arguments", "main"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--socket", default=None, help="daemon socket (default: per-user path)")
+    p.add_argument(
+        "--socket",
+        default=None,
+        help="daemon socket (default: $OFFLOADD_DAEMON_SOCKET, else the per-user path)",
+    )
 
 
 def main(ns: argparse.Namespace) -> int:
-    path = ns.socket or default_socket_path()
+    try:
+        path = ns.socket or load_daemon().socket_path
+    except ValueError as e:
+        print(f"offloadd stop: {e}", file=sys.stderr)
+        return 2
     try:
         query(path, proto.Msg.STOP)
     except DaemonError as e:

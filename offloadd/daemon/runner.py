@@ -26,9 +26,10 @@ def session_for_run(env: dict[str, str]) -> Iterator[str]:
     """Start ``offloadd serve`` on a private socket, point ``env`` at it, stop it afterwards.
 
     The daemon offloads to the configuration's ``ssd_dirs`` (``OFFLOADD_CONFIG`` and
-    ``OFFLOADD_*`` in ``env``; else its own default directory), and runs with no ``OFFLOADD*``
-    variable in its environment, so it never offloads its own tensors. Its log goes to a file next
-    to the socket and is shown if it fails to start."""
+    ``OFFLOADD_*`` in ``env``; else its own default directory), and runs without ``OFFLOADD*``
+    variables in its environment, so it never offloads its own tensors; the other keys of the
+    ``daemon`` section keep their defaults. Its log goes to a file next to the socket and is
+    shown if it fails to start."""
     from offloadd.backend.daemon import DaemonError
     from offloadd.config import Config
     from offloadd.daemon.cmd_status import query

@@ -1,9 +1,27 @@
-"""offloadd: lossless, asynchronous offloading of saved activations to SSD or host memory."""
+"""offloadd: lossless, asynchronous offloading of saved activations to SSD or host memory.
 
-from offloadd.config import Config
-from offloadd.runtime.offloader import Offloader
-from offloadd.runtime.stats import Stats
+What users need: :class:`Offloader` (a context manager around forward), :class:`Config` and
+:class:`Stats`. What extension writers need: :class:`Backend` (where chunks go),
+:class:`Engine` with :class:`Request` and :class:`Op` (how bytes move), :class:`Ordering` (how
+an asynchronous device orders its copies). See docs/architecture.md.
+"""
 
-__all__ = ["Config", "Offloader", "Stats", "__version__"]
+from offloadd.backend import Backend
+from offloadd.config import Config, DaemonConfig
+from offloadd.io import Engine, Op, Request
+from offloadd.runtime import Offloader, Ordering, Stats
+
+__all__ = [
+    "Backend",
+    "Config",
+    "DaemonConfig",
+    "Engine",
+    "Offloader",
+    "Op",
+    "Ordering",
+    "Request",
+    "Stats",
+    "__version__",
+]
 
 __version__ = "0.1.0"

@@ -135,7 +135,7 @@ class RawSession:
     def __init__(self, socket_path: str, chunk: int = 4096, slots: int = 4) -> None:
         import mmap
 
-        from offloadd.backend.daemon import _recv_frame, connect_control
+        from offloadd.backend.daemon_link import connect_control, recv_frame
         from offloadd.daemon import protocol as proto
 
         self.proto = proto
@@ -143,7 +143,7 @@ class RawSession:
         self.sock = connect_control(socket_path)
         self.sock.sendall(proto.encode_open(1, chunk, slots * chunk, slots * chunk, False))
         fds: list[int] = []
-        r = proto.decode_reply(_recv_frame(self.sock, bytearray(), fds))
+        r = proto.decode_reply(recv_frame(self.sock, bytearray(), fds))
         assert r.status == 0, r.tail
         self.info = json.loads(r.tail)
         self.session = r.value
@@ -155,11 +155,11 @@ class RawSession:
 
     def call(self, kind: Any, **fields: int) -> Any:
         """Send one request, return its reply."""
-        from offloadd.backend.daemon import _recv_frame
+        from offloadd.backend.daemon_link import recv_frame
 
         self._req += 1
         self.sock.sendall(self.proto.encode_request(self.proto.Command(kind, self._req, **fields)))
-        r = self.proto.decode_reply(_recv_frame(self.sock, self.buf))
+        r = self.proto.decode_reply(recv_frame(self.sock, self.buf))
         assert r.req == self._req
         return r
 

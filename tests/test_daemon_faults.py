@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from offloadd import Config
-from offloadd.backend import daemon as client
+from offloadd.backend import daemon_ending
 from offloadd.backend.daemon import DaemonBackend
 from offloadd.config import DaemonConfig
 from offloadd.daemon import protocol as proto
@@ -106,7 +106,7 @@ def test_close_returns_when_the_daemon_stops_answering(
 ) -> None:
     """A SIGSTOPped daemon holds a write and a read: close() gives up after its deadline, fails
     the write, reads the chunk from the session's file itself, and releases every descriptor."""
-    monkeypatch.setattr(client, "CLOSE_TIMEOUT_S", 1.0, raising=False)
+    monkeypatch.setattr(daemon_ending, "CLOSE_TIMEOUT_S", 1.0)
     d = own_daemon().start()
     warned: list[str] = []
     b = _backend(d, warned)
@@ -139,8 +139,8 @@ def test_close_returns_when_the_local_read_is_stuck_too(
     """The daemon stops answering and the read close() makes from the session's file itself
     hangs on the disk as well: close() still returns within its deadlines, says so, and leaves
     the file open under the read, which completes with the right bytes once the disk answers."""
-    monkeypatch.setattr(client, "CLOSE_TIMEOUT_S", 1.0, raising=False)
-    monkeypatch.setattr(client, "_TEARDOWN_TIMEOUT_S", 1.0, raising=False)
+    monkeypatch.setattr(daemon_ending, "CLOSE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(daemon_ending, "_TEARDOWN_TIMEOUT_S", 1.0)
     disk = threading.Event()
     real_transfer = engine_module.transfer
 

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from offloadd.backend.daemon import DaemonError, _recv_frame, connect_control
+from offloadd.backend.daemon_link import DaemonError, connect_control, recv_frame
 from offloadd.config import load_daemon
 from offloadd.daemon import protocol as proto
 from offloadd.runtime.stats import format_bytes
@@ -31,7 +31,7 @@ def query(path: str, kind: proto.Msg = proto.Msg.STATS) -> proto.Reply:
     sock = connect_control(path)
     try:
         sock.sendall(proto.encode_request(proto.Command(kind, 1)))
-        return proto.decode_reply(_recv_frame(sock, bytearray()))
+        return proto.decode_reply(recv_frame(sock, bytearray()))
     except (OSError, proto.ProtocolError) as e:
         raise DaemonError(f"daemon at {path!r} did not answer: {e}") from e
     finally:

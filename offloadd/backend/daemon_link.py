@@ -1,0 +1,177 @@
+"""The daemon client's link to ``offloadd serve``: the handshake, the session's shared memory,
+and the records of one connection (a *generation*: replaced after each reconnect).
+
+``offloadd status`` and ``offloadd stop`` use :func:`connect_control` and :func:`recv_frame`
+too.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import queue
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from offloadd.daemon import protocol as proto
+from offloadd.io.buffers import AlignedBuffer, SlotPool
+from offloadd.io.request import Request
+
+__all__ = [
+    "DaemonError",
+    "Generation",
+    "Placed",
+    "StagingPool",
+    "connect_control",
+    "identity",
+    "open_session",
+    "recv_frame",
+]
+
+_CONNECT_TIMEOUT_S = 5.0
+_MAX_FDS = 16
+
+
+class DaemonError(ConnectionError):
+    """The daemon could not be reached or refused the session."""
+
+
+def identity() -> str:
+    rank = os.environ.get("RANK")
+    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+    ident = f"{prog} pid {os.getpid()}" + (f" rank {rank}" if rank is not None else "")
+    return "".join(c for c in ident if c.isprintable())[: proto.MAX_IDENTITY // 4]
+
+
+def recv_frame(sock: socket.socket, buf: bytearray, fds: list[int] | None = None) -> bytes:
+    """Block until one complete reply frame is in ``buf``; collect passed descriptors."""
+    while True:
+        frames = proto.split_frames(buf, proto.MAX_REPLY) if buf else []
+        if frames:
+            if len(frames) > 1:  # never happens in the handshake: one request, one reply
+                raise proto.ProtocolError("unexpected extra reply in the handshake")
+            return frames[0]
+        data, anc, _flags, _ = sock.recvmsg(
+            65536, socket.CMSG_SPACE(_MAX_FDS * array.array("i").itemsize)
+        )
+        for level, kind, raw in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                a = array.array("i")
+                a.frombytes(raw[: len(raw) - len(raw) % a.itemsize])
+                if fds is None:
+                    for fd in a:
+                        os.close(fd)
+                else:
+                    fds.extend(a)
+        if not data:
+            raise DaemonError("the daemon closed the connection")
+        buf += data
+
+
+def connect_control(path: str, timeout: float = _CONNECT_TIMEOUT_S) -> socket.socket:
+    """A connection past the handshake (for ``offloadd status`` / ``stop`` and tests)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(path)
+        sock.sendall(proto.encode_hello(os.getpid(), identity()))
+        r = proto.decode_reply(recv_frame(sock, bytearray()))
+    except (OSError, proto.ProtocolError) as e:
+        sock.close()
+        raise DaemonError(f"daemon.socket: cannot reach a daemon at {path!r}: {e}") from e
+    if r.status:
+        sock.close()
+        raise DaemonError(
+            f"daemon at {path!r} refused the handshake: {r.tail.decode(errors='replace')}"
+        )
+    return sock
+
+
+class StagingPool(SlotPool):
+    """The staging slots: the first ``nbytes`` of the shared memory."""
+
+    def __init__(self, buffer: AlignedBuffer, nbytes: int, slot_bytes: int) -> None:
+        self.slot_bytes = slot_bytes
+        self.num_slots = nbytes // slot_bytes
+        self.buffer = buffer
+        self._free = list(range(self.num_slots - 1, -1, -1))
+
+    def close(self) -> None:
+        self.buffer.close()
+
+
+@dataclass(slots=True, eq=False)
+class Generation:
+    """One connection to a daemon (one session); replaced after a reconnect."""
+
+    sock: socket.socket
+    session: int
+    file_fds: list[int]
+    file_dirs: list[str]
+    checksum: Callable[[memoryview], int] | None
+    sendq: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue)
+    pending: dict[int, tuple[Request, int]] = field(default_factory=dict)  # id -> (req, slot)
+    live: int = 0  # blocks written and not freed
+    dead: bool = False
+    closed_event: threading.Event = field(default_factory=threading.Event)
+    threads: list[threading.Thread] = field(default_factory=list)
+    # This backend's count of its connections. Not the session id, which a restarted daemon
+    # hands out again from 1: a warning keyed on it would be swallowed as already given.
+    number: int = 0
+
+
+@dataclass(slots=True)
+class Placed:
+    """Where the daemon put one chunk."""
+
+    gen: Generation
+    block: int
+    file: int
+    offset: int
+    checksum: int
+
+
+def open_session(
+    path: str, chunk_bytes: int, staging_bytes: int, read_bytes: int, buffer: AlignedBuffer | None
+) -> tuple[socket.socket, dict[str, Any], list[int], AlignedBuffer]:
+    """Open a session: (socket, the daemon's session info, its files' descriptors, the shared
+    memory). ``buffer``: the shared memory of an earlier session, offered again after a
+    reconnect (None: the daemon creates it)."""
+    sock = connect_control(path)
+    fds: list[int] = []
+    try:
+        attach = buffer is not None
+        msg = proto.encode_open(0, chunk_bytes, staging_bytes, read_bytes, attach)
+        if buffer is not None:
+            anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [buffer.fd]))]
+            sock.sendmsg([msg], anc)
+        else:
+            sock.sendall(msg)
+        r = proto.decode_reply(recv_frame(sock, bytearray(), fds))
+        if r.status:
+            raise DaemonError(
+                f"daemon at {path!r} refused the session: "
+                f"{os.strerror(r.status)}: {r.tail.decode(errors='replace')}"
+            )
+        info = json.loads(r.tail)
+        nfiles = len(info["files"])
+        if len(fds) != 1 + nfiles or info["shm_bytes"] != staging_bytes + read_bytes:
+            raise DaemonError("daemon sent a session that does not match the request")
+        shm_fd = fds.pop(0)
+        if buffer is not None:
+            os.close(shm_fd)  # the daemon's copy of our own memfd
+        else:
+            buffer = AlignedBuffer(info["shm_bytes"], fd=shm_fd)
+    except BaseException as e:
+        for fd in fds:
+            os.close(fd)
+        sock.close()
+        if isinstance(e, OSError | proto.ProtocolError | ValueError | KeyError):
+            raise DaemonError(f"daemon.socket {path!r}: {e}") from e
+        raise
+    return sock, info, fds, buffer

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from offloadd import Config, Offloader
+from offloadd import Config, Offloader, Stats
 from offloadd.io.python_engine import PythonEngine
 from offloadd.io.request import Engine, Op, Request
 from offloadd.io.select import open_host_engine
@@ -84,6 +84,24 @@ def train(
         opt.step()
         opt.zero_grad()
     return out
+
+
+def train_and_compare(
+    make_model: Callable[[], nn.Module],
+    make_input: Callable[[torch.Generator], torch.Tensor],
+    off: Offloader,
+) -> Stats:
+    """Train with ``off`` and without offloading; assert bit-identical results; return the
+    Offloader's stats once its I/O settled (it is closed afterwards either way)."""
+    reference = train(make_model, make_input, None)
+    try:
+        got = train(make_model, make_input, off)
+        off.synchronize()
+        st = off.stats()
+    finally:
+        off.close()
+    assert_bitwise_equal(reference, got)
+    return st
 
 
 def assert_bitwise_equal(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> None:

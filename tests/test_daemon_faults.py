@@ -51,7 +51,7 @@ class _Done:
 
 def _submit(b: DaemonBackend, op: Op, voffset: int, address: int) -> _Done:
     done = _Done()
-    b.submit(op, 0, voffset, address, CHUNK, done)
+    b.submit(Request(op, *b.target(0), voffset, address, CHUNK, done))
     return done
 
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from offloadd.tools.models import GPT, GPTConfig
 
-from .helpers import SlowEngine, assert_bitwise_equal, small_offloader, train
+from .helpers import SlowEngine, assert_bitwise_equal, small_offloader, train, train_and_compare
 
 pytestmark = pytest.mark.usefixtures("backend")
 
@@ -67,16 +67,8 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], tor
 @pytest.mark.parametrize("tier", ["keep", "ssd", "cpu"])
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_gradients_bit_identical(model: str, tier: str, dedup: bool, disk_dir: Path) -> None:
-    make_model, make_input = MODELS[model]
-    reference = train(make_model, make_input, None)
     off = small_offloader(disk_dir, tier=tier, dedup=dedup)
-    try:
-        got = train(make_model, make_input, off)
-        off.synchronize()
-        st = off.stats()
-    finally:
-        off.close()
-    assert_bitwise_equal(reference, got)
+    st = train_and_compare(*MODELS[model], off)
     assert st.saved_tensors > 0
     if tier == "ssd":
         assert st.offloaded_bytes > 0 and st.bytes_written > 0

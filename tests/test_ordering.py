@@ -18,7 +18,13 @@ import torch
 from offloadd.runtime.ordering import StagedCopy
 from offloadd.runtime.simulated import SimulatedOrdering
 
-from .helpers import SavePayload, assert_bitwise_equal, small_offloader, train
+from .helpers import (
+    SavePayload,
+    assert_bitwise_equal,
+    small_offloader,
+    train,
+    train_and_compare,
+)
 from .test_equivalence import MODELS
 
 
@@ -39,16 +45,8 @@ _TIGHT = {"chunk_bytes": 64 << 10, "staging_bytes": 256 << 10, "host_budget_byte
 def test_simulated_device_is_lossless(
     model: str, tier: str, disk_dir: Path, sim: SimulatedOrdering
 ) -> None:
-    make_model, make_input = MODELS[model]
-    reference = train(make_model, make_input, None)
     off = small_offloader(disk_dir, tier=tier, ordering=sim, **_TIGHT)
-    try:
-        got = train(make_model, make_input, off)
-        off.synchronize()
-        st = off.stats()
-    finally:
-        off.close()
-    assert_bitwise_equal(reference, got)
+    st = train_and_compare(*MODELS[model], off)
     assert sim.copies > 0, "the simulated device was not used"
     if tier == "ssd":
         assert st.bytes_read > 0, "nothing was read back: the test would not see wrong bytes"

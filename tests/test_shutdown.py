@@ -37,9 +37,9 @@ def _gate_writes(off: Offloader, gate: threading.Event) -> None:
     assert backend is not None
     real = backend.submit
 
-    def submit(*args: Any, **kw: Any) -> Any:
-        kw["before"] = gate.wait
-        return real(*args, **kw)
+    def submit(request: Any, **kw: Any) -> None:
+        request.before = gate.wait
+        real(request, **kw)
 
     backend.submit = submit  # type: ignore[method-assign]
 

@@ -7,17 +7,16 @@ socket). The runtime (slots, chunks, prefetch, forwarding, fallbacks) is the sam
 
 A chunk's place is a ``(file, offset)`` pair that the backend hands out and takes back; the
 runtime moves a chunk's bytes between a slot of the backend's :meth:`~Backend.staging` pool (or
-its own host pool) and that place with :meth:`~Backend.submit`, whose callback runs on one of the
-backend's threads.
+its own host pool) and that place with a :class:`~offloadd.io.request.Request` naming the file's
+:meth:`~Backend.target`, given to :meth:`~Backend.submit`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 from offloadd.io.buffers import SlotPool
-from offloadd.io.request import Op, Request
+from offloadd.io.request import Request
 
 __all__ = ["Backend"]
 
@@ -52,24 +51,15 @@ class Backend(Protocol):
         """Give back a place (runtime lock held; never blocks)."""
         ...
 
-    def submit(
-        self,
-        op: Op,
-        file: int,
-        offset: int,
-        address: int,
-        nbytes: int,
-        callback: Callable[[Request], None],
-        *,
-        before: Callable[[], None] | None = None,
-        keepalive: Any = None,
-        context: Any = None,
-        direct: bool = False,
-    ) -> Request:
-        """Start moving ``nbytes`` at ``address`` to (WRITE) or from (READ) a place.
+    def target(self, file: int) -> tuple[int, str]:
+        """The descriptor and the path (for messages) that requests on ``file`` name."""
+        ...
 
-        ``before`` runs on the I/O thread first (e.g. waits for the copy that fills the slot);
-        ``direct``: ``address`` is device memory, moved with GPUDirect Storage."""
+    def submit(self, request: Request, *, direct: bool = False) -> None:
+        """Start ``request`` (its callback runs on one of the backend's threads).
+
+        ``request.before`` runs on the I/O thread first (e.g. waits for the copy that fills the
+        slot); ``direct``: its address is device memory, moved with GPUDirect Storage."""
         ...
 
     def cancel(self, request: Request) -> bool:

@@ -177,35 +177,12 @@ class DaemonBackend(Ending):
     def release(self) -> None:
         pass  # close() released everything; the staging pool is the Offloader's to close
 
-    def submit(
-        self,
-        op: Op,
-        file: int,
-        offset: int,
-        address: int,
-        nbytes: int,
-        callback: Callable[[Request], None],
-        *,
-        before: Callable[[], None] | None = None,
-        keepalive: Any = None,
-        context: Any = None,
-        direct: bool = False,
-    ) -> Request:
+    def target(self, file: int) -> tuple[int, str]:
+        return -1, self._path
+
+    def submit(self, request: Request, *, direct: bool = False) -> None:
         assert not direct, "the daemon takes host memory only"
-        req = Request(
-            op,
-            -1,
-            self._path,
-            offset,
-            address,
-            nbytes,
-            callback,
-            before=before,
-            keepalive=keepalive,
-            context=context,
-        )
-        self._submit(req)
-        return req
+        self._submit(request)
 
     def _submit(self, req: Request) -> None:
         with self._lock:

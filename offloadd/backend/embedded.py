@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
-from typing import Any
 
 from offloadd.config import Config
 from offloadd.io.buffers import SlotPool
 from offloadd.io.files import DiskStore, default_offload_dir
-from offloadd.io.request import Engine, Op, Request
+from offloadd.io.request import Engine, Request
 from offloadd.io.select import open_host_engine
 
 __all__ = ["EmbeddedBackend"]
@@ -72,37 +70,14 @@ class EmbeddedBackend:
     def free(self, file: int, offset: int) -> None:
         self._disk.files[file].free(offset)
 
-    def submit(
-        self,
-        op: Op,
-        file: int,
-        offset: int,
-        address: int,
-        nbytes: int,
-        callback: Callable[[Request], None],
-        *,
-        before: Callable[[], None] | None = None,
-        keepalive: Any = None,
-        context: Any = None,
-        direct: bool = False,
-    ) -> Request:
+    def target(self, file: int) -> tuple[int, str]:
         f = self._disk.files[file]
-        req = Request(
-            op,
-            f.fd,
-            f.path,
-            offset,
-            address,
-            nbytes,
-            callback,
-            before=before,
-            keepalive=keepalive,
-            context=context,
-        )
+        return f.fd, f.path
+
+    def submit(self, request: Request, *, direct: bool = False) -> None:
         engine = self._gds if direct else self._engine
         assert engine is not None, "direct I/O without GDS"
-        engine.submit(req)
-        return req
+        engine.submit(request)
 
     def cancel(self, request: Request) -> bool:
         return self._engine.cancel(request)

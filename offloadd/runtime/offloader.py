@@ -96,7 +96,7 @@ class Offloader:
             self._stats.buffered_io = backend.buffered
             self._stats.engine = backend.name
         self._writer = Writer(cfg, ledger, self._blocks, backend, self._ordering)
-        self._reader = Reader(cfg, ledger, self._blocks, backend, self._ordering, self._writer)
+        self._reader = Reader(self._writer)
         # Runs at close(), when the Offloader is collected, or at interpreter exit.
         self._finalizer = weakref.finalize(
             self, Offloader._shutdown, backend, self._writer.pools, self._ordering

@@ -18,17 +18,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from offloadd.config import Config
 from offloadd.io.buffers import aligned_empty
 from offloadd.io.request import Op, Request
-from offloadd.runtime.blocks import CAPTURED, CAPTURING, Block, BlockMap
+from offloadd.runtime.blocks import CAPTURED, CAPTURING, Block
 from offloadd.runtime.handles import Ref, inplace_error, view
-from offloadd.runtime.ledger import Ledger
-from offloadd.runtime.ordering import Ordering
 from offloadd.runtime.writer import Writer
 
 if TYPE_CHECKING:
-    from offloadd.backend.base import Backend
+    pass
 
 __all__ = ["Reader"]
 
@@ -37,21 +34,10 @@ class Reader:
     """Unpack of offloaded refs, loads, consumption and prefetch (lock held, except
     :meth:`unpack` and :meth:`to_device`)."""
 
-    def __init__(
-        self,
-        config: Config,
-        ledger: Ledger,
-        blocks: BlockMap,
-        backend: Backend | None,
-        ordering: Ordering,
-        writer: Writer,
-    ) -> None:
-        self.config = config
-        self.ledger = ledger
-        self.blocks = blocks
-        self.backend = backend
-        self.ordering = ordering
-        self.writer = writer
+    def __init__(self, writer: Writer) -> None:
+        self.writer = writer  # whose slots it forwards from and whose writes it cancels
+        self.config, self.ledger, self.blocks = writer.config, writer.ledger, writer.blocks
+        self.backend, self.ordering = writer.backend, writer.ordering
         self.prefetch_live = 0  # bytes held by prefetched blocks not yet consumed
         self._pf_low = 0  # prefetch sweep: blocks with seq in [_pf_low, _pf_high) were scanned
         self._pf_high = 0
@@ -164,9 +150,11 @@ class Reader:
                     block.pinned_resident = True
                 ledger.stats.forwarded_bytes += chunk.nbytes
             elif chunk.on_disk:
-                chunk.request = backend.submit(
+                fd, path = backend.target(chunk.file)
+                req = Request(
                     Op.READ,
-                    chunk.file,
+                    fd,
+                    path,
                     chunk.offset,
                     dst.data_ptr(),
                     dst.numel(),
@@ -174,9 +162,10 @@ class Reader:
                     before=ready,
                     keepalive=dst if block.direct else buf,
                     context=(block, chunk),
-                    direct=block.direct,
                 )
+                chunk.request = req
                 block.loading += 1
+                backend.submit(req, direct=block.direct)
                 on_demand = True
             else:
                 raise AssertionError("chunk without data")

@@ -193,10 +193,11 @@ class Writer:
         else:
             assert self.pool is not None and chunk.slot is not None
             address, nbytes = self.pool.address(chunk.slot), chunk.nbytes
-        self.in_flight += 1
-        chunk.request = backend.submit(
+        fd, path = backend.target(chunk.file)
+        req = Request(
             Op.WRITE,
-            chunk.file,
+            fd,
+            path,
             chunk.offset,
             address,
             nbytes,
@@ -204,8 +205,10 @@ class Writer:
             before=ready,
             keepalive=piece,
             context=(block, chunk),
-            direct=piece is not None,
         )
+        chunk.request = req
+        self.in_flight += 1
+        backend.submit(req, direct=piece is not None)
 
     def _on_write_done(self, req: Request) -> None:
         block, chunk = req.context

@@ -34,9 +34,9 @@ _thread_role = threading.local()
 def mark_engine_thread() -> None:
     """Called first by every thread of an engine that runs request callbacks.
 
-    Such a thread may drop the last reference to the owner of its engine (a callback holds the
-    Offloader); the owner's finalizer must then not close the engine from there, since closing
-    joins this very thread (see ``Offloader._shutdown``)."""
+    The finalizer of the engine's owner may run on such a thread (a garbage collection there);
+    it must then not close the engine from it, since closing joins this very thread (see
+    [shutdown] in ``offloadd/runtime/offloader.py``)."""
     _thread_role.engine = True
 
 

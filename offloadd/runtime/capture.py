@@ -23,7 +23,7 @@ these holds, and the capture happens at the first of them:
 At capture the version counter must still be the one recorded at pack; if it moved, the tensor
 was changed in place after it was saved, and unpack raises PyTorch's in-place error, exactly as
 autograd does without hooks. On CUDA the producer event is recorded at capture on the stream
-recorded at pack, i.e. after the op's kernels were queued (see [CUDA ordering] in offloader.py).
+recorded at pack, i.e. after the op's kernels were queued (see [device ordering] in ordering.py).
 
 Note: [the version handle] The node number has one gap: an op that creates a node between its
 saves and its kernel. ``a.mul_(b)`` saves ``b``, then clones the original ``a`` (a new node, a

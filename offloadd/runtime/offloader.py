@@ -195,11 +195,12 @@ class Offloader:
     def _shutdown(backend: Backend | None, pools: list[SlotPool], ordering: Ordering) -> None:
         """Release the backend and the pools (close(), collection, or interpreter exit).
 
-        Note: [shutdown] Collection can happen on an I/O thread: a request's callback holds the
-        Offloader, and the thread drops it after the callback ran. Closing the backend there
-        would join (or wait on) the very thread doing it, so the shutdown then moves to a fresh
-        thread. Pools are freed only after every copy stream has drained (see [device
-        ordering] in ordering.py)."""
+        Note: [shutdown] Requests hold the write and read paths, never the Offloader, so an
+        unclosed one is collected once its graphs are gone, writes in flight or not; closing
+        the backend waits for those writes, and the pools are freed only after them and after
+        every copy stream has drained (see [device ordering] in ordering.py). A collection can
+        still run on an I/O thread (a garbage-collector pass there); closing the backend from it
+        would join the very thread doing it, so the shutdown then moves to a fresh thread."""
         if on_engine_thread():
             args = (backend, pools, ordering)
             with contextlib.suppress(RuntimeError):  # no new thread at interpreter exit

@@ -290,3 +290,17 @@ def test_load_layers_base_file_and_environment(tmp_path: Path) -> None:
         ValueError, match=rf"staging_bytes: .*chunk_bytes.*from {p}, OFFLOADD_CHUNK"
     ):
         Config.from_env(env)
+
+
+def test_a_daemon_file_without_its_table_still_serves(tmp_path: Path) -> None:
+    """configs/daemon.toml had no [daemon] table before the settings became a section: a file
+    of daemon keys alone is read as that table by ``offloadd serve`` (a mixed one is not)."""
+    from offloadd.config.loader import load_daemon
+
+    p = tmp_path / "old.toml"
+    p.write_text('quota_bytes = "1MiB"\nio_threads = 2\n')
+    cfg = load_daemon(p, environ={})
+    assert cfg.quota_bytes == 1 << 20 and cfg.io_threads == 2
+    p.write_text('quota_bytes = "1MiB"\nmin_bytes = 3\n')
+    with pytest.raises(ValueError, match="quota_bytes: unknown key"):
+        load_daemon(p, environ={})

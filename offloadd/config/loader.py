@@ -73,10 +73,19 @@ def load_daemon(
     """The section as ``offloadd serve``, ``status`` and ``stop`` read it: :func:`load` of
     ``path`` with only the ``OFFLOADD_DAEMON_*`` variables of ``environ`` (default:
     ``os.environ``). The training side's variables, ``OFFLOADD_CONFIG`` too, are not read: they
-    are not the daemon's business, and the daemon's process often inherits them."""
+    are not the daemon's business, and the daemon's process often inherits them. A file of
+    daemon keys alone, without a ``[daemon]`` table, is read as that table."""
     env = os.environ if environ is None else environ
-    daemon_vars = {k: v for k, v in env.items() if k.startswith(DAEMON_ENV_PREFIX)}
-    return load(path, environ=daemon_vars).daemon
+    flat: Flat = {}
+    if path is not None:
+        data = read_file(path)
+        if data and SECTION not in data and all(k in DAEMON_KINDS for k in data):
+            # Only daemon keys, at the top: a daemon's own file, as configs/daemon.toml was
+            # before the daemon's settings became a section. Read as its [daemon] table.
+            data = {SECTION: data}
+        flat.update(flatten(data, str(path)))
+    flat.update(from_environ({k: v for k, v in env.items() if k.startswith(DAEMON_ENV_PREFIX)}))
+    return build(flat).daemon
 
 
 def read_file(path: str | os.PathLike[str]) -> dict[str, Any]:

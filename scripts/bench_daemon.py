@@ -173,7 +173,7 @@ def throughput(results: list[dict[str, Any]]) -> dict[str, float]:
 def latency(socket_path: str, data_dir: str, n: int) -> dict[str, float]:
     import mmap
 
-    from offloadd.backend.daemon import _recv_frame, connect_control
+    from offloadd.backend.daemon_link import connect_control, recv_frame
     from offloadd.daemon import protocol as proto
     from offloadd.io.buffers import AlignedBuffer
     from offloadd.io.files import SlotFile
@@ -181,7 +181,7 @@ def latency(socket_path: str, data_dir: str, n: int) -> dict[str, float]:
     sock = connect_control(socket_path)
     sock.sendall(proto.encode_open(1, 4096, 4096 * 4, 4096 * 4, False))
     fds: list[int] = []
-    r = proto.decode_reply(_recv_frame(sock, bytearray(), fds))
+    r = proto.decode_reply(recv_frame(sock, bytearray(), fds))
     info = json.loads(r.tail)
     shm = mmap.mmap(fds[0], info["shm_bytes"], flags=mmap.MAP_SHARED)
     for fd in fds:
@@ -191,7 +191,7 @@ def latency(socket_path: str, data_dir: str, n: int) -> dict[str, float]:
     def rtt(msg: bytes) -> tuple[float, Any]:
         t0 = time.perf_counter()
         sock.sendall(msg)
-        rep = proto.decode_reply(_recv_frame(sock, buf))
+        rep = proto.decode_reply(recv_frame(sock, buf))
         return time.perf_counter() - t0, rep
 
     noop, write, free_ = [], [], []

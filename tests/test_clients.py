@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,9 @@ import pytest
 from tests.envrun import CLIENTS, PYTHON, clean_env, last_json, offload_env, run, summary_lines
 
 ENGINE_PARAMS = ("default",)  # the processes under test choose the engine (auto)
+
+
+_TORCH_ABORT = "terminate called without an active exception"
 
 
 def _free_port() -> str:
@@ -49,13 +53,26 @@ def test_torchrun_ddp_two_ranks(disk_dir: Path, tmp_path: Path) -> None:
     def launch(env: dict[str, str], out: Path) -> dict[int, dict[str, Any]]:
         out.mkdir()
         env["CLIENT_OUT"] = str(out)
-        cmd = [
-            "torchrun",
-            "--nproc_per_node=2",
-            f"--master_port={_free_port()}",
-            str(CLIENTS / "ddp_train.py"),
-        ]
-        run(cmd, env, timeout=300)
+        for attempt in (1, 2):
+            cmd = [
+                "torchrun",
+                "--nproc_per_node=2",
+                f"--master_port={_free_port()}",
+                str(CLIENTS / "ddp_train.py"),
+            ]
+            try:
+                run(cmd, env, timeout=300)
+                break
+            except AssertionError as e:
+                # torch 2.13's CPU wheel: on a loaded machine a rank sometimes aborts in C++
+                # (gloo/c10d) while the group starts, with or without offloadd (seen in the
+                # launch without it). One retry for that signature only; it is no numerical
+                # outcome, and the two launches' results must still match bit for bit.
+                if attempt == 2 or _TORCH_ABORT not in str(e):
+                    raise
+                warnings.warn(f"torchrun rank aborted in C++; retrying once: {cmd}", stacklevel=1)
+                for p in out.iterdir():
+                    p.unlink()
         results = [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))]
         return {int(r["rank"]): r for r in results}
 

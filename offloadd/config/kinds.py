@@ -170,20 +170,23 @@ class Choice:
         return value
 
 
+def _items(value: object, separators: str) -> list[object]:
+    """A list or tuple as it is; a string split at ``separators`` (blank items dropped)."""
+    if isinstance(value, str):
+        return [p for p in re.split(separators, value) if p.strip()]
+    if isinstance(value, list | tuple):
+        return list(value)
+    raise Rejected
+
+
 class Dirs:
     """Directories: a list, or one string of them separated by ``,`` or ``:``; ``~`` expanded."""
 
     what = "a list of directories (or one string of them separated by ',' or ':')"
 
     def read(self, value: object) -> tuple[str, ...]:
-        if isinstance(value, str):
-            parts: list[object] = [p for p in re.split(r"[,:]", value) if p.strip()]
-        elif isinstance(value, list | tuple):
-            parts = list(value)
-        else:
-            raise Rejected
         out = []
-        for p in parts:
+        for p in _items(value, r"[,:]"):
             if not isinstance(p, str | os.PathLike) or not str(p).strip():
                 raise Rejected
             out.append(os.path.expanduser(str(p).strip()))
@@ -196,14 +199,8 @@ class Uids:
     what = "a list of user ids (non-negative integers, or one string of them separated by ',')"
 
     def read(self, value: object) -> tuple[int, ...]:
-        if isinstance(value, str):
-            parts: list[object] = [p for p in re.split(r"[,:\s]+", value) if p]
-        elif isinstance(value, list | tuple):
-            parts = list(value)
-        else:
-            raise Rejected
         out = []
-        for p in parts:
+        for p in _items(value, r"[,:\s]+"):
             if isinstance(p, int) and not isinstance(p, bool) and p >= 0:
                 out.append(p)
             elif isinstance(p, str) and p.strip().isdigit():

@@ -321,6 +321,8 @@ def step(off):
                                                                                lambda t: t)
     with ctx:
         loss = model(x).square().mean()
+    if off is not None:
+        off.synchronize()  # the writes run (on the failing ring) before backward can cancel them
     loss.backward()
     return [p.grad for p in model.parameters()]
 

@@ -7,7 +7,7 @@ Both remember the tensor's version counter at pack.
 Note: [freeing] Autograd drops a packed object when the graph frees that saved tensor (after the
 node ran, or when the graph is released). Their ``__del__`` only appends to a deque; the
 bookkeeping runs under the lock at the next pack, unpack, stats() or close() (see
-``Offloader._drain``), never inside a garbage-collector callback that might interrupt our own
+``Lifetime.drain`` in lifetime.py), never inside a garbage-collector callback that might interrupt our own
 critical section.
 """
 

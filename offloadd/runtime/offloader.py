@@ -3,7 +3,7 @@
 :class:`Offloader` is the hooks (pack, unpack) and the public API. The parts it composes, one
 module each: ``handles`` (what pack returns), ``dedup`` (parameter storages, storages already
 saved), ``blocks`` (blocks, chunks, the block map), ``capture`` (when a saved tensor's bytes are
-taken), ``writer`` (slots, copies, writes), ``reader`` (loads, forwarding, prefetch),
+taken), ``lifetime`` (capture and freeing), ``writer`` (slots, copies, writes), ``reader`` (loads, forwarding, prefetch),
 ``ordering`` (device streams and events; ``simulated`` for CI), ``ledger`` (the lock and the
 counters), and a :class:`~offloadd.backend.base.Backend` (the embedded engine or the daemon).
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections import deque
 from typing import Any
 
 import torch
@@ -32,8 +31,7 @@ from offloadd.backend import Backend, open_backend
 from offloadd.config import Config
 from offloadd.io.buffers import SlotPool
 from offloadd.io.request import Engine, on_engine_thread
-from offloadd.runtime.blocks import CAPTURED, CAPTURING, HELD, PENDING, Block, BlockMap
-from offloadd.runtime.capture import CaptureQueue
+from offloadd.runtime.blocks import PENDING, BlockMap
 from offloadd.runtime.dedup import StorageIndex
 from offloadd.runtime.handles import (
     Kept,
@@ -46,6 +44,7 @@ from offloadd.runtime.handles import (
     version_handle,
 )
 from offloadd.runtime.ledger import Ledger
+from offloadd.runtime.lifetime import Lifetime
 from offloadd.runtime.ordering import CudaOrdering, Ordering
 from offloadd.runtime.reader import Reader
 from offloadd.runtime.stats import Stats
@@ -81,11 +80,8 @@ class Offloader:
         self._lock = ledger.lock
         self._cond = ledger.cond
         self._stats = ledger.stats
-        self._released: deque[Any] = deque()
-        self._closed = False
         self._blocks = BlockMap()
         self._index = StorageIndex(cfg.dedup)
-        self._captures = CaptureQueue()  # packed, not yet captured (see capture.py)
         self._tls = threading.local()
         self._active_scopes = 0
         self._module_hook: Any = None
@@ -97,6 +93,10 @@ class Offloader:
             self._stats.engine = backend.name
         self._writer = Writer(cfg, ledger, self._blocks, backend, self._ordering)
         self._reader = Reader(self._writer)
+        self._life = life = Lifetime(self._index, self._writer, self._reader)
+        self._released = life.released  # the hot path of pack appends to it directly
+        self._captures = life.captures
+        self._drain = life.drain
         # Runs at close(), when the Offloader is collected, or at interpreter exit.
         self._finalizer = weakref.finalize(
             self, Offloader._shutdown, backend, self._writer.pools, self._ordering
@@ -105,7 +105,7 @@ class Offloader:
     # -- public API ------------------------------------------------------------------------
 
     def __enter__(self) -> Offloader:
-        if self._closed:
+        if self._life.closed:
             raise RuntimeError("offloadd: this Offloader is closed")
         stack = getattr(self._tls, "stack", None)
         if stack is None:
@@ -125,7 +125,7 @@ class Offloader:
 
     def __exit__(self, *exc: object) -> None:
         self._tls.stack.pop().__exit__(*exc)
-        self._capture_all()  # between ops: everything this thread packed has returned
+        self._life.capture_all()  # between ops: everything this thread packed has returned
         with self._lock:
             self._active_scopes -= 1
             if self._active_scopes == 0 and self._module_hook is not None:
@@ -163,7 +163,7 @@ class Offloader:
         """Wait until no write or read is in flight (e.g. before reading stats in a benchmark).
 
         Called between ops, it first captures what this thread packed and has not captured."""
-        self._capture_all()
+        self._life.capture_all()
         with self._lock:
             copies = list(self._writer.pending_copies)
         for copy in copies:  # async devices: copies, waited for without the lock
@@ -176,9 +176,9 @@ class Offloader:
 
     def close(self) -> None:
         """Finish in-flight I/O, release files and memory. Idempotent; also runs at exit."""
-        if self._closed:
+        if self._life.closed:
             return
-        self._closed = True
+        self._life.closed = True
         self._ordering.synchronize_all()  # no copy may still target the slot pools
         if self._backend is not None:
             self._backend.close()
@@ -219,7 +219,7 @@ class Offloader:
 
     def _pack(self, t: torch.Tensor) -> Any:
         if self._captures.num_pending:
-            self._capture_due()
+            self._life.capture_due()
         storage = None
         if type(t) is torch.Tensor and t.layout is torch.strided:
             nbytes = t.nbytes
@@ -230,7 +230,7 @@ class Offloader:
             nbytes = nbytes_of(t)
         if storage is None:
             # The hot path (most saved tensors are small): no lock. The save is queued as an
-            # event, in order with the releases, and counted at the next drain (see _drain).
+            # event, in order with the releases, and counted at the next drain (see Lifetime.drain).
             q = self._released
             q.append(~nbytes)
             if len(q) > _DRAIN_AT:
@@ -275,83 +275,6 @@ class Offloader:
         self._captures.add(block)
         return Ref(block, t, self._released, keep=False)
 
-    def _capture_due(self) -> None:
-        """Capture what this thread packed in ops that have returned since."""
-        for block in self._captures.due():
-            self._capture(block)
-
-    def _capture_all(self) -> None:
-        """Capture everything this thread packed (the caller is between two ops)."""
-        for block in self._captures.take_all():
-            self._capture(block)
-
-    def _capture(self, block: Block) -> None:
-        """Copy a pending block out (see [capture after the op] in capture.py)."""
-        with self._lock:
-            self._drain()  # a block whose graph is gone is dropped, never written
-            if block.state != PENDING:  # freed, held, or captured already
-                return
-            t = block.source
-            assert t is not None
-            storage = t.untyped_storage()
-            if t._version != block.version:
-                # Changed in place after it was saved: unpack raises, as autograd would.
-                block.modified = True
-                self._release_source(block, CAPTURED)
-                self._cond.notify_all()
-                return
-            if (
-                self._closed
-                or storage.nbytes() != block.nbytes
-                or storage.data_ptr() != block.source_ptr
-            ):
-                # Closed, or the storage was resized or reallocated since pack (as FSDP does
-                # to unsharded parameters): keep the tensor itself, as autograd does.
-                block.state = HELD
-                self._cond.notify_all()
-                return
-            block.state = CAPTURING
-        try:
-            self._writer.write_out(block, t)
-        except BaseException as e:
-            # Never fail the forward because of offloading: keep the tensor. An interrupt
-            # (KeyboardInterrupt while waiting for a slot) goes on up, the block still settled.
-            if isinstance(e, Exception):
-                self._ledger.warn_once(
-                    "pack", f"offloadd: offloading failed, keeping the tensor: {e!r}"
-                )
-            if block.copy_done is not None:
-                block.copy_done.abort()
-            with self._lock:
-                self._writer.release_chunks(block)
-                self._stats.fallbacks += isinstance(e, Exception)
-                block.state = HELD
-                block.copy_done = None
-                if block.freed:
-                    self._free_block(block)
-                self._cond.notify_all()
-            if not isinstance(e, Exception):
-                raise
-            return
-        with self._lock:
-            self._stats.offloaded_bytes += block.nbytes
-            self._release_source(block, CAPTURED)
-            if block.freed:  # every ref was released while it was being copied
-                self._free_block(block)
-            self._cond.notify_all()
-        if t.device.type == "cpu":
-            self._ledger.note_moved(block.nbytes)
-        if self._ledger.warnings_due:
-            self._ledger.flush_warnings()
-
-    def _release_source(self, block: Block, state: int) -> None:
-        """Drop the saved tensor a pending or held block kept (lock held)."""
-        if block.source is not None:
-            block.source = None
-            self._ledger.sub_resident(block.nbytes)
-        block.stream = None
-        block.state = state
-
     # -- unpack ----------------------------------------------------------------------------
 
     def _unpack(self, packed: Any) -> torch.Tensor:
@@ -366,62 +289,4 @@ class Offloader:
             if t._version != ref.version:
                 raise inplace_error(ref.desc, ref.version, t._version)
             return t
-        with self._lock:
-            self._drain()
-        return self._reader.unpack(ref, self._closed)
-
-    # -- freeing ---------------------------------------------------------------------------
-
-    def _drain(self) -> None:
-        """Apply the events queued without the lock (lock held), in the order they happened:
-        ``~nbytes`` for a small tensor saved and kept (pack's hot path), ``nbytes`` for its
-        release (``Kept.__del__``), a ``Ref`` for the release of a ref to a block (see
-        [freeing] in handles.py). The paths that add resident bytes in bulk (a block packed or
-        captured, a read) drain first, so no queued save is counted after a later add and the
-        peak sees it."""
-        q = self._released
-        st = self._stats
-        ledger = self._ledger
-        while q:
-            item = q.popleft()
-            if type(item) is int:
-                if item < 0:
-                    n = ~item
-                    st.saved_tensors += 1
-                    st.saved_bytes += n
-                    st.kept_bytes += n
-                    ledger.add_resident(n)
-                else:
-                    ledger.sub_resident(item)
-                continue
-            ref: Ref = item
-            block = ref.block
-            block.refs -= 1
-            if ref.tensor is not None:  # tier keep: the block is only accounting
-                if block.refs == 0:
-                    ledger.sub_resident(block.resident_bytes)
-                    self._forget(block)
-                continue
-            if block.resident is not None and ref.gen != block.gen:
-                block.unconsumed -= 1
-                if block.unconsumed <= 0 and not block.pinned_resident and block.refs:
-                    self._reader.drop_resident(block)
-            if block.refs == 0:
-                self._free_block(block)
-
-    def _free_block(self, block: Block) -> None:
-        block.freed = True
-        block.pinned_resident = False
-        if block.state == CAPTURING:
-            self._forget(block)  # no new save may join it
-            return  # the capturing thread frees the rest once done (see _capture)
-        self._release_source(block, CAPTURED)
-        # Even while reads are in flight: each request keeps its buffer alive, and the read
-        # callback frees the place of a freed block.
-        self._reader.drop_resident(block, loading_ok=True)
-        self._writer.release_chunks(block)
-        self._forget(block)
-
-    def _forget(self, block: Block) -> None:
-        self._blocks.forget(block)
-        self._index.forget(block)
+        return self._reader.unpack(ref, self._life)

@@ -25,7 +25,7 @@ from offloadd.runtime.handles import Ref, inplace_error, view
 from offloadd.runtime.writer import Writer
 
 if TYPE_CHECKING:
-    pass
+    from offloadd.runtime.lifetime import Lifetime
 
 __all__ = ["Reader"]
 
@@ -42,15 +42,16 @@ class Reader:
         self._pf_low = 0  # prefetch sweep: blocks with seq in [_pf_low, _pf_high) were scanned
         self._pf_high = 0
 
-    def unpack(self, ref: Ref, closed: bool) -> torch.Tensor:
+    def unpack(self, ref: Ref, life: Lifetime) -> torch.Tensor:
         """The saved tensor of an offloaded ref: its source until captured, else read back."""
         block = ref.block
         with self.ledger.lock:
+            life.drain()
             while block.state == CAPTURING:
                 self.ledger.cond.wait()
             source = block.source
             if source is None:
-                if closed and block.resident is None:
+                if life.closed and block.resident is None:
                     raise RuntimeError("offloadd: unpack after Offloader.close()")
                 copy = block.copy_done
         handle = source if source is not None else block.handle

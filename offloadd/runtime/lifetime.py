@@ -1,0 +1,170 @@
+"""A block's life: captured once the op that saved it returned, freed once no ref needs it.
+
+Pack (in offloader.py) creates blocks and refs; everything after that which is not reading or
+writing bytes is here. :meth:`Lifetime.capture` takes a pending block's bytes (see [capture after
+the op] in capture.py) and hands them to the write path; :meth:`Lifetime.drain` applies, under
+the lock, the saves and releases queued without it (see [freeing] in handles.py), and frees
+blocks whose last ref died: their source, resident copy, slots and places.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from offloadd.runtime.blocks import CAPTURED, CAPTURING, HELD, PENDING, Block, BlockMap
+from offloadd.runtime.capture import CaptureQueue
+from offloadd.runtime.dedup import StorageIndex
+from offloadd.runtime.handles import Ref
+from offloadd.runtime.ledger import Ledger
+from offloadd.runtime.reader import Reader
+from offloadd.runtime.writer import Writer
+
+__all__ = ["Lifetime"]
+
+
+class Lifetime:
+    """Capture and freeing of the blocks of one Offloader."""
+
+    def __init__(self, index: StorageIndex, writer: Writer, reader: Reader) -> None:
+        self.ledger: Ledger = writer.ledger
+        self.blocks: BlockMap = writer.blocks
+        self.index = index
+        self.writer = writer
+        self.reader = reader
+        self.released: deque[Any] = deque()  # saves and releases queued without the lock
+        self.captures = CaptureQueue()  # packed, not yet captured (see capture.py)
+        self.closed = False
+
+    def capture_due(self) -> None:
+        """Capture what this thread packed in ops that have returned since."""
+        for block in self.captures.due():
+            self.capture(block)
+
+    def capture_all(self) -> None:
+        """Capture everything this thread packed (the caller is between two ops)."""
+        for block in self.captures.take_all():
+            self.capture(block)
+
+    def capture(self, block: Block) -> None:
+        """Copy a pending block out (see [capture after the op] in capture.py)."""
+        with self.ledger.lock:
+            self.drain()  # a block whose graph is gone is dropped, never written
+            if block.state != PENDING:  # freed, held, or captured already
+                return
+            t = block.source
+            assert t is not None
+            storage = t.untyped_storage()
+            if t._version != block.version:
+                # Changed in place after it was saved: unpack raises, as autograd would.
+                block.modified = True
+                self.release_source(block, CAPTURED)
+                self.ledger.cond.notify_all()
+                return
+            if (
+                self.closed
+                or storage.nbytes() != block.nbytes
+                or storage.data_ptr() != block.source_ptr
+            ):
+                # Closed, or the storage was resized or reallocated since pack (as FSDP does
+                # to unsharded parameters): keep the tensor itself, as autograd does.
+                block.state = HELD
+                self.ledger.cond.notify_all()
+                return
+            block.state = CAPTURING
+        try:
+            self.writer.write_out(block, t)
+        except BaseException as e:
+            # Never fail the forward because of offloading: keep the tensor. An interrupt
+            # (KeyboardInterrupt while waiting for a slot) goes on up, the block still settled.
+            if isinstance(e, Exception):
+                self.ledger.warn_once(
+                    "pack", f"offloadd: offloading failed, keeping the tensor: {e!r}"
+                )
+            if block.copy_done is not None:
+                block.copy_done.abort()
+            with self.ledger.lock:
+                self.writer.release_chunks(block)
+                self.ledger.stats.fallbacks += isinstance(e, Exception)
+                block.state = HELD
+                block.copy_done = None
+                if block.freed:
+                    self.free_block(block)
+                self.ledger.cond.notify_all()
+            if not isinstance(e, Exception):
+                raise
+            return
+        with self.ledger.lock:
+            self.ledger.stats.offloaded_bytes += block.nbytes
+            self.release_source(block, CAPTURED)
+            if block.freed:  # every ref was released while it was being copied
+                self.free_block(block)
+            self.ledger.cond.notify_all()
+        if t.device.type == "cpu":
+            self.ledger.note_moved(block.nbytes)
+        if self.ledger.warnings_due:
+            self.ledger.flush_warnings()
+
+    def release_source(self, block: Block, state: int) -> None:
+        """Drop the saved tensor a pending or held block kept (lock held)."""
+        if block.source is not None:
+            block.source = None
+            self.ledger.sub_resident(block.nbytes)
+        block.stream = None
+        block.state = state
+
+    # -- freeing ---------------------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Apply the events queued without the lock (lock held), in the order they happened:
+        ``~nbytes`` for a small tensor saved and kept (pack's hot path), ``nbytes`` for its
+        release (``Kept.__del__``), a ``Ref`` for the release of a ref to a block (see
+        [freeing] in handles.py). The paths that add resident bytes in bulk (a block packed or
+        captured, a read) drain first, so no queued save is counted after a later add and the
+        peak sees it."""
+        q = self.released
+        st = self.ledger.stats
+        ledger = self.ledger
+        while q:
+            item = q.popleft()
+            if type(item) is int:
+                if item < 0:
+                    n = ~item
+                    st.saved_tensors += 1
+                    st.saved_bytes += n
+                    st.kept_bytes += n
+                    ledger.add_resident(n)
+                else:
+                    ledger.sub_resident(item)
+                continue
+            ref: Ref = item
+            block = ref.block
+            block.refs -= 1
+            if ref.tensor is not None:  # tier keep: the block is only accounting
+                if block.refs == 0:
+                    ledger.sub_resident(block.resident_bytes)
+                    self.forget(block)
+                continue
+            if block.resident is not None and ref.gen != block.gen:
+                block.unconsumed -= 1
+                if block.unconsumed <= 0 and not block.pinned_resident and block.refs:
+                    self.reader.drop_resident(block)
+            if block.refs == 0:
+                self.free_block(block)
+
+    def free_block(self, block: Block) -> None:
+        block.freed = True
+        block.pinned_resident = False
+        if block.state == CAPTURING:
+            self.forget(block)  # no new save may join it
+            return  # the capturing thread frees the rest once done (see capture)
+        self.release_source(block, CAPTURED)
+        # Even while reads are in flight: each request keeps its buffer alive, and the read
+        # callback frees the place of a freed block.
+        self.reader.drop_resident(block, loading_ok=True)
+        self.writer.release_chunks(block)
+        self.forget(block)
+
+    def forget(self, block: Block) -> None:
+        self.blocks.forget(block)
+        self.index.forget(block)

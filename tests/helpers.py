@@ -64,20 +64,26 @@ def train(
     *,
     steps: int = 3,
     seed: int = 0,
+    settle_first: bool = False,
 ) -> list[list[torch.Tensor]]:
-    """Run ``steps`` SGD steps from ``seed``; return each step's gradients (and the loss)."""
+    """Run ``steps`` SGD steps from ``seed``; return each step's gradients (and the loss).
+
+    ``settle_first``: the first step's writes complete before its backward (``synchronize``),
+    so that step reads back from disk whatever the timing; the later steps race as in use."""
     torch.manual_seed(seed)
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(seed + 1)
     out = []
-    for _ in range(steps):
+    for step in range(steps):
         x = make_input(gen)
         if off is None:
             loss = model(x).float().square().mean()
         else:
             with off:
                 loss = model(x).float().square().mean()
+            if settle_first and step == 0:
+                off.synchronize()
         loss.backward()
         rng = torch.get_rng_state()  # same RNG use, e.g. by dropout
         out.append([loss.detach().clone(), rng] + [p.grad.clone() for p in model.parameters()])
@@ -90,12 +96,14 @@ def train_and_compare(
     make_model: Callable[[], nn.Module],
     make_input: Callable[[torch.Generator], torch.Tensor],
     off: Offloader,
+    *,
+    settle_first: bool = False,
 ) -> Stats:
     """Train with ``off`` and without offloading; assert bit-identical results; return the
     Offloader's stats once its I/O settled (it is closed afterwards either way)."""
     reference = train(make_model, make_input, None)
     try:
-        got = train(make_model, make_input, off)
+        got = train(make_model, make_input, off, settle_first=settle_first)
         off.synchronize()
         st = off.stats()
     finally:

@@ -479,16 +479,7 @@ def test_serve_status_and_stop_find_the_socket_in_the_environment(tmp_path: Path
     offloadd = [sys.executable, "-m", "offloadd"]
     proc = subprocess.Popen([*offloadd, "serve"], env=env, stderr=subprocess.PIPE, text=True)
     try:
-        from offloadd.backend.daemon import DaemonError
-        from offloadd.daemon.cmd_status import query
-
-        for _ in range(1200):
-            try:
-                query(sock)
-                break
-            except DaemonError:
-                assert proc.poll() is None, proc.communicate()[1]
-                time.sleep(0.05)
+        _wait_serving(sock, proc)
         out = subprocess.run(
             [*offloadd, "status", "--json"], env=env, capture_output=True, text=True
         )
@@ -532,15 +523,7 @@ def test_runs_on_uvloop_and_without_it(tmp_path: Path, daemon: DaemonProc) -> No
     cmd = [sys.executable, "-c", code, "serve", "--socket", sock, "--dir", str(tmp_path / "data")]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     try:
-        from offloadd.backend.daemon import DaemonError
-        from offloadd.daemon.cmd_status import query
-
-        for _ in range(1200):
-            try:
-                query(sock)
-                break
-            except DaemonError:
-                time.sleep(0.05)
+        _wait_serving(sock, proc)
         raw = RawSession(sock)
         data = os.urandom(4096)
         r, got = raw.read(raw.write(data).block)
@@ -679,3 +662,18 @@ def test_dispatch_order_reads_first_round_robin() -> None:
     while (job := sched.pick()) is not None:
         got.append((job.kind.name, job.session.id))
     assert got == [("READ", 1), ("READ", 2)] * 2 + [("WRITE", 1), ("WRITE", 2)] * 3
+
+
+def _wait_serving(sock: str, proc: subprocess.Popen[str]) -> None:
+    """Until the daemon ``proc`` answers on ``sock`` (a minute at most; fails if it exits)."""
+    from offloadd.backend.daemon import DaemonError
+    from offloadd.daemon.cmd_status import query
+
+    for _ in range(1200):
+        try:
+            query(sock)
+            return
+        except DaemonError:
+            assert proc.poll() is None, proc.communicate()[1]
+            time.sleep(0.05)
+    raise AssertionError(f"no daemon answered on {sock} within a minute")

@@ -9,6 +9,7 @@ gradients differ. The last tests remove a wait on purpose and check that the sim
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,7 +31,8 @@ from .test_equivalence import MODELS
 
 @pytest.fixture
 def sim(request: pytest.FixtureRequest) -> Iterator[SimulatedOrdering]:
-    ordering = SimulatedOrdering(seed=hash(request.node.name) & 0xFFFF, max_delay_s=0.002)
+    # A seed per test, the same in every run (str hashes differ between processes).
+    ordering = SimulatedOrdering(seed=zlib.crc32(request.node.name.encode()), max_delay_s=0.002)
     yield ordering
     ordering.close()
 

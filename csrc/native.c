@@ -26,6 +26,10 @@
  * multiple of 4096, the chunk goes through an aligned bounce buffer (a write's tail is padded
  * with zeros up to 4096 bytes; a read of a tail reads the padded length and copies what was
  * asked for).  An unaligned file offset on an O_DIRECT file fails with EINVAL.
+ *
+ * Head and tail pages: a write may name other addresses for its first and last 4096 bytes
+ * (the zero-copy write path writes a tensor's aligned interior in place and its unaligned ends
+ * from bounce pages).  Each such page is a chunk of its own, written from its own address.
  */
 #define PY_SSIZE_T_CLEAN
 #define _GNU_SOURCE
@@ -65,6 +69,8 @@ typedef struct request {
     int inflight;     /* chunks being transferred */
     uint64_t offset;  /* file offset of byte 0 */
     char *addr;
+    char *head;       /* writes: the first 4096 bytes come from here instead (NULL: from addr) */
+    char *tail;       /* writes: the last 4096 bytes come from here instead (NULL: from addr) */
     uint64_t nbytes;
     uint64_t next;    /* first byte not yet handed out */
     uint64_t done;    /* bytes transferred */
@@ -184,6 +190,12 @@ static int take_chunk(engine_t *e, chunk_t *c) {
         if (!r) continue;
         uint64_t len = r->nbytes - r->next;
         if (len > e->chunk_bytes) len = e->chunk_bytes;
+        /* A head or tail page is a chunk of its own: its bytes come from another buffer. */
+        if (r->head && r->next == 0) len = ALIGN;
+        else if (r->tail) {
+            uint64_t tail_at = r->nbytes - ALIGN;
+            if (r->next < tail_at && r->next + len > tail_at) len = tail_at - r->next;
+        }
         c->req = r;
         c->pos = r->next;
         c->len = len;
@@ -226,9 +238,16 @@ static void finish_chunk(engine_t *e, request_t *r, uint64_t moved, int err) {
 
 /* ------------------------------------------------------------------ the blocking transfer -- */
 
+/* Where a chunk's bytes are in memory: the request's buffer, or its head or tail page. */
+static char *chunk_addr(const request_t *r, const chunk_t *c) {
+    if (r->head && c->pos == 0) return r->head;
+    if (r->tail && c->pos == r->nbytes - ALIGN) return r->tail;
+    return r->addr + c->pos;
+}
+
 static int needs_bounce(const request_t *r, const chunk_t *c) {
     if (!r->direct) return 0;
-    return ((uintptr_t)(r->addr + c->pos) % ALIGN) != 0 || (c->len % ALIGN) != 0;
+    return ((uintptr_t)chunk_addr(r, c) % ALIGN) != 0 || (c->len % ALIGN) != 0;
 }
 
 /* pread/pwrite buf[*got, io_len) at file offset off + *got, looping over short transfers and
@@ -259,7 +278,7 @@ static int rw_loop(const request_t *r, char *buf, uint64_t off, uint64_t io_len,
 /* Move one chunk with pread/pwrite, looping over short transfers. Returns 0 or an errno. */
 static int transfer_chunk(const request_t *r, const chunk_t *c, char **bounce, uint64_t cap,
                           uint64_t *moved) {
-    char *src = r->addr + c->pos;
+    char *src = chunk_addr(r, c);
     uint64_t off = r->offset + c->pos;
     uint64_t len = c->len, io_len = c->len;
     char *buf = src;
@@ -406,7 +425,7 @@ static void ring_prep(engine_t *e, uslot_t *s, unsigned idx) {
 static int slot_start(engine_t *e, uslot_t *s, char **bounce) {
     request_t *r = s->c.req;
     s->got = 0;
-    s->buf = r->addr + s->c.pos;
+    s->buf = chunk_addr(r, &s->c);
     s->io_len = s->c.len;
     if (needs_bounce(r, &s->c)) {
         if (!*bounce) {
@@ -419,7 +438,7 @@ static int slot_start(engine_t *e, uslot_t *s, char **bounce) {
         s->io_len = (s->c.len + ALIGN - 1) / ALIGN * ALIGN;
         if (r->op == OP_WRITE) {
             copy_gate();
-            memcpy(s->buf, r->addr + s->c.pos, s->c.len);
+            memcpy(s->buf, chunk_addr(r, &s->c), s->c.len);
             memset(s->buf + s->c.len, 0, s->io_len - s->c.len);
         }
     }
@@ -479,7 +498,7 @@ static void ring_arm_kick(engine_t *e) {
 static void slot_done(uslot_t *s, int err) {
     request_t *r = s->c.req;
     if (!err && s->got < s->c.len) err = EIO;
-    if (!err && r->op == OP_READ && s->buf != r->addr + s->c.pos) {
+    if (!err && r->op == OP_READ && s->buf != chunk_addr(r, &s->c)) {
         copy_gate();
         memcpy(r->addr + s->c.pos, s->buf, s->c.len);
     }
@@ -809,12 +828,18 @@ static void Engine_dealloc(engine_t *e) {
 }
 
 static PyObject *Engine_submit(engine_t *e, PyObject *args) {
-    unsigned long long token, offset, address, nbytes;
+    unsigned long long token, offset, address, nbytes, head = 0, tail = 0;
     int op, fd;
-    if (!PyArg_ParseTuple(args, "KiiKKK", &token, &op, &fd, &offset, &address, &nbytes))
+    if (!PyArg_ParseTuple(args, "KiiKKK|KK", &token, &op, &fd, &offset, &address, &nbytes, &head,
+                          &tail))
         return NULL;
     if (op != OP_READ && op != OP_WRITE) {
         PyErr_Format(PyExc_ValueError, "op must be 0 (read) or 1 (write), got %d", op);
+        return NULL;
+    }
+    if ((head || tail) && (op != OP_WRITE || nbytes < ALIGN || (tail && nbytes < 2 * ALIGN))) {
+        PyErr_SetString(PyExc_ValueError,
+                        "head/tail pages are for writes of at least one page (two with a tail)");
         return NULL;
     }
     int flags = fcntl(fd, F_GETFL);
@@ -837,6 +862,8 @@ static PyObject *Engine_submit(engine_t *e, PyObject *args) {
     r->direct = direct;
     r->offset = offset;
     r->addr = (char *)(uintptr_t)address;
+    r->head = (char *)(uintptr_t)head;
+    r->tail = (char *)(uintptr_t)tail;
     r->nbytes = nbytes;
     pthread_mutex_lock(&e->mu);
     if (e->stopping) { /* checked under the lock: a request can never be stranded by close() */

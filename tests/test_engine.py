@@ -295,3 +295,55 @@ def test_callback_exception_does_not_kill_io_thread(disk_dir: Path) -> None:
     engine.close()
     f.close()
     buf.close()
+
+
+@pytest.mark.parametrize(
+    ("npages", "head", "tail"),
+    [(1, True, False), (2, True, True), (2, False, True), (3, True, True), (700, True, True)],
+)
+def test_write_head_and_tail_pages(npages: int, head: bool, tail: bool, disk_dir: Path) -> None:
+    """A write's first and last page come from their own addresses (the zero-copy path's bounce
+    pages), in file order; the rest from the request's address, cut into chunks as usual."""
+    nbytes = npages * 4096
+    f = SlotFile(str(disk_dir), nbytes, "on")
+    engine = make_engine(4)
+    src = AlignedBuffer(nbytes)
+    src.tensor.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
+    pages = AlignedBuffer(2 * 4096)
+    pages.tensor.copy_(torch.randint(0, 256, (2 * 4096,), dtype=torch.uint8))
+    expect = src.tensor.clone()
+    if head:
+        expect[:4096] = pages.tensor[:4096]
+    if tail:
+        expect[-4096:] = pages.tensor[4096:]
+    ev = threading.Event()
+    got: list[Request] = []
+    req = Request(
+        Op.WRITE,
+        f.fd,
+        f.path,
+        0,
+        src.address,
+        nbytes,
+        lambda r: (got.append(r), ev.set()),
+        head=pages.address if head else 0,
+        tail=pages.address + 4096 if tail else 0,
+    )
+    engine.submit(req)
+    assert ev.wait(10) and got[0].error is None
+    dst = aligned_empty(nbytes)
+    ev.clear()
+    engine.submit(Request(Op.READ, f.fd, f.path, 0, dst.data_ptr(), nbytes, lambda r: ev.set()))
+    assert ev.wait(10)
+    engine.close()
+    assert torch.equal(dst, expect)
+    f.close()
+    src.close()
+    pages.close()
+
+
+def test_head_and_tail_pages_are_for_writes_of_whole_pages() -> None:
+    with pytest.raises(ValueError, match="head/tail"):
+        Request(Op.READ, 0, "x", 0, 0, 8192, lambda r: None, head=4096)
+    with pytest.raises(ValueError, match="head/tail"):
+        Request(Op.WRITE, 0, "x", 0, 0, 4096, lambda r: None, tail=4096)

@@ -406,21 +406,25 @@ def test_block_freed_while_captured_is_not_joined(disk_dir: Path) -> None:
 
 
 def test_interrupt_during_capture_settles_the_block(disk_dir: Path) -> None:
-    """A KeyboardInterrupt while capture waits for a staging slot propagates, and the block is
-    settled (kept in memory): backward still works, nothing leaks, nothing hangs."""
+    """A KeyboardInterrupt while capture waits for a staging slot (in place: for room among the
+    sources held) propagates, and the block is settled (kept in memory): backward still works,
+    nothing leaks, nothing hangs."""
     x = torch.randn(N, N, requires_grad=True)
     expected = torch.autograd.grad(x.sin().sum(), x)[0]
     off = small_offloader(disk_dir)
-    real = off._writer._acquire_slot
+    in_place = off._writer.in_place
+    owner: object = in_place if in_place is not None else off._writer
+    name = "_wait_room" if in_place is not None else "_acquire_slot"
+    real = getattr(owner, name)
     calls = [0]
 
-    def acquire(pool: object) -> int | None:
+    def wait(arg: object) -> object:
         calls[0] += 1
         if calls[0] == 1:
             raise KeyboardInterrupt
-        return real(pool)  # type: ignore[arg-type]
+        return real(arg)
 
-    off._writer._acquire_slot = acquire  # type: ignore[method-assign]
+    setattr(owner, name, wait)
     with pytest.raises(KeyboardInterrupt), off:
         y = x.sin()  # saves x: pending
         y.exp()  # a later node: captures x, interrupted

@@ -9,12 +9,14 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from offloadd import Offloader
 from offloadd.io.buffers import SlotPool
+from offloadd.io.pools import PagePool, ReadPool
 from offloadd.runtime.offloader import _DRAIN_AT
 
 from .helpers import SavePayload, small_offloader
@@ -180,13 +182,13 @@ def test_finalizer_drains_copy_streams_before_freeing_pools(
     """An Offloader collected without close(): its copy streams are synchronized before its
     staging memory is given back (a copy still queued would write into freed memory)."""
     log: list[str] = []
-    real_close = SlotPool.close
+    for cls in (SlotPool, ReadPool, PagePool):  # staging; read-backs and bounce pages
 
-    def close(self: SlotPool) -> None:
-        log.append("pool")
-        real_close(self)
+        def close(self: Any, real: Any = cls.close) -> None:
+            log.append("pool")
+            real(self)
 
-    monkeypatch.setattr(SlotPool, "close", close)
+        monkeypatch.setattr(cls, "close", close)
     off = small_offloader(disk_dir, min_bytes=1)
     x = torch.ones(1, requires_grad=True)
     with off:

@@ -39,6 +39,12 @@ class Backend(Protocol):
         """Bytes of offload space held by chunks now."""
         ...
 
+    @property
+    def writes_pages(self) -> bool:
+        """Whether host writes may name head and tail pages (:class:`~offloadd.io.request.Request`):
+        then CPU tensors are written in place, without staging (zero-copy)."""
+        ...
+
     def staging(self) -> SlotPool:
         """The staging pool that writes of host copies go through (created on first call)."""
         ...

@@ -152,6 +152,10 @@ class DaemonBackend(Ending):
     # -- the Backend -----------------------------------------------------------------------
 
     @property
+    def writes_pages(self) -> bool:
+        return False  # the daemon reads host memory from the shared staging pool only
+
+    @property
     def used_bytes(self) -> int:
         return self._used_slots * self.chunk_bytes
 

@@ -99,6 +99,7 @@ class StagingPool(SlotPool):
         self.slot_bytes = slot_bytes
         self.num_slots = nbytes // slot_bytes
         self.buffer = buffer
+        self.mapped_bytes = buffer.nbytes  # the whole shared memory: read slots too
         self._free = list(range(self.num_slots - 1, -1, -1))
 
     def close(self) -> None:

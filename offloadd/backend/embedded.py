@@ -57,6 +57,10 @@ class EmbeddedBackend:
     def used_bytes(self) -> int:
         return self._disk.used_bytes
 
+    @property
+    def writes_pages(self) -> bool:
+        return bool(getattr(self._engine, "writes_pages", False))
+
     def staging(self) -> SlotPool:
         with self._lock:
             if self._staging is None:

@@ -69,12 +69,13 @@ class Config:
     it (logged once, shown in stats); ``"on"`` fails instead; ``"off"`` always uses buffered I/O.
     For the embedded engine's files; a daemon's files follow ``daemon.direct_io``."""
 
-    trim_host_bytes: int = 128 << 20
+    trim_host_bytes: int = 0
     """CPU activations on glibc: hand freed heap pages back to the OS (``malloc_trim``) each time
-    this many bytes were moved out or back in; 0 disables it. Without it glibc keeps the freed
-    activations' pages in its heap and the process's RSS hardly drops. Each call costs a few
-    milliseconds, and pages handed back are faulted in again when reused: a trade of step time
-    for RSS, measured in docs/benchmarks/."""
+    this many bytes were moved out or back in; 0 (the default) never does. Read-backs land in
+    offloadd's own recycled buffers and in-place writes free each activation as soon as it is
+    written, so the heap holds only the forward window and its freed pages are reused warm;
+    trimming them makes the next allocations fault in fresh pages, a trade of step time for RSS
+    measured in docs/benchmarks/."""
 
     engine: EngineName = "auto"
     """I/O engine. ``"native"``: the C engine (csrc/), which never needs the GIL; ``"python"``: the

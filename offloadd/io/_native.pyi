@@ -36,9 +36,20 @@ class Engine:
         depth: int = 32,
     ) -> None: ...
     def submit(
-        self, token: int, op: int, fd: int, offset: int, address: int, nbytes: int, /
+        self,
+        token: int,
+        op: int,
+        fd: int,
+        offset: int,
+        address: int,
+        nbytes: int,
+        head: int = 0,
+        tail: int = 0,
+        /,
     ) -> None:
-        """Queue one transfer (op 0 = read, 1 = write); raises OSError if the file cannot take it."""
+        """Queue one transfer (op 0 = read, 1 = write); raises OSError if the file cannot take it.
+
+        A write's first (last) 4096 bytes come from ``head`` (``tail``) when it is not 0."""
     def cancel(self, token: int, /) -> bool:
         """Drop a request none of whose chunks has started; True if it will never complete."""
     def reap(self, timeout: float = -1.0) -> list[tuple[int, int, int]]:

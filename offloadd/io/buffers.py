@@ -78,6 +78,7 @@ class SlotPool:
         self.slot_bytes = slot_bytes
         self.num_slots = max(1, total_bytes // slot_bytes)
         self.buffer = AlignedBuffer(self.num_slots * slot_bytes)
+        self.mapped_bytes = self.buffer.nbytes
         self._free = list(range(self.num_slots - 1, -1, -1))
 
     def acquire(self) -> int | None:

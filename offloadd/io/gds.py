@@ -55,6 +55,7 @@ class KvikioEngine(PythonEngine):
     """GDS transfers between CUDA tensors and the offload files."""
 
     name = "kvikio"
+    writes_pages = False  # device memory only (GDS requests never carry pages)
 
     def __init__(self, num_threads: int = 4) -> None:
         import kvikio

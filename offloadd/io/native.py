@@ -67,6 +67,7 @@ class NativeEngine:
     """Engine backed by offloadd.io._native. ``backend`` is "threads", "uring" or "auto"."""
 
     name = "native"
+    writes_pages = True  # honours Request.head / Request.tail
 
     def __init__(
         self,
@@ -172,6 +173,8 @@ class NativeEngine:
                 request.offset,
                 request.address,
                 request.nbytes,
+                request.head,
+                request.tail,
             )
         except BaseException as e:  # refused before any I/O: deliver it like any other failure
             with self._lock:

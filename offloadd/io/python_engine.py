@@ -20,19 +20,27 @@ __all__ = ["PythonEngine", "transfer"]
 
 def transfer(request: Request) -> None:
     """Do ``request`` with positional system calls, looping over short transfers."""
-    view = address_view(request.address, request.nbytes)
+    if request.head or request.tail:
+        for offset, address, nbytes in request.segments():
+            _transfer(request, offset, address, nbytes)
+    else:
+        _transfer(request, request.offset, request.address, request.nbytes)
+
+
+def _transfer(request: Request, offset: int, address: int, nbytes: int) -> None:
+    view = address_view(address, nbytes)
     done = 0
-    while done < request.nbytes:
+    while done < nbytes:
         part = view[done:]
         if request.op is Op.WRITE:
-            n = os.pwrite(request.fd, part, request.offset + done)
+            n = os.pwrite(request.fd, part, offset + done)
         else:
-            n = os.preadv(request.fd, [part], request.offset + done)
+            n = os.preadv(request.fd, [part], offset + done)
         if n <= 0:
             what = "write" if request.op is Op.WRITE else "read"
             raise OSError(
                 errno.EIO,
-                f"short {what}: {done} of {request.nbytes} bytes at offset {request.offset}",
+                f"short {what}: {done} of {nbytes} bytes at offset {offset}",
                 request.path,
             )
         done += n
@@ -42,6 +50,7 @@ class PythonEngine:
     """Thread pool doing pread/pwrite; the reference engine and the fallback of every other."""
 
     name = "python"
+    writes_pages = True  # honours Request.head / Request.tail
 
     def __init__(self, num_threads: int = 4) -> None:
         self._queue: queue.PriorityQueue[tuple[int, int, Request | None]] = queue.PriorityQueue()

@@ -28,6 +28,8 @@ __all__ = [
 
 log = logging.getLogger("offloadd")
 
+PAGE = 4096  # the size of a head or tail page (the O_DIRECT alignment)
+
 _thread_role = threading.local()
 
 
@@ -58,7 +60,12 @@ class RequestState(IntEnum):
 
 
 class Request:
-    """One contiguous transfer. ``address`` must stay valid until ``callback`` has run."""
+    """One contiguous transfer. ``address`` must stay valid until ``callback`` has run.
+
+    A write may take its first and last page from elsewhere: ``head`` (``tail``), if not 0, is
+    the address of 4096 bytes written at ``offset`` (at ``offset + nbytes - 4096``) instead of
+    those at ``address``. The zero-copy write path writes a tensor's page-aligned interior in
+    place and its unaligned ends from bounce pages (see [zero-copy] in runtime/writer.py)."""
 
     __slots__ = (
         "address",
@@ -67,12 +74,14 @@ class Request:
         "context",
         "error",
         "fd",
+        "head",
         "keepalive",
         "nbytes",
         "offset",
         "op",
         "path",
         "state",
+        "tail",
         "token",
     )
 
@@ -89,7 +98,13 @@ class Request:
         before: Callable[[], None] | None = None,
         keepalive: Any = None,
         context: Any = None,
+        head: int = 0,
+        tail: int = 0,
     ) -> None:
+        if (head or tail) and (op is not Op.WRITE or nbytes < PAGE * (1 + (tail != 0))):
+            raise ValueError(
+                "head/tail pages are for writes of at least one page (two with a tail)"
+            )
         self.op = op
         self.fd = fd
         self.path = path
@@ -103,9 +118,29 @@ class Request:
         self.keepalive = keepalive  # what owns the memory at ``address``
         self.context = context  # the submitter's bookkeeping
         self.token: int | None = None  # the engine's own handle, set when it is queued
+        self.head = head
+        self.tail = tail
+
+    def segments(self) -> list[tuple[int, int, int]]:
+        """``(file offset, address, nbytes)`` of each contiguous piece, in file order."""
+        start, end = 0, self.nbytes
+        out = []
+        if self.head:
+            out.append((self.offset, self.head, PAGE))
+            start = PAGE
+        if self.tail:
+            end -= PAGE
+        if end > start:
+            out.append((self.offset + start, self.address + start, end - start))
+        if self.tail:
+            out.append((self.offset + end, self.tail, PAGE))
+        return out
 
 
 class Engine(Protocol):
+    """``name``; an engine that honours :attr:`Request.head` and :attr:`Request.tail` also has a
+    true ``writes_pages`` attribute (the zero-copy write path is used only with such engines)."""
+
     name: str
 
     def submit(self, request: Request) -> None: ...

@@ -3,6 +3,12 @@
 A *block* is one storage being offloaded; it is cut into *chunks* of ``chunk_bytes``, the unit of
 staging slots, disk slots and I/O requests. Blocks are numbered in pack order (``seq``): backward
 unpacks roughly in reverse, which is the order the prefetcher reads them back in.
+
+A block's bytes on disk are its *record*: ``skew`` bytes of padding, the storage's bytes, then
+padding to a multiple of 4096. ``skew`` is the storage address modulo 4096 for blocks written in
+place (see [zero-copy] in writer_in_place.py), so that record and memory share their page
+boundaries; 0 for blocks that go through staging. Read-backs land in a buffer with the same
+layout, and the tensor handed to autograd views it from ``skew`` on.
 """
 
 from __future__ import annotations
@@ -55,17 +61,21 @@ class Block:
         "freed",
         "gen",
         "handle",
+        "in_place",
         "key",
         "loading",
         "modified",
         "nbytes",
         "padded",
+        "pages",
         "pinned_resident",
         "prefetched",
         "refs",
         "resident",
         "resident_bytes",
+        "resident_is_source",
         "seq",
+        "skew",
         "source",
         "source_ptr",
         "state",
@@ -74,10 +84,13 @@ class Block:
         "version",
     )
 
-    def __init__(self, seq: int, nbytes: int, device: torch.device, chunk_bytes: int) -> None:
+    def __init__(
+        self, seq: int, nbytes: int, device: torch.device, chunk_bytes: int, skew: int = 0
+    ) -> None:
         self.seq = seq
         self.nbytes = nbytes
-        self.padded = round_up(nbytes)
+        self.skew = skew  # where the storage's bytes start in the record (see above)
+        self.padded = round_up(skew + nbytes)
         self.device = device
         self.chunks = [
             Chunk(k, min(chunk_bytes, self.padded - start))
@@ -99,6 +112,9 @@ class Block:
         self.direct = False  # CUDA with GDS: written from and read into device memory
         self.direct_pending = 0  # GDS writes in flight
         self.direct_source: tuple[torch.Tensor, int] | None = None  # (tensor, version at pack)
+        self.in_place = False  # CPU, zero-copy: written from the tensor's own pages
+        self.pages: list[int] = []  # in place: bounce pages of the record's unaligned ends
+        self.resident_is_source = False  # ``resident`` is the source's storage (forwarded)
         self.state = CAPTURED
         self.source: torch.Tensor | None = None  # the saved tensor until captured (or held)
         self.source_ptr = 0  # its storage's address at pack
@@ -120,10 +136,10 @@ class BlockMap:
         self._order: list[int] = []
         self._seq = 0
 
-    def new(self, nbytes: int, device: torch.device, chunk_bytes: int) -> Block:
+    def new(self, nbytes: int, device: torch.device, chunk_bytes: int, skew: int = 0) -> Block:
         """A block with the next seq, registered, holding one ref."""
         self._seq += 1
-        block = Block(self._seq, nbytes, device, chunk_bytes)
+        block = Block(self._seq, nbytes, device, chunk_bytes, skew)
         block.refs = 1
         self._blocks[block.seq] = block
         # Usually the largest seq, but threads packing at once can register out of order.

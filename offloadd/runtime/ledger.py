@@ -54,6 +54,12 @@ class Ledger:
         if used > st.peak_disk_bytes:
             st.peak_disk_bytes = used
 
+    def note_buffers(self, mapped: int) -> None:
+        st = self.stats
+        st.buffer_bytes = mapped
+        if mapped > st.peak_buffer_bytes:
+            st.peak_buffer_bytes = mapped
+
     def note_moved(self, nbytes: int) -> None:
         """Trim the C heap once per ``trim_host_bytes`` of CPU activations moved (see config)."""
         if self._trim is None:

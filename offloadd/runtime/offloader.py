@@ -29,7 +29,7 @@ import torch
 
 from offloadd.backend import Backend, open_backend
 from offloadd.config import Config
-from offloadd.io.buffers import SlotPool
+from offloadd.io.pools import Pool
 from offloadd.io.request import Engine, on_engine_thread
 from offloadd.runtime.blocks import PENDING, BlockMap
 from offloadd.runtime.dedup import StorageIndex
@@ -152,6 +152,8 @@ class Offloader:
         with self._lock:
             self._drain()
             self._writer.poll_copies()
+            self._reader.pool.collect()
+            self._writer.note_buffers()
             if self._backend is not None:
                 self._stats.disk_bytes = self._backend.used_bytes
                 self._stats.engine = self._backend.name
@@ -192,7 +194,7 @@ class Offloader:
         self._finalizer.detach()
 
     @staticmethod
-    def _shutdown(backend: Backend | None, pools: list[SlotPool], ordering: Ordering) -> None:
+    def _shutdown(backend: Backend | None, pools: list[Pool], ordering: Ordering) -> None:
         """Release the backend and the pools (close(), collection, or interpreter exit).
 
         Note: [shutdown] Requests hold the write and read paths, never the Offloader, so an
@@ -256,7 +258,8 @@ class Offloader:
                 block.refs += 1
                 st.deduplicated_bytes += nbytes
                 return Ref(block, t, self._released, keep=keep)
-            block = self._blocks.new(storage.nbytes(), t.device, self.config.chunk_bytes)
+            skew = self._writer.skew_of(t.device, storage.data_ptr())
+            block = self._blocks.new(storage.nbytes(), t.device, self.config.chunk_bytes, skew)
             index.remember(key, storage, root, block)
             if keep:
                 block.resident_bytes = block.nbytes

@@ -2,11 +2,18 @@
 
 Note: [forwarding] A chunk still in a slot when backward needs it is copied from the slot and its
 write is cancelled if it has not started: the last tensors of a forward are often never written
-at all.
+at all. A block written in place whose source is still held is not even copied: backward gets
+the source's own storage, as it would without offloadd, and the writes not yet started are
+cancelled.
+
+Read-backs of host blocks land in warm buffers of the read pool (see [warm buffers] in
+io/pools.py), laid out like the block's record, so O_DIRECT puts every byte in its final place;
+autograd gets a tensor that views the buffer, which returns to the pool when that tensor dies.
 
 Note: [prefetch window] Backward unpacks roughly in reverse pack order. At each unpack, blocks
 packed before it are read ahead, newest first, while the bytes of blocks prefetched and not yet
-consumed stay under ``prefetch_bytes``. A sweep remembers where it stopped: an unpack inside the
+consumed stay under the window: eight times the median block of the step (at least two chunks),
+at most ``prefetch_bytes``; the read pool then holds about that much warm. A sweep remembers where it stopped: an unpack inside the
 range already scanned resumes there, so backward costs O(blocks) in all, not per unpack.
 """
 
@@ -18,10 +25,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from offloadd.io.buffers import aligned_empty
+from offloadd.io.pools import ReadPool
 from offloadd.io.request import Op, Request
 from offloadd.runtime.blocks import CAPTURED, CAPTURING, Block
-from offloadd.runtime.handles import Ref, inplace_error, view
+from offloadd.runtime.handles import Ref, inplace_error, storage_bytes, view
 from offloadd.runtime.writer import Writer
 
 if TYPE_CHECKING:
@@ -39,6 +46,9 @@ class Reader:
         self.config, self.ledger, self.blocks = writer.config, writer.ledger, writer.blocks
         self.backend, self.ordering = writer.backend, writer.ordering
         self.prefetch_live = 0  # bytes held by prefetched blocks not yet consumed
+        self.pool = ReadPool()
+        writer.pools.append(self.pool)
+        self.window = self.config.prefetch_bytes  # sized from the blocks at each sweep
         self._pf_low = 0  # prefetch sweep: blocks with seq in [_pf_low, _pf_high) were scanned
         self._pf_high = 0
 
@@ -67,7 +77,7 @@ class Reader:
             # completed. Waited for without the lock: I/O callbacks and other threads need it.
             copy.done(wait=True)
         with self.ledger.lock:
-            direct = block.direct_source  # GDS: writes may still read the device source
+            direct = block.direct_source  # GDS, in place: writes may still read the source
             if direct is not None and direct[0]._version != direct[1]:
                 block.modified = True
             if block.modified:
@@ -111,14 +121,22 @@ class Reader:
         # the lock and prefetch only takes blocks whose copy completed.
         assert block.copy_completed()
         ledger = self.ledger
+        if block.in_place and block.direct_source is not None:
+            self._forward_source(block)
+            return
         ready: Callable[[], None] | None = None
         if block.direct:
-            buf = torch.empty(block.padded, dtype=torch.uint8, device=block.device)
+            buf = rec = torch.empty(block.padded, dtype=torch.uint8, device=block.device)
             # The caching allocator may hand out memory that kernels queued on this stream
             # still use; a GDS read from another thread ignores stream order, so wait for them.
             ready = self.ordering.record(self.ordering.producer(block.device)).synchronize
         else:
-            buf = aligned_empty(block.padded)
+            created = self.pool.created
+            host = self.pool.take(block.padded)
+            rec = host.tensor[: block.padded]  # the record; the storage's bytes from skew on
+            buf = self.pool.lend(host, block.skew, block.nbytes)
+            if self.pool.created != created:
+                self.writer.note_buffers()
         block.resident = buf
         block.resident_bytes = block.padded
         block.gen += 1
@@ -132,7 +150,7 @@ class Reader:
         pool = self.writer.pool
         pos = 0
         for chunk in block.chunks:
-            dst = buf[pos : pos + chunk.nbytes]
+            dst = rec[pos : pos + chunk.nbytes]
             if block.direct:  # GDS chunks hold their real length, not the padded one
                 dst = dst[: max(0, min(chunk.nbytes, block.nbytes - pos))]
             write = chunk.request
@@ -142,7 +160,7 @@ class Reader:
                 dst.copy_(write.keepalive)  # still being written: take the device source
                 ledger.stats.forwarded_bytes += chunk.nbytes
             elif chunk.slot is not None:  # see [forwarding]
-                assert pool is not None
+                assert pool is not None and not block.in_place
                 dst.copy_(pool.tensor(chunk.slot, chunk.nbytes))
                 if self.writer.cancel_write(chunk):
                     pool.release(chunk.slot)
@@ -176,6 +194,21 @@ class Reader:
         elif on_demand:
             ledger.stats.on_demand_reads += 1
 
+    def _forward_source(self, block: Block) -> None:
+        """In place, source still held: backward uses it (see [forwarding])."""
+        assert block.direct_source is not None
+        block.resident = storage_bytes(block.direct_source[0])
+        block.resident_bytes = 0  # counted as the held source
+        block.resident_is_source = True
+        block.gen += 1
+        block.unconsumed = block.refs
+        block.prefetched = False
+        block.error = None
+        for chunk in block.chunks:
+            if chunk.request is not None and self.writer.cancel_write(chunk):
+                block.pinned_resident = True  # its only copy
+        self.ledger.stats.forwarded_bytes += block.nbytes
+
     def _on_read_done(self, req: Request) -> None:
         block, chunk = req.context
         with self.ledger.lock:
@@ -201,19 +234,24 @@ class Reader:
             return
         block.resident = None
         self.ledger.sub_resident(block.resident_bytes)
+        if block.resident_is_source:
+            block.resident_is_source = False
+            assert self.writer.in_place is not None
+            self.writer.in_place.release_source(block)
         if block.prefetched:
             self.prefetch_live -= block.padded
             block.prefetched = False
 
     def prefetch_below(self, seq: int) -> None:
         """Read ahead, in reverse pack order from ``seq`` (see [prefetch window])."""
-        window = self.config.prefetch_bytes
-        if self.prefetch_live >= window:
-            return
         if self._pf_low <= seq <= self._pf_high:
             start = self._pf_low
         else:  # a new sweep (a new backward, or a jump below what was scanned)
-            start = self._pf_high = seq
+            start = self._pf_high = self._pf_low = seq
+            self.window = self._size_window()
+        window = self.window
+        if self.prefetch_live >= window:
+            return
         blocks = self.blocks
         i = blocks.position_below(start)
         while i >= 0 and self.prefetch_live < window:
@@ -229,6 +267,14 @@ class Reader:
             ):
                 self.load(block, prefetch=True)
         self._pf_low = blocks.seq_at(i) + 1 if i >= 0 else 0
+
+    def _size_window(self) -> int:
+        """The read-ahead window for this sweep, from the blocks live now (see [prefetch window])."""
+        cfg = self.config
+        sizes = sorted(b.padded for b in self.blocks)
+        if not sizes:
+            return cfg.prefetch_bytes
+        return min(cfg.prefetch_bytes, max(2 * cfg.chunk_bytes, 8 * sizes[len(sizes) // 2]))
 
     def to_device(self, block: Block, ref: Ref, host: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """Copy a block read back into host memory to its device, without the lock held.

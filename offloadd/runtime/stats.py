@@ -27,6 +27,12 @@ class Stats:
     saved tensors that are parameters or views of one are not activations and not counted."""
     peak_resident_bytes: int = 0
     """Most ``resident_bytes`` held at once."""
+    buffer_bytes: int = 0
+    """Now: bytes of offloadd's own buffers, in use or idle: staging slots, the cpu tier's host
+    pool, the read-back pool (buffers lent to autograd included) and bounce pages. Not part of
+    ``resident_bytes``: add both for all the memory offloadd holds."""
+    peak_buffer_bytes: int = 0
+    """Most ``buffer_bytes`` at once."""
     bytes_written: int = 0
     """Bytes written to storage (padded to 4096)."""
     bytes_read: int = 0
@@ -63,6 +69,7 @@ class Stats:
             f"offloaded {format_bytes(self.offloaded_bytes)}, "
             f"dedup {format_bytes(self.deduplicated_bytes)}, kept {format_bytes(self.kept_bytes)}, "
             f"peak resident {format_bytes(self.peak_resident_bytes)}, "
+            f"buffers {format_bytes(self.peak_buffer_bytes)}, "
             f"written {format_bytes(self.bytes_written)}, read {format_bytes(self.bytes_read)}, "
             f"io wait {self.io_wait_s:.3f}s, fallbacks {self.fallbacks}"
             + (f", engine {self.engine}" if self.engine else "")

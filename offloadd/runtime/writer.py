@@ -1,7 +1,8 @@
 """The write path: a captured block's bytes copied into slots, then written to the backend.
 
-Tiers. ``ssd``: chunks are copied into the backend's staging pool and written out; a slot is
-free again once its write completed. ``cpu``: chunks are copied into a pinned host pool of
+Tiers. ``ssd``: CPU tensors are written from their own pages (see [zero-copy] in
+writer_in_place.py) where the backend allows it; other chunks are copied into the backend's
+staging pool and written out, a slot being free again once its write completed. ``cpu``: chunks are copied into a pinned host pool of
 ``host_budget_bytes`` and stay there; when it is full the oldest chunks are written out (spilled)
 to make room. ``keep`` never gets here. CUDA tensors go through the same slots after an
 asynchronous copy ordered by :mod:`~offloadd.runtime.ordering`, or, with GDS, are written from
@@ -22,12 +23,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from offloadd.config import Config
-from offloadd.io.buffers import SlotPool
+from offloadd.io.buffers import ALIGN, SlotPool
+from offloadd.io.pools import Pool
 from offloadd.io.request import Op, Request
 from offloadd.runtime.blocks import Block, BlockMap, Chunk
 from offloadd.runtime.handles import storage_bytes
 from offloadd.runtime.ledger import Ledger
 from offloadd.runtime.ordering import Ordering, StagedCopy
+from offloadd.runtime.writer_in_place import InPlace
 
 if TYPE_CHECKING:
     from offloadd.backend.base import Backend
@@ -53,15 +56,40 @@ class Writer:
         self.ordering = ordering
         self.host_tier = config.tier == "cpu"
         self.pool: SlotPool | None = None  # the host pool (cpu tier) or staging (ssd tier)
-        self.pools: list[SlotPool] = []  # freed at shutdown, after the copy streams drained
+        self.pools: list[Pool] = []  # freed at shutdown, after the copy streams drained
         self.in_flight = 0  # writes submitted and not completed
         self.pending_copies: deque[StagedCopy] = deque()  # copies whose source is still held
         self.awaiting_copy: list[Block] = []  # freed blocks whose slots a copy still fills
+        self.in_place: InPlace | None = None  # zero-copy writes of CPU tensors
+        if not self.host_tier and backend is not None and backend.writes_pages:
+            self.in_place = InPlace(self)
+            self.pools.append(self.in_place.pages)
+
+    def note_buffers(self) -> None:
+        """Count the bytes of every pool of ours (after one grew)."""
+        self.ledger.note_buffers(sum(p.mapped_bytes for p in self.pools))
+
+    def skew_of(self, device: torch.device, address: int) -> int:
+        """Where a new block's bytes start in its record (see blocks.py): in-place writes keep
+        the storage's offset in its first page."""
+        return address % ALIGN if self._writes_in_place(device) else 0
+
+    def _writes_in_place(self, device: torch.device) -> bool:
+        # Host memory that no asynchronous copy fills (a simulated device's tensors are CPU ones).
+        return (
+            self.in_place is not None
+            and device.type == "cpu"
+            and not self.ordering.is_async(device)
+        )
 
     # -- copy out --------------------------------------------------------------------------
 
     def write_out(self, block: Block, t: torch.Tensor) -> None:
         """Copy the storage into slots, chunk by chunk, and start the writes (no lock held)."""
+        if self._writes_in_place(t.device):
+            assert self.in_place is not None
+            self.in_place.write_out(block, t)
+            return
         lock = self.ledger.lock
         src = storage_bytes(t)
         is_async = self.ordering.is_async(t.device)
@@ -134,6 +162,7 @@ class Writer:
                 pool = self.backend.staging()
             self.pool = pool
             self.pools.append(pool)
+            self.note_buffers()
         if is_async:
             self.ordering.prepare_pool(pool)
         return pool
@@ -182,17 +211,22 @@ class Writer:
         ready: Callable[[], None] | None = None,
         *,
         piece: torch.Tensor | None = None,
+        address: int = 0,
+        head: int = 0,
+        tail: int = 0,
     ) -> None:
-        """Write a chunk from its slot, or (GDS) from the device tensor ``piece``."""
+        """Write a chunk from its slot, (GDS) from the device tensor ``piece``, or (in place)
+        from ``address`` with the ``head`` and ``tail`` pages of the request."""
         backend = self.backend
         assert backend is not None
         chunk.file, chunk.offset = backend.place(block.seq + chunk.index)
         self.ledger.note_disk(backend.used_bytes)
+        nbytes = chunk.nbytes
         if piece is not None:
             address, nbytes = piece.data_ptr(), piece.numel()
-        else:
+        elif not address:
             assert self.pool is not None and chunk.slot is not None
-            address, nbytes = self.pool.address(chunk.slot), chunk.nbytes
+            address = self.pool.address(chunk.slot)
         fd, path = backend.target(chunk.file)
         req = Request(
             Op.WRITE,
@@ -205,6 +239,8 @@ class Writer:
             before=ready,
             keepalive=piece,
             context=(block, chunk),
+            head=head,
+            tail=tail,
         )
         chunk.request = req
         self.in_flight += 1
@@ -228,6 +264,9 @@ class Writer:
                 ledger.sub_resident(chunk.nbytes)
             if block.direct:  # GDS: the device memory was the source
                 self._direct_written(block, chunk)
+            elif block.in_place:
+                assert self.in_place is not None
+                self.in_place.chunk_settled(block)
             if block.freed:
                 self.free_chunk_disk(chunk)
             ledger.cond.notify_all()
@@ -258,6 +297,10 @@ class Writer:
             return
         if block.direct:  # GDS: keep the device bytes (already counted as resident)
             chunk.mem = piece
+        elif block.in_place:
+            assert self.in_place is not None
+            chunk.mem = self.in_place.chunk_bytes(block, chunk)
+            self.ledger.add_resident(chunk.nbytes)
         elif chunk.slot is not None:
             assert self.pool is not None
             chunk.mem = self.pool.tensor(chunk.slot, chunk.nbytes).clone()
@@ -276,6 +319,10 @@ class Writer:
         chunk.request = None
         self.in_flight -= 1
         self.free_chunk_disk(chunk)
+        block = req.context[0]
+        if block.in_place:  # its bytes stay in the source (held) or the block's resident copy
+            assert self.in_place is not None
+            self.in_place.chunk_settled(block)
         self.ledger.cond.notify_all()
         return True
 

@@ -1,0 +1,144 @@
+"""Warm memory that offloadd recycles: read-back buffers and the bounce pages of zero-copy writes.
+
+Note: [warm buffers] A page touched for the first time costs a fault and a zeroing: on the
+machines we measured, memcpy into fresh pages runs at 0.3-1.5 GiB/s against 8-10 GiB/s into warm
+ones. A read-back buffer taken from the C heap is warm only if glibc kept the pages of what was
+freed, and trimming the heap (to make RSS drop) hands exactly those pages back. So read-backs
+land in buffers of offloadd's own, mapped and touched once, and recycled when autograd frees the
+tensors that view them: the heap then holds only the forward window, and nothing needs trimming.
+
+A :class:`ReadPool` buffer is lent as a tensor (:meth:`ReadPool.lend`) whose storage is a window
+on the buffer; when the last tensor viewing that storage dies, so does the window, and its lease
+puts the buffer back on a return queue (any thread, under the GIL: an append). The owner's lock
+guards everything else. Buffers come in size classes of 64 KiB; idle buffers beyond the most
+that was ever out at once (what the model needs) are unmapped.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections import deque
+from typing import Protocol
+
+import torch
+
+from offloadd.io.buffers import ALIGN, AlignedBuffer, round_up
+
+__all__ = ["PagePool", "Pool", "ReadPool"]
+
+_CLASS = 64 << 10  # size-class granularity of read buffers
+
+
+class Pool(Protocol):
+    """Memory of offloadd's own (these pools, staging slots), counted in the stats."""
+
+    mapped_bytes: int
+
+    def close(self) -> None: ...
+
+
+class _Lease:
+    """Owned by a lent window; returns the buffer when the window dies."""
+
+    __slots__ = ("buffer", "returned")
+
+    def __init__(self, buffer: AlignedBuffer, returned: deque[AlignedBuffer]) -> None:
+        self.buffer = buffer
+        self.returned = returned
+
+    def __del__(self) -> None:
+        self.returned.append(self.buffer)
+
+
+class ReadPool:
+    """Recycled, pre-faulted, page-aligned buffers for read-backs (see [warm buffers])."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[AlignedBuffer]] = {}
+        self._returned: deque[AlignedBuffer] = deque()
+        self.mapped_bytes = 0  # every buffer, idle or lent
+        self.idle_bytes = 0
+        self.peak_out_bytes = 0  # most bytes lent at once: what the pool keeps warm
+        self.created = 0
+
+    def take(self, nbytes: int) -> AlignedBuffer:
+        """A buffer of at least ``nbytes`` (warm if one of its size was returned)."""
+        self.collect()
+        size = round_up(max(nbytes, 1), _CLASS)
+        for cls in (size, *sorted(c for c in self._free if size < c <= 2 * size)):
+            bufs = self._free.get(cls)
+            if bufs:
+                buf = bufs.pop()
+                self.idle_bytes -= buf.nbytes
+                break
+        else:
+            buf = AlignedBuffer(size)
+            self.mapped_bytes += buf.nbytes
+            self.created += 1
+        out = self.mapped_bytes - self.idle_bytes
+        if out > self.peak_out_bytes:
+            self.peak_out_bytes = out
+        return buf
+
+    def lend(self, buf: AlignedBuffer, start: int, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of ``buf`` from ``start``, as a uint8 tensor with a storage of its own;
+        ``buf`` returns to the pool when that storage is freed."""
+        window = (ctypes.c_char * nbytes).from_address(buf.address + start)
+        window._lease = _Lease(buf, self._returned)  # type: ignore[attr-defined]
+        return torch.frombuffer(window, dtype=torch.uint8)
+
+    def collect(self) -> None:
+        """Take back the buffers whose lent tensors died; unmap what the model never needs."""
+        q = self._returned
+        while q:
+            buf = q.popleft()
+            if self.idle_bytes + buf.nbytes > self.peak_out_bytes:
+                self.mapped_bytes -= buf.nbytes
+                buf.close()
+                continue
+            self._free.setdefault(buf.nbytes, []).append(buf)
+            self.idle_bytes += buf.nbytes
+
+    def close(self) -> None:
+        self.collect()
+        for bufs in self._free.values():
+            for buf in bufs:
+                buf.close()
+        self._free.clear()
+        self.mapped_bytes -= self.idle_bytes
+        self.idle_bytes = 0
+
+
+class PagePool:
+    """4096-byte bounce pages for the unaligned ends of zero-copy writes, grown 64 at a time."""
+
+    def __init__(self, pages_per_buffer: int = 64) -> None:
+        self._grow = pages_per_buffer
+        self._buffers: list[AlignedBuffer] = []
+        self._free: list[int] = []
+        self.mapped_bytes = 0
+
+    def acquire(self) -> int:
+        """The address of a free page (zeroed by the caller as needed)."""
+        if not self._free:
+            buf = AlignedBuffer(self._grow * ALIGN)
+            self._buffers.append(buf)
+            self.mapped_bytes += buf.nbytes
+            self._free.extend(buf.address + i * ALIGN for i in range(self._grow - 1, -1, -1))
+        return self._free.pop()
+
+    def release(self, address: int) -> None:
+        self._free.append(address)
+
+    @staticmethod
+    def page(address: int) -> torch.Tensor:
+        """The page at ``address`` as a uint8 tensor (valid while its pool is open)."""
+        window = (ctypes.c_char * ALIGN).from_address(address)
+        return torch.frombuffer(window, dtype=torch.uint8)
+
+    def close(self) -> None:
+        for buf in self._buffers:
+            buf.close()
+        self._buffers.clear()
+        self._free.clear()
+        self.mapped_bytes = 0

@@ -1,0 +1,144 @@
+"""Zero-copy writes: a CPU tensor written to disk from its own pages.
+
+Note: [zero-copy] On the ssd tier, a captured CPU tensor is not copied into staging: its
+storage is written with O_DIRECT straight from where it lies. O_DIRECT needs page-aligned memory
+and file offsets, and torch's allocator aligns storages to 64 bytes only, so the block's record
+(see blocks.py) starts ``skew = address % 4096`` bytes into its first page: memory page ``k`` of
+the storage's span is record page ``k``. Every page but the first and the last is written in
+place; those two may hold bytes that are not the storage's (the allocator's header, a
+neighbour's data), so they are written from bounce pages that hold the storage's bytes of that
+page and zeros (an engine request's ``head``/``tail``, see io/request.py).
+
+The tensor is held until its last chunk is written (``block.direct_source``), then released:
+that is when its memory goes back to the allocator. Its version counter is compared then, as for
+every copy taken after capture: a change in place while the write ran makes unpack raise. Bytes
+held this way are bounded by ``staging_bytes``; past it forward waits (backpressure), as it
+does for staging slots. Backward that needs a block whose source is still held takes the source
+itself (no copy, no read) and cancels the writes that have not started (see [forwarding] in
+reader.py).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from offloadd.io.buffers import ALIGN
+from offloadd.io.pools import PagePool
+from offloadd.runtime.blocks import Block, Chunk
+from offloadd.runtime.handles import storage_bytes
+
+if TYPE_CHECKING:
+    from offloadd.runtime.writer import Writer
+
+__all__ = ["InPlace"]
+
+
+class InPlace:
+    """The zero-copy write path of a :class:`~offloadd.runtime.writer.Writer`."""
+
+    def __init__(self, writer: Writer) -> None:
+        self.writer = writer
+        self.ledger = writer.ledger
+        self.pages = PagePool()
+        self.held_bytes = 0  # sources held until written (bounded by staging_bytes)
+
+    def write_out(self, block: Block, t: torch.Tensor) -> None:
+        """Start the writes of ``block`` from ``t``'s own pages (no lock held)."""
+        ledger = self.ledger
+        with ledger.lock:
+            self._wait_room(block.nbytes)
+            block.in_place = True
+            block.direct_source = (t, block.version)
+            self.held_bytes += block.nbytes
+            ledger.add_resident(block.nbytes)  # the source, until its last write completed
+            try:
+                self._submit(block, t)
+            except BaseException:
+                # The caller cancels what was submitted (release_chunks); none: undo here.
+                if not block.direct_pending:
+                    block.direct_pending = 1
+                    self.chunk_settled(block)
+                raise
+
+    def _submit(self, block: Block, t: torch.Tensor) -> None:
+        src = storage_bytes(t)
+        base = block.source_ptr - block.skew  # memory address of record byte 0
+        end = block.skew + block.nbytes
+        last = len(block.chunks) - 1
+        lo = 0
+        for chunk in block.chunks:
+            hi = lo + chunk.nbytes
+            head = tail = 0
+            if (lo == 0 and block.skew) or (hi > end and hi - lo == ALIGN):
+                head = self._bounce(block, src, lo)
+            if chunk.index == last and hi > end and hi - lo > ALIGN:
+                tail = self._bounce(block, src, hi - ALIGN)
+            block.direct_pending += 1
+            self.writer.submit_write(block, chunk, address=base + lo, head=head, tail=tail)
+            lo = hi
+
+    def _bounce(self, block: Block, src: torch.Tensor, at: int) -> int:
+        """A bounce page holding record bytes ``[at, at + 4096)``: the storage's, else zeros."""
+        grown = self.pages.mapped_bytes
+        address = self.pages.acquire()
+        if self.pages.mapped_bytes != grown:
+            self.writer.note_buffers()
+        block.pages.append(address)
+        page = self.pages.page(address)
+        page.zero_()
+        a, b = max(at, block.skew), min(at + ALIGN, block.skew + block.nbytes)
+        page[a - at : b - at].copy_(src[a - block.skew : b - block.skew])
+        return address
+
+    def _wait_room(self, nbytes: int) -> None:
+        """Backpressure: wait while the sources held for writing exceed ``staging_bytes``."""
+        limit = self.writer.config.staging_bytes
+        if self.held_bytes == 0 or self.held_bytes + nbytes <= limit:
+            return
+        st = self.ledger.stats
+        st.backpressure_waits += 1
+        start = time.perf_counter()
+        while self.held_bytes and self.held_bytes + nbytes > limit:
+            self.ledger.cond.wait(timeout=1.0)
+        st.io_wait_s += time.perf_counter() - start
+
+    # -- completion (lock held) ------------------------------------------------------------
+
+    def chunk_settled(self, block: Block) -> None:
+        """One of the block's writes completed, failed or was cancelled."""
+        block.direct_pending -= 1
+        if block.direct_pending:
+            return
+        for address in block.pages:
+            self.pages.release(address)
+        block.pages.clear()
+        source = block.direct_source
+        if source is not None and source[0]._version != source[1]:
+            block.modified = True  # changed in place while it was being written
+        self.held_bytes -= block.nbytes
+        self.ledger.cond.notify_all()
+        self.release_source(block)
+
+    def release_source(self, block: Block) -> None:
+        """Drop the held source once no write reads it and backward does not use it."""
+        if block.direct_pending or block.resident_is_source or block.direct_source is None:
+            return
+        block.direct_source = None
+        self.ledger.sub_resident(block.nbytes)
+
+    def chunk_bytes(self, block: Block, chunk: Chunk) -> torch.Tensor:
+        """A copy of a chunk's record bytes (a failed write keeps them in memory)."""
+        assert block.direct_source is not None
+        src = storage_bytes(block.direct_source[0])
+        lo = chunk.index * self.writer.config.chunk_bytes
+        mem = torch.zeros(chunk.nbytes, dtype=torch.uint8)
+        a, b = max(lo, block.skew), min(lo + chunk.nbytes, block.skew + block.nbytes)
+        if b > a:
+            mem[a - lo : b - lo].copy_(src[a - block.skew : b - block.skew])
+        return mem
+
+    def close(self) -> None:
+        self.pages.close()

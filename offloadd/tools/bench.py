@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from offloadd.tools import bench_io
+from offloadd.tools import bench_io, bench_step
 
 __all__ = ["add_arguments", "main"]
 
@@ -12,8 +12,11 @@ __all__ = ["add_arguments", "main"]
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="bench", required=True)
     bench_io.add_arguments(sub.add_parser("io", help=bench_io.HELP, description=bench_io.__doc__))
+    bench_step.add_arguments(
+        sub.add_parser("step", help=bench_step.HELP, description=bench_step.__doc__)
+    )
 
 
 def main(ns: argparse.Namespace) -> int:
-    status: int = bench_io.main(ns)  # the only benchmark so far
+    status: int = (bench_step if ns.bench == "step" else bench_io).main(ns)
     return status

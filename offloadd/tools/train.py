@@ -77,7 +77,7 @@ _SIZE_ARGS = ("layers", "d_model", "heads", "seq", "batch", "steps")
 
 
 def add_model_arguments(p: argparse.ArgumentParser, **defaults: int) -> None:
-    """The model and run options shared by ``offloadd demo`` and scripts/bench_step.py."""
+    """The model and run options shared by ``offloadd demo`` and ``offloadd bench step``."""
     d = {"layers": 6, "d_model": 384, "heads": 6, "seq": 256, "batch": 8, "steps": 4, **defaults}
     p.add_argument("--layers", type=int, default=d["layers"], help="transformer blocks")
     p.add_argument("--d-model", type=int, default=d["d_model"], help="model width")

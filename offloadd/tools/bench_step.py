@@ -1,0 +1,163 @@
+"""``offloadd bench step``: step time and memory of keep, recompute and ssd offload, as ratios.
+
+Each configuration runs in its own process (clean peak RSS), the strategies interleaved round by
+round so that drift hits all of them alike. The report gives medians over rounds and the ratios
+the fastpath issue sets targets for, each the median of the per-round ratios with its range:
+ssd's step time against keep's and recompute's, and ssd's peak RSS above the built model against
+theirs. A second part measures the hook cost per small kept tensor and how the resident bytes
+scale with depth. The defaults are the issue's built-in GPT (12 layers, d=768, seq 512, batch
+2); its HF GPT-2 point is
+
+    offloadd bench step --model gpt --layers 8 --d-model 512 --heads 8 --seq 512 --batch 4
+"""
+
+# The docstring above is also the command's --help description (see bench.py). This module
+# holds the options and the measurement; bench_step_report turns the results into the report.
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from offloadd.runtime.offloader import Offloader
+from offloadd.tools.bench_step_report import format_report
+from offloadd.tools.models.build import MODELS
+from offloadd.tools.models.hf import HF_FAMILIES, require_transformers
+from offloadd.tools.train import (
+    STRATEGIES,
+    RunSpec,
+    add_model_arguments,
+    model_kwargs,
+    run_in_subprocess,
+)
+
+__all__ = ["HELP", "add_arguments", "hook_cost_us", "main"]
+
+HELP = "step time and memory of keep, recompute and ssd offload on one model, as ratios"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    add_model_arguments(p, layers=12, d_model=768, heads=12, seq=512, batch=2, steps=3)
+    p.add_argument(
+        "--model",
+        default="mini-gpt",
+        choices=MODELS,
+        help="mini-gpt (built in), or gpt, bert, t5 (transformers, random weights)",
+    )
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every strategy")
+    p.add_argument(
+        "--deep-layers", type=int, default=48, help="depth for the scaling check (0: skip)"
+    )
+    p.add_argument("--strategies", default="keep,recompute,ssd", help="comma-separated")
+    p.add_argument("--no-hook-cost", action="store_true", help="skip the hook cost measurement")
+    p.add_argument("--out", default=None, help="also write the markdown report here")
+    p.add_argument(
+        "--malloc-mmap-threshold",
+        type=int,
+        default=None,
+        help="set MALLOC_MMAP_THRESHOLD_ for every run (same for all strategies)",
+    )
+
+
+def main(ns: argparse.Namespace) -> int:
+    try:
+        common = _options(ns)
+    except (ValueError, ImportError) as e:
+        print(f"offloadd bench step: {e}", file=sys.stderr)
+        return 2
+    if ns.malloc_mmap_threshold is not None:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(ns.malloc_mmap_threshold)
+    strategies = [s for s in ns.strategies.split(",") if s]
+    results: dict[str, list[dict[str, Any]]] = {s: [] for s in strategies}
+    for r in range(ns.rounds):
+        for s in strategies:
+            print(f"round {r + 1}/{ns.rounds}: {s}", file=sys.stderr, flush=True)
+            results[s].append(run_in_subprocess(RunSpec(strategy=s, **common)))
+    hook_cost = None if ns.no_hook_cost else hook_cost_us()
+    depth = None
+    if ns.deep_layers:
+        print(f"depth scaling: ssd at {ns.deep_layers} layers", file=sys.stderr, flush=True)
+        shallow = run_in_subprocess(RunSpec(strategy="ssd", **dict(common, steps=1)))
+        deep = run_in_subprocess(
+            RunSpec(strategy="ssd", **dict(common, num_layers=ns.deep_layers, steps=1))
+        )
+        depth = (shallow, deep)
+    report = format_report(
+        ns,
+        results,
+        command=_command(),
+        hook_cost=hook_cost,
+        depth=depth,
+    )
+    print(report)
+    if ns.out:
+        Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(ns.out).write_text(report + "\n")
+    return 0
+
+
+def _command() -> str:
+    """How this run was started, as a person would type it."""
+    argv = list(sys.argv)
+    if argv[0].endswith("__main__.py"):
+        argv[0] = "python -m offloadd"
+    elif argv[0].endswith(".py"):
+        argv[0] = f"python {argv[0]}"
+    else:
+        argv[0] = Path(argv[0]).name
+    return " ".join(argv)
+
+
+def _options(ns: argparse.Namespace) -> dict[str, Any]:
+    """RunSpec fields shared by every run; ValueError or ImportError names what is wrong."""
+    common = model_kwargs(ns)
+    if ns.d_model % ns.heads:
+        raise ValueError(f"--heads ({ns.heads}) must divide --d-model ({ns.d_model})")
+    if ns.rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, got {ns.rounds}")
+    if ns.deep_layers < 0:
+        raise ValueError(f"--deep-layers must be 0 (skip) or positive, got {ns.deep_layers}")
+    strategies = [s for s in ns.strategies.split(",") if s]
+    if not strategies:
+        raise ValueError("--strategies: give at least one")
+    for s in strategies:
+        if s not in STRATEGIES:
+            raise ValueError(f"--strategies: unknown {s!r}; known: {', '.join(STRATEGIES)}")
+    if ns.model in HF_FAMILIES:
+        require_transformers()  # ImportError naming the extra, before any run
+    return {**common, "model": ns.model}
+
+
+def hook_cost_us(ops: int = 5000, pairs: int = 15) -> dict[str, float]:
+    """Microseconds added per saved small tensor (pack + unpack + release), over identity hooks.
+
+    Runs alternate (identity, offloadd) ``pairs`` times; the minimum of each is compared, which
+    filters out the noise of a shared 2-core machine."""
+    x = torch.randn(16, requires_grad=True)
+    off = Offloader(tier="keep")
+    identity = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+
+    def timed(ctx: Any) -> float:
+        with ctx:
+            t0 = time.perf_counter()
+            for _ in range(ops // 100):
+                y = x
+                for _ in range(100):
+                    y = y.sin()  # saves one small tensor each
+                y.sum().backward()
+            return time.perf_counter() - t0
+
+    base, ours = [], []
+    for _ in range(pairs):
+        base.append(timed(identity))
+        ours.append(timed(off))
+    off.close()
+    b, o = min(base) / ops * 1e6, min(ours) / ops * 1e6
+    return {"identity_us": b, "offloadd_us": o, "added_us": o - b}

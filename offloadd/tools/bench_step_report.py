@@ -1,0 +1,166 @@
+"""The report of ``offloadd bench step``: a markdown page of medians, ratios and targets."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import psutil
+import torch
+
+from offloadd.runtime.stats import format_bytes
+
+__all__ = ["RATIOS", "Ratio", "format_report", "per_round"]
+
+Results = Mapping[str, Sequence[Mapping[str, Any]]]
+"""Each strategy's ``train.run`` results, one per round, rounds in the same order."""
+
+Ratio = tuple[str, str, str, str, str]
+"""(label, numerator strategy, denominator strategy, result key, target)."""
+
+RATIOS: tuple[Ratio, ...] = (
+    ("ssd step time / keep", "ssd", "keep", "step_time_s", "<= 1.05"),
+    ("ssd step time / recompute", "ssd", "recompute", "step_time_s", "< 1"),
+    ("ssd peak RSS above model / keep", "ssd", "keep", "peak_rss_above_base", "<= 0.35"),
+    ("ssd peak RSS above model / recompute", "ssd", "recompute", "peak_rss_above_base", "<= 1.0"),
+)
+"""The fastpath issue's ratios. Step time / recompute keeps the core issue's target."""
+
+_MODEL_NAMES = {
+    "mini-gpt": "built-in GPT",
+    "gpt": "GPT-2 (transformers, random weights)",
+    "bert": "BERT (transformers, random weights)",
+    "t5": "T5 (transformers, random weights)",
+}
+
+
+def per_round(results: Results, num: str, den: str, key: str) -> list[float]:
+    """``num``'s value of ``key`` over ``den``'s, round by round (rounds with a zero skipped)."""
+    return [
+        float(a[key]) / float(b[key])
+        for a, b in zip(results[num], results[den], strict=True)
+        if b[key]
+    ]
+
+
+def format_report(
+    ns: argparse.Namespace,
+    results: Results,
+    *,
+    command: str,
+    hook_cost: Mapping[str, float] | None = None,
+    depth: tuple[Mapping[str, Any], Mapping[str, Any]] | None = None,
+) -> str:
+    """The whole report: how it was run, one row per strategy, the ratios, the extras."""
+    cpu = platform.processor() or platform.machine()
+    model = _MODEL_NAMES.get(ns.model, ns.model)
+    lines = [
+        "# Step benchmark: keep vs recompute vs ssd offload (CPU)\n",
+        f"- date: {time.strftime('%Y-%m-%d')}",
+        f"- machine: {os.cpu_count()} cores ({cpu}), "
+        f"{format_bytes(psutil.virtual_memory().total)} RAM, torch {torch.__version__}",
+        f"- command: `{command}`",
+        "- MALLOC_MMAP_THRESHOLD_: "
+        + os.environ.get("MALLOC_MMAP_THRESHOLD_", "unset (glibc default)"),
+        f"- model: {model}, {ns.layers} layers, d={ns.d_model}, {ns.heads} heads, seq {ns.seq}, "
+        f"batch {ns.batch}; {_count(ns.steps, 'timed step')} after 1 warm-up, "
+        f"{_count(ns.rounds, 'round')} interleaved, one process per run; medians over rounds\n",
+        *_strategy_table(results),
+        "",
+        *_ratio_table(results),
+        "",
+        *_identity(results),
+    ]
+    if hook_cost is not None:
+        lines.append(
+            f"Hook cost per small kept tensor (pack + unpack, added over identity hooks): "
+            f"{hook_cost['added_us']:.2f} µs (identity hooks {hook_cost['identity_us']:.2f} µs "
+            f"per op, offloadd {hook_cost['offloadd_us']:.2f} µs); target <= 3 µs\n"
+        )
+    if depth is not None:
+        a, b = (r["stats"] for r in depth)
+        ra, rb = a["peak_resident_bytes"], b["peak_resident_bytes"]
+        lines.append(
+            f"Depth scaling (ssd): peak_resident_bytes {format_bytes(ra)} at {ns.layers} "
+            f"layers, {format_bytes(rb)} at {ns.deep_layers} layers: ratio "
+            f"{_fmt(rb / ra if ra else float('nan'))} (target <= 1.2); saved bytes "
+            f"{format_bytes(a['saved_bytes'])} vs {format_bytes(b['saved_bytes'])}\n"
+        )
+    return "\n".join(lines)
+
+
+def _strategy_table(results: Results) -> list[str]:
+    lines = [
+        "| strategy | step time (s) | peak RSS above model | peak saved bytes held "
+        "(offloadd accounting) | written | read | io wait (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for s, runs in results.items():
+
+        def med(key: str, runs: Sequence[Mapping[str, Any]] = runs) -> float:
+            return statistics.median(float(r[key]) for r in runs)
+
+        def stat(key: str, runs: Sequence[Mapping[str, Any]] = runs) -> str:
+            if "stats" not in runs[0]:
+                return "-"  # no hooks ran (recompute, none)
+            v = statistics.median(float(r["stats"][key]) for r in runs)
+            return f"{v:.3f}" if key == "io_wait_s" else format_bytes(v)
+
+        lines.append(
+            f"| {s} | {med('step_time_s'):.3f} | {format_bytes(med('peak_rss_above_base'))} | "
+            f"{stat('peak_resident_bytes')} | {stat('bytes_written')} | {stat('bytes_read')} | "
+            f"{stat('io_wait_s')} |"
+        )
+    return lines
+
+
+def _ratio_table(results: Results) -> list[str]:
+    lines = [
+        "| ratio (median of per-round ratios; min..max) | value | target |",
+        "|---|---|---|",
+    ]
+    for label, num, den, key, target in RATIOS:
+        if num in results and den in results:
+            lines.append(f"| {label} | {_spread(per_round(results, num, den, key))} | {target} |")
+    if "ssd" in results and "keep" in results and "stats" in results["keep"][0]:
+        held = [
+            a["stats"]["peak_resident_bytes"] / b["stats"]["peak_resident_bytes"]
+            for a, b in zip(results["ssd"], results["keep"], strict=True)
+            if b["stats"]["peak_resident_bytes"]
+        ]
+        lines.append(f"| ssd peak_resident_bytes / keep | {_spread(held)} | <= 0.25 |")
+    return lines if len(lines) > 2 else []
+
+
+def _identity(results: Results) -> list[str]:
+    """Whether every run's final weights match keep's (ssd's decide; recompute's are reported)."""
+    if "keep" not in results:
+        return []
+    ref = results["keep"][0]["weights_sha256"]
+    lines = []
+    for s in ("ssd", "recompute"):
+        if s in results:
+            same = {r["weights_sha256"] for r in (*results["keep"], *results[s])} == {ref}
+            lines.append(
+                f"Final weights bit-identical across keep and {s} runs: {'yes' if same else 'NO'}"
+            )
+    return [*lines, ""] if lines else []
+
+
+def _spread(values: Sequence[float]) -> str:
+    if not values:
+        return "n/a"
+    return f"{_fmt(statistics.median(values))} ({_fmt(min(values))}..{_fmt(max(values))})"
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.3f}"

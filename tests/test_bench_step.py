@@ -1,0 +1,116 @@
+"""``offloadd bench step`` smoke-runs at tiny sizes (figures are never asserted, only their
+shape), and its ratios on made-up results."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from offloadd.tools.bench_step_report import RATIOS, format_report, per_round
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE_PARAMS = ("default",)  # the benchmark runs the default engine (auto)
+
+_TINY = ["--layers", "2", "--d-model", "64", "--heads", "2", "--seq", "64", "--batch", "2"]
+
+
+def _bench(*args: str, script: bool = True) -> subprocess.CompletedProcess[str]:
+    head = [str(ROOT / "scripts" / "bench_step.py")] if script else ["-m", "offloadd", "bench"]
+    if not script:
+        head.append("step")
+    return subprocess.run(
+        [sys.executable, *head, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def _ratio_rows(out: str) -> dict[str, str]:
+    """The ratio table's value and target by label."""
+    rows = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 3 and " / " in cells[0]:
+            rows[cells[0]] = cells[2]
+    return rows
+
+
+def test_bench_step_script_end_to_end(disk_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "step.md"
+    args = [*_TINY, "--steps", "1", "--rounds", "1", "--deep-layers", "3"]
+    proc = _bench(*args, "--ssd-dir", str(disk_dir), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_text().strip() == proc.stdout.strip()
+    assert "- model: built-in GPT, 2 layers, d=64" in proc.stdout
+    assert _ratio_rows(proc.stdout) == {
+        "ssd step time / keep": "<= 1.05",
+        "ssd step time / recompute": "< 1",
+        "ssd peak RSS above model / keep": "<= 0.35",
+        "ssd peak RSS above model / recompute": "<= 1.0",
+        "ssd peak_resident_bytes / keep": "<= 0.25",
+    }
+    assert "bit-identical across keep and ssd runs: yes" in proc.stdout
+    assert "Hook cost per small kept tensor" in proc.stdout
+    assert "Depth scaling (ssd)" in proc.stdout and "at 3 layers" in proc.stdout
+    assert "round 1/1: ssd" in proc.stderr
+
+
+def test_bench_step_hf_gpt2(disk_dir: Path) -> None:
+    pytest.importorskip("transformers")
+    args = [*_TINY, "--steps", "1", "--rounds", "1", "--deep-layers", "0", "--no-hook-cost"]
+    proc = _bench("--model", "gpt", *args, "--ssd-dir", str(disk_dir), script=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "- model: GPT-2 (transformers, random weights), 2 layers" in proc.stdout
+    assert "- command: `python -m offloadd bench step --model gpt --layers 2" in proc.stdout
+    assert len(_ratio_rows(proc.stdout)) == 5
+    assert "bit-identical across keep and ssd runs: yes" in proc.stdout
+    assert "Hook cost" not in proc.stdout and "Depth scaling" not in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--strategies", "keep,fast"], "--strategies: unknown 'fast'"),
+        (["--rounds", "0"], "--rounds must be at least 1"),
+        (["--d-model", "64", "--heads", "3"], "--heads (3) must divide --d-model (64)"),
+        (["--deep-layers", "-1"], "--deep-layers must be 0 (skip) or positive"),
+        (["--batch", "0"], "--batch must be positive"),
+        (["--model", "llama"], "invalid choice: 'llama'"),
+    ],
+)
+def test_bench_step_bad_arguments(args: list[str], message: str) -> None:
+    proc = _bench(*args, script=False)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert "round 1/" not in proc.stderr  # refused before any run
+
+
+def _run(step: float, rss: int, digest: str = "ab") -> dict[str, Any]:
+    return {"step_time_s": step, "peak_rss_above_base": rss, "weights_sha256": digest}
+
+
+def test_ratios_are_medians_of_per_round_ratios() -> None:
+    results = {
+        "keep": [_run(1.0, 100), _run(2.0, 100), _run(1.0, 200)],
+        "recompute": [_run(1.5, 40), _run(1.5, 40), _run(1.0, 50)],
+        "ssd": [_run(1.1, 30), _run(2.0, 30), _run(0.9, 40)],
+    }
+    assert per_round(results, "ssd", "keep", "step_time_s") == pytest.approx([1.1, 1.0, 0.9])
+    ns = argparse.Namespace(
+        model="gpt", layers=8, d_model=512, heads=8, seq=512, batch=4, steps=3, rounds=3
+    )
+    text = format_report(ns, results, command="offloadd bench step --model gpt")
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if " / " in line}
+    assert set(rows) == {label for label, *_ in RATIOS}
+    assert "| 1.000 (0.900..1.100) | <= 1.05 |" in rows["ssd step time / keep"]
+    assert "| 0.900 (0.733..1.333) | < 1 |" in rows["ssd step time / recompute"]
+    assert "| 0.300 (0.200..0.300) | <= 0.35 |" in rows["ssd peak RSS above model / keep"]
+    assert "| 0.750 (0.750..0.800) | <= 1.0 |" in rows["ssd peak RSS above model / recompute"]
+    assert "Final weights bit-identical across keep and ssd runs: yes" in text
+    assert "| recompute | 1.500 | 40 B | - |" in text

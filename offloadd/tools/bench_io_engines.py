@@ -28,11 +28,13 @@ _GB = 1e9
 
 @dataclass(slots=True)
 class Timing:
-    """One timed pass (of an engine or of fio): wall seconds, CPU seconds and bytes moved."""
+    """One timed pass (of an engine or of fio): wall seconds, CPU seconds and bytes moved;
+    ``reported_s``: the run time fio itself reported (see [fio's wall span]), None for engines."""
 
     seconds: float
     cpu_s: float
     nbytes: int
+    reported_s: float | None = None
 
     @property
     def gbps(self) -> float:

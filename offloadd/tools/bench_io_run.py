@@ -54,6 +54,7 @@ def run_bench(
     pairs: int,
     gil: bool,
     fio: str | None,
+    huge_pages: bool = True,
 ) -> dict[str, Any]:
     """Measure ``engines`` (and fio, unless ``fio`` is None) at each request size; the results
     as a JSON-ready dict, with the machine they ran on."""
@@ -68,7 +69,9 @@ def run_bench(
     for request in request_sizes:
         _progress(f"== request size {request >> 20} MiB, {total_bytes >> 20} MiB per run")
         entry: dict[str, Any] = {"request_bytes": request, "total_bytes": total_bytes}
-        target = Target(dirs, total_bytes, request, window=2 * threads)
+        target = Target(dirs, total_bytes, request, window=2 * threads, huge_pages=huge_pages)
+        entry["huge_pages"] = target.huge_pages
+        _progress(f"engine buffers on huge pages: {target.huge_pages}")
         fio_best: dict[str, FioConfig] = {}
         try:
             if fio is not None:

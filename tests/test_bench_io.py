@@ -60,3 +60,17 @@ def test_bench_io_bad_arguments(args: list[str], message: str) -> None:
     proc = _bench("--total-bytes", "16MiB", "--request-bytes", "4MiB", *args)  # the last one wins
     assert proc.returncode == 2
     assert message in proc.stderr
+
+
+def test_fio_span_from_latency_logs(tmp_path: Path) -> None:
+    """[fio's wall span]: two jobs that did not overlap span both, unlike fio's longest job."""
+    from offloadd.tools.bench_io_fio import lat_log_span
+
+    a, b = tmp_path / "req_lat.1.log", tmp_path / "req_lat.2.log"
+    # time_ms (completion), latency_ns, direction, size, offset
+    a.write_text("1000, 20000000, 1, 4194304, 0\n1010, 25000000, 1, 4194304, 4194304\n")
+    b.write_text("1100, 30000000, 1, 4194304, 0\n")
+    span = lat_log_span([str(a), str(b)])
+    assert span == pytest.approx((1100 - (1000 - 20)) / 1000)
+    (tmp_path / "empty.log").write_text("")
+    assert lat_log_span([str(tmp_path / "empty.log")]) is None

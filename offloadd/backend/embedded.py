@@ -8,6 +8,7 @@ import threading
 from offloadd.config import Config
 from offloadd.io.buffers import SlotPool
 from offloadd.io.files import DiskStore, default_offload_dir
+from offloadd.io.hugepages import advise_huge_pages
 from offloadd.io.request import Engine, Request
 from offloadd.io.select import open_host_engine
 
@@ -64,7 +65,11 @@ class EmbeddedBackend:
     def staging(self) -> SlotPool:
         with self._lock:
             if self._staging is None:
-                self._staging = SlotPool(self._config.staging_bytes, self._config.chunk_bytes)
+                pool = SlotPool(self._config.staging_bytes, self._config.chunk_bytes)
+                # every write leaves from here: huge pages halve its cost ([huge-page buffers])
+                huge = advise_huge_pages(pool.address(0), pool.num_slots * pool.slot_bytes)
+                log.info("offloadd: staging slots %s huge pages", "on" if huge else "without")
+                self._staging = pool
             return self._staging
 
     def place(self, hint: int) -> tuple[int, int]:

@@ -4,9 +4,18 @@ For each request size, it first finds fio's best configuration over a small grid
 ({libaio, io_uring} x iodepth {8, 32} x numjobs {1, 4}, O_DIRECT, same request size), which is
 the device's practical peak here. Then it alternates pairs (engine, fio-best) ``--pairs`` times,
 writing then reading back ``--total-bytes``, and reports medians, spreads and the ratios
-engine / fio. Content is verified once per engine (write, read back, compare) outside the
-timed runs. CPU cost is CPU-seconds per GB moved: the process's CPU time for the engines
-(every thread), fio's own usr+sys for fio.
+engine / fio. fio is timed like the engines, from the first request issued to the last
+completed (its latency log), not by its own ``--group_reporting`` figure, which divides by the
+longest single job's run time (see [fio's wall span] in bench_io_fio). Both sides write over
+blocks written before (the engine's first pass lays its file out, an untimed fio pass lays out
+fio's files), so neither pays for allocating blocks in the timed runs. Content is verified
+once per engine (write, read back, compare) outside the timed runs. CPU cost is CPU-seconds per
+GB moved: the process's CPU time for the engines (every thread), fio's own usr+sys for fio.
+
+The engines' buffers are backed by huge pages, as offloadd's staging slots are (see
+[huge-page buffers] in offloadd/io/hugepages.py); fio's are not (it cannot ask for them), which
+on a virtual disk is worth up to 2x. ``--small-pages`` measures the engines on 4 KiB pages, like
+for like with fio.
 
 ``--gil`` adds the mode that made csrc/ necessary: the same engine runs while the main thread
 spins in a pure-Python loop (holding the GIL, as a training loop does), and the ratio to its
@@ -51,6 +60,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pairs", type=int, default=5, help="alternating (engine, fio) pairs")
     p.add_argument("--gil", action="store_true", help="also measure under a GIL-holding loop")
     p.add_argument("--no-fio", action="store_true", help="skip fio (engines only)")
+    p.add_argument(
+        "--small-pages",
+        action="store_true",
+        help="engine buffers on 4 KiB pages (default: huge pages, as offloadd's staging slots)",
+    )
     p.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH ('-': stdout)")
 
 
@@ -112,6 +126,7 @@ def _options(ns: argparse.Namespace) -> dict[str, Any]:
         pairs=ns.pairs,
         gil=ns.gil,
         fio=fio,
+        huge_pages=not ns.small_pages,
     )
 
 

@@ -17,6 +17,7 @@ import torch
 
 from offloadd.io.buffers import AlignedBuffer
 from offloadd.io.files import SlotFile
+from offloadd.io.hugepages import advise_huge_pages
 from offloadd.io.python_engine import PythonEngine
 from offloadd.io.request import Engine, Op, Request
 
@@ -28,11 +29,13 @@ _GB = 1e9
 
 @dataclass(slots=True)
 class Timing:
-    """One timed pass (of an engine or of fio): wall seconds, CPU seconds and bytes moved."""
+    """One timed pass (of an engine or of fio): wall seconds, CPU seconds and bytes moved;
+    ``reported_s``: the run time fio itself reported (see [fio's wall span]), None for engines."""
 
     seconds: float
     cpu_s: float
     nbytes: int
+    reported_s: float | None = None
 
     @property
     def gbps(self) -> float:
@@ -77,9 +80,12 @@ class _Run:
 
 
 class Target:
-    """The engine's files (one per directory), the source buffers and the read-back buffers."""
+    """The engine's files (one per directory), the source buffers and the read-back buffers,
+    on huge pages unless ``huge_pages`` is False (see [huge-page buffers])."""
 
-    def __init__(self, dirs: list[str], total: int, request: int, window: int) -> None:
+    def __init__(
+        self, dirs: list[str], total: int, request: int, window: int, *, huge_pages: bool = True
+    ) -> None:
         self.files = [SlotFile(d, request, "on") for d in dirs]
         self.n = total // request
         self.request = request
@@ -100,6 +106,10 @@ class Target:
                 )
             )
         self.dst = [AlignedBuffer(request) for _ in range(self.window)]
+        # as the product's staging slots ([huge-page buffers]); False where refused or not asked
+        self.huge_pages = huge_pages and all(
+            advise_huge_pages(b.address, b.nbytes) for b in self.src + self.dst
+        )
 
     def run(self, engine: Engine, op: Op) -> Timing:
         bufs = self.src if op is Op.WRITE else self.dst

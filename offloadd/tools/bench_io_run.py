@@ -21,7 +21,13 @@ import psutil
 from offloadd.io.files import filesystem_type
 from offloadd.io.request import Engine, Op
 from offloadd.tools.bench_io_engines import Target, Timing, make_engine, spin_while
-from offloadd.tools.bench_io_fio import FIO_GRID, FioConfig, remove_fio_files, run_fio
+from offloadd.tools.bench_io_fio import (
+    FIO_GRID,
+    FioConfig,
+    lay_out_fio_files,
+    remove_fio_files,
+    run_fio,
+)
 
 __all__ = ["run_bench"]
 
@@ -48,6 +54,7 @@ def run_bench(
     pairs: int,
     gil: bool,
     fio: str | None,
+    huge_pages: bool = True,
 ) -> dict[str, Any]:
     """Measure ``engines`` (and fio, unless ``fio`` is None) at each request size; the results
     as a JSON-ready dict, with the machine they ran on."""
@@ -62,16 +69,24 @@ def run_bench(
     for request in request_sizes:
         _progress(f"== request size {request >> 20} MiB, {total_bytes >> 20} MiB per run")
         entry: dict[str, Any] = {"request_bytes": request, "total_bytes": total_bytes}
-        target = Target(dirs, total_bytes, request, window=2 * threads)
+        target = Target(dirs, total_bytes, request, window=2 * threads, huge_pages=huge_pages)
+        entry["huge_pages"] = target.huge_pages
+        _progress(f"engine buffers on huge pages: {target.huge_pages}")
         fio_best: dict[str, FioConfig] = {}
         try:
             if fio is not None:
+                lay_out_fio_files(fio, dirs, total_bytes, request)
                 for rw in ("write", "read"):
                     grid = {}
                     for cfg in FIO_GRID:
                         grid[cfg] = run_fio(fio, dirs, cfg, rw, total_bytes, request)
                     fio_best[rw] = max(grid, key=lambda c: grid[c].gbps)
                     entry[f"fio_grid_{rw}"] = {c.label(): round(t.gbps, 3) for c, t in grid.items()}
+                    entry[f"fio_grid_{rw}_reported"] = {
+                        c.label(): round(t.nbytes / t.reported_s / 1e9, 3)
+                        for c, t in grid.items()
+                        if t.reported_s
+                    }
                     _progress(
                         f"fio {rw} best: {fio_best[rw].label()} {grid[fio_best[rw]].gbps:.2f} GB/s"
                     )
@@ -127,6 +142,9 @@ def _measure_engine(
                 continue
             _median_and_spread(out, f"{key}_GBps", [t.gbps for t in ts])
             out[f"{key}_cpu_s_per_GB"] = statistics.median(t.cpu_s_per_gb for t in ts)
+            reported = [t.nbytes / t.reported_s / 1e9 for t in ts if t.reported_s]
+            if reported:  # fio's own figure, next to its wall span (see [fio's wall span])
+                out[f"{key}_reported_GBps"] = statistics.median(reported)
         if fio is not None:
             for rw in ("write", "read"):
                 ratios = [a.gbps / b.gbps for a, b in zip(runs[rw], runs[f"fio_{rw}"], strict=True)]

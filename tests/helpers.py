@@ -120,12 +120,21 @@ def assert_bitwise_equal(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]
             assert torch.equal(x, y), f"step {step}, tensor {i} differs (max {(x - y).abs().max()})"
 
 
-class SlowEngine(PythonEngine):
-    """The reference engine with every write delayed, so the staging pool must fill."""
+class StagedEngine(PythonEngine):
+    """The reference engine without head/tail pages: host tensors go through staging slots
+    instead of being written in place (the path CUDA tensors and the daemon take)."""
 
-    def __init__(self, delay_s: float = 0.005) -> None:
+    writes_pages = False
+
+
+class SlowEngine(PythonEngine):
+    """The reference engine with every write delayed, so the staging pool must fill.
+    ``pages=False``: host tensors go through staging (see :class:`StagedEngine`)."""
+
+    def __init__(self, delay_s: float = 0.005, *, pages: bool = True) -> None:
         super().__init__(2)
         self.delay_s = delay_s
+        self.writes_pages = pages
 
     def submit(self, request: Request) -> None:
         if request.op is Op.WRITE:

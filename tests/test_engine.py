@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from offloadd import Offloader
-from offloadd.io.buffers import AlignedBuffer, aligned_empty
+from offloadd.io.buffers import AlignedBuffer
 from offloadd.io.files import DiskStore, SlotFile
 from offloadd.io.python_engine import PythonEngine
 from offloadd.io.request import Op, Request
@@ -88,16 +88,15 @@ def test_engine_concurrent_requests(disk_dir: Path) -> None:
         )
     for _ in range(n):
         done.acquire()
-    dst = aligned_empty(src.nbytes)
+    dst = AlignedBuffer(src.nbytes)
     for i, o in enumerate(offsets):
-        engine.submit(
-            Request(Op.READ, f.fd, f.path, o, dst.data_ptr() + i * (64 << 10), 64 << 10, cb)
-        )
+        engine.submit(Request(Op.READ, f.fd, f.path, o, dst.address + i * (64 << 10), 64 << 10, cb))
     for _ in range(n):
         done.acquire()
     engine.close()
     assert not errors
-    assert torch.equal(dst, src.tensor)
+    assert torch.equal(dst.tensor, src.tensor)
+    dst.close()
     store.close()
     src.close()
 
@@ -331,12 +330,13 @@ def test_write_head_and_tail_pages(npages: int, head: bool, tail: bool, disk_dir
     )
     engine.submit(req)
     assert ev.wait(10) and got[0].error is None
-    dst = aligned_empty(nbytes)
+    dst = AlignedBuffer(nbytes)
     ev.clear()
-    engine.submit(Request(Op.READ, f.fd, f.path, 0, dst.data_ptr(), nbytes, lambda r: ev.set()))
+    engine.submit(Request(Op.READ, f.fd, f.path, 0, dst.address, nbytes, lambda r: ev.set()))
     assert ev.wait(10)
     engine.close()
-    assert torch.equal(dst, expect)
+    assert torch.equal(dst.tensor, expect)
+    dst.close()
     f.close()
     src.close()
     pages.close()

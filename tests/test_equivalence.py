@@ -80,8 +80,11 @@ def test_gradients_bit_identical(model: str, tier: str, dedup: bool, disk_dir: P
     assert st.resident_bytes == 0 and st.disk_bytes == 0  # everything released after backward
 
 
-@pytest.mark.parametrize("chunk_kib", [4, 64, 256])
-def test_chunk_and_pool_sizes(chunk_kib: int, disk_dir: Path) -> None:
+@pytest.mark.parametrize(
+    ("chunk_kib", "in_place"),
+    [(4, True), (64, True), (256, True), (4, False), (64, False), (1024, False)],
+)
+def test_chunk_and_pool_sizes(chunk_kib: int, in_place: bool, disk_dir: Path) -> None:
     """Blocks larger than the staging pool stream through it; tiny pools force backpressure
     (in-place writes: holding more than ``staging_bytes`` of sources)."""
     make_model, make_input = MODELS["gpt"]
@@ -89,10 +92,11 @@ def test_chunk_and_pool_sizes(chunk_kib: int, disk_dir: Path) -> None:
     off = small_offloader(
         disk_dir,
         chunk_bytes=chunk_kib << 10,
-        staging_bytes=chunk_kib << 10,
+        staging_bytes=chunk_kib << (10 if in_place else 11),
         prefetch_bytes=0,
-        io_engine=SlowEngine(),
+        io_engine=SlowEngine(pages=in_place),
     )
+    assert (off._writer.in_place is not None) == in_place
     try:
         got = train(make_model, make_input, off)
         st = off.stats()

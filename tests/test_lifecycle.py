@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from offloadd import Offloader
 from offloadd.io.buffers import SlotPool, round_up
 
-from .helpers import SavePayload, assert_bitwise_equal, small_offloader, train
+from .helpers import SavePayload, StagedEngine, assert_bitwise_equal, small_offloader, train
 
 pytestmark = pytest.mark.usefixtures("backend")
 
@@ -495,7 +495,8 @@ def test_memory_fallback_chunk_of_unaligned_size(
     disk_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """When no staging slot can ever be had, the chunk stays in memory, padded like the rest."""
-    off = small_offloader(disk_dir, min_bytes=1)
+    off = small_offloader(disk_dir, min_bytes=1, io_engine=StagedEngine(2))
+    assert off._writer.in_place is None
     monkeypatch.setattr(off._writer, "_acquire_slot", lambda pool: None)
     payload = torch.randint(0, 256, (3 * 65536 + 7,), dtype=torch.uint8)
     SavePayload.seen.clear()

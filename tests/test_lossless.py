@@ -16,9 +16,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from offloadd import Offloader
+from offloadd.io.python_engine import PythonEngine
 from offloadd.runtime import capture
 
-from .helpers import SavePayload, small_offloader
+from .helpers import SavePayload, StagedEngine, small_offloader
 
 pytestmark = pytest.mark.usefixtures("backend")
 # What is captured, and when, does not depend on the engine: one embedded engine and the daemon.
@@ -405,16 +406,18 @@ def test_block_freed_while_captured_is_not_joined(disk_dir: Path) -> None:
     _close_released(off)
 
 
-def test_interrupt_during_capture_settles_the_block(disk_dir: Path) -> None:
+@pytest.mark.parametrize("in_place", [True, False])
+def test_interrupt_during_capture_settles_the_block(in_place: bool, disk_dir: Path) -> None:
     """A KeyboardInterrupt while capture waits for a staging slot (in place: for room among the
     sources held) propagates, and the block is settled (kept in memory): backward still works,
     nothing leaks, nothing hangs."""
     x = torch.randn(N, N, requires_grad=True)
     expected = torch.autograd.grad(x.sin().sum(), x)[0]
-    off = small_offloader(disk_dir)
-    in_place = off._writer.in_place
-    owner: object = in_place if in_place is not None else off._writer
-    name = "_wait_room" if in_place is not None else "_acquire_slot"
+    off = small_offloader(disk_dir, io_engine=PythonEngine(2) if in_place else StagedEngine(2))
+    writer = off._writer.in_place
+    assert (writer is not None) == in_place
+    owner: object = writer if writer is not None else off._writer
+    name = "_wait_room" if writer is not None else "_acquire_slot"
     real = getattr(owner, name)
     calls = [0]
 

@@ -16,7 +16,7 @@ import os
 
 import torch
 
-__all__ = ["ALIGN", "AlignedBuffer", "SlotPool", "aligned_empty", "address_view", "round_up"]
+__all__ = ["ALIGN", "AlignedBuffer", "SlotPool", "address_view", "round_up"]
 
 ALIGN = 4096
 
@@ -96,22 +96,6 @@ class SlotPool:
 
     def close(self) -> None:
         self.buffer.close()
-
-
-def aligned_empty(nbytes: int) -> torch.Tensor:
-    """A uint8 CPU tensor of ``round_up(nbytes)`` bytes whose data address is 4096-aligned.
-
-    Its storage starts at the aligned address inside a slightly larger ordinary allocation
-    (4 KiB more, kept alive by the storage), so restored tensors are built on it with ``set_`` at
-    their exact storage offsets: reads land in their final place, and in steady state the
-    allocator hands back warm memory instead of fresh pages to fault in (a fresh mapping per
-    read-back cost about 20% of backward on CPU)."""
-    padded = round_up(max(nbytes, 1))
-    raw = torch.empty(padded + ALIGN, dtype=torch.uint8)
-    skew = (-raw.data_ptr()) % ALIGN
-    window = (ctypes.c_char * padded).from_address(raw.data_ptr() + skew)
-    window._owner = raw  # type: ignore[attr-defined]
-    return torch.frombuffer(window, dtype=torch.uint8)
 
 
 def address_view(address: int, nbytes: int) -> memoryview:

@@ -152,6 +152,26 @@ def test_read_pool_lends_and_takes_back() -> None:
     pool.close()
 
 
+def test_read_pool_classes_keep_their_own_and_idle_classes_go() -> None:
+    pool = ReadPool()
+    big = pool.take(100_000)  # the 128 KiB class
+    t = pool.lend(big, 0, 100_000)
+    del t
+    small = pool.take(10_000)  # the 64 KiB class: never the idle 128 KiB buffer
+    assert small is not big and pool.created == 2
+    assert pool.take(120_000) is big  # warm, its own class
+    for buf, n in ((big, 120_000), (small, 10_000)):
+        t = pool.lend(buf, 0, n)
+        del t
+    pool.new_sweep()  # both classes were taken during the sweep that ended: kept, idle
+    assert pool.mapped_bytes == pool.idle_bytes == (128 + 64) << 10
+    pool.new_sweep()  # ... and in the sweep before the one that ended
+    assert pool.mapped_bytes == (128 + 64) << 10
+    pool.new_sweep()  # two sweeps without either class: unmapped
+    assert pool.mapped_bytes == 0 and pool.idle_bytes == 0
+    pool.close()
+
+
 def test_lent_buffer_returns_from_another_thread() -> None:
     pool = ReadPool()
     buf = pool.take(1 << 16)

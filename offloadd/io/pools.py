@@ -10,8 +10,11 @@ tensors that view them: the heap then holds only the forward window, and nothing
 A :class:`ReadPool` buffer is lent as a tensor (:meth:`ReadPool.lend`) whose storage is a window
 on the buffer; when the last tensor viewing that storage dies, so does the window, and its lease
 puts the buffer back on a return queue (any thread, under the GIL: an append). The owner's lock
-guards everything else. Buffers come in size classes of 64 KiB; idle buffers beyond the most
-that was ever out at once (what the model needs) are unmapped.
+guards everything else. Buffers come in size classes of 64 KiB, and a class is served only by
+its own buffers: a buffer is created only when more of its class are out at once than ever
+before, so with the shapes of a training loop the pool stops growing after the first backward
+(borrowing a bigger class instead let two classes take each other's buffers in turn, creating
+one more every step). A class that two backward sweeps in a row did not take is unmapped.
 """
 
 from __future__ import annotations
@@ -56,25 +59,28 @@ class ReadPool:
     def __init__(self) -> None:
         self._free: dict[int, list[AlignedBuffer]] = {}
         self._returned: deque[AlignedBuffer] = deque()
+        self._out: dict[int, int] = {}  # buffers lent now, per size class
+        self._used: set[int] = set()  # classes taken since the last sweep began
+        self._used_before: set[int] = set()  # ... during the sweep before it
         self.mapped_bytes = 0  # every buffer, idle or lent
         self.idle_bytes = 0
-        self.peak_out_bytes = 0  # most bytes lent at once: what the pool keeps warm
+        self.peak_out_bytes = 0  # most bytes lent at once
         self.created = 0
 
     def take(self, nbytes: int) -> AlignedBuffer:
-        """A buffer of at least ``nbytes`` (warm if one of its size was returned)."""
+        """A buffer of at least ``nbytes`` (warm if one of its size class was returned)."""
         self.collect()
         size = round_up(max(nbytes, 1), _CLASS)
-        for cls in (size, *sorted(c for c in self._free if size < c <= 2 * size)):
-            bufs = self._free.get(cls)
-            if bufs:
-                buf = bufs.pop()
-                self.idle_bytes -= buf.nbytes
-                break
+        bufs = self._free.get(size)
+        if bufs:
+            buf = bufs.pop()
+            self.idle_bytes -= buf.nbytes
         else:
             buf = AlignedBuffer(size)
             self.mapped_bytes += buf.nbytes
             self.created += 1
+        self._out[size] = self._out.get(size, 0) + 1
+        self._used.add(size)
         out = self.mapped_bytes - self.idle_bytes
         if out > self.peak_out_bytes:
             self.peak_out_bytes = out
@@ -88,16 +94,25 @@ class ReadPool:
         return torch.frombuffer(window, dtype=torch.uint8)
 
     def collect(self) -> None:
-        """Take back the buffers whose lent tensors died; unmap what the model never needs."""
+        """Take back the buffers whose lent tensors died (kept warm for their class)."""
         q = self._returned
         while q:
             buf = q.popleft()
-            if self.idle_bytes + buf.nbytes > self.peak_out_bytes:
-                self.mapped_bytes -= buf.nbytes
-                buf.close()
-                continue
+            self._out[buf.nbytes] -= 1
             self._free.setdefault(buf.nbytes, []).append(buf)
             self.idle_bytes += buf.nbytes
+
+    def new_sweep(self) -> None:
+        """A backward sweep begins: unmap the idle buffers of classes that neither this one's
+        predecessor nor the sweep before it took (shapes that changed, e.g. sequence length)."""
+        self.collect()
+        wanted = self._used | self._used_before
+        for size in [c for c in self._free if c not in wanted]:
+            for buf in self._free.pop(size):
+                buf.close()
+                self.mapped_bytes -= buf.nbytes
+                self.idle_bytes -= buf.nbytes
+        self._used_before, self._used = self._used, set()
 
     def close(self) -> None:
         self.collect()

@@ -249,6 +249,7 @@ class Reader:
         else:  # a new sweep (a new backward, or a jump below what was scanned)
             start = self._pf_high = self._pf_low = seq
             self.window = self._size_window()
+            self.pool.new_sweep()
         window = self.window
         if self.prefetch_live >= window:
             return

@@ -3,7 +3,9 @@
 1. The optional native I/O engine (csrc/native.c -> offloadd.io._native). If the compiler or the
    headers are missing, ``pip install`` still succeeds, ``import offloadd`` still works, and
    ``engine = "auto"`` logs that it fell back to the Python engine and why.
-2. offloadd.pth: the start-up hook (see offloadd_boot.py) must land at the top of site-packages,
+2. The host cache's C++ source (csrc/host_allocator.cpp) goes into the package, because it is
+   compiled at first use against the torch it runs with (see offloadd/runtime/host_allocator.py).
+3. offloadd.pth: the start-up hook (see offloadd_boot.py) must land at the top of site-packages,
    for ``pip install .`` (a wheel) and ``pip install -e .`` (an editable wheel) alike.
 """
 
@@ -19,10 +21,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from offloadd_boot import PTH_LINE  # standard library only: safe at build time
 
 PTH_NAME = "offloadd.pth"
+HOST_CACHE_SOURCE = os.path.join("csrc", "host_allocator.cpp")
 
 
 class BuildPyWithPth(build_py):
-    """build_py that also writes offloadd.pth at the root of what becomes site-packages.
+    """build_py that also writes offloadd.pth at the root of what becomes site-packages, and
+    copies the host cache's source into the package (an editable install finds it in csrc/).
 
     A regular build puts it into build_lib, the wheel's root. An editable build does not copy
     build_lib into the wheel; there the ``install`` command's install_lib is the directory that
@@ -36,6 +40,9 @@ class BuildPyWithPth(build_py):
         else:
             root = self.build_lib
         os.makedirs(root, exist_ok=True)
+        if not getattr(self, "editable_mode", False):
+            runtime = os.path.join(self.build_lib, "offloadd", "runtime")
+            self.copy_file(HOST_CACHE_SOURCE, os.path.join(runtime, "host_allocator.cpp"))
         path = os.path.join(root, PTH_NAME)
         with open(path, "w", encoding="utf-8") as f:
             f.write(PTH_LINE)
@@ -44,6 +51,9 @@ class BuildPyWithPth(build_py):
         outputs = list(super().get_outputs(include_bytecode))
         if not getattr(self, "editable_mode", False):
             outputs.append(os.path.join(self.build_lib, PTH_NAME))
+            outputs.append(
+                os.path.join(self.build_lib, "offloadd", "runtime", "host_allocator.cpp")
+            )
         return outputs
 
 

@@ -18,11 +18,12 @@ from typing import Any, Literal, get_args
 from offloadd.config.daemon import DaemonConfig
 from offloadd.config.kinds import Bool, Choice, DirectIO, Dirs, Int, Kind, Size, check, invalid
 
-__all__ = ["KINDS", "Config", "DirectIO", "EngineName", "IoUring", "Tier"]
+__all__ = ["KINDS", "Config", "DirectIO", "EngineName", "HostAllocator", "IoUring", "Tier"]
 
 Tier = Literal["keep", "cpu", "ssd"]
 EngineName = Literal["auto", "native", "python", "kvikio"]
 IoUring = Literal["auto", "on", "off"]
+HostAllocator = Literal["auto", "caching", "system"]
 
 _ALIGN = 4096
 
@@ -76,6 +77,15 @@ class Config:
     written, so the heap holds only the forward window and its freed pages are reused warm;
     trimming them makes the next allocations fault in fresh pages, a trade of step time for RSS
     measured in docs/benchmarks/."""
+
+    host_allocator: HostAllocator = "auto"
+    """torch's CPU allocator while the Offloader is open. ``"caching"``: offloadd's host cache
+    (csrc/host_allocator.cpp), which keeps freed activation blocks warm for the next allocation of
+    their size and caps what it keeps at what was live, so that freed activations neither stay
+    resident as heap fragments nor fault in again; built with the C++ compiler at first use and
+    cached, an error if that fails. ``"system"``: torch's own (glibc's heap). ``"auto"``: the host
+    cache for tier ssd on a machine without CUDA, falling back to system with a warning saying why;
+    system otherwise."""
 
     engine: EngineName = "auto"
     """I/O engine. ``"native"``: the C engine (csrc/), which never needs the GIL; ``"python"``: the
@@ -176,6 +186,7 @@ KINDS: dict[str, Kind] = {
     "io_threads": Int(1, 256),
     "direct_io": Choice(get_args(DirectIO)),
     "trim_host_bytes": Size(),
+    "host_allocator": Choice(get_args(HostAllocator)),
     "engine": Choice(get_args(EngineName)),
     "io_uring": Choice(get_args(IoUring)),
 }

@@ -31,6 +31,7 @@ from offloadd.backend import Backend, open_backend
 from offloadd.config import Config
 from offloadd.io.pools import Pool
 from offloadd.io.request import Engine, on_engine_thread
+from offloadd.runtime import host_allocator
 from offloadd.runtime.blocks import PENDING, BlockMap
 from offloadd.runtime.dedup import StorageIndex
 from offloadd.runtime.handles import (
@@ -91,6 +92,9 @@ class Offloader:
         if backend is not None:
             self._stats.buffered_io = backend.buffered
             self._stats.engine = backend.name
+        # After the backend: a config it refuses leaves torch's allocator alone.
+        self._host_cache = host_allocator.open_for(cfg, ledger.warn_once)
+        self._stats.host_allocator = "caching" if self._host_cache else "system"
         self._writer = Writer(cfg, ledger, self._blocks, backend, self._ordering)
         self._reader = Reader(self._writer)
         self._life = life = Lifetime(self._index, self._writer, self._reader)
@@ -99,7 +103,12 @@ class Offloader:
         self._drain = life.drain
         # Runs at close(), when the Offloader is collected, or at interpreter exit.
         self._finalizer = weakref.finalize(
-            self, Offloader._shutdown, backend, self._writer.pools, self._ordering
+            self,
+            Offloader._shutdown,
+            backend,
+            self._writer.pools,
+            self._ordering,
+            self._host_cache,
         )
 
     # -- public API ------------------------------------------------------------------------
@@ -154,6 +163,8 @@ class Offloader:
             self._writer.poll_copies()
             self._reader.pool.collect()
             self._writer.note_buffers()
+            if self._host_cache:
+                host_allocator.note_stats(self._stats)
             if self._backend is not None:
                 self._stats.disk_bytes = self._backend.used_bytes
                 self._stats.engine = self._backend.name
@@ -194,7 +205,9 @@ class Offloader:
         self._finalizer.detach()
 
     @staticmethod
-    def _shutdown(backend: Backend | None, pools: list[Pool], ordering: Ordering) -> None:
+    def _shutdown(
+        backend: Backend | None, pools: list[Pool], ordering: Ordering, host_cache: bool
+    ) -> None:
         """Release the backend and the pools (close(), collection, or interpreter exit).
 
         Note: [shutdown] Requests hold the write and read paths, never the Offloader, so an
@@ -204,7 +217,7 @@ class Offloader:
         still run on an I/O thread (a garbage-collector pass there); closing the backend from it
         would join the very thread doing it, so the shutdown then moves to a fresh thread."""
         if on_engine_thread():
-            args = (backend, pools, ordering)
+            args = (backend, pools, ordering, host_cache)
             with contextlib.suppress(RuntimeError):  # no new thread at interpreter exit
                 threading.Thread(
                     target=Offloader._shutdown, args=args, name="offloadd-shutdown", daemon=False
@@ -216,6 +229,8 @@ class Offloader:
             backend.release()
         for pool in pools:
             pool.close()
+        if host_cache:
+            host_allocator.release()
 
     # -- pack ------------------------------------------------------------------------------
 

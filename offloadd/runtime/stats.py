@@ -33,6 +33,16 @@ class Stats:
     ``resident_bytes``: add both for all the memory offloadd holds."""
     peak_buffer_bytes: int = 0
     """Most ``buffer_bytes`` at once."""
+    host_allocator: str = ""
+    """torch's CPU allocator while this Offloader is open: "caching" (offloadd's host cache, see
+    ``Config.host_allocator``) or "system"."""
+    host_cached_bytes: int = 0
+    """Now: bytes of freed blocks the host cache keeps mapped for reuse (process-wide; 0 without
+    it). Memory offloadd holds, on top of ``resident_bytes`` and ``buffer_bytes``."""
+    host_cache_hits: int = 0
+    """Allocations the host cache served from a freed block (process-wide)."""
+    host_cache_misses: int = 0
+    """Allocations it mapped fresh (process-wide)."""
     bytes_written: int = 0
     """Bytes written to storage (padded to 4096)."""
     bytes_read: int = 0
@@ -73,6 +83,12 @@ class Stats:
             f"written {format_bytes(self.bytes_written)}, read {format_bytes(self.bytes_read)}, "
             f"io wait {self.io_wait_s:.3f}s, fallbacks {self.fallbacks}"
             + (f", engine {self.engine}" if self.engine else "")
+            + (
+                f", host cache {format_bytes(self.host_cached_bytes)} idle, "
+                f"{self.host_cache_hits}/{self.host_cache_hits + self.host_cache_misses} hits"
+                if self.host_allocator == "caching"
+                else ""
+            )
         )
 
 

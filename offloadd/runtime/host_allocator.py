@@ -1,0 +1,277 @@
+"""The host cache: offloadd's caching CPU allocator for torch (see Note [host cache] in
+csrc/host_allocator.cpp), built at first use and installed while an Offloader needs it.
+
+Why it exists: on CPU, offloading frees each activation soon after it is made. glibc's heap then
+fragments and keeps about 4.5x what it holds resident, and every way of trimming it makes the next
+activations fault their pages in again (docs/benchmarks/fastpath_allocator_cpu-2core_2026-11-23.md).
+The host cache recycles freed blocks by size class, warm, and caps what it keeps at what was live.
+
+How it is built: ``csrc/host_allocator.cpp`` includes only c10's allocator headers, so it compiles
+in about a second against the installed torch, with the C++ compiler (``$CXX``, else ``c++``).
+The library is cached per source, torch version and ABI under ``$XDG_CACHE_HOME/offloadd`` (else
+``~/.cache/offloadd``); a file lock keeps the ranks of a node from building it twice at once.
+It is not built by ``pip install`` because pip builds in an isolated environment without torch,
+and the library must match the torch it runs with.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from offloadd.config import Config
+from offloadd.runtime.stats import Stats
+
+__all__ = [
+    "FLOOR_BYTES",
+    "MIN_BYTES",
+    "SLACK",
+    "HostAllocatorError",
+    "HostCache",
+    "HostCacheCounters",
+    "acquire",
+    "build",
+    "cache_dir",
+    "current",
+    "note_stats",
+    "open_for",
+    "release",
+    "source_path",
+]
+
+log = logging.getLogger("offloadd")
+
+MIN_BYTES = 128 << 10
+"""Allocations below this go to torch's previous allocator (glibc's heap serves them well)."""
+FLOOR_BYTES = 64 << 20
+"""The cache may always keep this much, however little is live."""
+SLACK = 0.25
+"""Live plus cached bytes stay within (1 + SLACK) x the most bytes ever live at once."""
+
+_SOURCE = "host_allocator.cpp"
+
+
+class HostAllocatorError(RuntimeError):
+    """The host cache could not be built or loaded (the message says why)."""
+
+
+@dataclass(frozen=True, slots=True)
+class HostCacheCounters:
+    """The host cache's process-wide counters (bytes are size-class bytes)."""
+
+    live_bytes: int
+    cached_bytes: int
+    """Freed blocks kept mapped, for the next allocation of their size class."""
+    peak_live_bytes: int
+    peak_footprint_bytes: int
+    """Most live + cached bytes at once."""
+    hits: int
+    misses: int
+    evicted_bytes: int
+    mapped_bytes: int
+    """Bytes mapped fresh (one mapping per miss)."""
+
+
+def source_path() -> Path:
+    """The C++ source: next to this module in a wheel, in csrc/ of a source tree."""
+    here = Path(__file__).resolve()
+    for candidate in (here.with_name(_SOURCE), here.parents[2] / "csrc" / _SOURCE):
+        if candidate.is_file():
+            return candidate
+    raise HostAllocatorError(
+        f"its source {_SOURCE} is missing (looked next to {here} and in csrc/)"
+    )
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "offloadd"
+
+
+def build(directory: Path | None = None) -> Path:
+    """The host cache library for this torch, compiled now unless already cached."""
+    src = source_path()
+    torch_dir = Path(torch.__file__).resolve().parent
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    cxx = os.environ.get("CXX") or "c++"
+    key = hashlib.sha256(
+        b"\0".join(
+            [
+                src.read_bytes(),
+                torch.__version__.encode(),
+                str(torch_dir).encode(),
+                b"%d" % abi,
+                cxx.encode(),
+            ]
+        )
+    ).hexdigest()[:16]
+    directory = directory if directory is not None else cache_dir()
+    target = directory / f"host_allocator-{key}.so"
+    if target.is_file():
+        return target
+    compiler = shutil.which(cxx)
+    if compiler is None:
+        raise HostAllocatorError(
+            f"no C++ compiler: {cxx!r} is not on PATH (set CXX, or install g++)"
+        )
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        lock = open(directory / ".build.lock", "w")  # noqa: SIM115 (held across the build)
+    except OSError as e:
+        raise HostAllocatorError(f"cannot write its build cache {directory}: {e}") from e
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another rank may be building it right now
+        if target.is_file():
+            return target
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".host_allocator-", suffix=".so")
+        os.close(fd)
+        cmd = [
+            compiler, "-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            f"-I{torch_dir / 'include'}", str(src), "-o", tmp,
+            f"-L{torch_dir / 'lib'}", "-lc10", f"-Wl,-rpath,{torch_dir / 'lib'}",
+        ]  # fmt: skip
+        log.info(
+            "offloadd: building the host cache for torch %s (once): %s",
+            torch.__version__,
+            " ".join(cmd),
+        )
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            os.unlink(tmp)
+            raise HostAllocatorError(f"{compiler} failed: {e}") from e
+        if done.returncode != 0:
+            os.unlink(tmp)
+            tail = "\n".join(done.stderr.strip().splitlines()[-12:])
+            raise HostAllocatorError(f"{compiler} exited with {done.returncode}:\n{tail}")
+        os.replace(tmp, target)
+    return target
+
+
+class HostCache:
+    """The loaded library: install it as torch's CPU allocator, read its counters."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as e:
+            raise HostAllocatorError(f"cannot load {path}: {e}") from e
+        lib.offloadd_host_cache_configure.argtypes = [
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_double,
+        ]
+        lib.offloadd_host_cache_counters.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
+        lib.offloadd_host_cache_counters.restype = None
+        lib.offloadd_host_cache_empty.restype = ctypes.c_uint64
+        lib.offloadd_host_cache_uninstall.restype = None
+        self._lib = lib
+        self.path = path
+
+    def install(
+        self, min_bytes: int = MIN_BYTES, floor_bytes: int = FLOOR_BYTES, slack: float = SLACK
+    ) -> None:
+        self._lib.offloadd_host_cache_configure(min_bytes, floor_bytes, slack)
+        if not self._lib.offloadd_host_cache_install():
+            raise HostAllocatorError("torch kept another CPU allocator of higher priority")
+
+    def uninstall(self) -> None:
+        self._lib.offloadd_host_cache_uninstall()
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._lib.offloadd_host_cache_installed())
+
+    def counters(self) -> HostCacheCounters:
+        out = (ctypes.c_uint64 * 8)()
+        self._lib.offloadd_host_cache_counters(out)
+        return HostCacheCounters(*out)
+
+    def empty(self) -> int:
+        """Unmap every cached block; returns the bytes given back."""
+        return int(self._lib.offloadd_host_cache_empty())
+
+
+_lock = threading.Lock()
+_cache: HostCache | None = None
+_users = 0
+
+
+def acquire() -> HostCache:
+    """Build or load the host cache and install it; each acquire() needs one release()."""
+    global _cache, _users
+    with _lock:
+        if _cache is None:
+            _cache = HostCache(build())
+        if _users == 0:
+            _cache.install()
+        _users += 1
+        return _cache
+
+
+def release() -> None:
+    """The last user gone, torch gets its previous allocator back and the cache is unmapped."""
+    global _users
+    with _lock:
+        if _cache is None or _users == 0:
+            return
+        _users -= 1
+        if _users == 0:
+            _cache.uninstall()
+
+
+def current() -> HostCache | None:
+    """The host cache while installed by acquire(), else None."""
+    with _lock:
+        return _cache if _users else None
+
+
+def open_for(cfg: Config, warn: Callable[[str, str], None]) -> bool:
+    """Acquire the host cache if ``cfg.host_allocator`` asks for it; True if acquired.
+
+    ``"auto"`` wants it for tier ssd where CUDA is absent (training on CPU) and warns through
+    ``warn(key, message)`` when it cannot have it; ``"caching"`` raises instead."""
+    mode = cfg.host_allocator
+    if mode == "system":
+        return False
+    if mode == "auto" and (cfg.tier != "ssd" or _has_cuda()):
+        return False
+    try:
+        acquire()
+    except HostAllocatorError as e:
+        if mode == "caching":
+            raise HostAllocatorError(f"host_allocator = 'caching': {e}") from e
+        warn(
+            "host_allocator",
+            f"offloadd: host_allocator = 'auto' keeps torch's CPU allocator: the host cache is unavailable: {e}",
+        )
+        return False
+    return True
+
+
+def note_stats(stats: Stats) -> None:
+    """Copy the host cache's counters into ``stats`` (process-wide figures)."""
+    cache = current()
+    if cache is None:
+        return
+    c = cache.counters()
+    stats.host_cached_bytes = c.cached_bytes
+    stats.host_cache_hits = c.hits
+    stats.host_cache_misses = c.misses
+
+
+def _has_cuda() -> bool:
+    # is_built first: a CPU wheel answers without touching a driver.
+    return bool(torch.backends.cuda.is_built() and torch.cuda.is_available())

@@ -74,6 +74,7 @@ def test_cache_reuses_warm_blocks_and_caps_what_it_keeps() -> None:
         # The cap: with slack 0 and no floor, live + cached stays within the live peak, so a miss
         # for a bigger class first unmaps what is cached.
         big = torch.ones(4 * MiB // 4)  # 4 MiB: live peak becomes 4 MiB
+        assert big.data_ptr() % (2 * MiB) == 0  # from 2 MiB up: starts on a huge page
         c2 = cache.counters()
         assert c2.cached_bytes == 0 and c2.evicted_bytes >= MiB, c2
         del big

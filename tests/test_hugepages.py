@@ -24,6 +24,21 @@ def test_contents_kept_whatever_the_kernel_says() -> None:
         buf.close()
 
 
+def test_read_pool_buffers_prefer_huge_pages() -> None:
+    """Read buffers of 2 MiB and more advise huge pages before they are faulted; either way
+    they come zeroed and whole."""
+    from offloadd.io.pools import ReadPool
+
+    pool = ReadPool()
+    buf = pool.take(3 * HUGE_PAGE)
+    try:
+        assert buf.nbytes == 3 * HUGE_PAGE and not buf.tensor.any()
+        assert isinstance(hugepages.prefer_huge_pages(buf.address, buf.nbytes), bool)
+    finally:
+        buf.close()
+        pool.close()
+
+
 def test_no_whole_huge_page_inside() -> None:
     buf = AlignedBuffer(HUGE_PAGE)
     try:

@@ -16,6 +16,8 @@ import os
 
 import torch
 
+from offloadd.io.hugepages import prefer_huge_pages
+
 __all__ = ["ALIGN", "AlignedBuffer", "SlotPool", "address_view", "round_up"]
 
 ALIGN = 4096
@@ -29,9 +31,10 @@ class AlignedBuffer:
     """``nbytes`` of page-aligned, pre-faulted memory, seen as a uint8 tensor.
 
     Anonymous by default; with ``fd`` (e.g. a memfd the daemon shares), that file mapped shared,
-    and the buffer owns the descriptor (closed by :meth:`close`)."""
+    and the buffer owns the descriptor (closed by :meth:`close`). ``huge_pages``: its whole
+    2 MiB pages are faulted as huge pages where the kernel allows (see [huge-page buffers])."""
 
-    def __init__(self, nbytes: int, *, fd: int = -1) -> None:
+    def __init__(self, nbytes: int, *, fd: int = -1, huge_pages: bool = False) -> None:
         self.nbytes = round_up(max(nbytes, ALIGN))
         self.fd = fd
         self._mmap: mmap.mmap | None = (
@@ -40,6 +43,8 @@ class AlignedBuffer:
             else mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED)
         )
         self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        if huge_pages:
+            prefer_huge_pages(self.tensor.data_ptr(), self.nbytes)
         self.tensor.fill_(0)  # pre-fault every page now, not on the I/O path
         self.address = self.tensor.data_ptr()
         assert self.address % ALIGN == 0

@@ -19,7 +19,7 @@ import ctypes.util
 import logging
 import os
 
-__all__ = ["HUGE_PAGE", "advise_huge_pages"]
+__all__ = ["HUGE_PAGE", "advise_huge_pages", "prefer_huge_pages"]
 
 log = logging.getLogger("offloadd")
 
@@ -59,3 +59,13 @@ def advise_huge_pages(address: int, nbytes: int) -> bool:
         log.debug("offloadd: MADV_COLLAPSE refused (%s)", os.strerror(err))
         return False
     return True
+
+
+def prefer_huge_pages(address: int, nbytes: int) -> bool:
+    """Ask for huge pages where the range's whole 2 MiB pages will be faulted from now on (no
+    collapse: for fresh mappings, before they are touched); True if the kernel took the advice."""
+    start = -(-address // HUGE_PAGE) * HUGE_PAGE
+    end = (address + nbytes) // HUGE_PAGE * HUGE_PAGE
+    if end <= start or not hasattr(os, "sched_getaffinity"):  # not Linux
+        return False
+    return _madvise(start, end - start, _MADV_HUGEPAGE) == 0

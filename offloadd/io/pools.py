@@ -26,6 +26,7 @@ from typing import Protocol
 import torch
 
 from offloadd.io.buffers import ALIGN, AlignedBuffer, round_up
+from offloadd.io.hugepages import HUGE_PAGE
 
 __all__ = ["PagePool", "Pool", "ReadPool"]
 
@@ -76,7 +77,7 @@ class ReadPool:
             buf = bufs.pop()
             self.idle_bytes -= buf.nbytes
         else:
-            buf = AlignedBuffer(size)
+            buf = AlignedBuffer(size, huge_pages=size >= HUGE_PAGE)
             self.mapped_bytes += buf.nbytes
             self.created += 1
         self._out[size] = self._out.get(size, 0) + 1

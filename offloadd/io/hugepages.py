@@ -46,10 +46,10 @@ def advise_huge_pages(address: int, nbytes: int) -> bool:
     """Ask for huge pages on the whole 2 MiB pages inside ``[address, address + nbytes)`` of an
     anonymous mapping this process owns; True if the pages there now are huge pages (collapsed),
     False if the kernel refused or the range holds no whole huge page. Contents are kept."""
-    start = -(-address // HUGE_PAGE) * HUGE_PAGE
-    end = (address + nbytes) // HUGE_PAGE * HUGE_PAGE
-    if end <= start or not hasattr(os, "sched_getaffinity"):  # not Linux
+    whole = _whole_huge_pages(address, nbytes)
+    if whole is None:
         return False
+    start, end = whole
     err = _madvise(start, end - start, _MADV_HUGEPAGE)
     if err:
         log.debug("offloadd: MADV_HUGEPAGE refused (%s)", os.strerror(err))
@@ -64,8 +64,14 @@ def advise_huge_pages(address: int, nbytes: int) -> bool:
 def prefer_huge_pages(address: int, nbytes: int) -> bool:
     """Ask for huge pages where the range's whole 2 MiB pages will be faulted from now on (no
     collapse: for fresh mappings, before they are touched); True if the kernel took the advice."""
+    whole = _whole_huge_pages(address, nbytes)
+    return whole is not None and _madvise(whole[0], whole[1] - whole[0], _MADV_HUGEPAGE) == 0
+
+
+def _whole_huge_pages(address: int, nbytes: int) -> tuple[int, int] | None:
+    """[start, end) of the whole 2 MiB pages inside the range; None if none, or not Linux."""
     start = -(-address // HUGE_PAGE) * HUGE_PAGE
     end = (address + nbytes) // HUGE_PAGE * HUGE_PAGE
-    if end <= start or not hasattr(os, "sched_getaffinity"):  # not Linux
-        return False
-    return _madvise(start, end - start, _MADV_HUGEPAGE) == 0
+    if end <= start or not hasattr(os, "sched_getaffinity"):
+        return None
+    return start, end

@@ -60,12 +60,10 @@ class ReadPool:
     def __init__(self) -> None:
         self._free: dict[int, list[AlignedBuffer]] = {}
         self._returned: deque[AlignedBuffer] = deque()
-        self._out: dict[int, int] = {}  # buffers lent now, per size class
         self._used: set[int] = set()  # classes taken since the last sweep began
         self._used_before: set[int] = set()  # ... during the sweep before it
         self.mapped_bytes = 0  # every buffer, idle or lent
         self.idle_bytes = 0
-        self.peak_out_bytes = 0  # most bytes lent at once
         self.created = 0
 
     def take(self, nbytes: int) -> AlignedBuffer:
@@ -80,11 +78,7 @@ class ReadPool:
             buf = AlignedBuffer(size, huge_pages=size >= HUGE_PAGE)
             self.mapped_bytes += buf.nbytes
             self.created += 1
-        self._out[size] = self._out.get(size, 0) + 1
         self._used.add(size)
-        out = self.mapped_bytes - self.idle_bytes
-        if out > self.peak_out_bytes:
-            self.peak_out_bytes = out
         return buf
 
     def lend(self, buf: AlignedBuffer, start: int, nbytes: int) -> torch.Tensor:
@@ -99,7 +93,6 @@ class ReadPool:
         q = self._returned
         while q:
             buf = q.popleft()
-            self._out[buf.nbytes] -= 1
             self._free.setdefault(buf.nbytes, []).append(buf)
             self.idle_bytes += buf.nbytes
 

@@ -92,15 +92,16 @@ class Offloader:
         if backend is not None:
             self._stats.buffered_io = backend.buffered
             self._stats.engine = backend.name
-        # After the backend: a config it refuses leaves torch's allocator alone.
-        self._host_cache = host_allocator.open_for(cfg, ledger.warn_once)
-        self._stats.host_allocator = "caching" if self._host_cache else "system"
         self._writer = Writer(cfg, ledger, self._blocks, backend, self._ordering)
         self._reader = Reader(self._writer)
         self._life = life = Lifetime(self._index, self._writer, self._reader)
         self._released = life.released  # the hot path of pack appends to it directly
         self._captures = life.captures
         self._drain = life.drain
+        # Last before the finalizer that releases it: a part refusing the config (the backend,
+        # the writer) leaves torch's allocator alone.
+        self._host_cache = host_allocator.open_for(cfg, ledger.warn_once)
+        self._stats.host_allocator = "caching" if self._host_cache else "system"
         # Runs at close(), when the Offloader is collected, or at interpreter exit.
         self._finalizer = weakref.finalize(
             self,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from offloadd.io.buffers import SlotPool
-from offloadd.io.pools import ReadPool
+from offloadd.io.pools import ReadPool, size_class
 from offloadd.io.request import Op, Request
 
 from .helpers import SavePayload, SlowEngine, small_offloader
@@ -152,24 +152,63 @@ def test_read_pool_lends_and_takes_back() -> None:
     pool.close()
 
 
+def test_size_classes() -> None:
+    assert [size_class(n) for n in (1, 4096, 4097, 65536, 65537, 69632)] == [
+        4096,
+        4096,
+        8192,
+        65536,
+        69632,
+        69632,
+    ]
+    for n in (1, 5000, 123_457, 3 << 20, (7 << 20) + 5):
+        c = size_class(n)
+        assert n <= c <= max(n + 4095, n * 17 // 16) and c % 4096 == 0
+        assert size_class(c) == c
+
+
 def test_read_pool_classes_keep_their_own_and_idle_classes_go() -> None:
     pool = ReadPool()
-    big = pool.take(100_000)  # the 128 KiB class
+    big = pool.take(100_000)  # the 100 KiB class
     t = pool.lend(big, 0, 100_000)
     del t
-    small = pool.take(10_000)  # the 64 KiB class: never the idle 128 KiB buffer
+    small = pool.take(10_000)  # the 12 KiB class: never the idle 100 KiB buffer
     assert small is not big and pool.created == 2
-    assert pool.take(120_000) is big  # warm, its own class
-    for buf, n in ((big, 120_000), (small, 10_000)):
+    assert pool.take(101_000) is big  # warm, its own class
+    for buf, n in ((big, 100_000), (small, 10_000)):
         t = pool.lend(buf, 0, n)
         del t
     pool.new_sweep()  # both classes were taken during the sweep that ended: kept, idle
-    assert pool.mapped_bytes == pool.idle_bytes == (128 + 64) << 10
+    assert pool.mapped_bytes == pool.idle_bytes == (100 + 12) << 10
     pool.new_sweep()  # ... and in the sweep before the one that ended
-    assert pool.mapped_bytes == (128 + 64) << 10
+    assert pool.mapped_bytes == (100 + 12) << 10
     pool.new_sweep()  # two sweeps without either class: unmapped
     assert pool.mapped_bytes == 0 and pool.idle_bytes == 0
     pool.close()
+
+
+def test_read_buffers_do_not_follow_the_heap_layout(disk_dir: Path) -> None:
+    """The same saved sizes at other offsets in a page each step (the heap's layout changes
+    between steps) are served by the buffers of the first step: the class of a block depends on
+    its size, not on its skew."""
+    off = small_offloader(disk_dir, min_bytes=1)
+    created = []
+    for step in range(4):
+        skew = (0, 16, 4032, 0)[step]  # a 64 KiB storage fits 16 pages only at skew 0
+        payloads = [_payload(64 << 10, skew, seed=step * 10 + k) for k in range(5)]
+        x = torch.ones(1, requires_grad=True)
+        with off:
+            y = x
+            for p, _keep in payloads:
+                y = SavePayload.apply(y, p)
+        off.synchronize()
+        y.sum().backward()
+        del y
+        gc.collect()
+        created.append(off._reader.pool.created)
+    assert off.stats().bytes_read >= 5 * (64 << 10)
+    assert created == [created[0]] * 4, created
+    off.close()
 
 
 def test_lent_buffer_returns_from_another_thread() -> None:

@@ -10,11 +10,16 @@ tensors that view them: the heap then holds only the forward window, and nothing
 A :class:`ReadPool` buffer is lent as a tensor (:meth:`ReadPool.lend`) whose storage is a window
 on the buffer; when the last tensor viewing that storage dies, so does the window, and its lease
 puts the buffer back on a return queue (any thread, under the GIL: an append). The owner's lock
-guards everything else. Buffers come in size classes of 64 KiB, and a class is served only by
-its own buffers: a buffer is created only when more of its class are out at once than ever
-before, so with the shapes of a training loop the pool stops growing after the first backward
-(borrowing a bigger class instead let two classes take each other's buffers in turn, creating
-one more every step). A class that two backward sweeps in a row did not take is unmapped.
+guards everything else. Buffers come in size classes (:func:`size_class`: 16 per power of two,
+at least a page apart), and a class is served only by its own buffers: a buffer is created only
+when more of its class are out at once than ever before, so with the shapes of a training loop
+the pool stops growing after the first backward (borrowing a bigger class instead let two
+classes take each other's buffers in turn, creating one more every step). The reader asks for
+the largest record a block's size can have at any skew, so the class of a block does not depend
+on where the allocator happened to put its storage this step (it did: a 64 KiB tensor at a page
+boundary fit the 64 KiB class, the same tensor 16 bytes further did not, and the pool grew
+whenever the heap's layout changed). A class that two backward sweeps in a row did not take is
+unmapped.
 """
 
 from __future__ import annotations
@@ -28,9 +33,15 @@ import torch
 from offloadd.io.buffers import ALIGN, AlignedBuffer, round_up
 from offloadd.io.hugepages import HUGE_PAGE
 
-__all__ = ["PagePool", "Pool", "ReadPool"]
+__all__ = ["PagePool", "Pool", "ReadPool", "size_class"]
 
-_CLASS = 64 << 10  # size-class granularity of read buffers
+
+def size_class(nbytes: int) -> int:
+    """The buffer size that serves ``nbytes``: 16 classes per power of two, steps of at least a
+    page (at most 1/16 more than asked)."""
+    n = max(nbytes, 1)
+    step = max(ALIGN, (1 << (n.bit_length() - 1)) >> 4)
+    return round_up(n, step)
 
 
 class Pool(Protocol):
@@ -69,7 +80,7 @@ class ReadPool:
     def take(self, nbytes: int) -> AlignedBuffer:
         """A buffer of at least ``nbytes`` (warm if one of its size class was returned)."""
         self.collect()
-        size = round_up(max(nbytes, 1), _CLASS)
+        size = size_class(nbytes)
         bufs = self._free.get(size)
         if bufs:
             buf = bufs.pop()

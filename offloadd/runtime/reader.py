@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from offloadd.io.buffers import ALIGN
 from offloadd.io.pools import ReadPool
 from offloadd.io.request import Op, Request
 from offloadd.runtime.blocks import CAPTURED, CAPTURING, Block
@@ -132,7 +133,8 @@ class Reader:
             ready = self.ordering.record(self.ordering.producer(block.device)).synchronize
         else:
             created = self.pool.created
-            host = self.pool.take(block.padded)
+            # the largest record of this size at any skew: the class does not follow the heap
+            host = self.pool.take(block.nbytes + ALIGN - 1)
             rec = host.tensor[: block.padded]  # the record; the storage's bytes from skew on
             buf = self.pool.lend(host, block.skew, block.nbytes)
             if self.pool.created != created:

@@ -26,6 +26,7 @@ _COMMANDS: dict[str, str] = {
     "status": "offloadd.daemon.cmd_status",
     "stop": "offloadd.daemon.cmd_stop",
     "rok": "offloadd.tools.rok",
+    "plan": "offloadd.tools.plan",
 }
 
 _HELP: dict[str, str] = {
@@ -36,6 +37,7 @@ _HELP: dict[str, str] = {
     "status": "show a running daemon's sessions, bytes held, throughput, queues and disk space",
     "stop": "stop a running daemon cleanly",
     "rok": "measure and plot recompute-offload-keep curves (memory vs throughput)",
+    "plan": "print the keep / offload / recompute plan a memory budget gives a model",
 }
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from offloadd import cli
-from offloadd.tools.rok_summary import aggregate, compare, interpolate
+from offloadd.tools.rok_summary import aggregate, compare, compare_auto, interpolate
 from offloadd.tools.train import RunSpec, run
 
 ENGINE_PARAMS = ("default",)  # the runs under test choose the engine (auto)
@@ -222,3 +222,60 @@ def test_aggregate_takes_medians_over_ok_rounds() -> None:
     assert p["rounds"] == 3 and p["ok_rounds"] == 2 and p["status"] == "ok"
     (q,) = aggregate([row(1, "oom", None)])
     assert q["status"] == "oom" and q["ok_rounds"] == 0
+
+
+def test_auto_points_end_to_end(disk_dir: Path, tmp_path: Path) -> None:
+    """auto under each budget, one of them recompute's measured peak: planned, lossless, judged."""
+    out = tmp_path / "auto"
+    args = [
+        "--quick", *TINY, "--batch-sizes", "2", "--steps", "1", "--out", str(out),
+        "--ssd-dir", str(disk_dir), "--strategies", "keep,recompute,auto",
+        "--budgets", "100x,recompute", "--no-plot",
+    ]  # fmt: skip
+    proc = _rok(*args)
+    assert proc.returncode == 0, proc.stderr
+    by = {r["strategy"]: r for r in _rows(out)}
+    assert set(by) == {"keep", "recompute", "auto@100x", "auto@recompute"}
+    assert all(r["status"] == "ok" for r in by.values()), by
+    assert by["auto@100x"]["plan"] == "k2 o0 r0"  # everything fits: everything kept
+    assert int(by["auto@recompute"]["budget_bytes"]) == int(
+        by["recompute"]["activation_peak_bytes"]
+    )
+    summary = (out / "summary.txt").read_text()
+    assert "auto, per budget and batch size" in summary
+    assert "the fastest single strategy within its budget" in summary
+
+
+def test_auto_budgets_are_checked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "never"
+    assert (
+        cli.main(["rok", *TINY, "--out", str(out), "--strategies", "auto", "--budgets", "lots"])
+        == 2
+    )
+    assert "--budgets: budget: 'lots' is not a memory budget" in capsys.readouterr().err
+    assert cli.main(["rok", *TINY, "--out", str(out), "--strategies", "auto,recompute"]) == 2
+    assert "needs recompute among --strategies, before auto" in capsys.readouterr().err
+
+
+def test_auto_comparisons() -> None:
+    def row(s: str, mem: int, thr: float, **kw: object) -> dict[str, object]:
+        return {
+            "strategy": s,
+            "batch_size": 2,
+            "status": "ok",
+            "activation_peak_bytes": mem,
+            "samples_per_s": thr,
+            **kw,
+        }
+
+    rows = [
+        row("keep", 1000, 10.0),
+        row("recompute", 400, 7.0),
+        row("offload-ssd", 300, 9.0),
+        row("auto@recompute", 450, 9.7, budget_bytes=400, plan="k3 o9 r0"),
+        row("auto@0.2x", 250, 6.0, budget_bytes=200, plan="k0 o0 r12"),
+    ]
+    a, b = compare_auto(rows)
+    assert a["best_single"] == "offload-ssd" and a["thr_vs_best_single"] == pytest.approx(9.7 / 9)
+    assert a["auto_target"] and a["tba_target"] and a["thr_vs_keep"] == pytest.approx(0.97)
+    assert "best_single" not in b and "auto_target" not in b  # nothing single fits 200 bytes

@@ -122,6 +122,34 @@ class Size:
         return n
 
 
+class Budget:
+    """Off (``None``, ``"off"``), a byte count (``6GiB``), or a fraction of keep's footprint
+    written with an ``x`` (``"0.3x"``, or the float ``0.3``): read as an int for bytes, a float
+    for a fraction."""
+
+    what = "a memory budget: a size (6GiB, 512MiB), a fraction of keep's footprint (0.3x), or off"
+
+    def read(self, value: object) -> int | float | None:
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("", "off")):
+            return None
+        if isinstance(value, float):
+            if not 0 < value < float("inf"):
+                raise Rejected
+            return value
+        if isinstance(value, str) and value.strip().lower().endswith("x"):
+            try:
+                f = float(value.strip()[:-1])
+            except ValueError:
+                raise Rejected from None
+            if not 0 < f < float("inf"):
+                raise Rejected
+            return f
+        n = _bytes(value.strip() if isinstance(value, str) else value)
+        if n is None or n <= 0:
+            raise Rejected
+        return n
+
+
 class Int:
     """An integer in ``low..high`` (a string of digits too)."""
 

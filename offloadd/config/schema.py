@@ -16,7 +16,18 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
 from offloadd.config.daemon import DaemonConfig
-from offloadd.config.kinds import Bool, Choice, DirectIO, Dirs, Int, Kind, Size, check, invalid
+from offloadd.config.kinds import (
+    Bool,
+    Budget,
+    Choice,
+    DirectIO,
+    Dirs,
+    Int,
+    Kind,
+    Size,
+    check,
+    invalid,
+)
 
 __all__ = ["KINDS", "Config", "DirectIO", "EngineName", "HostAllocator", "IoUring", "Tier"]
 
@@ -97,6 +108,14 @@ class Config:
     """Native engine backend: ``"on"`` drives an io_uring ring (error where the kernel or a seccomp
     profile refuses it), ``"off"`` uses its pthread pool, ``"auto"`` uses io_uring where a probe
     succeeds."""
+
+    budget: int | float | None = None
+    """A budget for saved activations: offloadd profiles the first step of each input shape, then
+    keeps, offloads or recomputes each block of the model so that the peak of saved-activation
+    bytes it holds (kept, in flight, read back, and its buffers) fits, fastest first (see [auto]
+    in auto/planner.py). A size (``"6GiB"``) or a fraction of keep's footprint (``"0.3x"``);
+    ``None`` (off, the default) offloads every saved tensor as the tier says. A budget no plan
+    fits in raises, naming the smallest feasible one."""
 
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     """The daemon's settings: the ``[daemon]`` table, ``OFFLOADD_DAEMON_<KEY>`` in the
@@ -189,5 +208,6 @@ KINDS: dict[str, Kind] = {
     "host_allocator": Choice(get_args(HostAllocator)),
     "engine": Choice(get_args(EngineName)),
     "io_uring": Choice(get_args(IoUring)),
+    "budget": Budget(),
 }
 """How each field but the ``daemon`` section is read and checked (:mod:`offloadd.config.kinds`)."""

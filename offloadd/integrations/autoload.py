@@ -37,6 +37,7 @@ from pathlib import Path
 
 from torch import nn
 
+from offloadd.auto.planner import plan_dict
 from offloadd.config import Config
 from offloadd.integrations.ranks import RankInfo, rank_info
 from offloadd.integrations.report import summary_line, write_report
@@ -201,6 +202,7 @@ class AutoOffload:
         off = self.offloader
         try:
             stats = off.stats()
+            plan = off.plan()
             off.close()
             wall = time.monotonic() - self._started
             print(
@@ -217,6 +219,7 @@ class AutoOffload:
                     config=off.config,
                     forwards=self.scope.scopes,
                     wall_s=wall,
+                    plan=plan_dict(plan) if plan is not None else None,
                 )
         except Exception as e:  # never change how the program exits
             print(f"offloadd: writing the exit summary failed: {e!r}", file=sys.stderr)

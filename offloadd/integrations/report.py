@@ -26,9 +26,16 @@ def summary_line(stats: Stats, ranks: RankInfo, forwards: int, wall_s: float) ->
 
 
 def report_dict(
-    *, stats: Stats, ranks: RankInfo, config: Config, forwards: int, wall_s: float
+    *,
+    stats: Stats,
+    ranks: RankInfo,
+    config: Config,
+    forwards: int,
+    wall_s: float,
+    plan: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
+        "plan": plan,  # with a budget: the last plan (auto.plan_dict), else None
         "rank": ranks.rank,
         "world_size": ranks.world_size,
         "local_rank": ranks.local_rank,
@@ -49,9 +56,12 @@ def write_report(
     config: Config,
     forwards: int,
     wall_s: float,
+    plan: dict[str, Any] | None = None,
 ) -> None:
     """Write the report atomically (a reader never sees half a file)."""
-    data = report_dict(stats=stats, ranks=ranks, config=config, forwards=forwards, wall_s=wall_s)
+    data = report_dict(
+        stats=stats, ranks=ranks, config=config, forwards=forwards, wall_s=wall_s, plan=plan
+    )
     target = os.path.expanduser(path)
     fd, tmp = tempfile.mkstemp(prefix=".offloadd-report-", dir=os.path.dirname(target) or ".")
     try:

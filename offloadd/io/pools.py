@@ -119,6 +119,16 @@ class ReadPool:
                 self.idle_bytes -= buf.nbytes
         self._used_before, self._used = self._used, set()
 
+    def release_idle(self) -> None:
+        """Unmap every idle buffer (nothing will be read back for a while)."""
+        self.collect()
+        for bufs in self._free.values():
+            for buf in bufs:
+                buf.close()
+                self.mapped_bytes -= buf.nbytes
+        self._free.clear()
+        self.idle_bytes = 0
+
     def close(self) -> None:
         self.collect()
         for bufs in self._free.values():

@@ -62,6 +62,7 @@ class Block:
         "gen",
         "handle",
         "in_place",
+        "kept",
         "key",
         "loading",
         "modified",
@@ -98,6 +99,7 @@ class Block:
         ]
         self.refs = 0
         self.key: tuple[Any, ...] | None = None
+        self.kept = False  # held as saved, only counted (tier keep, or a block kept by a plan)
         self.resident: torch.Tensor | None = None  # uint8, padded bytes, on host or device
         self.resident_bytes = 0
         self.loading = 0  # reads in flight into ``resident``

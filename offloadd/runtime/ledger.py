@@ -36,16 +36,28 @@ class Ledger:
         self._trim_every = trim_host_bytes
         self._trim = _malloc_trim() if trim_host_bytes else None
         self._moved_since_trim = 0  # CPU bytes moved out or in since the last trim
+        self.window_peak = 0  # most resident + buffer bytes since the planner last reset it
+        self.kept_now = 0  # resident bytes that are kept as saved (not in flight nor read back)
+        self.kept_peak = 0  # most kept_now since the planner last reset it
 
     # -- accounting (lock held) ------------------------------------------------------------
 
-    def add_resident(self, n: int) -> None:
+    def add_resident(self, n: int, *, kept: bool = False) -> None:
+        if kept:
+            self.kept_now += n
+            if self.kept_now > self.kept_peak:
+                self.kept_peak = self.kept_now
         st = self.stats
         st.resident_bytes += n
         if st.resident_bytes > st.peak_resident_bytes:
             st.peak_resident_bytes = st.resident_bytes
+        held = st.resident_bytes + st.buffer_bytes
+        if held > self.window_peak:
+            self.window_peak = held
 
-    def sub_resident(self, n: int) -> None:
+    def sub_resident(self, n: int, *, kept: bool = False) -> None:
+        if kept:
+            self.kept_now -= n
         self.stats.resident_bytes -= n
 
     def note_disk(self, used: int) -> None:
@@ -57,6 +69,8 @@ class Ledger:
     def note_buffers(self, mapped: int) -> None:
         st = self.stats
         st.buffer_bytes = mapped
+        if mapped + st.resident_bytes > self.window_peak:
+            self.window_peak = mapped + st.resident_bytes
         if mapped > st.peak_buffer_bytes:
             st.peak_buffer_bytes = mapped
 

@@ -133,16 +133,16 @@ class Lifetime:
                     st.saved_tensors += 1
                     st.saved_bytes += n
                     st.kept_bytes += n
-                    ledger.add_resident(n)
+                    ledger.add_resident(n, kept=True)
                 else:
-                    ledger.sub_resident(item)
+                    ledger.sub_resident(item, kept=True)
                 continue
             ref: Ref = item
             block = ref.block
             block.refs -= 1
             if ref.tensor is not None:  # tier keep: the block is only accounting
                 if block.refs == 0:
-                    ledger.sub_resident(block.resident_bytes)
+                    ledger.sub_resident(block.resident_bytes, kept=True)
                     self.forget(block)
                 continue
             if block.resident is not None and ref.gen != block.gen:

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from offloadd.auto.planner import AutoPlanner
+from offloadd.auto.solver import Plan
 from offloadd.backend import Backend, open_backend
 from offloadd.config import Config
 from offloadd.io.pools import Pool
@@ -98,6 +100,12 @@ class Offloader:
         self._released = life.released  # the hot path of pack appends to it directly
         self._captures = life.captures
         self._drain = life.drain
+        # With a budget: keep, offload or recompute per block (see [auto] in auto/planner.py).
+        self._auto = (
+            AutoPlanner(cfg.budget, offload=cfg.tier != "keep", ledger=ledger, tls=self._tls)
+            if cfg.budget is not None
+            else None
+        )
         # Last before the finalizer that releases it: a part refusing the config (the backend,
         # the writer) leaves torch's allocator alone.
         self._host_cache = host_allocator.open_for(cfg, ledger.warn_once)
@@ -120,6 +128,13 @@ class Offloader:
         stack = getattr(self._tls, "stack", None)
         if stack is None:
             stack = self._tls.stack = []
+        if self._auto is not None and not stack:
+            with self._lock:
+                self._drain()  # the last step's releases: the planner reads what is held now
+                if self._auto.plan_offloads is False:
+                    self._reader.pool.release_idle()  # no block offloaded: no read-backs
+                    self._writer.note_buffers()
+            self._auto.forward_begins()  # may refuse a budget no plan fits in, before any hook
         if self._backend is not None:
             self._backend.begin_step()  # the daemon client reconnects after a loss
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -135,6 +150,8 @@ class Offloader:
 
     def __exit__(self, *exc: object) -> None:
         self._tls.stack.pop().__exit__(*exc)
+        if self._auto is not None and not self._tls.stack:
+            self._auto.forward_ends()
         self._life.capture_all()  # between ops: everything this thread packed has returned
         with self._lock:
             self._active_scopes -= 1
@@ -150,9 +167,20 @@ class Offloader:
         """Treat ``module``'s parameters and buffers as parameters (never moved) from now on.
 
         Every module called inside the scope is noted by a forward pre-hook; integrations call
-        this for modules that run outside it (see ``offloadd.integrations.autoload``)."""
+        this for modules that run outside it (see ``offloadd.integrations.autoload``). With a
+        budget, the first module noted is the model whose blocks are planned."""
         with self._lock:
             self._index.note_module(module)
+        if self._auto is not None and self._auto.root is None:
+            self._auto.attach(module)
+
+    def plan(self) -> Plan | None:
+        """With a budget: the plan of the last step planned (see [auto] in auto/planner.py),
+        made now if a profile step's backward has run; None before that, or without a budget."""
+        if self._auto is None:
+            return None
+        self._auto.settle()
+        return self._auto.last_plan
 
     def _note_module(self, module: torch.nn.Module, args: Any) -> None:
         self.note_module(module)
@@ -193,6 +221,8 @@ class Offloader:
         if self._life.closed:
             return
         self._life.closed = True
+        if self._auto is not None:
+            self._auto.detach()
         self._ordering.synchronize_all()  # no copy may still target the slot pools
         if self._backend is not None:
             self._backend.close()
@@ -257,6 +287,9 @@ class Offloader:
             return Kept(t, nbytes, q)
         st = self._stats
         keep = self.config.tier == "keep"
+        auto = self._auto
+        if auto is not None and not keep:
+            keep = getattr(self._tls, "keep", False)  # the block's decision
         with self._lock:
             st.saved_tensors += 1
             st.saved_bytes += nbytes
@@ -273,14 +306,17 @@ class Offloader:
             if block is not None:
                 block.refs += 1
                 st.deduplicated_bytes += nbytes
-                return Ref(block, t, self._released, keep=keep)
+                return Ref(block, t, self._released, keep=block.kept)  # its first save decides
             skew = self._writer.skew_of(t.device, storage.data_ptr())
             block = self._blocks.new(storage.nbytes(), t.device, self.config.chunk_bytes, skew)
             index.remember(key, storage, root, block)
             if keep:
+                block.kept = True
                 block.resident_bytes = block.nbytes
-                self._ledger.add_resident(block.nbytes)
+                self._ledger.add_resident(block.nbytes, kept=True)
                 st.kept_bytes += nbytes
+                if auto is not None:
+                    self._note_saved(auto, block.nbytes)
                 return Ref(block, t, self._released, keep=True)
             # Pending until the op that saved it has returned (see capture.py).
             block.state = PENDING
@@ -291,8 +327,15 @@ class Offloader:
             if self._ordering.is_async(t.device):
                 block.stream = self._ordering.producer(t.device)
             self._ledger.add_resident(block.nbytes)
+            if auto is not None:
+                self._note_saved(auto, block.nbytes)
         self._captures.add(block)
         return Ref(block, t, self._released, keep=False)
+
+    def _note_saved(self, auto: AutoPlanner, nbytes: int) -> None:
+        tag = getattr(self._tls, "tag", None)
+        if tag is not None:
+            auto.saved(tag, nbytes)
 
     # -- unpack ----------------------------------------------------------------------------
 

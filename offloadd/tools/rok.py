@@ -48,8 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--strategies",
         default=None,
-        help="comma-separated from keep, recompute, offload-ssd, offload-cpu (CUDA only); "
-        "default: all that apply to the device",
+        help="comma-separated from keep, recompute, offload-ssd, offload-cpu (CUDA only), auto "
+        "(offloadd's planner under each of --budgets); default: keep, recompute, offload-ssd "
+        "(and offload-cpu on CUDA)",
     )
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--ssd-dir", default=None, help="offload directory (default: per-user dir)")
@@ -60,6 +61,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=1,
         help="measure every point this many times, in rounds; plot and summary use the "
         "median over rounds (noisy or shared machines)",
+    )
+    p.add_argument(
+        "--budgets",
+        default="0.25x,0.5x,recompute",
+        help="with the auto strategy: its budgets, each a point per batch size: sizes (6GiB), "
+        "fractions of keep's footprint (0.3x), or recompute (recompute's measured peak at the "
+        "same batch size; needs recompute listed before auto). Default 0.25x,0.5x,recompute",
     )
     p.add_argument("--out", default="rok", help="output directory (default: ./rok)")
     p.add_argument(
@@ -140,7 +148,7 @@ def main(ns: argparse.Namespace) -> int:
     try:
         for n, b, s in todo:
             progress.start(f"{s} batch {b}" + (f" round {n}" if sw.repeats > 1 else ""))
-            row = measure(sw, s, b, n)
+            row = measure(sw, s, b, n, rows)
             rows.append(row)
             write_points(csv_path, rows)
             progress.done(point_line(row))

@@ -30,8 +30,13 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     fig, (rok, steps) = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [3, 2]})
     strategies = [s for s in STYLE if any(r["strategy"] == s for r in rows)]
     strategies += sorted({r["strategy"] for r in rows} - set(strategies))
+    autos = [s for s in strategies if s.startswith("auto@")]
     for s in strategies:
+        color: Any
         color, marker = STYLE.get(s, ("tab:gray", "x"))
+        if s in autos:  # one shade of red per budget
+            shade = 0.45 + 0.5 * autos.index(s) / max(1, len(autos) - 1)
+            color, marker = plt.get_cmap("Reds")(shade), "*"
         ok = sorted(
             (r for r in rows if r["strategy"] == s and r["status"] == "ok"),
             key=lambda r: r["batch_size"],

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from offloadd.runtime.stats import format_bytes
-from offloadd.tools.rok_sweep import STRATEGIES, Sweep
+from offloadd.tools.rok_sweep import AUTO, RECOMPUTE_BUDGET, Sweep, run_strategy
 from offloadd.tools.train import RunFailed, RunSpec, run_in_subprocess
 
 __all__ = ["FIELDS", "measure", "point_line", "read_points", "write_points"]
@@ -50,6 +50,8 @@ FIELDS: dict[str, type] = {
     "params": int,
     "flops_per_step": int,
     "weights_sha256": str,
+    "budget_bytes": int,  # auto: the budget its plan was made for
+    "plan": str,  # auto: blocks kept, offloaded, recomputed ("k2 o10 r0")
     "error": str,
 }
 """The columns of rok.csv and their types (an empty cell reads back as None)."""
@@ -81,10 +83,26 @@ def write_points(path: Path, rows: list[dict[str, Any]]) -> None:
     os.replace(tmp, path)
 
 
-def measure(sw: Sweep, strategy: str, batch: int, n: int) -> dict[str, Any]:
-    """Train the point (``strategy``, ``batch``, round ``n``) in its own process; its row."""
+def measure(
+    sw: Sweep, strategy: str, batch: int, n: int, done: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Train the point (``strategy``, ``batch``, round ``n``) in its own process; its row.
+    ``done``: the rows measured so far (an ``auto@recompute`` point's budget is among them)."""
+    row: dict[str, Any] = {**sw.key(), "strategy": strategy, "batch_size": batch, "round": n}
+    budget = strategy.removeprefix(AUTO) if strategy.startswith(AUTO) else None
+    if budget == RECOMPUTE_BUDGET:
+        rec = [
+            r
+            for r in done
+            if r["strategy"] == "recompute" and r["batch_size"] == batch and r["status"] == "ok"
+        ]
+        same = [r for r in rec if r["round"] == n] or rec
+        if not same:
+            return {**row, "status": "error", "error": "no recompute point to take the budget of"}
+        budget = str(same[-1]["activation_peak_bytes"])
     spec = RunSpec(
-        strategy=STRATEGIES[strategy],
+        strategy=run_strategy(strategy),
+        budget=budget,
         model=sw.model,
         num_layers=sw.layers,
         d_model=sw.hidden,
@@ -97,7 +115,6 @@ def measure(sw: Sweep, strategy: str, batch: int, n: int) -> dict[str, Any]:
         ssd_dir=sw.ssd_dir,
         memory_limit_bytes=sw.memory_limit,
     )
-    row: dict[str, Any] = {**sw.key(), "strategy": strategy, "batch_size": batch, "round": n}
     try:
         res = run_in_subprocess(spec, timeout=sw.point_timeout)
     except subprocess.TimeoutExpired:
@@ -138,6 +155,11 @@ def _results(res: dict[str, Any], batch: int, *, cuda: bool) -> dict[str, Any]:
         "flops_per_step": res["flops_per_step"],
         "weights_sha256": res["weights_sha256"] if ok else None,
     }
+    plan = res.get("plan")
+    if plan is not None:
+        ds = [b["decision"] for b in plan["blocks"]]
+        out["budget_bytes"] = plan["budget_bytes"]
+        out["plan"] = " ".join(f"{d[0]}{ds.count(d)}" for d in ("keep", "offload", "recompute"))
     if ok:
         out.update(
             step_time_s=step,

@@ -9,9 +9,19 @@ import itertools
 import statistics
 from typing import Any
 
-__all__ = ["OFFLOAD", "aggregate", "compare", "interpolate", "summary_lines"]
+__all__ = [
+    "OFFLOAD",
+    "SINGLE",
+    "aggregate",
+    "compare",
+    "compare_auto",
+    "interpolate",
+    "summary_lines",
+]
 
 OFFLOAD = ("offload-ssd", "offload-cpu")
+SINGLE = ("keep", "recompute", *OFFLOAD)
+"""The single strategies an auto point is judged against."""
 
 Row = dict[str, Any]
 
@@ -114,6 +124,73 @@ def _fmt(c: Row, key: str) -> str:
     return f"{c[key]:.2f}x" if key in c else "-"
 
 
+def compare_auto(rows: list[Row]) -> list[Row]:
+    """Per auto point: the fastest single strategy at the same batch size whose measured
+    activation peak fits the auto point's budget, and auto's throughput against it (target
+    >= 0.98), and against keep's (at a budget of recompute's peak, target >= 0.95)."""
+    out = []
+    for a in rows:
+        if not a["strategy"].startswith("auto@") or a["status"] != "ok":
+            continue
+        b, budget = a["batch_size"], a.get("budget_bytes")
+        c: Row = {"strategy": a["strategy"], "batch_size": b, "budget_bytes": budget}
+        c["plan"] = a.get("plan")
+        fits = [
+            r
+            for r in rows
+            if r["strategy"] in SINGLE
+            and r["batch_size"] == b
+            and r["status"] == "ok"
+            and budget is not None
+            and r["activation_peak_bytes"] <= budget
+        ]
+        if fits:
+            best = max(fits, key=lambda r: r["samples_per_s"])
+            c["best_single"] = best["strategy"]
+            c["thr_vs_best_single"] = a["samples_per_s"] / best["samples_per_s"]
+            c["auto_target"] = c["thr_vs_best_single"] >= 0.98
+        keep = _ok(rows, "keep").get(b)
+        if keep is not None:
+            c["thr_vs_keep"] = a["samples_per_s"] / keep["samples_per_s"]
+            c["mem_vs_keep"] = a["activation_peak_bytes"] / max(1, keep["activation_peak_bytes"])
+            if a["strategy"] == "auto@recompute":
+                c["tba_target"] = c["thr_vs_keep"] >= 0.95
+        out.append(c)
+    return out
+
+
+def _auto_lines(rows: list[Row]) -> list[str]:
+    comps = compare_auto(rows)
+    if not comps:
+        return []
+    lines = [
+        "auto, per budget and batch size: plan (keep/offload/recompute blocks) | throughput vs "
+        "the fastest single strategy whose memory fits the budget | vs keep"
+    ]
+    for c in comps:
+        best = (
+            f"{c['thr_vs_best_single']:.2f}x {c['best_single']}"
+            if "best_single" in c
+            else "- (no single strategy fits)"
+        )
+        budget = c["budget_bytes"]
+        lines.append(
+            f"  {c['strategy']} batch {c['batch_size']:>4} (budget "
+            f"{budget / 2**20:.0f} MiB, plan {c['plan']}): {best} | {_fmt(c, 'thr_vs_keep')}"
+            if budget is not None
+            else f"  {c['strategy']} batch {c['batch_size']:>4}: no plan"
+        )
+    for key, verdict in (
+        ("auto_target", ">= 0.98x the fastest single strategy within its budget"),
+        ("tba_target", ">= 0.95x keep's throughput at recompute's memory as budget"),
+    ):
+        judged = [c for c in comps if key in c]
+        if judged:
+            yes = [f"{c['strategy']}/b{c['batch_size']}" for c in judged if c[key]]
+            lines.append(f"  {verdict}: {len(yes)}/{len(judged)} {yes}")
+    return lines
+
+
 def summary_lines(rows: list[Row]) -> list[str]:
     """A short text summary of the sweep, one line per offload point plus target verdicts."""
     lines = []
@@ -140,4 +217,4 @@ def summary_lines(rows: list[Row]) -> list[str]:
             if judged:
                 yes = [c["batch_size"] for c in judged if c[key]]
                 lines.append(f"  {verdict}: {len(yes)}/{len(judged)} batch sizes {yes}")
-    return lines
+    return lines + _auto_lines(rows)

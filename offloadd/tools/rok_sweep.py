@@ -23,11 +23,54 @@ from offloadd.io.files import default_offload_dir
 from offloadd.tools.models.build import default_vocab
 from offloadd.tools.models.hf import HF_FAMILIES
 
-__all__ = ["KEY", "STRATEGIES", "Sweep", "UsageError", "resolve"]
+__all__ = [
+    "AUTO",
+    "KEY",
+    "RECOMPUTE_BUDGET",
+    "STRATEGIES",
+    "Sweep",
+    "UsageError",
+    "resolve",
+    "run_strategy",
+]
 
-STRATEGIES = {"keep": "keep", "recompute": "recompute", "offload-ssd": "ssd", "offload-cpu": "cpu"}
+STRATEGIES = {
+    "keep": "keep",
+    "recompute": "recompute",
+    "offload-ssd": "ssd",
+    "offload-cpu": "cpu",
+    "auto": "auto",
+}
 """``--strategies`` names -> ``RunSpec.strategy``. keep runs offloadd's hooks with the keep tier
-(nothing moves, but its resident-byte accounting is there to compare)."""
+(nothing moves, but its resident-byte accounting is there to compare). ``auto`` becomes one
+strategy per ``--budgets`` entry, ``auto@<budget>``."""
+
+AUTO = "auto@"
+RECOMPUTE_BUDGET = "recompute"
+"""The ``--budgets`` entry that means recompute's measured activation peak at the same batch
+size and round (the issue's "budget equal to full recompute's peak")."""
+
+
+def run_strategy(label: str) -> str:
+    """The ``RunSpec.strategy`` of a strategy label (``auto@0.3x`` -> ``auto``)."""
+    return "auto" if label.startswith(AUTO) else STRATEGIES[label]
+
+
+def _budgets(text: str) -> list[str]:
+    out = []
+    for t in (x.strip() for x in text.split(",")):
+        if not t:
+            continue
+        if t != RECOMPUTE_BUDGET:
+            try:
+                Config().replace(budget=t)
+            except ValueError as e:
+                raise UsageError(f"--budgets: {e}") from None
+        out.append(t)
+    if not out:
+        raise UsageError(f"--budgets must list at least one budget, got {text!r}")
+    return list(dict.fromkeys(out))
+
 
 KEY = ("model", "layers", "hidden", "heads", "seq", "vocab", "device", "steps")
 """The fields that tell sweeps apart; ``--resume`` continues only a rok.csv whose rows match."""
@@ -148,13 +191,25 @@ def resolve(ns: argparse.Namespace) -> Sweep:
         strategies = [s.strip() for s in ns.strategies.split(",") if s.strip()]
         if not strategies:
             raise UsageError(f"--strategies must name at least one strategy, got {ns.strategies!r}")
-        unknown = [s for s in strategies if s not in STRATEGIES]
+        unknown = [s for s in strategies if s not in STRATEGIES and not s.startswith(AUTO)]
         if unknown:
             raise UsageError(
                 f"--strategies: unknown strategy {unknown[0]!r} "
                 f"(choose from {', '.join(STRATEGIES)})"
             )
         strategies = list(dict.fromkeys(strategies))
+    if "auto" in strategies:
+        budgets = _budgets(ns.budgets)
+        if RECOMPUTE_BUDGET in budgets and (
+            "recompute" not in strategies
+            or strategies.index("recompute") > strategies.index("auto")
+        ):
+            raise UsageError(
+                "--budgets recompute needs recompute among --strategies, before auto "
+                "(its measured peak is the budget)"
+            )
+        i = strategies.index("auto")
+        strategies[i : i + 1] = [AUTO + b for b in budgets]
     if "offload-cpu" in strategies and device != "cuda":
         raise UsageError(
             "--strategies: offload-cpu needs --device cuda; the cpu tier leaves CPU tensors where "
@@ -178,7 +233,7 @@ def resolve(ns: argparse.Namespace) -> Sweep:
     if ns.point_timeout is not None and ns.point_timeout <= 0:
         raise UsageError(f"--point-timeout must be positive, got {ns.point_timeout}")
     offload_dir = None
-    if "offload-ssd" in strategies or "offload-cpu" in strategies:
+    if any(s in ("offload-ssd", "offload-cpu") or s.startswith(AUTO) for s in strategies):
         try:
             cfg = Config.from_env(base=Config(ssd_dirs=(ns.ssd_dir,) if ns.ssd_dir else ()))
             offload_dir = cfg.ssd_dirs[0] if cfg.ssd_dirs else default_offload_dir()

@@ -21,6 +21,7 @@ from typing import Any
 import psutil
 import torch
 
+from offloadd.auto import plan_dict
 from offloadd.config import Config
 from offloadd.io.buffers import address_view
 from offloadd.runtime.offloader import Offloader
@@ -37,13 +38,14 @@ __all__ = [
     "run_in_subprocess",
 ]
 
-STRATEGIES = ("none", "keep", "recompute", "ssd", "cpu")
+STRATEGIES = ("none", "keep", "recompute", "ssd", "cpu", "auto")
 
 
 @dataclass(kw_only=True, slots=True)
 class RunSpec:
     strategy: str = "ssd"
-    """none (no hooks), keep (hooks, nothing moved), recompute, ssd or cpu (offload tiers)."""
+    """none (no hooks), keep (hooks, nothing moved), recompute, ssd or cpu (offload tiers), or
+    auto (tier ssd under ``budget``: keep, offload or recompute per block)."""
     num_layers: int = 4
     d_model: int = 256
     num_heads: int = 4
@@ -59,6 +61,8 @@ class RunSpec:
     """mini-gpt (built in), or gpt, bert, t5 (transformers, random weights); see models.build."""
     vocab_size: int | None = None
     """None: the model's usual vocabulary."""
+    budget: str | None = None
+    """auto: the budget (``Config.budget``: a size or a fraction of keep's, ``0.3x``)."""
     memory_limit_bytes: int = 0
     """Simulates a smaller machine: memory allowed above what the built model holds (0: no
     limit). CPU: an RLIMIT_AS on address space, so approximate; CUDA: a per-process fraction."""
@@ -133,7 +137,8 @@ def _is_oom(e: BaseException) -> bool:
 
 
 def run(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
-    """Train ``spec.steps + 1`` steps; return timings, memory, stats and a digest of the weights."""
+    """Train ``spec.steps`` timed steps after one untimed warm-up (auto: three, the planner's
+    warm-up, profile and first plan); return timings, memory, stats and a digest of the weights."""
     if spec.strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {spec.strategy!r}")
     torch.manual_seed(spec.seed)
@@ -151,18 +156,22 @@ def run(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
     vocab = spec.vocab_size or default_vocab(spec.model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(spec.seed + 1)
+    # auto: a warm-up step, the profile step and the first planned step go untimed
+    warmup = 3 if spec.strategy == "auto" else 1
     batches = [
         torch.randint(0, vocab, (spec.batch_size, spec.seq_len + 1), generator=gen)
-        for _ in range(spec.steps + 1)
+        for _ in range(spec.steps + warmup)
     ]
     off = None
-    if spec.strategy in ("keep", "ssd", "cpu"):
+    if spec.strategy in ("keep", "ssd", "cpu", "auto"):
+        if spec.strategy == "auto" and not spec.budget:
+            raise ValueError("strategy auto needs a budget")
         ocfg = Config.from_env(
             base=Config(
-                tier=spec.strategy,  # type: ignore[arg-type]
+                tier="ssd" if spec.strategy == "auto" else spec.strategy,  # type: ignore[arg-type]
                 ssd_dirs=(spec.ssd_dir,) if spec.ssd_dir else (),
                 min_bytes=spec.min_bytes,
-            )
+            ).replace(budget=spec.budget if spec.strategy == "auto" else None)
         )
         off = Offloader(ocfg)
     # Gradients and optimizer state exist before the baseline is taken, so that the memory
@@ -199,12 +208,12 @@ def run(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
             if cuda:
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
-            if step > 0:
+            if step >= warmup:
                 times.append(dt)
             if progress:
                 print(
                     f"  [{spec.strategy}] step {step}/{spec.steps}"
-                    f"{' (warm-up)' if step == 0 else ''}: loss {losses[-1]:.4f}, {dt:.2f}s",
+                    f"{' (warm-up)' if step < warmup else ''}: loss {losses[-1]:.4f}, {dt:.2f}s",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -238,6 +247,9 @@ def run(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
         out["peak_device_above_base"] = torch.cuda.max_memory_allocated() - base_dev
     if off is not None:
         out["stats"] = off.stats().as_dict()
+        plan = off.plan()
+        if plan is not None:
+            out["plan"] = plan_dict(plan)
         off.close()
     return out
 

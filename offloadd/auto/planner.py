@@ -1,0 +1,388 @@
+"""The budget planner: profile one step, then keep, offload or recompute each block to fit.
+
+Note: [auto] With ``Config.budget`` set, the offloader attaches an :class:`AutoPlanner` to the
+first module called in its scope (the model) and finds its blocks (``discover.find_blocks``).
+Module hooks on every block then tell the offloader, per block, whether what it saves is kept or
+offloaded; what is saved outside the blocks (embeddings, the head and the loss) is kept, since
+backward needs it first. A block to recompute runs its forward under non-reentrant
+``torch.utils.checkpoint`` with the RNG state preserved (the block's ``forward`` is wrapped once,
+and the wrapper asks the plan at each call), so its recomputation is bit-identical and so are the
+gradients.
+
+The first forward of each input shape (the shapes of the first block's arguments: sequence
+length, batch size) warms caches and pools, and the second is a profile step (profile.py); both
+offload every block, the memory-safe choice; when its backward has run, the next forward plans (solver.py, [the plan]) and logs the
+plan as a table. Plans are kept per shape, so alternating shapes are profiled once each. After
+each planned step the planner checks its predictions: if offloadd held more than the budget, it
+adds the excess to the plan's base and plans again (logged at WARNING); if the blocks' forward
+time moved by more than 2x from the first planned step's for three steps in a row (CPU only:
+CUDA is asynchronous), it profiles again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from offloadd.auto.discover import find_blocks
+from offloadd.auto.profile import StepProfile
+from offloadd.auto.solver import OFFLOAD, RECOMPUTE, BlockCost, InfeasibleBudget, Plan, solve
+from offloadd.runtime.ledger import Ledger
+from offloadd.runtime.stats import format_bytes
+
+__all__ = ["AutoPlanner", "plan_dict", "plan_table"]
+
+log = logging.getLogger("offloadd")
+
+_DRIFT = 2.0  # block forward time off the first planned step's by this factor (either way) ...
+_DRIFT_STEPS = 3  # ... this many planned steps in a row: profile again
+_STALE = 2  # forwards after a profile whose backward never completed: plan from it anyway
+
+
+def _in_backward() -> bool:
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+def _is_cache(v: Any) -> bool:
+    """A transformers key/value cache (``DynamicCache`` and kin), by its shape, not its import."""
+    return type(v).__name__.endswith("Cache") and callable(getattr(v, "update", None))
+
+
+def _without_cache(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A recomputed block gets no key/value cache, as under transformers' own checkpointing: a
+    cache is updated in place by each forward, so the recomputation would append to it again.
+    Training never reads it; the attention is the same without it."""
+    if not any(_is_cache(v) for v in (*args, *kwargs.values())) and not kwargs.get("use_cache"):
+        return args, kwargs
+    args = tuple(None if _is_cache(v) else v for v in args)
+    kwargs = {k: (None if _is_cache(v) else v) for k, v in kwargs.items()}
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
+    return args, kwargs
+
+
+def _signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(
+        (tuple(a.shape), a.dtype, a.device.type)
+        for a in (*args, *kwargs.values())
+        if isinstance(a, torch.Tensor)
+    )
+
+
+class AutoPlanner:
+    """Keep / offload / recompute per block under ``budget`` (see [auto]).
+
+    ``budget``: bytes (int) or a fraction of keep's footprint (float). ``offload``: whether the
+    tier can offload (False for tier keep). ``tls``: the offloader's thread-local, whose ``keep``
+    and ``tag`` this sets around each block, and whose ``stack`` says a scope is open."""
+
+    def __init__(self, budget: int | float, *, offload: bool, ledger: Ledger, tls: Any) -> None:
+        self.budget = budget
+        self.offload = offload
+        self.ledger = ledger
+        self.tls = tls
+        self.root: nn.Module | None = None
+        self.names: list[str] = []
+        self.modules: list[nn.Module] = []
+        self._index: dict[int, int] = {}
+        self._handles: list[Any] = []
+        # per shape: the profile's costs, its peak held (base) and its peak kept (kept base)
+        self._costs: dict[tuple[Any, ...], tuple[list[BlockCost], int, int]] = {}
+        self._ref_fwd: dict[tuple[Any, ...], float] = {}  # first planned step's block forward
+        self._warm: set[tuple[Any, ...]] = set()  # shapes whose warm-up forward ran
+        self.plans: dict[tuple[Any, ...], Plan] = {}
+        self.plan: Plan | None = None  # of the forward running now (None: profiling or none)
+        self.last_plan: Plan | None = None
+        self._profile: StepProfile | None = None  # recording, or waiting for its backward
+        self._recording = False
+        self._first = True  # no block ran yet in this forward
+        self._fwd_s = 0.0  # summed block forward time of this forward
+        self._fwd_start: dict[int, float] = {}
+        self._drifted = 0
+        self._sig: tuple[Any, ...] | None = None
+        self._lock = threading.Lock()
+        self.replans = 0
+        self.profiles = 0
+
+    # -- attaching ---------------------------------------------------------------------------
+
+    def attach(self, root: nn.Module) -> None:
+        """Find ``root``'s blocks and hook them (once; later calls do nothing)."""
+        with self._lock:
+            if self.root is not None:
+                return
+            self.root = root
+        found = find_blocks(root)
+        if not found:
+            log.warning(
+                "offloadd: budget: %s has no blocks to plan; offloading as usual",
+                type(root).__name__,
+            )
+            return
+        for k, (name, m) in enumerate(found):
+            self.names.append(name)
+            self.modules.append(m)
+            self._index[id(m)] = k
+            self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self._handles.append(m.register_forward_hook(self._post, always_call=True))
+            m.forward = self._wrap(k, m.forward)
+        log.info(
+            "offloadd: budget: %d blocks found (%s ... %s)", len(found), found[0][0], found[-1][0]
+        )
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for m in self.modules:
+            m.__dict__.pop("forward", None)
+
+    def _wrap(self, k: int, forward: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            plan = self.plan
+            if (
+                plan is not None
+                and plan.decisions[k] == RECOMPUTE
+                and torch.is_grad_enabled()
+                and self._scope_open()
+                and not _in_backward()
+            ):
+                args, kwargs = _without_cache(args, kwargs)
+                return checkpoint(
+                    forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs
+                )
+            return forward(*args, **kwargs)
+
+        return run
+
+    def _scope_open(self) -> bool:
+        return bool(getattr(self.tls, "stack", None))
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def forward_begins(self) -> None:
+        """An outermost scope opens: finish what the last step taught, then reset."""
+        if self.plan is not None:
+            self._check(self.plan)
+        self.settle(forward=True)
+        self.plan = None
+        self._first = True
+        self._fwd_s = 0.0
+        with self.ledger.lock:
+            st = self.ledger.stats
+            self.ledger.window_peak = st.resident_bytes + st.buffer_bytes
+            self.ledger.kept_peak = self.ledger.kept_now
+        self.tls.keep = True  # outside the blocks: kept
+        self.tls.tag = None
+
+    def forward_ends(self) -> None:
+        if self._recording and self._profile is not None:
+            self._recording = False
+            self._profile.forward_end = time.perf_counter()
+
+    def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if _in_backward() or not self._scope_open():
+            return
+        k = self._index[id(module)]
+        if self._first:
+            self._first = False
+            self._begin_blocks(_signature(args, kwargs))
+        plan = self.plan
+        self.tls.keep = plan is not None and plan.decisions[k] != OFFLOAD
+        if self._recording:
+            assert self._profile is not None
+            self.tls.tag = k
+            if args and isinstance(args[0], torch.Tensor) and args[0].is_cuda:
+                torch.cuda.synchronize()
+            self._profile.block_begins(k, args, kwargs)
+        self._fwd_start[k] = time.perf_counter()
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if _in_backward() or not self._scope_open():
+            return
+        k = self._index[id(module)]
+        self.tls.keep = True
+        self.tls.tag = None
+        start = self._fwd_start.pop(k, None)
+        if self._recording:
+            assert self._profile is not None
+            if isinstance(output, torch.Tensor) and output.is_cuda:
+                torch.cuda.synchronize()
+            self._profile.block_ends(k, output, last=k == len(self.modules) - 1)
+        elif start is not None:
+            self._fwd_s += time.perf_counter() - start
+
+    def _begin_blocks(self, sig: tuple[Any, ...]) -> None:
+        """The first block of a forward runs: use this shape's plan, or profile it."""
+        self._sig = sig
+        plan = self.plans.get(sig)
+        if plan is not None:
+            self.plan = self.last_plan = plan
+            return
+        if self._profile is not None:
+            return  # a profile waits for its backward; this forward offloads every block too
+        if sig not in self._warm:  # the first forward of a shape warms caches and pools
+            self._warm.add(sig)
+            return
+        self._profile = StepProfile(list(self.names), sig, self._io_wait)
+        self._recording = True
+        self.profiles += 1
+
+    @property
+    def plan_offloads(self) -> bool | None:
+        """Whether the last plan offloads any block (None before the first plan)."""
+        plan = self.last_plan
+        return None if plan is None else OFFLOAD in plan.decisions
+
+    def saved(self, tag: int, nbytes: int) -> None:
+        """The offloader saved a new storage of ``nbytes`` while block ``tag`` ran."""
+        prof = self._profile
+        if prof is not None and self._recording:
+            prof.saved[tag] += nbytes
+
+    def settle(self, *, forward: bool = False) -> None:
+        """Plan from a profile whose backward has run (done at the next forward otherwise).
+
+        A gradient that never reaches some block boundary (an output the loss does not use)
+        would keep the profile waiting: after ``_STALE`` more forwards it is taken as it is, the
+        missing backward times estimated as twice the forward's."""
+        prof = self._profile
+        if prof is None or self._recording:
+            return
+        if forward:
+            prof.later_forwards += 1
+        if prof.complete() or prof.later_forwards > _STALE:
+            self._profile = None
+            self._learn(prof)
+
+    def _io_wait(self) -> float:
+        return self.ledger.stats.io_wait_s
+
+    # -- planning ----------------------------------------------------------------------------
+
+    def _learn(self, prof: StepProfile) -> None:
+        costs = prof.costs()
+        with self.ledger.lock:
+            base, kept = self.ledger.window_peak, self.ledger.kept_peak
+        if not self.offload:  # tier keep: the blocks' saved bytes were kept in the profile too
+            kept = max(0, kept - sum(b.saved for b in costs))
+            base = kept
+        self._costs[prof.signature] = (costs, base, kept)
+        self._plan_for(prof.signature)
+
+    def _plan_for(self, sig: tuple[Any, ...]) -> Plan:
+        costs, base, kept = self._costs[sig]
+        budget = self.budget
+        nbytes = int(budget * self.keep_footprint(sig)) if isinstance(budget, float) else budget
+        try:
+            plan = solve(costs, base, nbytes, kept_base=kept, offload=self.offload)
+        except InfeasibleBudget as e:
+            if sig not in self.plans:
+                raise  # the first plan for this shape: say so at once
+            # Planning again after a step held more than predicted: never stop a training run.
+            log.warning("offloadd: %s; using the leanest plan", e)
+            plan = solve(costs, base, e.smallest, kept_base=kept, offload=self.offload)
+        self.plans[sig] = plan
+        self.last_plan = plan
+        log.info("offloadd: %s", plan_table(plan))
+        return plan
+
+    def _check(self, plan: Plan) -> None:
+        """After a planned step: memory over budget -> plan again; time drift -> profile."""
+        sig = self._sig
+        if sig is None or sig not in self._costs:
+            return
+        with self.ledger.lock:
+            held = self.ledger.window_peak
+        if held > plan.budget:
+            costs, base, kept = self._costs[sig]
+            over = held - plan.peak
+            self._costs[sig] = (costs, base + over, kept + over)
+            self.replans += 1
+            log.warning(
+                "offloadd: budget: the step held %s, over the budget of %s (predicted %s); "
+                "planning again with a base %s larger",
+                format_bytes(held),
+                format_bytes(plan.budget),
+                format_bytes(plan.peak),
+                format_bytes(held - plan.peak),
+            )
+            self._plan_for(sig)
+            return
+        on_cpu = not torch.cuda.is_available() or not torch.cuda.is_initialized()
+        if not on_cpu or self._fwd_s <= 0:
+            return
+        ref = self._ref_fwd.setdefault(sig, self._fwd_s)
+        ratio = self._fwd_s / ref
+        self._drifted = self._drifted + 1 if not 1 / _DRIFT < ratio < _DRIFT else 0
+        if self._drifted >= _DRIFT_STEPS:
+            self._drifted = 0
+            self.replans += 1
+            log.info(
+                "offloadd: budget: block forward times drifted (%.2fx the first planned "
+                "step's); profiling again",
+                ratio,
+            )
+            del self.plans[sig], self._costs[sig], self._ref_fwd[sig]
+
+    def keep_footprint(self, sig: tuple[Any, ...] | None = None) -> int:
+        """Keep's predicted footprint for shape ``sig`` (default: the last profiled): the peak
+        kept in the profile step plus every block's saved bytes."""
+        if sig is None:
+            sig = next(reversed(self._costs))
+        costs, _base, kept = self._costs[sig]
+        return kept + sum(b.saved for b in costs)
+
+
+def plan_table(plan: Plan) -> str:
+    """The plan as the table logged at INFO: block, bytes, decision, predicted times."""
+    head = (
+        f"plan for a budget of {format_bytes(plan.budget)}: predicted peak "
+        f"{format_bytes(plan.peak)} (base {format_bytes(plan.base)}), "
+        f"+{plan.extra_s * 1e3:.1f} ms per step over keeping every block; "
+        f"{plan.count('keep')} keep, {plan.count(OFFLOAD)} offload, "
+        f"{plan.count(RECOMPUTE)} recompute"
+    )
+    rows = [
+        f"  {'block':<24} {'saved':>10} {'inputs':>10} {'fwd ms':>8} {'bwd ms':>8} "
+        f"{'io ms':>7}  {'decision':<10} {'+ms':>6}"
+    ]
+    for k, (b, d) in enumerate(zip(plan.blocks, plan.decisions, strict=True)):
+        rows.append(
+            f"  {b.name:<24} {format_bytes(b.saved):>10} {format_bytes(b.inputs):>10} "
+            f"{b.forward_s * 1e3:>8.1f} {b.backward_s * 1e3:>8.1f} {b.offload_s * 1e3:>7.1f}  "
+            f"{d:<10} {plan.extra_of(k) * 1e3:>6.1f}"
+        )
+    return "\n".join([head, *rows])
+
+
+def plan_dict(plan: Plan) -> dict[str, Any]:
+    """The plan for the JSON report."""
+    return {
+        "budget_bytes": plan.budget,
+        "base_bytes": plan.base,
+        "predicted_peak_bytes": plan.peak,
+        "predicted_extra_s": plan.extra_s,
+        "blocks": [
+            {
+                "name": b.name,
+                "saved_bytes": b.saved,
+                "input_bytes": b.inputs,
+                "forward_s": b.forward_s,
+                "backward_s": b.backward_s,
+                "offload_s": b.offload_s,
+                "decision": d,
+                "predicted_extra_s": plan.extra_of(k),
+            }
+            for k, (b, d) in enumerate(zip(plan.blocks, plan.decisions, strict=True))
+        ],
+    }

@@ -1,0 +1,159 @@
+"""The profile step: what each block saves and how long its forward, backward and I/O take.
+
+A profile records the first forward of a step in which every block is offloaded, and the
+backward of that forward. Per block it records:
+
+- ``saved``: the bytes of the storages its forward saved that offloading moved (each storage
+  once), counted by the offloader at pack;
+- ``inputs``: the bytes of its tensor arguments (what recompute would keep instead);
+- ``forward_s``: wall time from its forward pre-hook to its forward hook;
+- ``backward_s``: the time between the gradient reaching its output and reaching its input,
+  from tensor hooks on the inputs of every block and on the output of the last one (they
+  observe, and change nothing);
+- ``offload_s``: the training thread's I/O wait (``Stats.io_wait_s``) during its forward (a full
+  staging pool) and during its backward (reads not prefetched in time);
+
+and for the step the peak of saved-activation bytes offloadd held (resident + its buffers) and
+the bytes moved per second of step. On CUDA the forward times synchronize the device at the
+block boundaries of the profile step only.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from offloadd.auto.solver import BlockCost
+
+__all__ = ["StepProfile", "input_bytes"]
+
+
+def input_bytes(args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> int:
+    """Bytes of the distinct storages of the tensors among ``args`` and ``kwargs`` values."""
+    seen: set[int] = set()
+    total = 0
+    for a in (*args, *(kwargs or {}).values()):
+        if isinstance(a, torch.Tensor) and a.layout is torch.strided:
+            st = a.untyped_storage()
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+    return total
+
+
+def first_grad_tensor(value: Any) -> torch.Tensor | None:
+    """The first tensor in ``value`` (a tensor, or a tuple/list of them) that requires grad."""
+    if isinstance(value, torch.Tensor):
+        return value if value.requires_grad else None
+    if isinstance(value, tuple | list):
+        for v in value:
+            t = first_grad_tensor(v)
+            if t is not None:
+                return t
+    return None
+
+
+@dataclass
+class StepProfile:
+    """One profile step in the making (see the module docstring)."""
+
+    names: list[str]
+    signature: tuple[Any, ...]
+    wait: Callable[[], float]
+    """The offloader's I/O wait so far (``Stats.io_wait_s``)."""
+    started: float = field(default_factory=time.perf_counter)
+    saved: list[int] = field(init=False)
+    inputs: list[int] = field(init=False)
+    fwd: list[float] = field(init=False)
+    fwd_wait: list[float] = field(init=False)
+    grad_in: list[tuple[float, float] | None] = field(init=False)  # (time, io wait) at input
+    grad_out_last: tuple[float, float] | None = None
+    forward_end: float = 0.0
+    later_forwards: int = 0  # forwards begun since this one ended
+    pending_hooks: int = 0
+    _open: dict[int, tuple[float, float]] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        self.saved = [0] * n
+        self.inputs = [0] * n
+        self.fwd = [0.0] * n
+        self.fwd_wait = [0.0] * n
+        self.grad_in = [None] * n
+
+    # -- forward ---------------------------------------------------------------------------
+
+    def block_begins(self, k: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        wait = self.wait()
+        self.inputs[k] = input_bytes(args, kwargs)
+        x = first_grad_tensor(list(args) + list(kwargs.values()))
+        if x is not None:
+            self._hook(x, lambda t, w: self._set_in(k, t, w))
+        self._open[k] = (time.perf_counter(), wait)
+
+    def block_ends(self, k: int, output: Any, last: bool) -> None:
+        wait = self.wait()
+        start = self._open.pop(k, None)
+        if start is None:
+            return
+        self.fwd[k] += time.perf_counter() - start[0]
+        self.fwd_wait[k] += wait - start[1]
+        if last:
+            y = first_grad_tensor(output)
+            if y is not None:
+                self._hook(y, self._set_out_last)
+
+    def _hook(self, t: torch.Tensor, record: Any) -> None:
+        with self._lock:
+            self.pending_hooks += 1
+
+        def on_grad(g: torch.Tensor) -> None:
+            record(time.perf_counter(), self.wait())
+            with self._lock:
+                self.pending_hooks -= 1
+
+        t.register_hook(on_grad)
+
+    def _set_in(self, k: int, t: float, w: float) -> None:
+        if self.grad_in[k] is None:
+            self.grad_in[k] = (t, w)
+
+    def _set_out_last(self, t: float, w: float) -> None:
+        if self.grad_out_last is None:
+            self.grad_out_last = (t, w)
+
+    # -- the result ------------------------------------------------------------------------
+
+    def complete(self) -> bool:
+        """Whether the backward of the profiled forward has run (every hook fired)."""
+        with self._lock:
+            return self.forward_end > 0 and self.pending_hooks == 0
+
+    def costs(self) -> list[BlockCost]:
+        """Per block, in list order (a block that did not run costs nothing and saves nothing)."""
+        n = len(self.names)
+        out = []
+        for k in range(n):
+            start = self.grad_out_last if k == n - 1 else self.grad_in[k + 1]
+            end = self.grad_in[k]
+            if start is not None and end is not None and end[0] >= start[0]:
+                bwd, bwd_wait = end[0] - start[0], max(0.0, end[1] - start[1])
+            else:  # the gradient did not reach this block's input: the usual 2x of forward
+                bwd, bwd_wait = 2 * self.fwd[k], 0.0
+            out.append(
+                BlockCost(
+                    name=self.names[k],
+                    saved=self.saved[k],
+                    inputs=self.inputs[k],
+                    forward_s=self.fwd[k],
+                    backward_s=bwd,
+                    offload_s=max(0.0, self.fwd_wait[k]) + bwd_wait,
+                )
+            )
+        return out

@@ -1,0 +1,308 @@
+"""The budget planner: blocks found, the solver's plans, and bit-identical gradients for every plan."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from offloadd import Config, Offloader
+from offloadd.auto import (
+    BlockCost,
+    InfeasibleBudget,
+    find_blocks,
+    plan_dict,
+    smallest_budget,
+    solve,
+)
+from offloadd.auto.solver import KEEP, OFFLOAD, RECOMPUTE
+from offloadd.tools.models.gpt import GPT, GPTConfig
+
+MiB = 1 << 20
+
+
+def _cost(k: int, saved: int, fwd: float = 0.01, io: float = 0.0, inputs: int = MiB) -> BlockCost:
+    return BlockCost(
+        name=f"b{k}", saved=saved, inputs=inputs, forward_s=fwd, backward_s=2 * fwd, offload_s=io
+    )
+
+
+# -- the solver --------------------------------------------------------------------------------
+
+
+def _brute(blocks: list[BlockCost], base: int, kept_base: int, budget: int, offload: bool) -> float:
+    best = float("inf")
+    opts = (KEEP, OFFLOAD, RECOMPUTE) if offload else (KEEP, RECOMPUTE)
+    for ds in itertools.product(opts, repeat=len(blocks)):
+        floor = base if OFFLOAD in ds else kept_base
+        mem = floor + sum(
+            b.saved if d == KEEP else b.inputs if d == RECOMPUTE else 0
+            for b, d in zip(blocks, ds, strict=True)
+        )
+        mem += max((b.saved for b, d in zip(blocks, ds, strict=True) if d == RECOMPUTE), default=0)
+        if mem <= budget:
+            t = sum(
+                b.forward_s if d == RECOMPUTE else b.offload_s if d == OFFLOAD else 0.0
+                for b, d in zip(blocks, ds, strict=True)
+            )
+            best = min(best, t)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_solver_matches_brute_force(seed: int) -> None:
+    """Exact on small instances: the DP's plan is as fast as the best of all 3^n, and fits."""
+    rng = random.Random(seed)
+    n = rng.randint(1, 6)
+    blocks = [
+        _cost(
+            k,
+            saved=rng.randint(1, 64) * MiB,
+            fwd=rng.uniform(0.001, 0.05),
+            io=rng.choice([0.0, rng.uniform(0, 0.08)]),
+            inputs=rng.randint(1, 8) * MiB,
+        )
+        for k in range(n)
+    ]
+    base, kept_base = rng.randint(8, 40) * MiB, rng.randint(1, 8) * MiB
+    offload = rng.random() < 0.8
+    lo = smallest_budget(blocks, base, kept_base=kept_base, offload=offload)
+    hi = kept_base + sum(b.saved for b in blocks)
+    for budget in (lo, (lo + hi) // 2, hi, hi * 2):
+        plan = solve(blocks, base, budget, kept_base=kept_base, offload=offload, units=4096)
+        assert plan.peak <= budget
+        # exact up to rounding each block's memory up to 1/4096 of the room (see [the plan])
+        slack = n * -(-(budget - kept_base) // 4096)
+        best = _brute(blocks, base, kept_base, budget - slack, offload)
+        assert plan.extra_s <= best + 1e-5 * n, (plan.decisions, plan.extra_s, best)
+    with pytest.raises(InfeasibleBudget) as err:
+        solve(blocks, base, lo - 1, kept_base=kept_base, offload=offload)
+    assert err.value.smallest == lo and "smallest feasible budget" in str(err.value)
+    assert str(lo) in str(err.value)
+
+
+def test_everything_kept_when_it_fits_and_the_tail_first() -> None:
+    blocks = [_cost(k, 10 * MiB) for k in range(6)]
+    plan = solve(blocks, 5 * MiB, 100 * MiB, kept_base=2 * MiB)
+    assert plan.decisions == (KEEP,) * 6 and plan.extra_s == 0
+    plan = solve(blocks, 5 * MiB, 5 * MiB + 20 * MiB)  # room for two kept blocks
+    assert plan.decisions == (OFFLOAD,) * 4 + (KEEP,) * 2  # TBA's adaptive keep: the tail
+
+
+def test_offload_beats_recompute_unless_its_io_shows() -> None:
+    cheap = [_cost(k, 10 * MiB, fwd=0.02, io=0.001) for k in range(4)]
+    assert solve(cheap, MiB, MiB + 5 * MiB).decisions == (OFFLOAD,) * 4
+    slow = [_cost(k, 10 * MiB, fwd=0.02, io=0.05, inputs=MiB) for k in range(4)]
+    plan = solve(slow, MiB, 40 * MiB)
+    assert plan.decisions == (RECOMPUTE, RECOMPUTE, KEEP, KEEP) and plan.peak <= 40 * MiB
+    # tier keep: keep or recompute only, the transient of a recomputed block counted
+    plan = solve(slow, MiB, MiB + 4 * MiB + 10 * MiB, offload=False)
+    assert plan.decisions == (RECOMPUTE,) * 4 and plan.peak == MiB + 4 * MiB + 10 * MiB
+
+
+# -- blocks ------------------------------------------------------------------------------------
+
+
+def test_find_blocks() -> None:
+    gpt = GPT(GPTConfig(num_layers=3, d_model=32, num_heads=2, seq_len=8, vocab_size=16))
+    assert [n for n, _ in find_blocks(gpt)] == ["blocks.0", "blocks.1", "blocks.2"]
+    seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    assert [n for n, _ in find_blocks(seq)] == ["0", "2", "4"]
+
+    class Flat(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.act, self.b = nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)
+
+    assert [n for n, _ in find_blocks(Flat())] == ["a", "b"]  # fallback: children with params
+
+
+def test_find_blocks_of_hf_models() -> None:
+    transformers = pytest.importorskip("transformers")
+    gpt2 = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, n_positions=16, vocab_size=64)
+    )
+    assert [n for n, _ in find_blocks(gpt2)] == [f"transformer.h.{k}" for k in range(3)]
+    bert = transformers.BertModel(
+        transformers.BertConfig(
+            num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64
+        )
+    )
+    assert [n for n, _ in find_blocks(bert)] == ["encoder.layer.0", "encoder.layer.1"]
+
+
+# -- the config --------------------------------------------------------------------------------
+
+
+def test_budget_config() -> None:
+    assert Config().budget is None
+    assert Config(budget="6GiB").budget == 6 << 30
+    assert Config(budget="0.3x").budget == pytest.approx(0.3)
+    assert Config(budget="off").budget is None
+    assert Config.load(environ={"OFFLOADD_BUDGET": "512MiB"}).budget == 512 << 20
+    for bad in ("lots", "-1x", "0x", 0, "0.3y"):
+        with pytest.raises(ValueError, match="budget"):
+            Config(budget=bad)
+    with pytest.raises(ValueError, match="OFFLOADD_BUDGET"):
+        Config.load(environ={"OFFLOADD_BUDGET": "half"})
+
+
+# -- whole models: bit-identical ---------------------------------------------------------------
+
+
+def _gpt() -> nn.Module:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(num_layers=4, d_model=64, num_heads=4, seq_len=32, vocab_size=64))
+
+
+def _train(
+    model: nn.Module,
+    off: Offloader | None,
+    batches: list[torch.Tensor],
+    force: tuple[str, ...] | None = None,
+) -> tuple[list[torch.Tensor], list[float]]:
+    """Plain SGD steps; ``force``: once the planner has planned, replace its plan's decisions."""
+    torch.manual_seed(123)  # dropout masks
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x in batches:
+        if off is None:
+            loss = model(x[:, :-1], x[:, 1:])
+        else:
+            if force is not None and off._auto is not None and off._auto.plans:
+                for sig, plan in off._auto.plans.items():
+                    off._auto.plans[sig] = dataclasses.replace(plan, decisions=force)
+            with off:
+                loss = model(x[:, :-1], x[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        del loss
+    return [p.detach().clone() for p in model.parameters()], losses
+
+
+def _batches(n: int, seq: int = 32, batch: int = 2) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, 64, (batch, seq + 1), generator=g) for _ in range(n)]
+
+
+PLANS = [
+    (KEEP, OFFLOAD, RECOMPUTE, OFFLOAD),
+    (RECOMPUTE,) * 4,
+    (OFFLOAD,) * 4,
+    (KEEP, KEEP, RECOMPUTE, KEEP),
+]
+
+
+@pytest.mark.parametrize("decisions", PLANS, ids=["-".join(p) for p in PLANS])
+def test_every_plan_is_bit_identical(decisions: tuple[str, ...], disk_dir: Path) -> None:
+    """Keep, offload and recompute per block (dropout on): weights and losses bit-identical to
+    training without offloadd, through the profile steps and the planned ones."""
+    batches = _batches(6)
+    ref_w, ref_l = _train(_gpt(), None, batches)
+    off = Offloader(tier="ssd", ssd_dirs=[str(disk_dir)], min_bytes=1024, budget="100x")
+    w, losses = _train(_gpt(), off, batches, force=decisions)
+    assert off.plan() is not None and off._auto is not None and off._auto.profiles == 1
+    assert losses == ref_l
+    assert all(torch.equal(a, b) for a, b in zip(ref_w, w, strict=True))
+    st = off.stats()
+    if OFFLOAD in decisions:
+        assert st.bytes_written > 0
+    off.close()
+
+
+def test_tier_keep_with_a_budget_recomputes(disk_dir: Path) -> None:
+    batches = _batches(5)
+    ref_w, ref_l = _train(_gpt(), None, batches)
+    off = Offloader(tier="keep", min_bytes=1024, budget="0.6x")
+    w, losses = _train(_gpt(), off, batches)
+    plan = off.plan()
+    assert plan is not None and plan.count(RECOMPUTE) >= 1 and plan.count(OFFLOAD) == 0
+    assert losses == ref_l and all(torch.equal(a, b) for a, b in zip(ref_w, w, strict=True))
+    off.close()
+
+
+def test_hf_gpt2_with_dropout_bit_identical(disk_dir: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        cfg = transformers.GPT2Config(
+            n_layer=3,
+            n_embd=64,
+            n_head=4,
+            n_positions=32,
+            vocab_size=64,
+            attn_implementation="eager",
+        )
+        m = transformers.GPT2LMHeadModel(cfg)
+        m.train()  # dropout 0.1 everywhere
+
+        class Wrap(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.m = m
+
+            def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+                return self.m(input_ids=x, labels=x).loss
+
+        return Wrap()
+
+    batches = _batches(5)
+    ref_w, ref_l = _train(model(), None, batches)
+    off = Offloader(tier="ssd", ssd_dirs=[str(disk_dir)], min_bytes=1024, budget="100x")
+    w, losses = _train(model(), off, batches, force=(RECOMPUTE, OFFLOAD, KEEP))
+    assert off.plan() is not None
+    assert losses == ref_l and all(torch.equal(a, b) for a, b in zip(ref_w, w, strict=True))
+    off.close()
+
+
+def test_infeasible_budget_names_the_smallest(disk_dir: Path) -> None:
+    off = Offloader(tier="keep", min_bytes=1024, budget=1)
+    with pytest.raises(InfeasibleBudget, match="smallest feasible budget") as err:
+        _train(_gpt(), off, _batches(4))
+    assert err.value.smallest > 1
+    off.close()
+
+
+def test_a_new_shape_is_profiled_and_plans_are_kept_per_shape(
+    disk_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    off = Offloader(tier="ssd", ssd_dirs=[str(disk_dir)], min_bytes=1024, budget="0.9x")
+    model = _gpt()
+    short, long = _batches(3, seq=16), _batches(3, seq=32)
+    with caplog.at_level(logging.INFO, logger="offloadd"):
+        _train(model, off, short + long + short + long)
+    auto = off._auto
+    assert auto is not None and auto.profiles == 2 and len(auto.plans) == 2
+    planned = sum("plan for a budget of" in r.getMessage() for r in caplog.records)
+    replanned = sum("planning again" in r.getMessage() for r in caplog.records)
+    assert planned == 2 + replanned  # once per shape, and again after a step over the budget
+    table = next(r.getMessage() for r in caplog.records if "plan for a budget" in r.getMessage())
+    assert "blocks.3" in table and "decision" in table
+    plan = off.plan()
+    assert plan is not None
+    d: dict[str, Any] = plan_dict(plan)
+    assert [b["name"] for b in d["blocks"]] == [f"blocks.{k}" for k in range(4)]
+    assert d["predicted_peak_bytes"] <= d["budget_bytes"]
+    off.close()
+
+
+def test_eval_forwards_and_no_grad_are_untouched(disk_dir: Path) -> None:
+    off = Offloader(tier="ssd", ssd_dirs=[str(disk_dir)], min_bytes=1024, budget="100x")
+    model = _gpt()
+    _train(model, off, _batches(3), force=(RECOMPUTE,) * 4)
+    model.eval()
+    with torch.no_grad():
+        out = model(_batches(1)[0][:, :-1])
+    assert out.shape[-1] == 64
+    off.close()
+    assert "forward" not in model.blocks[0].__dict__  # detached at close

@@ -177,6 +177,30 @@ def test_plain_script_is_identical_and_offloads(
     assert line.startswith("offloadd: 4 forwards offloaded")
 
 
+@pytest.fixture(scope="module")
+def plain_baseline_4() -> dict[str, object]:
+    """The plain client's losses and weights without offloadd (4 steps: planned steps too)."""
+    return last_json(run([PYTHON, PLAIN, "4"], clean_env()).stdout)
+
+
+@pytest.mark.parametrize("budget", ["0.6x", "100x"])
+def test_plain_script_under_a_budget_is_identical(
+    disk_dir: Path, tmp_path: Path, plain_baseline_4: dict[str, object], budget: str
+) -> None:
+    """OFFLOADD_BUDGET in an unmodified script (gradient accumulation, dropout, eval and
+    torch.func calls): planned per block, and still bit-identical."""
+    report = tmp_path / "report.json"
+    env = offload_env(disk_dir, report, OFFLOADD_BUDGET=budget, OFFLOADD_LOG="INFO")
+    proc = run([PYTHON, PLAIN, "4"], env)
+    assert last_json(proc.stdout) == plain_baseline_4
+    plan = json.loads(report.read_text())["plan"]
+    assert [b["name"] for b in plan["blocks"]] == ["layers.0", "layers.1"]
+    assert plan["predicted_peak_bytes"] <= plan["budget_bytes"]
+    if budget == "100x":
+        assert {b["decision"] for b in plan["blocks"]} == {"keep"}
+    assert "plan for a budget of" in proc.stderr
+
+
 def test_forked_child_is_silent(disk_dir: Path, tmp_path: Path) -> None:
     code = """
 import os, torch

@@ -40,7 +40,7 @@ from torch import nn
 from offloadd.auto.planner import plan_dict
 from offloadd.config import Config
 from offloadd.integrations.ranks import RankInfo, rank_info
-from offloadd.integrations.report import summary_line, write_report
+from offloadd.integrations.report import report_dict, summary_line, write_report
 from offloadd.integrations.scope import ModuleScope
 from offloadd.runtime.offloader import Offloader
 
@@ -212,8 +212,7 @@ class AutoOffload:
             )
             st = self.settings
             if st.report is not None and (st.report_every_rank or st.ranks.rank == 0):
-                write_report(
-                    st.report,
+                data = report_dict(
                     stats=stats,
                     ranks=self.settings.ranks,
                     config=off.config,
@@ -221,6 +220,7 @@ class AutoOffload:
                     wall_s=wall,
                     plan=plan_dict(plan) if plan is not None else None,
                 )
+                write_report(st.report, data)
         except Exception as e:  # never change how the program exits
             print(f"offloadd: writing the exit summary failed: {e!r}", file=sys.stderr)
         for d in reversed(self._created_dirs):

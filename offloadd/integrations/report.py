@@ -48,20 +48,8 @@ def report_dict(
     }
 
 
-def write_report(
-    path: str,
-    *,
-    stats: Stats,
-    ranks: RankInfo,
-    config: Config,
-    forwards: int,
-    wall_s: float,
-    plan: dict[str, Any] | None = None,
-) -> None:
-    """Write the report atomically (a reader never sees half a file)."""
-    data = report_dict(
-        stats=stats, ranks=ranks, config=config, forwards=forwards, wall_s=wall_s, plan=plan
-    )
+def write_report(path: str, data: dict[str, Any]) -> None:
+    """Write ``data`` (a :func:`report_dict`) atomically: a reader never sees half a file."""
     target = os.path.expanduser(path)
     fd, tmp = tempfile.mkstemp(prefix=".offloadd-report-", dir=os.path.dirname(target) or ".")
     try:

@@ -242,7 +242,7 @@ def test_auto_points_end_to_end(disk_dir: Path, tmp_path: Path) -> None:
         by["recompute"]["activation_peak_bytes"]
     )
     summary = (out / "summary.txt").read_text()
-    assert "auto, per budget and batch size" in summary
+    assert "auto, per budget (on the memory axis) and batch size" in summary
     assert "the fastest single strategy within its budget" in summary
 
 

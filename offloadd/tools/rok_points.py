@@ -15,11 +15,12 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from offloadd.config import parse_size
 from offloadd.runtime.stats import format_bytes
 from offloadd.tools.rok_sweep import AUTO, RECOMPUTE_BUDGET, Sweep, run_strategy
 from offloadd.tools.train import RunFailed, RunSpec, run_in_subprocess
 
-__all__ = ["FIELDS", "measure", "point_line", "read_points", "write_points"]
+__all__ = ["FIELDS", "auto_budget", "measure", "point_line", "read_points", "write_points"]
 
 FIELDS: dict[str, type] = {
     "model": str,
@@ -50,7 +51,8 @@ FIELDS: dict[str, type] = {
     "params": int,
     "flops_per_step": int,
     "weights_sha256": str,
-    "budget_bytes": int,  # auto: the budget its plan was made for
+    "budget_bytes": int,  # auto: its budget on the memory axis (see [budgets on the axis])
+    "held_budget_bytes": int,  # auto: the budget offloadd planned for (saved activations held)
     "plan": str,  # auto: blocks kept, offloaded, recomputed ("k2 o10 r0")
     "error": str,
 }
@@ -89,17 +91,12 @@ def measure(
     """Train the point (``strategy``, ``batch``, round ``n``) in its own process; its row.
     ``done``: the rows measured so far (an ``auto@recompute`` point's budget is among them)."""
     row: dict[str, Any] = {**sw.key(), "strategy": strategy, "batch_size": batch, "round": n}
-    budget = strategy.removeprefix(AUTO) if strategy.startswith(AUTO) else None
-    if budget == RECOMPUTE_BUDGET:
-        rec = [
-            r
-            for r in done
-            if r["strategy"] == "recompute" and r["batch_size"] == batch and r["status"] == "ok"
-        ]
-        same = [r for r in rec if r["round"] == n] or rec
-        if not same:
-            return {**row, "status": "error", "error": "no recompute point to take the budget of"}
-        budget = str(same[-1]["activation_peak_bytes"])
+    budget = None
+    if strategy.startswith(AUTO):
+        axis, budget, why = auto_budget(strategy.removeprefix(AUTO), batch, n, done)
+        if budget is None:
+            return {**row, "status": "error", "error": why}
+        row["budget_bytes"] = axis
     spec = RunSpec(
         strategy=run_strategy(strategy),
         budget=budget,
@@ -122,6 +119,59 @@ def measure(
     except RunFailed as e:
         return {**row, **_failure(e)}
     return {**row, **_results(res, batch, cuda=sw.device == "cuda")}
+
+
+def auto_budget(
+    token: str, batch: int, n: int, done: list[dict[str, Any]]
+) -> tuple[int | None, str | None, str]:
+    """An ``--budgets`` entry on the ROK plot's memory axis, and as offloadd's budget.
+
+    Note: [budgets on the axis] rok's memory axis is the measured activation peak (CPU: RSS
+    above the built model), which holds, besides the saved activations offloadd's budget
+    governs, the temporaries of ops, gradients and allocator caches. So that an auto point
+    and the single strategies it is judged against share one axis, a budget ``B`` on it
+    (``recompute``: recompute's measured peak at this batch size; ``0.3x``: that fraction of
+    keep's; a size: itself) becomes offloadd's budget ``B - (keep's peak - keep's saved
+    activations held)``: keep's measured overhead at this batch size, from the same round when
+    there is one. Without a keep point a fraction goes to offloadd as it is (of its own
+    estimate of keep's footprint) and a size too. Returns (B or None, offloadd's budget or
+    None, why not)."""
+
+    def latest(strategy: str) -> dict[str, Any] | None:
+        ok = [
+            r
+            for r in done
+            if r["strategy"] == strategy and r["batch_size"] == batch and r["status"] == "ok"
+        ]
+        same = [r for r in ok if r["round"] == n] or ok
+        return same[-1] if same else None
+
+    keep = latest("keep")
+    overhead = None
+    if keep is not None and keep.get("peak_resident_bytes") is not None:
+        overhead = max(0, keep["activation_peak_bytes"] - keep["peak_resident_bytes"])
+    if token == RECOMPUTE_BUDGET:
+        rec = latest("recompute")
+        if rec is None:
+            return None, None, "no recompute point to take the budget of"
+        axis = int(rec["activation_peak_bytes"])
+    elif token.strip().lower().endswith("x"):
+        if keep is None or overhead is None:
+            return None, token, ""
+        axis = int(float(token.strip()[:-1]) * keep["activation_peak_bytes"])
+    else:
+        axis = parse_size("--budgets", token)
+    held = axis - (overhead or 0)
+    if held <= 0:
+        return (
+            axis,
+            None,
+            (
+                f"budget {format_bytes(axis)} is below keep's memory besides saved activations "
+                f"({format_bytes(overhead or 0)})"
+            ),
+        )
+    return axis, str(held), ""
 
 
 def _failure(e: RunFailed) -> dict[str, Any]:
@@ -158,7 +208,7 @@ def _results(res: dict[str, Any], batch: int, *, cuda: bool) -> dict[str, Any]:
     plan = res.get("plan")
     if plan is not None:
         ds = [b["decision"] for b in plan["blocks"]]
-        out["budget_bytes"] = plan["budget_bytes"]
+        out["held_budget_bytes"] = plan["budget_bytes"]
         out["plan"] = " ".join(f"{d[0]}{ds.count(d)}" for d in ("keep", "offload", "recompute"))
     if ok:
         out.update(

@@ -135,6 +135,8 @@ def compare_auto(rows: list[Row]) -> list[Row]:
         b, budget = a["batch_size"], a.get("budget_bytes")
         c: Row = {"strategy": a["strategy"], "batch_size": b, "budget_bytes": budget}
         c["plan"] = a.get("plan")
+        if budget is not None:
+            c["mem_vs_budget"] = a["activation_peak_bytes"] / max(1, budget)
         fits = [
             r
             for r in rows
@@ -164,8 +166,9 @@ def _auto_lines(rows: list[Row]) -> list[str]:
     if not comps:
         return []
     lines = [
-        "auto, per budget and batch size: plan (keep/offload/recompute blocks) | throughput vs "
-        "the fastest single strategy whose memory fits the budget | vs keep"
+        "auto, per budget (on the memory axis) and batch size: memory used / budget, plan "
+        "(keep/offload/recompute blocks) | throughput vs the fastest single strategy whose "
+        "memory fits the budget | vs keep"
     ]
     for c in comps:
         best = (
@@ -176,7 +179,8 @@ def _auto_lines(rows: list[Row]) -> list[str]:
         budget = c["budget_bytes"]
         lines.append(
             f"  {c['strategy']} batch {c['batch_size']:>4} (budget "
-            f"{budget / 2**20:.0f} MiB, plan {c['plan']}): {best} | {_fmt(c, 'thr_vs_keep')}"
+            f"{budget / 2**20:.0f} MiB, used {_fmt(c, 'mem_vs_budget')}, plan {c['plan']}): "
+            f"{best} | {_fmt(c, 'thr_vs_keep')}"
             if budget is not None
             else f"  {c['strategy']} batch {c['batch_size']:>4}: no plan"
         )

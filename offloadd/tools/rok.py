@@ -185,7 +185,7 @@ def _previous_rows(sw: Sweep) -> list[dict[str, Any]]:
             f"--resume: {csv_path} holds points of another sweep "
             f"({', '.join(f'{k}={other[0][k]}' for k in KEY)}); use another --out"
         )
-    return [r for r in rows if r["status"] in ("ok", "oom")]  # failed points run again
+    return [r for r in rows if r["status"] in ("ok", "oom", "infeasible")]  # failed: again
 
 
 def _write_results(

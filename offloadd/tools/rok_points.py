@@ -34,7 +34,7 @@ FIELDS: dict[str, type] = {
     "strategy": str,
     "batch_size": int,
     "round": int,  # 1..--repeats
-    "status": str,  # ok, oom or error
+    "status": str,  # ok, oom, infeasible (auto: no plan fits its budget) or error
     "step_time_s": float,  # median of the timed steps
     "step_time_min_s": float,
     "samples_per_s": float,
@@ -94,8 +94,8 @@ def measure(
     budget = None
     if strategy.startswith(AUTO):
         axis, budget, why = auto_budget(strategy.removeprefix(AUTO), batch, n, done)
-        if budget is None:
-            return {**row, "status": "error", "error": why}
+        if budget is None:  # no recompute point to take it from, or below any run's needs
+            return {**row, "status": "error" if axis is None else "infeasible", "error": why}
         row["budget_bytes"] = axis
     spec = RunSpec(
         strategy=run_strategy(strategy),
@@ -131,10 +131,12 @@ def auto_budget(
     governs, the temporaries of ops, gradients and allocator caches. So that an auto point
     and the single strategies it is judged against share one axis, a budget ``B`` on it
     (``recompute``: recompute's measured peak at this batch size; ``0.3x``: that fraction of
-    keep's; a size: itself) becomes offloadd's budget ``B - (keep's peak - keep's saved
-    activations held)``: keep's measured overhead at this batch size, from the same round when
-    there is one. Without a keep point a fraction goes to offloadd as it is (of its own
-    estimate of keep's footprint) and a size too. Returns (B or None, offloadd's budget or
+    keep's; a size: itself) becomes offloadd's budget ``B - overhead``, the overhead being a
+    measured point's peak less the saved activations offloadd held in it, at this batch size
+    and from the same round when there is one: offload-ssd's (the same tier and host allocator
+    as auto), else keep's (on the 2-core CPU machine at batch 4 of the ROK mini-gpt: 182 MiB
+    and 251 MiB: keep runs on glibc's heap). Without either, a fraction goes to offloadd as it
+    is (of its own estimate of keep's footprint) and a size too. Returns (B or None, offloadd's budget or
     None, why not)."""
 
     def latest(strategy: str) -> dict[str, Any] | None:
@@ -148,15 +150,17 @@ def auto_budget(
 
     keep = latest("keep")
     overhead = None
-    if keep is not None and keep.get("peak_resident_bytes") is not None:
-        overhead = max(0, keep["activation_peak_bytes"] - keep["peak_resident_bytes"])
+    for ref in (latest("offload-ssd"), keep):
+        if ref is not None and ref.get("peak_resident_bytes") is not None:
+            overhead = max(0, ref["activation_peak_bytes"] - ref["peak_resident_bytes"])
+            break
     if token == RECOMPUTE_BUDGET:
         rec = latest("recompute")
         if rec is None:
             return None, None, "no recompute point to take the budget of"
         axis = int(rec["activation_peak_bytes"])
     elif token.strip().lower().endswith("x"):
-        if keep is None or overhead is None:
+        if keep is None:
             return None, token, ""
         axis = int(float(token.strip()[:-1]) * keep["activation_peak_bytes"])
     else:
@@ -167,8 +171,8 @@ def auto_budget(
             axis,
             None,
             (
-                f"budget {format_bytes(axis)} is below keep's memory besides saved activations "
-                f"({format_bytes(overhead or 0)})"
+                f"budget {format_bytes(axis)} is below the memory a run needs besides saved "
+                f"activations ({format_bytes(overhead or 0)})"
             ),
         )
     return axis, str(held), ""
@@ -180,6 +184,8 @@ def _failure(e: RunFailed) -> dict[str, Any]:
         return {"status": "oom", "error": "killed by SIGKILL (out of memory?)"}
     last = [ln for ln in e.stderr.strip().splitlines() if ln.strip()]
     msg = last[-1] if last else f"exit {e.returncode}"
+    if "InfeasibleBudget" in msg:  # auto: no plan fits this budget, a result, not a failure
+        return {"status": "infeasible", "error": msg.split(": ", 1)[-1][:300]}
     return {"status": "error", "error": msg[:300]}
 
 

@@ -85,6 +85,30 @@ def main() -> int:
             f"{_bytes(r, 'activation_peak_bytes')} | {_bytes(r, 'peak_resident_bytes')} | "
             f"{_bytes(r, 'bytes_written')} | {_bytes(r, 'bytes_read')} |"
         )
+    autos = [r for r in rows if r["strategy"].startswith("auto@")]
+    if autos:
+        lines += [
+            "",
+            "auto points (three untimed steps: warm-up, profile, first plan): the budget on the "
+            "memory axis, what offloadd was given (the axis budget less offload-ssd's measured "
+            "memory besides saved activations, see [budgets on the axis] in rok_points.py), the "
+            "plan's blocks kept / offloaded / recomputed, and the memory used against the budget",
+            "",
+            "| auto point | batch | budget (axis) | given to offloadd | plan | activation peak | "
+            "used / budget |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in autos:
+            used = (
+                "-"
+                if r.get("budget_bytes") is None or r.get("activation_peak_bytes") is None
+                else f"{r['activation_peak_bytes'] / r['budget_bytes']:.2f}"
+            )
+            lines.append(
+                f"| {r['strategy']} | {r['batch_size']} | {_bytes(r, 'budget_bytes')} | "
+                f"{_bytes(r, 'held_budget_bytes')} | {r.get('plan') or r['status']} | "
+                f"{_bytes(r, 'activation_peak_bytes')} | {used} |"
+            )
     raw = read_points(ns.rok_dir / "rok.csv")
     same = []
     for r in raw:
@@ -105,7 +129,8 @@ def main() -> int:
         ]
     lines += [
         "",
-        "Summary printed by `offloadd rok` (ratios are offload ÷ keep, offload ÷ recompute):",
+        "Summary printed by `offloadd rok` (ratios are offload ÷ keep, offload ÷ recompute; "
+        "auto ÷ the best single strategy within its budget, auto ÷ keep):",
         "",
     ]
     lines += ["```", *report["summary"], "```", ""]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
 import random
 from pathlib import Path
@@ -306,3 +307,68 @@ def test_eval_forwards_and_no_grad_are_untouched(disk_dir: Path) -> None:
     assert out.shape[-1] == 64
     off.close()
     assert "forward" not in model.blocks[0].__dict__  # detached at close
+
+
+@pytest.mark.parametrize("family", ["gpt", "bert", "t5"])
+def test_transformers_families_bit_identical_under_mixed_plans(family: str, disk_dir: Path) -> None:
+    """GPT-2, BERT and T5 (dropout on; T5's planned blocks are its decoder's, which hold the most
+    parameters) with blocks recomputed, offloaded and kept in turn: bit-identical."""
+    pytest.importorskip("transformers")
+    from offloadd.tools.models.build import build_model
+
+    def model() -> Any:
+        torch.manual_seed(0)
+        return build_model(family, num_layers=3, d_model=64, num_heads=4, seq_len=32, vocab_size=64)
+
+    class Loss(nn.Module):  # the model object the planner attaches to, with .loss as forward
+        def __init__(self) -> None:
+            super().__init__()
+            self.built = model()
+            self.inner = self.built.module
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return self.built.loss(x, y)
+
+    batches = _batches(5)
+    ref_w, ref_l = _train(Loss(), None, batches)
+    off = Offloader(tier="ssd", ssd_dirs=[str(disk_dir)], min_bytes=1024, budget="100x")
+    w, losses = _train(Loss(), off, batches, force=(RECOMPUTE, OFFLOAD, KEEP))
+    assert off._auto is not None and len(off._auto.names) == 3, off._auto and off._auto.names
+    assert off.plan() is not None
+    assert losses == ref_l and all(torch.equal(a, b) for a, b in zip(ref_w, w, strict=True))
+    off.close()
+
+
+def test_a_model_without_blocks_offloads_as_usual(
+    disk_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = nn.Linear(512, 512)  # no children at all
+    off = Offloader(tier="ssd", ssd_dirs=[str(disk_dir)], min_bytes=1024, budget="0.5x")
+    with caplog.at_level(logging.WARNING, logger="offloadd"):
+        for _ in range(3):
+            with off:
+                y = model(torch.randn(64, 512)).tanh().sum()
+            y.backward()
+    assert "has no blocks to plan" in caplog.text
+    assert off.plan() is None
+    off.synchronize()
+    assert off.stats().bytes_written > 0  # the tier still offloads
+    off.close()
+
+
+def test_plan_command(disk_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from offloadd import cli
+
+    tiny = ["--layers", "2", "--d-model", "64", "--heads", "2", "--seq", "32", "--batch", "2"]
+    out = tmp_path / "plan.json"
+    args = ["plan", "--budget", "100x", *tiny, "--ssd-dir", str(disk_dir), "--json", str(out)]
+    assert cli.main(args) == 0
+    printed = capsys.readouterr()
+    assert "plan for a budget of" in printed.out and "blocks.1" in printed.out
+    assert "step 3/3" in printed.err  # progress
+    data = json.loads(out.read_text())
+    assert [b["decision"] for b in data["blocks"]] == ["keep", "keep"]
+    assert cli.main(["plan", "--budget", "1KiB", "--tier", "keep", *tiny]) == 1
+    assert "smallest feasible budget" in capsys.readouterr().err
+    assert cli.main(["plan", "--budget", "lots", *tiny]) == 2
+    assert "budget: 'lots' is not a memory budget" in capsys.readouterr().err

@@ -127,6 +127,7 @@ class AutoPlanner:
                 "offloadd: budget: %s has no blocks to plan; offloading as usual",
                 type(root).__name__,
             )
+            self.tls.keep = False
             return
         for k, (name, m) in enumerate(found):
             self.names.append(name)
@@ -181,7 +182,8 @@ class AutoPlanner:
             st = self.ledger.stats
             self.ledger.window_peak = st.resident_bytes + st.buffer_bytes
             self.ledger.kept_peak = self.ledger.kept_now
-        self.tls.keep = True  # outside the blocks: kept
+        # Outside the blocks: kept (and before the model is known); without blocks: as usual.
+        self.tls.keep = self.root is None or bool(self.modules)
         self.tls.tag = None
 
     def forward_ends(self) -> None:

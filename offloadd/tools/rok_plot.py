@@ -41,8 +41,12 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
             (r for r in rows if r["strategy"] == s and r["status"] == "ok"),
             key=lambda r: r["batch_size"],
         )
-        failed = sorted(r["batch_size"] for r in rows if r["strategy"] == s and r["status"] != "ok")
+        mine = [r for r in rows if r["strategy"] == s]
+        failed = sorted(r["batch_size"] for r in mine if r["status"] not in ("ok", "infeasible"))
+        infeasible = sorted(r["batch_size"] for r in mine if r["status"] == "infeasible")
         label = s + (f" (OOM/failed at batch {', '.join(map(str, failed))})" if failed else "")
+        if infeasible:  # auto: no plan fits the budget (not drawn: nothing ran)
+            label += f" (no plan fits at batch {', '.join(map(str, infeasible))})"
         xs = [r["activation_peak_bytes"] / _MIB for r in ok]
         ys = [r["samples_per_s"] for r in ok]
         rok.plot(xs, ys, color=color, marker=marker, label=label)

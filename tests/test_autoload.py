@@ -194,7 +194,7 @@ def test_plain_script_under_a_budget_is_identical(
     proc = run([PYTHON, PLAIN, "4"], env)
     assert last_json(proc.stdout) == plain_baseline_4
     plan = json.loads(report.read_text())["plan"]
-    assert [b["name"] for b in plan["blocks"]] == ["layers.0", "layers.1"]
+    assert [b["name"] for b in plan["blocks"]] == ["layers.0", "layers.1", "(after the blocks)"]
     assert plan["predicted_peak_bytes"] <= plan["budget_bytes"]
     if budget == "100x":
         assert {b["decision"] for b in plan["blocks"]} == {"keep"}

@@ -237,7 +237,7 @@ def test_auto_points_end_to_end(disk_dir: Path, tmp_path: Path) -> None:
     by = {r["strategy"]: r for r in _rows(out)}
     assert set(by) == {"keep", "recompute", "auto@100x", "auto@recompute"}
     assert all(r["status"] == "ok" for r in by.values()), by
-    assert by["auto@100x"]["plan"] == "k2 o0 r0"  # everything fits: everything kept
+    assert by["auto@100x"]["plan"] == "k3 o0 r0"  # everything fits: both blocks and the head
     assert int(by["auto@recompute"]["budget_bytes"]) == int(
         by["recompute"]["activation_peak_bytes"]
     )

@@ -3,20 +3,21 @@
 Note: [auto] With ``Config.budget`` set, the offloader attaches an :class:`AutoPlanner` to the
 first module called in its scope (the model) and finds its blocks (``discover.find_blocks``).
 Module hooks on every block then tell the offloader, per block, whether what it saves is kept or
-offloaded; what is saved outside the blocks (embeddings, the head and the loss) is kept, since
-backward needs it first. A block to recompute runs its forward under non-reentrant
+offloaded; what runs after the last block (the head and the loss, up to the end of the scope) is
+one more unit of the plan, kept or offloaded, and what is saved before the first block
+(embeddings) is kept. A block to recompute runs its forward under non-reentrant
 ``torch.utils.checkpoint`` with the RNG state preserved (the block's ``forward`` is wrapped once,
 and the wrapper asks the plan at each call), so its recomputation is bit-identical and so are the
 gradients.
 
-The first forward of each input shape (the shapes of the first block's arguments: sequence
-length, batch size) warms caches and pools, and the second is a profile step (profile.py); both
-offload every block, the memory-safe choice; when its backward has run, the next forward plans (solver.py, [the plan]) and logs the
-plan as a table. Plans are kept per shape, so alternating shapes are profiled once each. After
-each planned step the planner checks its predictions: if offloadd held more than the budget, it
-adds the excess to the plan's base and plans again (logged at WARNING); if the blocks' forward
-time moved by more than 2x from the first planned step's for three steps in a row (CPU only:
-CUDA is asynchronous), it profiles again.
+The first forward of each input shape (the shapes of the first block's arguments: sequence length,
+batch size) warms caches and pools, and the second is a profile step (profile.py); both offload
+every block, the memory-safe choice; when its backward has run, the next forward plans (solver.py,
+[the plan]) and logs the plan as a table. Plans are kept per shape, so alternating shapes are
+profiled once each. After each planned step the planner checks its predictions: if offloadd held
+more than the budget, it adds the excess to the plan's base and plans again (logged at WARNING); if
+the blocks' forward time moved by more than 2x from the first planned step's for three steps in a
+row (CPU only: CUDA is asynchronous), it profiles again.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from offloadd.auto.discover import find_blocks
-from offloadd.auto.profile import StepProfile
+from offloadd.auto.profile import HEAD, StepProfile
 from offloadd.auto.solver import OFFLOAD, RECOMPUTE, BlockCost, InfeasibleBudget, Plan, solve
 from offloadd.runtime.ledger import Ledger
 from offloadd.runtime.stats import format_bytes
@@ -189,7 +190,7 @@ class AutoPlanner:
     def forward_ends(self) -> None:
         if self._recording and self._profile is not None:
             self._recording = False
-            self._profile.forward_end = time.perf_counter()
+            self._profile.forward_ends()
 
     def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if _in_backward() or not self._scope_open():
@@ -212,14 +213,19 @@ class AutoPlanner:
         if _in_backward() or not self._scope_open():
             return
         k = self._index[id(module)]
-        self.tls.keep = True
+        last = k == len(self.modules) - 1
+        self.tls.keep = True  # between blocks
         self.tls.tag = None
+        if last:  # what runs after the blocks: the plan's last unit (see [the plan])
+            plan = self.plan
+            self.tls.keep = plan is not None and plan.decisions[k + 1] != OFFLOAD
+            self.tls.tag = k + 1 if self._recording else None
         start = self._fwd_start.pop(k, None)
         if self._recording:
             assert self._profile is not None
             if isinstance(output, torch.Tensor) and output.is_cuda:
                 torch.cuda.synchronize()
-            self._profile.block_ends(k, output, last=k == len(self.modules) - 1)
+            self._profile.block_ends(k, output, last=last)
         elif start is not None:
             self._fwd_s += time.perf_counter() - start
 
@@ -235,7 +241,7 @@ class AutoPlanner:
         if sig not in self._warm:  # the first forward of a shape warms caches and pools
             self._warm.add(sig)
             return
-        self._profile = StepProfile(list(self.names), sig, self._io_wait)
+        self._profile = StepProfile([*self.names, HEAD], sig, self._io_wait)
         self._recording = True
         self.profiles += 1
 

@@ -30,7 +30,11 @@ import torch
 
 from offloadd.auto.solver import BlockCost
 
-__all__ = ["StepProfile", "input_bytes"]
+__all__ = ["HEAD", "StepProfile", "input_bytes"]
+
+HEAD = "(after the blocks)"
+"""The name of the last unit: what runs after the blocks (the head, the loss), up to the end of
+the offload scope; its backward runs until the gradient reaches the last block's output."""
 
 
 def input_bytes(args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> int:
@@ -74,13 +78,14 @@ class StepProfile:
     grad_in: list[tuple[float, float] | None] = field(init=False)  # (time, io wait) at input
     grad_out_last: tuple[float, float] | None = None
     forward_end: float = 0.0
+    forward_end_wait: float = 0.0
     later_forwards: int = 0  # forwards begun since this one ended
     pending_hooks: int = 0
     _open: dict[int, tuple[float, float]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
-        n = len(self.names)
+        n = len(self.names)  # the blocks, then HEAD
         self.saved = [0] * n
         self.inputs = [0] * n
         self.fwd = [0.0] * n
@@ -102,12 +107,23 @@ class StepProfile:
         start = self._open.pop(k, None)
         if start is None:
             return
-        self.fwd[k] += time.perf_counter() - start[0]
+        now = time.perf_counter()
+        self.fwd[k] += now - start[0]
         self.fwd_wait[k] += wait - start[1]
         if last:
             y = first_grad_tensor(output)
             if y is not None:
                 self._hook(y, self._set_out_last)
+            self._open[len(self.names) - 1] = (now, wait)  # HEAD begins
+
+    def forward_ends(self) -> None:
+        """The offload scope closes: HEAD's forward is over."""
+        self.forward_end, self.forward_end_wait = time.perf_counter(), self.wait()
+        head = len(self.names) - 1
+        start = self._open.pop(head, None)
+        if start is not None:
+            self.fwd[head] += self.forward_end - start[0]
+            self.fwd_wait[head] += self.forward_end_wait - start[1]
 
     def _hook(self, t: torch.Tensor, record: Any) -> None:
         with self._lock:
@@ -137,7 +153,7 @@ class StepProfile:
 
     def costs(self) -> list[BlockCost]:
         """Per block, in list order (a block that did not run costs nothing and saves nothing)."""
-        n = len(self.names)
+        n = len(self.names) - 1  # blocks; unit n is HEAD
         out = []
         for k in range(n):
             start = self.grad_out_last if k == n - 1 else self.grad_in[k + 1]
@@ -156,4 +172,21 @@ class StepProfile:
                     offload_s=max(0.0, self.fwd_wait[k]) + bwd_wait,
                 )
             )
+        g = self.grad_out_last
+        bwd, bwd_wait = (
+            (g[0] - self.forward_end, max(0.0, g[1] - self.forward_end_wait))
+            if g is not None and self.forward_end
+            else (2 * self.fwd[n], 0.0)
+        )
+        out.append(
+            BlockCost(
+                name=HEAD,
+                saved=self.saved[n],
+                inputs=0,
+                forward_s=self.fwd[n],
+                backward_s=bwd,
+                offload_s=max(0.0, self.fwd_wait[n]) + bwd_wait,
+                recomputable=False,
+            )
+        )
         return out

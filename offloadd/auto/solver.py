@@ -4,27 +4,30 @@ Note: [the plan] A step's saved-activation memory under a plan is predicted as
 
     base + sum(saved[k] for kept k) + sum(inputs[k] for recomputed k) + transient
 
-``base`` is what is held whatever the blocks do: what is saved outside the blocks (embeddings,
-the LM head and the loss, always kept: backward needs them first), small tensors, and offloadd's
-own windows (writes in flight, the prefetch window), measured in the profile step, in which every
-block was offloaded; a plan that offloads no block has no windows and uses ``kept_base``, the
-peak of what was kept in that step. A recomputed block keeps only its inputs (non-reentrant checkpointing), but
-while backward recomputes it its saved tensors exist again: ``transient`` is the largest
-``saved[k]`` among recomputed blocks (0 if none). An offloaded block costs no memory beyond
-``base``. The extra time over keeping everything is ``forward_s[k]`` for a recomputed block (its
-forward runs again) and ``offload_s[k]`` for an offloaded one: the I/O wait measured while that
-block was offloaded in the profile, plus a tie-break that grows towards the last block, so that
-when the I/O hides everywhere the tail is kept first (TBA's adaptive keep: backward needs it
-first).
+``base`` is what is held whatever the blocks do: what is saved before the blocks (embeddings),
+small tensors, and offloadd's own windows (writes in flight, the prefetch window), measured in the
+profile step, in which every block was offloaded; a plan that offloads no block has no windows and
+uses ``kept_base``, the peak of what was kept in that step. A recomputed block keeps only its
+inputs (non-reentrant checkpointing), but while backward recomputes it its saved tensors exist
+again: ``transient`` is the largest ``saved[k]`` among recomputed blocks (0 if none). An offloaded
+block costs no memory beyond ``base``. The extra time over keeping everything is ``forward_s[k]``
+for a recomputed block (its forward runs again) and ``offload_s[k]`` for an offloaded one: the I/O
+wait measured while that block was offloaded in the profile, plus a tie-break that grows with its
+bytes and towards the last block, so that when the I/O hides everywhere the tail is kept first
+(TBA's adaptive keep: backward needs it first). What runs after the blocks (the head and the loss)
+is one more unit, last, that may be kept or offloaded but not recomputed: backward needs it first,
+so it is kept whenever it fits (anchors' trap: offloading it costs bandwidth), but a head over a
+large vocabulary (GPT-2's logits) can be most of the memory, and offloading it is then what makes a
+budget fit.
 
-Minimising the summed extra time subject to the memory sum is a multiple-choice knapsack. For
-each candidate transient ``t`` (0, or the saved bytes of some block; only blocks at most that
-large may be recomputed), :func:`solve` runs the textbook dynamic programme over memory in
-``units`` steps of ``(budget - base - t) / units`` bytes, each block's memory rounded *up* to
-whole steps, so a plan it returns always fits the budget, and is at least as fast as the best
-plan for a budget smaller by ``n`` steps (the rounding); it keeps the fastest plan over all
-``t``. When keeping every block fits, that plan is returned at once. With n blocks, c distinct transients and 3 choices that is O(c * n * units), a few
-milliseconds for 48 blocks. A budget below what the leanest plan needs raises
+Minimising the summed extra time subject to the memory sum is a multiple-choice knapsack. For each
+candidate transient ``t`` (0, or the saved bytes of some block; only blocks at most that large may
+be recomputed), :func:`solve` runs the textbook dynamic programme over memory in ``units`` steps of
+``(budget - base - t) / units`` bytes, each block's memory rounded *up* to whole steps, so a plan
+it returns always fits the budget, and is at least as fast as the best plan for a budget smaller by
+``n`` steps (the rounding); it keeps the fastest plan over all ``t``. When keeping every block
+fits, that plan is returned at once. With n blocks, c distinct transients and 3 choices that is O(c
+* n * units), a few milliseconds for 48 blocks. A budget below what the leanest plan needs raises
 :class:`InfeasibleBudget` naming that smallest budget.
 """
 
@@ -46,7 +49,9 @@ __all__ = [
 
 KEEP, OFFLOAD, RECOMPUTE = "keep", "offload", "recompute"
 
-_TAIL_TIE_S = 1e-6  # per block position: when offloading costs nothing measurable, keep the tail
+# Seconds per byte offloaded and per unit of position: when offloading costs nothing measurable,
+# keep the tail, the bytes backward needs first (1 GiB at the 10th unit: 0.1 ms).
+_TAIL_TIE_S = 1e-14
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,6 +67,8 @@ class BlockCost:
     backward_s: float
     offload_s: float
     """Extra seconds when it is offloaded: the I/O wait measured for it (>= 0)."""
+    recomputable: bool = True
+    """False for what runs after the blocks (the head and the loss): keep or offload only."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -102,7 +109,7 @@ def _extra(b: BlockCost, k: int, decision: str) -> float:
         return 0.0
     if decision == RECOMPUTE:
         return b.forward_s
-    return max(0.0, b.offload_s) + _TAIL_TIE_S * (k + 1)
+    return max(0.0, b.offload_s) + _TAIL_TIE_S * b.saved * (k + 1)
 
 
 def _memory(b: BlockCost, decision: str) -> int:
@@ -121,8 +128,11 @@ def _leanest(
 ) -> tuple[int, tuple[str, ...]]:
     """The plan that needs the least memory, and that memory."""
     best = (kept_base + sum(b.saved for b in blocks), (KEEP,) * len(blocks))
-    for t in sorted({b.saved for b in blocks}):  # recompute the blocks up to t, t the transient
-        ds = tuple(RECOMPUTE if b.saved <= t and b.inputs < b.saved else KEEP for b in blocks)
+    for t in sorted({b.saved for b in blocks if b.recomputable}):  # recompute up to t
+        ds = tuple(
+            RECOMPUTE if b.recomputable and b.saved <= t and b.inputs < b.saved else KEEP
+            for b in blocks
+        )
         if RECOMPUTE not in ds:
             continue
         mem = kept_base + t + sum(_memory(b, d) for b, d in zip(blocks, ds, strict=True))
@@ -188,12 +198,13 @@ def _best_for(
 ) -> tuple[float, tuple[str, ...], int] | None:
     """The fastest plan with these choices over ``base``: (extra, decisions, peak), or None."""
     best: tuple[float, tuple[str, ...], int] | None = None
-    for t in [0, *sorted({b.saved for b in blocks})]:
+    for t in [0, *sorted({b.saved for b in blocks if b.recomputable})]:
         room = budget - base - t
         if room < 0:
             continue
         allowed = [
-            tuple(c for c in choices if c != RECOMPUTE or (t and b.saved <= t)) for b in blocks
+            tuple(c for c in choices if c != RECOMPUTE or (t and b.recomputable and b.saved <= t))
+            for b in blocks
         ]
         got = _knapsack(blocks, allowed, room, units)
         if got is None:

@@ -392,3 +392,110 @@ def test_the_head_is_kept_or_offloaded_never_recomputed() -> None:
     assert plan.decisions[-1] == OFFLOAD  # a large head over a tight budget: offloaded
     plan = solve([*blocks, head], MiB, MiB + 65 * MiB, kept_base=MiB)
     assert plan.decisions == (OFFLOAD, OFFLOAD, OFFLOAD, KEEP)  # kept first: needed first
+
+
+class _BNBlock(nn.Module):
+    def __init__(self, inplace_input: bool = False) -> None:
+        super().__init__()
+        self.lin, self.bn, self.inplace_input = nn.Linear(64, 64), nn.BatchNorm1d(64), inplace_input
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.inplace_input:
+            x = torch.relu_(x)  # changes its input in place: never recomputed
+        return self.bn(self.lin(x)).tanh()
+
+
+class _Stack(nn.Module):
+    def __init__(self, blocks: list[nn.Module], by_keyword: bool = False) -> None:
+        super().__init__()
+        self.inp, self.blocks, self.by_keyword = (
+            nn.Linear(64, 64),
+            nn.ModuleList(blocks),
+            by_keyword,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(input=h) if self.by_keyword else b(h)
+        return h.square().mean()
+
+
+def test_blocks_that_change_buffers_or_inputs_in_place_are_never_recomputed() -> None:
+    torch.manual_seed(0)
+    model = _Stack([_BNBlock(inplace_input=True), _BNBlock(), nn.Sequential(nn.Linear(64, 64))])
+    off = Offloader(tier="keep", min_bytes=1024, budget="100x")
+    for _ in range(4):
+        with off:
+            loss = model(torch.randn(32, 64))
+        loss.backward()
+    plan = off.plan()
+    assert plan is not None
+    assert [b.recomputable for b in plan.blocks] == [False, False, False]  # the two, the head
+    off.close()
+    torch.manual_seed(0)
+    model = _Stack([nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(3)])
+    off = Offloader(tier="keep", min_bytes=1024, budget="100x")
+    for _ in range(4):
+        with off:
+            loss = model(torch.randn(32, 64))
+        loss.backward()
+    plan = off.plan()
+    assert plan is not None and [b.recomputable for b in plan.blocks] == [True, True, True, False]
+    off.close()
+
+
+def test_keyword_called_blocks_recompute_bit_identically(disk_dir: Path) -> None:
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        blocks = [nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.3), nn.GELU()) for _ in range(3)]
+        return _Stack(blocks, by_keyword=True)
+
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(32, 64, generator=g) for _ in range(5)]
+
+    def train(off: Offloader | None) -> list[torch.Tensor]:
+        model = build()
+        torch.manual_seed(9)
+        for i, x in enumerate(xs):
+            if off is not None and off._auto is not None and off._auto.plans:
+                for sig, p in off._auto.plans.items():
+                    off._auto.plans[sig] = dataclasses.replace(
+                        p, decisions=(RECOMPUTE,) * 3 + (KEEP,)
+                    )
+            if off is None:
+                loss = model(x)
+            else:
+                with off:
+                    loss = model(x)
+            loss.backward()
+            del loss, i
+        return [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+    ref = train(None)
+    off = Offloader(tier="ssd", ssd_dirs=[str(disk_dir)], min_bytes=1024, budget="100x")
+    got = train(off)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+    off.close()
+
+
+def test_a_deep_copy_runs_its_own_weights_and_no_grad_forwards_are_not_profiled() -> None:
+    import copy
+
+    model = _gpt()
+    off = Offloader(tier="keep", min_bytes=1024, budget="100x")
+    x = _batches(1)[0]
+    with off:
+        model(x[:, :-1], x[:, 1:]).backward()
+    with torch.no_grad(), off:  # inside the scope, without grad: not a profile step
+        model(x[:, :-1], x[:, 1:])
+    _train(model, off, _batches(3))
+    plan = off.plan()
+    assert plan is not None and plan.blocks[0].saved > 0
+    ema = copy.deepcopy(model)  # after the planner attached: works, and runs its own weights
+    with torch.no_grad():
+        for p in ema.parameters():
+            p.mul_(0.5)
+        model.eval(), ema.eval()
+        assert not torch.equal(model(x[:, :-1]), ema(x[:, :-1]))
+    off.close()

@@ -6,9 +6,9 @@ Module hooks on every block then tell the offloader, per block, whether what it 
 offloaded; what runs after the last block (the head and the loss, up to the end of the scope) is
 one more unit of the plan, kept or offloaded, and what is saved before the first block
 (embeddings) is kept. A block to recompute runs its forward under non-reentrant
-``torch.utils.checkpoint`` with the RNG state preserved (the block's ``forward`` is wrapped once,
-and the wrapper asks the plan at each call), so its recomputation is bit-identical and so are the
-gradients.
+``torch.utils.checkpoint`` with the RNG state preserved (recompute.py, [recompute wrapper]), so its
+recomputation is bit-identical and so are the gradients. A block the profile saw change its inputs
+or buffers in place (BatchNorm's running statistics) is never recomputed.
 
 The first forward of each input shape (the shapes of the first block's arguments: sequence length,
 batch size) warms caches and pools, and the second is a profile step (profile.py); both offload
@@ -23,15 +23,13 @@ row (CPU only: CUDA is asynchronous), it profiles again.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from offloadd.auto import recompute
 from offloadd.auto.discover import find_blocks
 from offloadd.auto.profile import HEAD, StepProfile
 from offloadd.auto.solver import OFFLOAD, RECOMPUTE, BlockCost, InfeasibleBudget, Plan, solve
@@ -49,26 +47,6 @@ _STALE = 2  # forwards after a profile whose backward never completed: plan from
 
 def _in_backward() -> bool:
     return bool(torch._C._current_graph_task_id() != -1)
-
-
-def _is_cache(v: Any) -> bool:
-    """A transformers key/value cache (``DynamicCache`` and kin), by its shape, not its import."""
-    return type(v).__name__.endswith("Cache") and callable(getattr(v, "update", None))
-
-
-def _without_cache(
-    args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """A recomputed block gets no key/value cache, as under transformers' own checkpointing: a
-    cache is updated in place by each forward, so the recomputation would append to it again.
-    Training never reads it; the attention is the same without it."""
-    if not any(_is_cache(v) for v in (*args, *kwargs.values())) and not kwargs.get("use_cache"):
-        return args, kwargs
-    args = tuple(None if _is_cache(v) else v for v in args)
-    kwargs = {k: (None if _is_cache(v) else v) for k, v in kwargs.items()}
-    if "use_cache" in kwargs:
-        kwargs["use_cache"] = False
-    return args, kwargs
 
 
 def _signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
@@ -110,7 +88,10 @@ class AutoPlanner:
         self._fwd_start: dict[int, float] = {}
         self._drifted = 0
         self._sig: tuple[Any, ...] | None = None
-        self._lock = threading.Lock()
+        self._prefix = False  # this forward began with a filled key/value cache
+        self._prefix_warned = False
+        self._planned: set[tuple[Any, ...]] = set()  # shapes that ever had a plan
+        self._footprint: dict[tuple[Any, ...], int] = {}  # keep's, per shape, from its profile
         self.replans = 0
         self.profiles = 0
 
@@ -118,10 +99,9 @@ class AutoPlanner:
 
     def attach(self, root: nn.Module) -> None:
         """Find ``root``'s blocks and hook them (once; later calls do nothing)."""
-        with self._lock:
-            if self.root is not None:
-                return
-            self.root = root
+        if self.root is not None:
+            return
+        self.root = root
         found = find_blocks(root)
         if not found:
             log.warning(
@@ -136,7 +116,7 @@ class AutoPlanner:
             self._index[id(m)] = k
             self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
             self._handles.append(m.register_forward_hook(self._post, always_call=True))
-            m.forward = self._wrap(k, m.forward)
+            recompute.install(m, self, k)
         log.info(
             "offloadd: budget: %d blocks found (%s ... %s)", len(found), found[0][0], found[-1][0]
         )
@@ -146,25 +126,24 @@ class AutoPlanner:
             h.remove()
         self._handles = []
         for m in self.modules:
-            m.__dict__.pop("forward", None)
+            recompute.remove(m)
 
-    def _wrap(self, k: int, forward: Callable[..., Any]) -> Callable[..., Any]:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            plan = self.plan
-            if (
-                plan is not None
-                and plan.decisions[k] == RECOMPUTE
-                and torch.is_grad_enabled()
-                and self._scope_open()
-                and not _in_backward()
-            ):
-                args, kwargs = _without_cache(args, kwargs)
-                return checkpoint(
-                    forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs
-                )
-            return forward(*args, **kwargs)
+    def __deepcopy__(self, memo: dict[int, Any]) -> AutoPlanner:
+        # A deep copy of the model (EMA) copies the blocks' hooks, bound to this planner: the
+        # copy shares it, and its hooks find no block of theirs (see [recompute wrapper]).
+        return self
 
-        return run
+    def recompute_now(self, k: int) -> bool:
+        """Whether block ``k``'s forward, being called now, runs under checkpointing."""
+        plan = self.plan
+        return (
+            plan is not None
+            and plan.decisions[k] == RECOMPUTE
+            and not self._prefix
+            and torch.is_grad_enabled()
+            and self._scope_open()
+            and not _in_backward()
+        )
 
     def _scope_open(self) -> bool:
         return bool(getattr(self.tls, "stack", None))
@@ -193,11 +172,18 @@ class AutoPlanner:
             self._profile.forward_ends()
 
     def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if _in_backward() or not self._scope_open():
+        k = self._index.get(id(module))
+        if k is None or _in_backward() or not self._scope_open() or not torch.is_grad_enabled():
             return
-        k = self._index[id(module)]
         if self._first:
             self._first = False
+            self._prefix = recompute.cache_holds_prefix(args, kwargs)
+            if self._prefix and not self._prefix_warned:
+                self._prefix_warned = True
+                log.warning(
+                    "offloadd: budget: a key/value cache already holds tokens; forwards that "
+                    "start with one are not recomputed (blocks planned for it are kept)"
+                )
             self._begin_blocks(_signature(args, kwargs))
         plan = self.plan
         self.tls.keep = plan is not None and plan.decisions[k] != OFFLOAD
@@ -206,13 +192,13 @@ class AutoPlanner:
             self.tls.tag = k
             if args and isinstance(args[0], torch.Tensor) and args[0].is_cuda:
                 torch.cuda.synchronize()
-            self._profile.block_begins(k, args, kwargs)
+            self._profile.block_begins(k, args, kwargs, module)
         self._fwd_start[k] = time.perf_counter()
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
-        if _in_backward() or not self._scope_open():
+        k = self._index.get(id(module))
+        if k is None or _in_backward() or not self._scope_open() or not torch.is_grad_enabled():
             return
-        k = self._index[id(module)]
         last = k == len(self.modules) - 1
         self.tls.keep = True  # between blocks
         self.tls.tag = None
@@ -225,7 +211,7 @@ class AutoPlanner:
             assert self._profile is not None
             if isinstance(output, torch.Tensor) and output.is_cuda:
                 torch.cuda.synchronize()
-            self._profile.block_ends(k, output, last=last)
+            self._profile.block_ends(k, output, last=last, module=module)
         elif start is not None:
             self._fwd_s += time.perf_counter() - start
 
@@ -285,6 +271,8 @@ class AutoPlanner:
             kept = max(0, kept - sum(b.saved for b in costs))
             base = kept
         self._costs[prof.signature] = (costs, base, kept)
+        # a fraction's bytes are fixed by the profile: replans that grow the base do not grow it
+        self._footprint[prof.signature] = kept + sum(b.saved for b in costs)
         self._plan_for(prof.signature)
 
     def _plan_for(self, sig: tuple[Any, ...]) -> Plan:
@@ -294,12 +282,13 @@ class AutoPlanner:
         try:
             plan = solve(costs, base, nbytes, kept_base=kept, offload=self.offload)
         except InfeasibleBudget as e:
-            if sig not in self.plans:
+            if sig not in self._planned:
                 raise  # the first plan for this shape: say so at once
             # Planning again after a step held more than predicted: never stop a training run.
             log.warning("offloadd: %s; using the leanest plan", e)
             plan = solve(costs, base, e.smallest, kept_base=kept, offload=self.offload)
         self.plans[sig] = plan
+        self._planned.add(sig)
         self.last_plan = plan
         log.info("offloadd: %s", plan_table(plan))
         return plan
@@ -346,9 +335,8 @@ class AutoPlanner:
         """Keep's predicted footprint for shape ``sig`` (default: the last profiled): the peak
         kept in the profile step plus every block's saved bytes."""
         if sig is None:
-            sig = next(reversed(self._costs))
-        costs, _base, kept = self._costs[sig]
-        return kept + sum(b.saved for b in costs)
+            sig = next(reversed(self._footprint))
+        return self._footprint[sig]
 
 
 def plan_table(plan: Plan) -> str:

@@ -50,6 +50,16 @@ def input_bytes(args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> 
     return total
 
 
+def _versions(
+    args: tuple[Any, ...], kwargs: dict[str, Any] | None, module: torch.nn.Module
+) -> tuple[Any, ...]:
+    """The version counters of the tensor arguments and of the module's buffers."""
+    inputs = tuple(
+        a._version for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)
+    )
+    return inputs, tuple(b._version for b in module.buffers())
+
+
 def first_grad_tensor(value: Any) -> torch.Tensor | None:
     """The first tensor in ``value`` (a tensor, or a tuple/list of them) that requires grad."""
     if isinstance(value, torch.Tensor):
@@ -91,10 +101,15 @@ class StepProfile:
         self.fwd = [0.0] * n
         self.fwd_wait = [0.0] * n
         self.grad_in = [None] * n
+        self.mutates = [False] * n
+        self._versions: dict[int, Any] = {}
 
     # -- forward ---------------------------------------------------------------------------
 
-    def block_begins(self, k: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def block_begins(
+        self, k: int, args: tuple[Any, ...], kwargs: dict[str, Any], module: torch.nn.Module
+    ) -> None:
+        self._versions[k] = (args, kwargs, _versions(args, kwargs, module))
         wait = self.wait()
         self.inputs[k] = input_bytes(args, kwargs)
         x = first_grad_tensor(list(args) + list(kwargs.values()))
@@ -102,7 +117,10 @@ class StepProfile:
             self._hook(x, lambda t, w: self._set_in(k, t, w))
         self._open[k] = (time.perf_counter(), wait)
 
-    def block_ends(self, k: int, output: Any, last: bool) -> None:
+    def block_ends(self, k: int, output: Any, last: bool, module: torch.nn.Module) -> None:
+        seen = self._versions.pop(k, None)
+        if seen is not None and seen[2] != _versions(seen[0], seen[1], module):
+            self.mutates[k] = True
         wait = self.wait()
         start = self._open.pop(k, None)
         if start is None:
@@ -149,7 +167,7 @@ class StepProfile:
     def complete(self) -> bool:
         """Whether the backward of the profiled forward has run (every hook fired)."""
         with self._lock:
-            return self.forward_end > 0 and self.pending_hooks == 0
+            return self.forward_end > 0 and self.pending_hooks <= 0  # retain_graph: 2 passes
 
     def costs(self) -> list[BlockCost]:
         """Per block, in list order (a block that did not run costs nothing and saves nothing)."""
@@ -170,6 +188,10 @@ class StepProfile:
                     forward_s=self.fwd[k],
                     backward_s=bwd,
                     offload_s=max(0.0, self.fwd_wait[k]) + bwd_wait,
+                    # Recomputing a block that changes its inputs or buffers in place (BatchNorm's
+                    # running statistics, relu_ on its input) would change them twice, or break
+                    # backward: such blocks are kept or offloaded.
+                    recomputable=not self.mutates[k],
                 )
             )
         g = self.grad_out_last

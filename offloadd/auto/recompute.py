@@ -1,0 +1,101 @@
+"""How a planned block is recomputed: its class swapped for a subclass whose ``forward`` asks the
+planner, and non-reentrant checkpointing with every argument passed positionally.
+
+Note: [recompute wrapper] The block's class, not the instance, gets the wrapper: a subclass made
+once per class, whose ``forward`` looks the planner up through a weak reference kept on the
+module. An instance attribute would survive ``copy.deepcopy`` (an EMA copy) and
+``DataParallel`` replicas pointing at the original module's bound ``forward``, so a copy would
+silently run with the original's weights; the subclass runs on whatever instance it is called
+on. Keyword tensors are passed to ``torch.utils.checkpoint`` positionally, because it saves the
+accelerator RNG state only for devices of positional tensors: a block called as ``block(x=h)``
+on CUDA would otherwise recompute dropout with another mask. A transformers key/value cache is
+dropped for the recomputation, as transformers' own checkpointing does (it is updated in place,
+so the recomputation would append to it again), but only when the forward began with an empty
+cache: a cache holding a prefix (past tokens, prefix tuning) changes what the block computes,
+and such forwards are not recomputed.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["cache_holds_prefix", "install", "remove", "run_checkpointed"]
+
+_SUBCLASSES: dict[type, type] = {}
+_ATTR = "_offloadd_planned"  # (weakref to the planner, block index), in the module's __dict__
+
+
+def _is_cache(v: Any) -> bool:
+    """A transformers key/value cache (``DynamicCache`` and kin), by its shape, not its import."""
+    return type(v).__name__.endswith("Cache") and callable(getattr(v, "update", None))
+
+
+def cache_holds_prefix(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a cache among the arguments already holds tokens."""
+    for v in (*args, *kwargs.values()):
+        if _is_cache(v):
+            length = getattr(v, "get_seq_length", None)
+            try:
+                if callable(length) and int(length()) > 0:
+                    return True
+            except Exception:  # an unknown cache: assume it holds something
+                return True
+    return False
+
+
+def run_checkpointed(
+    forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``forward(*args, **kwargs)`` under non-reentrant checkpointing, RNG state preserved."""
+    args = tuple(None if _is_cache(v) else v for v in args)
+    kwargs = {k: (None if _is_cache(v) else v) for k, v in kwargs.items()}
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    keys = list(kwargs)
+    n = len(args)
+
+    def positional(*flat: Any) -> Any:
+        return forward(*flat[:n], **dict(zip(keys, flat[n:], strict=True)))
+
+    return checkpoint(
+        positional, *args, *kwargs.values(), use_reentrant=False, preserve_rng_state=True
+    )
+
+
+def _subclass(cls: type) -> type:
+    sub = _SUBCLASSES.get(cls)
+    if sub is None:
+        base_forward = cls.forward  # type: ignore[attr-defined]
+
+        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            ref = self.__dict__.get(_ATTR)
+            planner = ref[0]() if ref is not None else None
+            if planner is not None and ref is not None and planner.recompute_now(ref[1]):
+                return run_checkpointed(lambda *a, **kw: base_forward(self, *a, **kw), args, kwargs)
+            return base_forward(self, *args, **kwargs)
+
+        sub = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__})
+        _SUBCLASSES[cls] = sub
+    return sub
+
+
+def install(module: nn.Module, planner: Any, k: int) -> None:
+    """Make ``module`` (block ``k``) ask ``planner`` at each forward (see [recompute wrapper])."""
+    module.__dict__[_ATTR] = (weakref.ref(planner), k)
+    if type(module) not in _SUBCLASSES.values():
+        module.__class__ = _subclass(type(module))
+
+
+def remove(module: nn.Module) -> None:
+    """Undo :func:`install` (the original class back, if it is still ours)."""
+    module.__dict__.pop(_ATTR, None)
+    cls = type(module)
+    for base, sub in _SUBCLASSES.items():
+        if sub is cls:
+            module.__class__ = base
+            return

@@ -421,28 +421,26 @@ class _Stack(nn.Module):
         return h.square().mean()
 
 
-def test_blocks_that_change_buffers_or_inputs_in_place_are_never_recomputed() -> None:
+def _recomputable(blocks: list[nn.Module]) -> list[bool]:
+    """Which units the planner may recompute, after four steps of ``_Stack(blocks)``."""
     torch.manual_seed(0)
-    model = _Stack([_BNBlock(inplace_input=True), _BNBlock(), nn.Sequential(nn.Linear(64, 64))])
+    model = _Stack(blocks)
     off = Offloader(tier="keep", min_bytes=1024, budget="100x")
     for _ in range(4):
         with off:
             loss = model(torch.randn(32, 64))
         loss.backward()
     plan = off.plan()
+    off.close()
     assert plan is not None
-    assert [b.recomputable for b in plan.blocks] == [False, False, False]  # the two, the head
-    off.close()
-    torch.manual_seed(0)
-    model = _Stack([nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(3)])
-    off = Offloader(tier="keep", min_bytes=1024, budget="100x")
-    for _ in range(4):
-        with off:
-            loss = model(torch.randn(32, 64))
-        loss.backward()
-    plan = off.plan()
-    assert plan is not None and [b.recomputable for b in plan.blocks] == [True, True, True, False]
-    off.close()
+    return [b.recomputable for b in plan.blocks]
+
+
+def test_blocks_that_change_buffers_or_inputs_in_place_are_never_recomputed() -> None:
+    in_place = [_BNBlock(inplace_input=True), _BNBlock(), nn.Sequential(nn.Linear(64, 64))]
+    assert _recomputable(in_place) == [False, False, False]  # the two, the head
+    pure = [nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(3)]
+    assert _recomputable(pure) == [True, True, True, False]
 
 
 def test_keyword_called_blocks_recompute_bit_identically(disk_dir: Path) -> None:

@@ -92,7 +92,6 @@ class AutoPlanner:
         self._prefix_warned = False
         self._planned: set[tuple[Any, ...]] = set()  # shapes that ever had a plan
         self._footprint: dict[tuple[Any, ...], int] = {}  # keep's, per shape, from its profile
-        self.replans = 0
         self.profiles = 0
 
     # -- attaching ---------------------------------------------------------------------------
@@ -304,7 +303,6 @@ class AutoPlanner:
             costs, base, kept = self._costs[sig]
             over = held - plan.peak
             self._costs[sig] = (costs, base + over, kept + over)
-            self.replans += 1
             log.warning(
                 "offloadd: budget: the step held %s, over the budget of %s (predicted %s); "
                 "planning again with a base %s larger",
@@ -323,7 +321,6 @@ class AutoPlanner:
         self._drifted = self._drifted + 1 if not 1 / _DRIFT < ratio < _DRIFT else 0
         if self._drifted >= _DRIFT_STEPS:
             self._drifted = 0
-            self.replans += 1
             log.info(
                 "offloadd: budget: block forward times drifted (%.2fx the first planned "
                 "step's); profiling again",

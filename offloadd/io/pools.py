@@ -110,33 +110,25 @@ class ReadPool:
     def new_sweep(self) -> None:
         """A backward sweep begins: unmap the idle buffers of classes that neither this one's
         predecessor nor the sweep before it took (shapes that changed, e.g. sequence length)."""
-        self.collect()
         wanted = self._used | self._used_before
-        for size in [c for c in self._free if c not in wanted]:
-            for buf in self._free.pop(size):
-                buf.close()
-                self.mapped_bytes -= buf.nbytes
-                self.idle_bytes -= buf.nbytes
+        self._unmap_idle([c for c in self._free if c not in wanted])
         self._used_before, self._used = self._used, set()
 
     def release_idle(self) -> None:
         """Unmap every idle buffer (nothing will be read back for a while)."""
-        self.collect()
-        for bufs in self._free.values():
-            for buf in bufs:
-                buf.close()
-                self.mapped_bytes -= buf.nbytes
-        self._free.clear()
-        self.idle_bytes = 0
+        self._unmap_idle(list(self._free))
 
     def close(self) -> None:
+        self.release_idle()
+
+    def _unmap_idle(self, classes: list[int]) -> None:
+        """Unmap the idle buffers of ``classes`` (after taking back what was returned)."""
         self.collect()
-        for bufs in self._free.values():
-            for buf in bufs:
+        for size in classes:
+            for buf in self._free.pop(size, []):
                 buf.close()
-        self._free.clear()
-        self.mapped_bytes -= self.idle_bytes
-        self.idle_bytes = 0
+                self.mapped_bytes -= buf.nbytes
+                self.idle_bytes -= buf.nbytes
 
 
 class PagePool:

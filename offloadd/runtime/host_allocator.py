@@ -266,7 +266,8 @@ def open_for(cfg: Config, warn: Callable[[str, str], None]) -> bool:
             raise HostAllocatorError(f"host_allocator = 'caching': {e}") from e
         warn(
             "host_allocator",
-            f"offloadd: host_allocator = 'auto' keeps torch's CPU allocator: the host cache is unavailable: {e}",
+            "offloadd: host_allocator = 'auto' keeps torch's CPU allocator: the host cache is "
+            f"unavailable: {e}",
         )
         return False
     return True

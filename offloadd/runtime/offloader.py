@@ -310,13 +310,13 @@ class Offloader:
             skew = self._writer.skew_of(t.device, storage.data_ptr())
             block = self._blocks.new(storage.nbytes(), t.device, self.config.chunk_bytes, skew)
             index.remember(key, storage, root, block)
+            if auto is not None:
+                self._note_saved(auto, block.nbytes)
             if keep:
                 block.kept = True
                 block.resident_bytes = block.nbytes
                 self._ledger.add_resident(block.nbytes, kept=True)
                 st.kept_bytes += nbytes
-                if auto is not None:
-                    self._note_saved(auto, block.nbytes)
                 return Ref(block, t, self._released, keep=True)
             # Pending until the op that saved it has returned (see capture.py).
             block.state = PENDING
@@ -327,8 +327,6 @@ class Offloader:
             if self._ordering.is_async(t.device):
                 block.stream = self._ordering.producer(t.device)
             self._ledger.add_resident(block.nbytes)
-            if auto is not None:
-                self._note_saved(auto, block.nbytes)
         self._captures.add(block)
         return Ref(block, t, self._released, keep=False)
 

@@ -12,9 +12,10 @@ autograd gets a tensor that views the buffer, which returns to the pool when tha
 
 Note: [prefetch window] Backward unpacks roughly in reverse pack order. At each unpack, blocks
 packed before it are read ahead, newest first, while the bytes of blocks prefetched and not yet
-consumed stay under the window: eight times the median block of the step (at least two chunks),
-at most ``prefetch_bytes``; the read pool then holds about that much warm. A sweep remembers where it stopped: an unpack inside the
-range already scanned resumes there, so backward costs O(blocks) in all, not per unpack.
+consumed stay under the window: eight times the median block of the step (at least two chunks), at
+most ``prefetch_bytes``; the read pool then holds about that much warm. A sweep remembers where it
+stopped: an unpack inside the range already scanned resumes there, so backward costs O(blocks) in
+all, not per unpack.
 """
 
 from __future__ import annotations

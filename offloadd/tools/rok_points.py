@@ -143,21 +143,21 @@ def auto_budget(
 ) -> tuple[int | None, str | None, str]:
     """An ``--budgets`` entry on the ROK plot's memory axis, and as offloadd's budget.
 
-    Note: [budgets on the axis] rok's memory axis is the measured activation peak (CPU: RSS
-    above the built model), which holds, besides the saved activations offloadd's budget
-    governs, the temporaries of ops, gradients and allocator caches. So that an auto point
-    and the single strategies it is judged against share one axis, a budget ``B`` on it
-    (``recompute``: recompute's measured peak at this batch size; ``0.3x``: that fraction of
-    keep's; a size: itself) becomes offloadd's budget ``B - overhead``, the overhead being a
-    measured point's peak less the saved activations offloadd held in it, at this batch size
-    and from the same round when there is one: offload-ssd's (the same tier and host allocator
-    as auto), else keep's (on the 2-core CPU machine at batch 4 of the ROK mini-gpt: 182 MiB
-    and 251 MiB: keep runs on glibc's heap). Without either, a fraction goes to offloadd as it
-    is (of its own estimate of keep's footprint) and a size too. The overhead of a plan that
-    keeps more can be larger (GPT-2 keeping its head: 1.1 GiB against offload-ssd's 0.7 GiB at
-    batch 4), so a point whose measured peak is over ``B`` runs once more with offloadd's
-    budget smaller by the excess (its plan then says "2nd try"); still over, it is shown so. Returns (B or None, offloadd's budget or
-    None, why not)."""
+    Note: [budgets on the axis] rok's memory axis is the measured activation peak (CPU: RSS above
+    the built model), which holds, besides the saved activations offloadd's budget governs, the
+    temporaries of ops, gradients and allocator caches. So that an auto point and the single
+    strategies it is judged against share one axis, a budget ``B`` on it (``recompute``:
+    recompute's measured peak at this batch size; ``0.3x``: that fraction of keep's; a size:
+    itself) becomes offloadd's budget ``B - overhead``, the overhead being a measured point's peak
+    less the saved activations offloadd held in it, at this batch size and from the same round when
+    there is one: offload-ssd's (the same tier and host allocator as auto), else keep's (on the
+    2-core CPU machine at batch 4 of the ROK mini-gpt: 182 MiB and 251 MiB: keep runs on glibc's
+    heap). Without either, a fraction goes to offloadd as it is (of its own estimate of keep's
+    footprint) and a size too. The overhead of a plan that keeps more can be larger (GPT-2 keeping
+    its head: 1.1 GiB against offload-ssd's 0.7 GiB at batch 4), so a point whose measured peak is
+    over ``B`` runs once more with offloadd's budget smaller by the excess (its plan then says "2nd
+    try"); still over, it is shown so. Returns (B or None, offloadd's budget or None, why not).
+    """
 
     def latest(strategy: str) -> dict[str, Any] | None:
         ok = [

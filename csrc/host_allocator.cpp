@@ -63,6 +63,7 @@ struct Counters {
   uint64_t misses;
   uint64_t evicted_bytes;
   uint64_t mapped_bytes;  // bytes ever mapped (misses' sizes)
+  uint64_t window_peak_live_bytes;  // most live bytes since the last reset_window()
 };
 
 size_t size_class(size_t n) {
@@ -132,6 +133,13 @@ class HostCache final : public c10::Allocator {
   void counters(Counters* out) {
     std::lock_guard<std::mutex> lock(mu_);
     *out = c_;
+  }
+
+  // Starts a new window for window_peak_live_bytes; returns the live bytes now.
+  uint64_t reset_window() {
+    std::lock_guard<std::mutex> lock(mu_);
+    c_.window_peak_live_bytes = c_.live_bytes;
+    return c_.live_bytes;
   }
 
   // Unmaps every cached block; returns the bytes unmapped.
@@ -213,6 +221,7 @@ class HostCache final : public c10::Allocator {
     live_[p] = bytes;
     c_.live_bytes += bytes;
     if (c_.live_bytes > c_.peak_live_bytes) c_.peak_live_bytes = c_.live_bytes;
+    if (c_.live_bytes > c_.window_peak_live_bytes) c_.window_peak_live_bytes = c_.live_bytes;
     uint64_t footprint = c_.live_bytes + c_.cached_bytes;
     if (footprint > c_.peak_footprint_bytes) c_.peak_footprint_bytes = footprint;
   }
@@ -291,7 +300,7 @@ void offloadd_host_cache_uninstall() { HostCache::get().uninstall(); }
 
 int offloadd_host_cache_installed() { return HostCache::get().installed() ? 1 : 0; }
 
-// Fills eight uint64 counters, in the order of struct Counters.
+// Fills nine uint64 counters, in the order of struct Counters.
 void offloadd_host_cache_counters(uint64_t* out) {
   Counters c;
   HostCache::get().counters(&c);
@@ -299,5 +308,8 @@ void offloadd_host_cache_counters(uint64_t* out) {
 }
 
 uint64_t offloadd_host_cache_empty() { return HostCache::get().empty(); }
+
+// Starts a new window for the window peak of live bytes; returns the live bytes now.
+uint64_t offloadd_host_cache_reset_window() { return HostCache::get().reset_window(); }
 
 }  // extern "C"

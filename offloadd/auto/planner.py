@@ -14,14 +14,20 @@ The first forward of each input shape (the shapes of the first block's arguments
 batch size) warms caches and pools, and the second is a profile step (profile.py); both offload
 every block, the memory-safe choice; when its backward has run, the next forward plans (solver.py,
 [the plan]) and logs the plan as a table. Plans are kept per shape, so alternating shapes are
-profiled once each. After each planned step the planner checks its predictions: if offloadd held
-more than the budget, it adds the excess to the plan's base and plans again (logged at WARNING); if
-the blocks' forward time moved by more than 2x from the first planned step's for three steps in a
-row (CPU only: CUDA is asynchronous), it profiles again.
+profiled once each. Where the allocator counts memory (see [measured peaks] in probe.py), the
+budget bounds the step's measured activation peak, and planned steps are measured too (on CPU
+every one; on CUDA, whose peak statistics are the user's as well, the first under each new plan);
+without it, the budget bounds what offloadd holds (its own accounting). After a planned step the
+planner checks its predictions: if the step used more than the budget (measured, or held: writes
+in flight hold their tensors, and slower I/O holds more), it adds the excess to what every unit
+needs and plans again (logged at WARNING), so the plan learns the worst it has seen; if the
+blocks' forward time moved by more than 2x from the first planned step's for three steps in a row
+(CPU only: CUDA is asynchronous), it profiles again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -31,8 +37,18 @@ from torch import nn
 
 from offloadd.auto import recompute
 from offloadd.auto.discover import find_blocks
+from offloadd.auto.probe import HostCacheProbe, MemoryProbe, open_probe
 from offloadd.auto.profile import HEAD, StepProfile
-from offloadd.auto.solver import OFFLOAD, RECOMPUTE, BlockCost, InfeasibleBudget, Plan, solve
+from offloadd.auto.solver import (
+    KEEP,
+    OFFLOAD,
+    RECOMPUTE,
+    BlockCost,
+    InfeasibleBudget,
+    Plan,
+    plan_peak,
+    solve,
+)
 from offloadd.runtime.ledger import Ledger
 from offloadd.runtime.stats import format_bytes
 
@@ -93,6 +109,10 @@ class AutoPlanner:
         self._planned: set[tuple[Any, ...]] = set()  # shapes that ever had a plan
         self._footprint: dict[tuple[Any, ...], int] = {}  # keep's, per shape, from its profile
         self.profiles = 0
+        self.probe: MemoryProbe | None = None  # see [measured peaks] in probe.py
+        self._level0 = 0  # the probe's level when this forward began
+        self._verify = False  # a new plan: measure the next step that runs one
+        self._armed = False  # this step is measured from its start
 
     # -- attaching ---------------------------------------------------------------------------
 
@@ -101,6 +121,8 @@ class AutoPlanner:
         if self.root is not None:
             return
         self.root = root
+        sample = next(root.parameters(), None)
+        self.probe = open_probe(sample, lambda: self.ledger.stats.buffer_bytes)
         found = find_blocks(root)
         if not found:
             log.warning(
@@ -153,7 +175,13 @@ class AutoPlanner:
         """An outermost scope opens: finish what the last step taught, then reset."""
         if self.plan is not None:
             self._check(self.plan)
+        self._armed = False
         self.settle(forward=True)
+        if self.probe is not None:
+            # the host cache's window is offloadd's own: every step is measured; CUDA's peak
+            # statistics are the user's too: only the first step under a new plan
+            self._armed = self._verify or self.probe.name == HostCacheProbe.name
+            self._level0 = self.probe.restart() if self._armed else self.probe.level()
         self.plan = None
         self._first = True
         self._fwd_s = 0.0
@@ -226,7 +254,9 @@ class AutoPlanner:
         if sig not in self._warm:  # the first forward of a shape warms caches and pools
             self._warm.add(sig)
             return
-        self._profile = StepProfile([*self.names, HEAD], sig, self._io_wait)
+        self._profile = StepProfile(
+            [*self.names, HEAD], sig, self._io_wait, probe=self.probe, base_level=self._level0
+        )
         self._recording = True
         self.profiles += 1
 
@@ -263,7 +293,7 @@ class AutoPlanner:
     # -- planning ----------------------------------------------------------------------------
 
     def _learn(self, prof: StepProfile) -> None:
-        costs = prof.costs()
+        costs = prof.costs(kept=not self.offload)
         with self.ledger.lock:
             base, kept = self.ledger.window_peak, self.ledger.kept_peak
         if not self.offload:  # tier keep: the blocks' saved bytes were kept in the profile too
@@ -271,7 +301,8 @@ class AutoPlanner:
             base = kept
         self._costs[prof.signature] = (costs, base, kept)
         # a fraction's bytes are fixed by the profile: replans that grow the base do not grow it
-        self._footprint[prof.signature] = kept + sum(b.saved for b in costs)
+        floor = 0 if costs[0].measured else kept
+        self._footprint[prof.signature] = plan_peak(costs, (KEEP,) * len(costs), floor)
         self._plan_for(prof.signature)
 
     def _plan_for(self, sig: tuple[Any, ...]) -> Plan:
@@ -289,7 +320,8 @@ class AutoPlanner:
         self.plans[sig] = plan
         self._planned.add(sig)
         self.last_plan = plan
-        log.info("offloadd: %s", plan_table(plan))
+        self._verify = True
+        log.info("offloadd: %s", plan_table(plan, self.probe))
         return plan
 
     def _check(self, plan: Plan) -> None:
@@ -297,19 +329,24 @@ class AutoPlanner:
         sig = self._sig
         if sig is None or sig not in self._costs:
             return
-        with self.ledger.lock:
-            held = self.ledger.window_peak
-        if held > plan.budget:
-            costs, base, kept = self._costs[sig]
+        costs, base, kept = self._costs[sig]
+        held: int | None = None
+        if not costs[0].measured:
+            with self.ledger.lock:
+                held = self.ledger.window_peak
+        elif self._armed and self.probe is not None:  # measured from its start
+            self._verify = False
+            held = self.probe.peak() - self._level0
+        if held is not None and held > plan.budget:
             over = held - plan.peak
-            self._costs[sig] = (costs, base + over, kept + over)
+            self._costs[sig] = (_shifted(costs, over), base + over, kept + over)
             log.warning(
-                "offloadd: budget: the step held %s, over the budget of %s (predicted %s); "
-                "planning again with a base %s larger",
+                "offloadd: budget: the step used %s, over the budget of %s (predicted %s); "
+                "planning again with every unit needing %s more",
                 format_bytes(held),
                 format_bytes(plan.budget),
                 format_bytes(plan.peak),
-                format_bytes(held - plan.peak),
+                format_bytes(over),
             )
             self._plan_for(sig)
             return
@@ -336,22 +373,42 @@ class AutoPlanner:
         return self._footprint[sig]
 
 
-def plan_table(plan: Plan) -> str:
+def _shifted(costs: list[BlockCost], over: int) -> list[BlockCost]:
+    """``costs`` with every measured peak and level ``over`` bytes higher."""
+    return [
+        dataclasses.replace(
+            b,
+            peak_fwd=(b.peak_fwd or 0) + over,
+            peak_bwd=(b.peak_bwd or 0) + over,
+            level_bwd=(b.level_bwd or 0) + over,
+        )
+        if b.measured
+        else b
+        for b in costs
+    ]
+
+
+def plan_table(plan: Plan, probe: MemoryProbe | None = None) -> str:
     """The plan as the table logged at INFO: block, bytes, decision, predicted times."""
+    measured = bool(plan.blocks) and plan.blocks[0].measured
+    how = f"measured by {probe.name if probe else 'the allocator'}" if measured else "held"
     head = (
         f"plan for a budget of {format_bytes(plan.budget)}: predicted peak "
-        f"{format_bytes(plan.peak)} (base {format_bytes(plan.base)}), "
+        f"{format_bytes(plan.peak)} ({how}; base {format_bytes(plan.base)}), "
         f"+{plan.extra_s * 1e3:.1f} ms per step over keeping every block; "
         f"{plan.count('keep')} keep, {plan.count(OFFLOAD)} offload, "
         f"{plan.count(RECOMPUTE)} recompute"
     )
     rows = [
-        f"  {'block':<24} {'saved':>10} {'inputs':>10} {'fwd ms':>8} {'bwd ms':>8} "
-        f"{'io ms':>7}  {'decision':<10} {'+ms':>6}"
+        f"  {'block':<24} {'saved':>10} {'inputs':>10} {'fwd peak':>10} {'bwd peak':>10} "
+        f"{'fwd ms':>8} {'bwd ms':>8} {'io ms':>7}  {'decision':<10} {'+ms':>6}"
     ]
     for k, (b, d) in enumerate(zip(plan.blocks, plan.decisions, strict=True)):
+        pf = format_bytes(b.peak_fwd) if b.peak_fwd is not None else "-"
+        pb = format_bytes(b.peak_bwd) if b.peak_bwd is not None else "-"
         rows.append(
             f"  {b.name:<24} {format_bytes(b.saved):>10} {format_bytes(b.inputs):>10} "
+            f"{pf:>10} {pb:>10} "
             f"{b.forward_s * 1e3:>8.1f} {b.backward_s * 1e3:>8.1f} {b.offload_s * 1e3:>7.1f}  "
             f"{d:<10} {plan.extra_of(k) * 1e3:>6.1f}"
         )
@@ -365,6 +422,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         "base_bytes": plan.base,
         "predicted_peak_bytes": plan.peak,
         "predicted_extra_s": plan.extra_s,
+        "measured_peaks": bool(plan.blocks) and plan.blocks[0].measured,
         "blocks": [
             {
                 "name": b.name,
@@ -373,6 +431,8 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
                 "forward_s": b.forward_s,
                 "backward_s": b.backward_s,
                 "offload_s": b.offload_s,
+                "peak_fwd_bytes": b.peak_fwd,
+                "peak_bwd_bytes": b.peak_bwd,
                 "decision": d,
                 "predicted_extra_s": plan.extra_of(k),
             }

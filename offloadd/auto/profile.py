@@ -13,9 +13,15 @@ backward of that forward. Per block it records:
 - ``offload_s``: the training thread's I/O wait (``Stats.io_wait_s``) during its forward (a full
   staging pool) and during its backward (reads not prefetched in time);
 
-and for the step the peak of saved-activation bytes offloadd held (resident + its buffers) and
-the bytes moved per second of step. On CUDA the forward times synchronize the device at the
-block boundaries of the profile step only.
+and for the step the peak of saved-activation bytes offloadd held (resident + its buffers). With
+a :class:`~offloadd.auto.probe.MemoryProbe` (see [measured peaks] in probe.py) it also records,
+per unit, the most memory in use during its forward and its backward and the level its backward
+began at, all above the level when the step's forward began, and how far its forward raised
+memory: the probe's window is restarted at every boundary (a block's forward begins or ends, the
+gradient reaches a block's input or the last block's output), and each window's peak goes to the
+unit that ran in it (the stretch between two blocks to the one before, what precedes the first
+block to the first). On CUDA the forward times synchronize the device at the block boundaries of
+the profile step only.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import Any
 
 import torch
 
+from offloadd.auto.probe import MemoryProbe
 from offloadd.auto.solver import BlockCost
 
 __all__ = ["HEAD", "StepProfile", "input_bytes"]
@@ -80,6 +87,9 @@ class StepProfile:
     signature: tuple[Any, ...]
     wait: Callable[[], float]
     """The offloader's I/O wait so far (``Stats.io_wait_s``)."""
+    probe: MemoryProbe | None = None
+    base_level: int = 0
+    """The probe's level when the step's forward began."""
     started: float = field(default_factory=time.perf_counter)
     saved: list[int] = field(init=False)
     inputs: list[int] = field(init=False)
@@ -103,6 +113,37 @@ class StepProfile:
         self.grad_in = [None] * n
         self.mutates = [False] * n
         self._versions: dict[int, Any] = {}
+        # measured (with a probe), above base_level: see the module docstring
+        self.peak_fwd = [0] * n
+        self.rise_fwd = [0] * n
+        self.peak_bwd = [0] * n
+        self.level_bwd = [0] * n
+        self._unit = 0  # the unit the probe's window is charged to
+        self._start = 0  # the level the window began at
+        self._backward = False
+        if self.probe is not None:
+            self._start = self.probe.restart() - self.base_level
+
+    # -- memory ----------------------------------------------------------------------------
+
+    def _window(self, next_unit: int, *, backward: bool = False) -> None:
+        """Close the probe's window (its peak to the unit it was charged to) and open the next."""
+        probe = self.probe
+        if probe is None:
+            return
+        peak = probe.peak() - self.base_level
+        k = self._unit
+        if k < 0:  # past the first block's backward: not a unit's
+            pass
+        elif self._backward:
+            self.peak_bwd[k] = max(self.peak_bwd[k], peak)
+        else:
+            self.peak_fwd[k] = max(self.peak_fwd[k], peak)
+            self.rise_fwd[k] = max(self.rise_fwd[k], peak - self._start)
+        self._start = probe.restart() - self.base_level
+        self._unit, self._backward = next_unit, backward
+        if backward and next_unit >= 0:
+            self.level_bwd[next_unit] = self._start
 
     # -- forward ---------------------------------------------------------------------------
 
@@ -110,6 +151,8 @@ class StepProfile:
         self, k: int, args: tuple[Any, ...], kwargs: dict[str, Any], module: torch.nn.Module
     ) -> None:
         self._versions[k] = (args, kwargs, _versions(args, kwargs, module))
+        if k > 0 or self._unit != 0:
+            self._window(k)  # what ran since the last boundary: the block before (or block 0)
         wait = self.wait()
         self.inputs[k] = input_bytes(args, kwargs)
         x = first_grad_tensor(list(args) + list(kwargs.values()))
@@ -128,6 +171,7 @@ class StepProfile:
         now = time.perf_counter()
         self.fwd[k] += now - start[0]
         self.fwd_wait[k] += wait - start[1]
+        self._window(len(self.names) - 1 if last else k)  # HEAD begins, or a gap: still k's
         if last:
             y = first_grad_tensor(output)
             if y is not None:
@@ -138,6 +182,7 @@ class StepProfile:
         """The offload scope closes: HEAD's forward is over."""
         self.forward_end, self.forward_end_wait = time.perf_counter(), self.wait()
         head = len(self.names) - 1
+        self._window(head, backward=True)  # from here to the last block's output: HEAD's backward
         start = self._open.pop(head, None)
         if start is not None:
             self.fwd[head] += self.forward_end - start[0]
@@ -157,10 +202,14 @@ class StepProfile:
     def _set_in(self, k: int, t: float, w: float) -> None:
         if self.grad_in[k] is None:
             self.grad_in[k] = (t, w)
+            if self._backward and self._unit == k:
+                self._window(k - 1, backward=True)  # -1: the embeddings' backward, no unit's
 
     def _set_out_last(self, t: float, w: float) -> None:
         if self.grad_out_last is None:
             self.grad_out_last = (t, w)
+            if self._backward and self._unit == len(self.names) - 1:
+                self._window(len(self.names) - 2, backward=True)
 
     # -- the result ------------------------------------------------------------------------
 
@@ -169,10 +218,13 @@ class StepProfile:
         with self._lock:
             return self.forward_end > 0 and self.pending_hooks <= 0  # retain_graph: 2 passes
 
-    def costs(self) -> list[BlockCost]:
-        """Per block, in list order (a block that did not run costs nothing and saves nothing)."""
+    def costs(self, *, kept: bool = False) -> list[BlockCost]:
+        """Per block, in list order (a block that did not run costs nothing and saves nothing).
+        ``kept``: every block was kept in the profile (tier keep), not offloaded: the measured
+        peaks lose what the units before each one held, to stand as [the plan] reads them."""
         n = len(self.names) - 1  # blocks; unit n is HEAD
         out = []
+        prefix = 0
         for k in range(n):
             start = self.grad_out_last if k == n - 1 else self.grad_in[k + 1]
             end = self.grad_in[k]
@@ -192,8 +244,10 @@ class StepProfile:
                     # running statistics, relu_ on its input) would change them twice, or break
                     # backward: such blocks are kept or offloaded.
                     recomputable=not self.mutates[k],
+                    **self._measured(k, prefix if kept else 0, self.saved[k] if kept else 0),
                 )
             )
+            prefix += self.saved[k]
         g = self.grad_out_last
         bwd, bwd_wait = (
             (g[0] - self.forward_end, max(0.0, g[1] - self.forward_end_wait))
@@ -209,6 +263,20 @@ class StepProfile:
                 backward_s=bwd,
                 offload_s=max(0.0, self.fwd_wait[n]) + bwd_wait,
                 recomputable=False,
+                **self._measured(n, prefix if kept else 0, self.saved[n] if kept else 0),
             )
         )
         return out
+
+    def _measured(self, k: int, before: int, own: int) -> dict[str, int]:
+        """Unit ``k``'s measured peaks as [the plan] reads them: less ``before``, what the units
+        before it held in the profile, and, where its own saved bytes were held as well (in
+        forward, and when its backward began), less ``own``."""
+        if self.probe is None:
+            return {}
+        return {
+            "peak_fwd": max(0, self.peak_fwd[k] - before - own),
+            "peak_bwd": max(0, self.peak_bwd[k] - before),
+            "level_bwd": max(0, self.level_bwd[k] - before - own),
+            "rise_fwd": self.rise_fwd[k],
+        }

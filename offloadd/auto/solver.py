@@ -1,39 +1,51 @@
 """The plan: keep, offload or recompute for each block, fastest first, within a memory budget.
 
-Note: [the plan] A step's saved-activation memory under a plan is predicted as
+Note: [the plan] The blocks run in order, then the head (what runs after the blocks: the head and
+the loss); backward runs them in reverse. While unit ``k`` runs, forward or backward, what the
+units before it hold is held too; the units after it hold nothing in forward (not run yet) and
+nothing in backward (their backward is done, their saved tensors freed). So a plan's peak is
 
-    base + sum(saved[k] for kept k) + sum(inputs[k] for recomputed k) + transient
+    max over units k of  prefix(k) + need(k)
 
-``base`` is what is held whatever the blocks do: what is saved before the blocks (embeddings),
-small tensors, and offloadd's own windows (writes in flight, the prefetch window), measured in the
-profile step, in which every block was offloaded; a plan that offloads no block has no windows and
-uses ``kept_base``, the peak of what was kept in that step. A recomputed block keeps only its
-inputs (non-reentrant checkpointing), but while backward recomputes it its saved tensors exist
-again: ``transient`` is the largest ``saved[k]`` among recomputed blocks (0 if none). An offloaded
-block costs no memory beyond ``base``. The extra time over keeping everything is ``forward_s[k]``
-for a recomputed block (its forward runs again) and ``offload_s[k]`` for an offloaded one: the I/O
-wait measured while that block was offloaded in the profile, plus a tie-break that grows with its
-bytes and towards the last block, so that when the I/O hides everywhere the tail is kept first
-(TBA's adaptive keep: backward needs it first). What runs after the blocks (the head and the loss)
-is one more unit, last, that may be kept or offloaded but not recomputed: backward needs it first,
-so it is kept whenever it fits (anchors' trap: offloading it costs bandwidth), but a head over a
-large vocabulary (GPT-2's logits) can be most of the memory, and offloading it is then what makes a
+where ``prefix(k)`` sums what each earlier unit holds under its decision (kept: its saved bytes;
+recomputed: its inputs, non-reentrant checkpointing keeps only those; offloaded: nothing) and
+``need(k)`` is the memory unit ``k`` itself needs while it runs, forward or backward. With
+measured peaks (see [measured peaks] in probe.py), the profile step gives, per unit, the most
+memory in use during its forward (``peak_fwd``) and its backward (``peak_bwd``) above the step's
+start, with every earlier unit holding nothing, as in the profile, where every unit was offloaded;
+then a kept unit needs ``max(peak_fwd + saved, peak_bwd)`` (its saved tensors stay on top of its
+forward; in backward the profile read them back, so they are counted already), an offloaded one
+``max(peak_fwd, peak_bwd)``, and a recomputed one its inputs plus ``max(peak_fwd, peak_bwd,
+level_bwd + rise_fwd)``: its forward runs again when its backward begins, raising memory by
+``rise_fwd`` from the level then. Without measured peaks (torch's own CPU allocator), the peaks
+are offloadd's own accounting: every peak and level is ``base``, what offloadd held in the profile
+step (what is saved before the blocks, small tensors, the windows of writes in flight and
+read-backs), and a recomputed block's rise is its saved bytes; a plan that offloads nothing has no
+windows and uses ``kept_base``, the peak of what was kept in that step.
+
+The extra time over keeping everything is ``forward_s[k]`` for a recomputed block (its forward
+runs again) and ``offload_s[k]`` for an offloaded one: the I/O wait measured while that block was
+offloaded in the profile, plus a tie-break that grows with its bytes and towards the last block,
+so that when the I/O hides everywhere the tail is kept first (TBA's adaptive keep: backward needs
+it first). The head may be kept or offloaded but not recomputed: backward needs it first, so it
+is kept whenever it fits (anchors' trap: offloading it costs bandwidth), but a head over a large
+vocabulary (GPT-2's logits) can be most of the memory, and offloading it is then what makes a
 budget fit.
 
-Minimising the summed extra time subject to the memory sum is a multiple-choice knapsack. For each
-candidate transient ``t`` (0, or the saved bytes of some block; only blocks at most that large may
-be recomputed), :func:`solve` runs the textbook dynamic programme over memory in ``units`` steps of
-``(budget - base - t) / units`` bytes, each block's memory rounded *up* to whole steps, so a plan
-it returns always fits the budget, and is at least as fast as the best plan for a budget smaller by
-``n`` steps (the rounding); it keeps the fastest plan over all ``t``. When keeping every block
-fits, that plan is returned at once. With n blocks, c distinct transients and 3 choices that is O(c
-* n * units), a few milliseconds for 48 blocks. A budget below what the leanest plan needs raises
-:class:`InfeasibleBudget` naming that smallest budget.
+Minimising the summed extra time under that peak is a dynamic programme over the units in order
+whose state is the prefix, in ``units`` steps of ``budget / units`` bytes, each unit's memory
+rounded *up* to whole steps (``(budget - floor) / units``): a decision is allowed where the rounded prefix plus its need fits the
+budget. So a plan :func:`solve` returns always fits, and it is at least as fast as the best plan
+for a budget smaller by ``n`` steps (the rounding). With n units and 3 choices that is O(n *
+units), a few milliseconds for 48 blocks. The smallest feasible budget comes from the same
+programme minimising the peak instead of the time; a budget below it raises
+:class:`InfeasibleBudget` naming it.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -43,6 +55,7 @@ __all__ = [
     "BlockCost",
     "InfeasibleBudget",
     "Plan",
+    "plan_peak",
     "smallest_budget",
     "solve",
 ]
@@ -69,6 +82,19 @@ class BlockCost:
     """Extra seconds when it is offloaded: the I/O wait measured for it (>= 0)."""
     recomputable: bool = True
     """False for what runs after the blocks (the head and the loss): keep or offload only."""
+    peak_fwd: int | None = None
+    """Measured: most bytes in use during its forward above the step's start, earlier units
+    holding nothing (see [the plan]); None: not measured (offloadd's own accounting is used)."""
+    peak_bwd: int | None = None
+    """Measured: the same during its backward."""
+    level_bwd: int | None = None
+    """Measured: bytes in use when its backward began, on the same footing."""
+    rise_fwd: int | None = None
+    """Measured: how far its forward raised memory above the level it began at."""
+
+    @property
+    def measured(self) -> bool:
+        return self.peak_fwd is not None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -113,33 +139,74 @@ def _extra(b: BlockCost, k: int, decision: str) -> float:
 
 
 def _memory(b: BlockCost, decision: str) -> int:
+    """What the unit holds while later units run."""
     return b.saved if decision == KEEP else b.inputs if decision == RECOMPUTE else 0
+
+
+def _need(b: BlockCost, decision: str, floor: int) -> int:
+    """What the unit needs while it runs, over the prefix (see [the plan])."""
+    if b.measured:
+        pf, pb = floor + (b.peak_fwd or 0), floor + (b.peak_bwd or 0)
+        lb, rise = floor + (b.level_bwd or 0), b.rise_fwd or 0
+    else:
+        pf = pb = lb = floor
+        rise = b.saved
+    if decision == KEEP:
+        return max(pf + b.saved, pb)
+    if decision == OFFLOAD:
+        return max(pf, pb)
+    return b.inputs + max(pf, pb, lb + rise)
+
+
+def plan_peak(blocks: list[BlockCost], decisions: tuple[str, ...], floor: int) -> int:
+    """The predicted peak of ``decisions`` (see [the plan])."""
+    peak = prefix = 0
+    for b, d in zip(blocks, decisions, strict=True):
+        peak = max(peak, prefix + _need(b, d, floor))
+        prefix += _memory(b, d)
+    return peak
+
+
+def _variants(
+    blocks: list[BlockCost], base: int, kept_base: int, offload: bool
+) -> list[tuple[tuple[str, ...], int]]:
+    """(choices, floor) to plan over: measured peaks already hold offloadd's windows."""
+    if blocks and all(b.measured for b in blocks):
+        return [((KEEP, OFFLOAD, RECOMPUTE) if offload else (KEEP, RECOMPUTE), 0)]
+    out: list[tuple[tuple[str, ...], int]] = [((KEEP, RECOMPUTE), kept_base)]
+    if offload:
+        out.append(((KEEP, OFFLOAD, RECOMPUTE), base))
+    return out
+
+
+def _allowed(b: BlockCost, choices: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(c for c in choices if c != RECOMPUTE or (b.recomputable and b.inputs < b.saved))
 
 
 def smallest_budget(
     blocks: list[BlockCost], base: int, *, kept_base: int | None = None, offload: bool = True
 ) -> int:
     """The least budget any plan fits in."""
-    return _leanest(blocks, base, base if kept_base is None else kept_base, offload)[0]
+    kept_base = base if kept_base is None else min(base, kept_base)
+    return _leanest(blocks, base, kept_base, offload, 2048)[0]
 
 
 def _leanest(
-    blocks: list[BlockCost], base: int, kept_base: int, offload: bool
-) -> tuple[int, tuple[str, ...]]:
-    """The plan that needs the least memory, and that memory."""
-    best = (kept_base + sum(b.saved for b in blocks), (KEEP,) * len(blocks))
-    for t in sorted({b.saved for b in blocks if b.recomputable}):  # recompute up to t
-        ds = tuple(
-            RECOMPUTE if b.recomputable and b.saved <= t and b.inputs < b.saved else KEEP
-            for b in blocks
-        )
-        if RECOMPUTE not in ds:
+    blocks: list[BlockCost], base: int, kept_base: int, offload: bool, units: int
+) -> tuple[int, tuple[str, ...], int]:
+    """The plan that needs the least memory: (its peak, its decisions, its floor)."""
+    best: tuple[int, tuple[str, ...], int] | None = None
+    for choices, floor in _variants(blocks, base, kept_base, offload):
+        ref = plan_peak(blocks, (KEEP,) * len(blocks), floor)
+        step = max(1, math.ceil(ref / units))
+        got = _programme(blocks, choices, floor, step, lambda _b, _k, _c: 0.0, None)
+        if got is None:
             continue
-        mem = kept_base + t + sum(_memory(b, d) for b, d in zip(blocks, ds, strict=True))
-        if mem < best[0]:
-            best = (mem, ds)
-    if offload and base <= best[0]:
-        best = (base, (OFFLOAD,) * len(blocks))
+        ds = got[1]
+        peak = plan_peak(blocks, ds, floor)
+        if best is None or peak < best[0]:
+            best = (peak, ds, floor)
+    assert best is not None  # keeping every unit is always a plan
     return best
 
 
@@ -154,32 +221,27 @@ def solve(
 ) -> Plan:
     """The fastest plan whose predicted peak fits ``budget`` (see [the plan])."""
     kept_base = base if kept_base is None else min(base, kept_base)
-    smallest, lean = _leanest(blocks, base, kept_base, offload)
+    smallest, lean, lean_floor = _leanest(blocks, base, kept_base, offload, units)
     if budget < smallest:
         raise InfeasibleBudget(budget, smallest)
-    if kept_base + sum(b.saved for b in blocks) <= budget:  # everything kept fits: fastest
-        decisions = (KEEP,) * len(blocks)
-        peak = kept_base + sum(b.saved for b in blocks)
-        return Plan(
-            decisions=decisions,
-            budget=budget,
-            base=kept_base,
-            peak=peak,
-            extra_s=0.0,
-            blocks=tuple(blocks),
-        )
-    variants: list[tuple[tuple[str, ...], int]] = [((KEEP, RECOMPUTE), kept_base)]
-    if offload:
-        variants.append(((KEEP, OFFLOAD, RECOMPUTE), base))
-    best: tuple[float, tuple[str, ...], int, int] | None = None
+    variants = _variants(blocks, base, kept_base, offload)
+    keep_floor = variants[0][1]
+    keep_all = (KEEP,) * len(blocks)
+    if plan_peak(blocks, keep_all, keep_floor) <= budget:  # everything kept fits: fastest
+        return _plan(blocks, keep_all, budget, keep_floor)
+    best: tuple[float, tuple[str, ...], int] | None = None
     for choices, floor in variants:
-        got = _best_for(blocks, floor, budget, choices, units)
+        step = max(1, math.ceil((budget - floor) / units))
+        got = _programme(blocks, choices, floor, step, _extra, budget)
         if got is not None and (best is None or got[0] < best[0] - 1e-12):
-            best = (*got, floor)
+            best = (got[0], got[1], floor)
     if best is None:  # a budget so tight that rounding lost every plan but the leanest
-        best = (0.0, lean, smallest, base if OFFLOAD in lean else kept_base)
-    _extra_tied, decisions, peak, floor = best
-    real_extra = sum(
+        return _plan(blocks, lean, budget, lean_floor)
+    return _plan(blocks, best[1], budget, best[2])
+
+
+def _plan(blocks: list[BlockCost], decisions: tuple[str, ...], budget: int, floor: int) -> Plan:
+    extra = sum(
         b.forward_s if d == RECOMPUTE else b.offload_s if d == OFFLOAD else 0.0
         for b, d in zip(blocks, decisions, strict=True)
     )
@@ -187,70 +249,51 @@ def solve(
         decisions=decisions,
         budget=budget,
         base=floor,
-        peak=peak,
-        extra_s=real_extra,
+        peak=plan_peak(blocks, decisions, floor),
+        extra_s=extra,
         blocks=tuple(blocks),
     )
 
 
-def _best_for(
-    blocks: list[BlockCost], base: int, budget: int, choices: tuple[str, ...], units: int
-) -> tuple[float, tuple[str, ...], int] | None:
-    """The fastest plan with these choices over ``base``: (extra, decisions, peak), or None."""
-    best: tuple[float, tuple[str, ...], int] | None = None
-    for t in [0, *sorted({b.saved for b in blocks if b.recomputable})]:
-        room = budget - base - t
-        if room < 0:
-            continue
-        allowed = [
-            tuple(c for c in choices if c != RECOMPUTE or (t and b.recomputable and b.saved <= t))
-            for b in blocks
-        ]
-        got = _knapsack(blocks, allowed, room, units)
-        if got is None:
-            continue
-        extra, decisions = got
-        if t and RECOMPUTE not in decisions:
-            continue  # the same plan is found with t = 0, without the transient
-        peak = base + sum(_memory(b, d) for b, d in zip(blocks, decisions, strict=True))
-        peak += max(
-            (b.saved for b, d in zip(blocks, decisions, strict=True) if d == RECOMPUTE), default=0
-        )
-        if best is None or extra < best[0] - 1e-12:
-            best = (extra, decisions, peak)
-    return best
-
-
-def _knapsack(
-    blocks: list[BlockCost], allowed: list[tuple[str, ...]], room: int, units: int
+def _programme(
+    blocks: list[BlockCost],
+    choices: tuple[str, ...],
+    floor: int,
+    step: int,
+    cost: Callable[[BlockCost, int, str], float],
+    budget: int | None,
 ) -> tuple[float, tuple[str, ...]] | None:
-    """Least summed extra time with summed memory <= room; None if nothing fits."""
-    step = max(1, math.ceil(room / units)) if room > 0 else 1
-    cap = room // step
-    inf = math.inf
-    dp = [0.0] * (cap + 1)  # dp[m]: least time with memory <= m steps (monotone in m)
-    back: list[list[int]] = []
-    for k, (b, opts) in enumerate(zip(blocks, allowed, strict=True)):
-        costs = [(_extra(b, k, c), math.ceil(_memory(b, c) / step)) for c in opts]
-        new = [inf] * (cap + 1)
-        pick = [-1] * (cap + 1)
-        for i, (time, w) in enumerate(costs):
-            if w > cap:
-                continue
-            for m in range(w, cap + 1):
-                v = dp[m - w] + time
-                if v < new[m]:
-                    new[m], pick[m] = v, i
-        dp = new
-        back.append(pick)
-    if dp[cap] == inf:
-        return None
+    """The dynamic programme of [the plan] over the prefix in ``step`` bytes. With a ``budget``:
+    the least summed ``cost`` among plans that fit it; without: the plan of least peak (its
+    cost is then that peak). None if nothing fits."""
+    # state: prefix in steps -> (value, back pointer); value: summed cost, or peak so far
+    states: dict[int, float] = {0: 0.0}
+    back: list[dict[int, tuple[int, str]]] = []
+    for k, b in enumerate(blocks):
+        new: dict[int, float] = {}
+        picks: dict[int, tuple[int, str]] = {}
+        for c in _allowed(b, choices):
+            need, w = _need(b, c, floor), math.ceil(_memory(b, c) / step)
+            for m, value in states.items():
+                here = m * step + need
+                if budget is not None:
+                    if here > budget:
+                        continue
+                    v = value + cost(b, k, c)
+                else:
+                    v = max(value, float(here))
+                m2 = m + w
+                if v < new.get(m2, math.inf) - 1e-15:
+                    new[m2], picks[m2] = v, (m, c)
+        if not new:
+            return None
+        states = new
+        back.append(picks)
+    m = min(states, key=lambda s: states[s])
+    value = states[m]
     decisions: list[str] = []
-    m = cap
     for k in range(len(blocks) - 1, -1, -1):
-        i = back[k][m]
-        c = allowed[k][i]
+        m, c = back[k][m]
         decisions.append(c)
-        m -= math.ceil(_memory(blocks[k], c) / step)
     decisions.reverse()
-    return dp[cap], tuple(decisions)
+    return value, tuple(decisions)

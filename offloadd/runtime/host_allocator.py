@@ -88,6 +88,8 @@ class HostCacheCounters:
     evicted_bytes: int
     mapped_bytes: int
     """Bytes mapped fresh (one mapping per miss)."""
+    window_peak_live_bytes: int
+    """Most live bytes since the last :meth:`HostCache.reset_window` (the planner's probe)."""
 
 
 def source_path() -> Path:
@@ -183,6 +185,7 @@ class HostCache:
         lib.offloadd_host_cache_counters.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
         lib.offloadd_host_cache_counters.restype = None
         lib.offloadd_host_cache_empty.restype = ctypes.c_uint64
+        lib.offloadd_host_cache_reset_window.restype = ctypes.c_uint64
         lib.offloadd_host_cache_uninstall.restype = None
         self._lib = lib
         self.path = path
@@ -206,9 +209,13 @@ class HostCache:
         return bool(self._lib.offloadd_host_cache_installed())
 
     def counters(self) -> HostCacheCounters:
-        out = (ctypes.c_uint64 * 8)()
+        out = (ctypes.c_uint64 * 9)()
         self._lib.offloadd_host_cache_counters(out)
         return HostCacheCounters(*out)
+
+    def reset_window(self) -> int:
+        """Start a new window for ``window_peak_live_bytes``; returns the live bytes now."""
+        return int(self._lib.offloadd_host_cache_reset_window())
 
     def empty(self) -> int:
         """Unmap every cached block; returns the bytes given back."""

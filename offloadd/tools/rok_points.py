@@ -43,6 +43,7 @@ FIELDS: dict[str, type] = {
     "activation_peak_bytes": int,  # CUDA: device peak above the built model; CPU: peak RSS above it
     "peak_rss_above_base": int,
     "peak_device_above_base": int,
+    "peak_live_above_base": int,  # CPU, offloadd's host cache: its peak live bytes above base
     "peak_resident_bytes": int,  # offloadd's own accounting (strategies with hooks)
     "saved_bytes": int,
     "bytes_written": int,
@@ -143,20 +144,22 @@ def auto_budget(
 ) -> tuple[int | None, str | None, str]:
     """An ``--budgets`` entry on the ROK plot's memory axis, and as offloadd's budget.
 
-    Note: [budgets on the axis] rok's memory axis is the measured activation peak (CPU: RSS above
-    the built model), which holds, besides the saved activations offloadd's budget governs, the
-    temporaries of ops, gradients and allocator caches. So that an auto point and the single
-    strategies it is judged against share one axis, a budget ``B`` on it (``recompute``:
-    recompute's measured peak at this batch size; ``0.3x``: that fraction of keep's; a size:
-    itself) becomes offloadd's budget ``B - overhead``, the overhead being a measured point's peak
-    less the saved activations offloadd held in it, at this batch size and from the same round when
-    there is one: offload-ssd's (the same tier and host allocator as auto), else keep's (on the
-    2-core CPU machine at batch 4 of the ROK mini-gpt: 182 MiB and 251 MiB: keep runs on glibc's
-    heap). Without either, a fraction goes to offloadd as it is (of its own estimate of keep's
-    footprint) and a size too. The overhead of a plan that keeps more can be larger (GPT-2 keeping
-    its head: 1.1 GiB against offload-ssd's 0.7 GiB at batch 4), so a point whose measured peak is
-    over ``B`` runs once more with offloadd's budget smaller by the excess (its plan then says "2nd
-    try"); still over, it is shown so. Returns (B or None, offloadd's budget or None, why not).
+    Note: [budgets on the axis] rok's memory axis is the measured activation peak (CUDA: device
+    memory allocated above the built model; CPU: RSS above it). offloadd's budget bounds the
+    activation peak as the allocator counts it (see [measured peaks] in auto/probe.py): on CUDA
+    the same quantity, so a budget ``B`` on the axis (``recompute``: recompute's measured peak at
+    this batch size; ``0.3x``: that fraction of keep's; a size: itself) goes to offloadd as it
+    is. On CPU the axis also holds what the host cache keeps mapped for reuse and whatever is
+    not torch's (glibc's heap, offloadd's buffers mapped before the first step), so ``B`` becomes
+    ``B - overhead``, the overhead being a measured point's RSS peak less the host cache's peak
+    live bytes, at this batch size and from the same round when there is one: offload-ssd's,
+    the same tier and host allocator as auto. Without it, the overhead is that point's RSS peak
+    less the saved activations offloadd held (its own accounting), from offload-ssd's or keep's
+    point; without either, a fraction goes to offloadd as it is (of its own estimate of keep's
+    footprint) and a size too. What the host cache keeps mapped grows with what is live (up to a
+    quarter of its peak), so a plan that keeps more can still land over ``B``: such a point runs
+    once more with offloadd's budget smaller by the excess (its plan then says "2nd try"); still
+    over, it is shown so. Returns (B or None, offloadd's budget or None, why not).
     """
 
     def latest(strategy: str) -> dict[str, Any] | None:
@@ -171,9 +174,17 @@ def auto_budget(
     keep = latest("keep")
     overhead = None
     for ref in (latest("offload-ssd"), keep):
-        if ref is not None and ref.get("peak_resident_bytes") is not None:
+        if ref is None:
+            continue
+        if ref.get("peak_device_above_base") is not None:  # CUDA: the budget's own measure
+            overhead = 0
+        elif ref.get("peak_live_above_base") is not None:
+            overhead = max(0, ref["activation_peak_bytes"] - ref["peak_live_above_base"])
+        elif ref.get("peak_resident_bytes") is not None:
             overhead = max(0, ref["activation_peak_bytes"] - ref["peak_resident_bytes"])
-            break
+        else:
+            continue
+        break
     if token == RECOMPUTE_BUDGET:
         rec = latest("recompute")
         if rec is None:
@@ -222,6 +233,7 @@ def _results(res: dict[str, Any], batch: int, *, cuda: bool) -> dict[str, Any]:
         "activation_peak_bytes": (
             res["peak_device_above_base"] if cuda else res["peak_rss_above_base"]
         ),
+        "peak_live_above_base": res.get("peak_live_above_base"),
         "peak_resident_bytes": st.get("peak_resident_bytes"),
         "saved_bytes": st.get("saved_bytes"),
         "bytes_written": st.get("bytes_written"),

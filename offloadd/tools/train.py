@@ -24,6 +24,7 @@ import torch
 from offloadd.auto import plan_dict
 from offloadd.config import Config
 from offloadd.io.buffers import address_view
+from offloadd.runtime import host_allocator
 from offloadd.runtime.offloader import Offloader
 from offloadd.tools.models.build import build_model, default_vocab
 
@@ -185,6 +186,8 @@ def run(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     base_rss = _rss()
     base_dev = torch.cuda.memory_allocated() if cuda else 0
+    cache = host_allocator.current()  # offloadd's host cache: torch's CPU allocator, counted
+    base_live = cache.counters().live_bytes if cache is not None else None
     if spec.memory_limit_bytes > 0:
         _limit_memory(spec.memory_limit_bytes, cuda, base_dev)
     times: list[float] = []
@@ -245,6 +248,9 @@ def run(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
     }
     if cuda:
         out["peak_device_above_base"] = torch.cuda.max_memory_allocated() - base_dev
+    if cache is not None and base_live is not None:
+        # what the allocator counts (the budget's measure, [measured peaks] in auto/probe.py)
+        out["peak_live_above_base"] = max(0, cache.counters().peak_live_bytes - base_live)
     if off is not None:
         out["stats"] = off.stats().as_dict()
         plan = off.plan()

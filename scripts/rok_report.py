@@ -66,14 +66,16 @@ def main() -> int:
         f"point in its own process, {sw.get('repeats', 1)} round(s), strategies interleaved batch "
         "size by batch size; medians over rounds",
         "- memory: peak RSS above the RSS after the model, gradients and optimizer state were "
-        "built (CPU has no allocator counter); offloadd's own `peak_resident_bytes` beside it",
+        "built; beside it, where offloadd's host cache was torch's allocator, its peak live bytes "
+        "above the same point (what an auto budget bounds), and offloadd's own "
+        "`peak_resident_bytes`",
         *[f"- note: {n}" for n in ns.note],
         "",
         f"![ROK curves]({stem.with_suffix('.png').name})",
         "",
         "| strategy | batch | status (ok rounds) | median step time (s) | fastest step (s) | samples/s | model GFLOP/s | activation "
-        "peak (RSS) | offloadd peak resident | written | read |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "peak (RSS) | host cache live peak | offloadd peak resident | written | read |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         gflops = None if r["model_tflops"] is None else r["model_tflops"] * 1e3
@@ -82,7 +84,8 @@ def main() -> int:
             f"{_cell(r, 'step_time_s', '.3f')} | {_cell(r, 'step_time_min_s', '.3f')} | "
             f"{_cell(r, 'samples_per_s', '.3f')} | "
             f"{'-' if gflops is None else f'{gflops:.1f}'} | "
-            f"{_bytes(r, 'activation_peak_bytes')} | {_bytes(r, 'peak_resident_bytes')} | "
+            f"{_bytes(r, 'activation_peak_bytes')} | {_bytes(r, 'peak_live_above_base')} | "
+            f"{_bytes(r, 'peak_resident_bytes')} | "
             f"{_bytes(r, 'bytes_written')} | {_bytes(r, 'bytes_read')} |"
         )
     autos = [r for r in rows if r["strategy"].startswith("auto@")]
@@ -90,8 +93,8 @@ def main() -> int:
         lines += [
             "",
             "auto points (three untimed steps: warm-up, profile, first plan): the budget on the "
-            "memory axis, what offloadd was given (the axis budget less offload-ssd's measured "
-            "memory besides saved activations, see [budgets on the axis] in rok_points.py), the "
+            "memory axis, what offloadd was given (the axis budget less offload-ssd's RSS above "
+            "the host cache's live peak, see [budgets on the axis] in rok_points.py), the "
             "plan's blocks kept / offloaded / recomputed, and the memory used against the budget",
             "",
             "| auto point | batch | budget (axis) | given to offloadd | plan | activation peak | "

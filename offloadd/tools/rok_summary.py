@@ -34,6 +34,7 @@ _MEDIAN_KEYS = (
     "activation_peak_bytes",
     "peak_rss_above_base",
     "peak_device_above_base",
+    "peak_live_above_base",
     "peak_resident_bytes",
     "io_wait_s",
 )

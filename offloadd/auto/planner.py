@@ -312,16 +312,20 @@ class AutoPlanner:
         try:
             plan = solve(costs, base, nbytes, kept_base=kept, offload=self.offload)
         except InfeasibleBudget as e:
-            if sig not in self._planned:
-                raise  # the first plan for this shape: say so at once
+            if sig not in self._planned:  # the first plan for this shape: say so at once
+                if isinstance(budget, float):  # in keep's terms too
+                    raise InfeasibleBudget(nbytes, e.smallest, self.keep_footprint(sig)) from None
+                raise
             # Planning again after a step held more than predicted: never stop a training run.
             log.warning("offloadd: %s; using the leanest plan", e)
             plan = solve(costs, base, e.smallest, kept_base=kept, offload=self.offload)
+        if costs[0].measured and self.probe is not None:
+            plan = dataclasses.replace(plan, measure=self.probe.name)
         self.plans[sig] = plan
         self._planned.add(sig)
         self.last_plan = plan
         self._verify = True
-        log.info("offloadd: %s", plan_table(plan, self.probe))
+        log.info("offloadd: %s", plan_table(plan))
         return plan
 
     def _check(self, plan: Plan) -> None:
@@ -388,10 +392,9 @@ def _shifted(costs: list[BlockCost], over: int) -> list[BlockCost]:
     ]
 
 
-def plan_table(plan: Plan, probe: MemoryProbe | None = None) -> str:
+def plan_table(plan: Plan) -> str:
     """The plan as the table logged at INFO: block, bytes, decision, predicted times."""
-    measured = bool(plan.blocks) and plan.blocks[0].measured
-    how = f"measured by {probe.name if probe else 'the allocator'}" if measured else "held"
+    how = "held by offloadd" if plan.measure == "held" else f"measured by {plan.measure}"
     head = (
         f"plan for a budget of {format_bytes(plan.budget)}: predicted peak "
         f"{format_bytes(plan.peak)} ({how}; base {format_bytes(plan.base)}), "
@@ -422,7 +425,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         "base_bytes": plan.base,
         "predicted_peak_bytes": plan.peak,
         "predicted_extra_s": plan.extra_s,
-        "measured_peaks": bool(plan.blocks) and plan.blocks[0].measured,
+        "measure": plan.measure,
         "blocks": [
             {
                 "name": b.name,

@@ -109,6 +109,9 @@ class Plan:
     extra_s: float
     """Predicted seconds over keeping every block."""
     blocks: tuple[BlockCost, ...] = field(repr=False)
+    measure: str = "held"
+    """What the peak counts: ``"held"`` (offloadd's own accounting) or the probe that measured
+    the blocks' peaks (``"host cache"``, ``"cuda"``; see [measured peaks] in probe.py)."""
 
     def count(self, decision: str) -> int:
         return sum(d == decision for d in self.decisions)
@@ -122,11 +125,13 @@ class Plan:
 class InfeasibleBudget(ValueError):
     """The budget is below what the leanest plan needs."""
 
-    def __init__(self, budget: int, smallest: int) -> None:
-        self.budget, self.smallest = budget, smallest
+    def __init__(self, budget: int, smallest: int, keep: int | None = None) -> None:
+        self.budget, self.smallest, self.keep = budget, smallest, keep
+        of = (lambda n: f", {n / keep:.2f}x keep's peak") if keep else (lambda n: "")
         super().__init__(
-            f"budget: {budget} bytes ({budget / 2**20:.1f} MiB) is below the smallest feasible "
-            f"budget for this model and step, {smallest} bytes ({smallest / 2**20:.1f} MiB)"
+            f"budget: {budget} bytes ({budget / 2**20:.1f} MiB{of(budget)}) is below the smallest "
+            f"feasible budget for this model and step, {smallest} bytes "
+            f"({smallest / 2**20:.1f} MiB{of(smallest)})"
         )
 
 

@@ -342,6 +342,59 @@ def test_the_measured_peak_of_a_planned_step_fits_the_budget(
     off.close()
 
 
+class _Spike(torch.autograd.Function):
+    """Identity that fills a temporary of ``fwd`` bytes in forward and ``bwd`` in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, fwd: int, bwd: int) -> torch.Tensor:
+        ctx.bwd = bwd
+        if fwd:
+            torch.ones(fwd // 4)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        if ctx.bwd:
+            torch.ones(ctx.bwd // 4)
+        return g.clone(), None, None
+
+
+class _SpikyBlock(nn.Module):
+    def __init__(self, fwd: int, bwd: int) -> None:
+        super().__init__()
+        self.lin, self.fwd, self.bwd = nn.Linear(256, 256), fwd, bwd
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Spike.apply(torch.relu(self.lin(x)), self.fwd, self.bwd)
+
+
+def test_profile_charges_each_peak_to_the_block_that_ran(disk_dir: Path) -> None:
+    """The probe's windows follow the block boundaries in forward and in backward: a block that
+    needs 24 MiB more in its forward, or 40 MiB more in its backward, shows it in its own peak
+    and nowhere else (see [measured peaks])."""
+    spikes = [(0, 0), (24 * MiB, 0), (0, 40 * MiB), (0, 0)]
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_SpikyBlock(f, b) for f, b in spikes])
+    off = Offloader(
+        tier="ssd", ssd_dirs=[str(disk_dir)], min_bytes=64 << 10, host_allocator="caching",
+        budget="100x",
+    )  # fmt: skip
+    x = torch.randn(512, 256)
+    for _ in range(3):
+        with off:
+            loss = model(x).square().mean()
+        loss.backward()
+        del loss
+    plan = off.plan()
+    assert plan is not None and plan.measure == "host cache"
+    fwd = [b.peak_fwd or 0 for b in plan.blocks[:4]]
+    bwd = [b.peak_bwd or 0 for b in plan.blocks[:4]]
+    assert fwd[1] >= 24 * MiB and max(fwd[0], fwd[2], fwd[3]) < 24 * MiB, fwd
+    assert (plan.blocks[1].rise_fwd or 0) >= 24 * MiB
+    assert bwd[2] >= 40 * MiB and max(bwd[0], bwd[1], bwd[3]) < 40 * MiB, bwd
+    off.close()
+
+
 def test_tier_keep_with_a_budget_recomputes(disk_dir: Path) -> None:
     batches = _batches(5)
     ref_w, ref_l = _train(_gpt(), None, batches)

@@ -1,7 +1,8 @@
 """offloadd: lossless, asynchronous offloading of saved activations to SSD or host memory.
 
 What users need: :class:`Offloader` (a context manager around forward), :class:`Config` and
-:class:`Stats`. What extension writers need: :class:`Backend` (where chunks go),
+:class:`Stats`; :func:`memsave` (modules that save for backward only what the gradients
+read). What extension writers need: :class:`Backend` (where chunks go),
 :class:`Engine` with :class:`Request` and :class:`Op` (how bytes move), :class:`Ordering` (how
 an asynchronous device orders its copies). See docs/architecture.md.
 """
@@ -9,6 +10,7 @@ an asynchronous device orders its copies). See docs/architecture.md.
 from offloadd.backend import Backend
 from offloadd.config import Config, DaemonConfig
 from offloadd.io import Engine, Op, Request
+from offloadd.memsave import memsave
 from offloadd.runtime import Offloader, Ordering, Stats
 
 __all__ = [
@@ -22,6 +24,7 @@ __all__ = [
     "Request",
     "Stats",
     "__version__",
+    "memsave",
 ]
 
 __version__ = "0.1.0"

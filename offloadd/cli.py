@@ -31,7 +31,8 @@ _COMMANDS: dict[str, str] = {
 
 _HELP: dict[str, str] = {
     "demo": "train the built-in GPT with keep, recompute and ssd offload, and compare",
-    "bench": "benchmarks: `io` (the I/O engines against fio), `step` (keep, recompute, ssd)",
+    "bench": "benchmarks: `io` (the I/O engines against fio), `step` (keep, recompute, ssd), "
+    "`memsave` (saved bytes with frozen layers)",
     "run": "run a command (training script, torchrun, deepspeed) with offloading switched on",
     "serve": "run the offload daemon in the foreground (one per node, shared by every rank)",
     "status": "show a running daemon's sessions, bytes held, throughput, queues and disk space",

@@ -110,12 +110,21 @@ class Config:
     succeeds."""
 
     budget: int | float | None = None
-    """A budget for saved activations: offloadd profiles the first step of each input shape, then
-    keeps, offloads or recomputes each block of the model so that the peak of saved-activation
-    bytes it holds (kept, in flight, read back, and its buffers) fits, fastest first (see [auto]
-    in auto/planner.py). A size (``"6GiB"``) or a fraction of keep's footprint (``"0.3x"``);
-    ``None`` (off, the default) offloads every saved tensor as the tier says. A budget no plan
-    fits in raises, naming the smallest feasible one."""
+    """A budget for the step's activation peak: offloadd profiles the first step of each input
+    shape, then keeps, offloads or recomputes each block of the model so that the most memory a
+    step uses above what was in use when its forward began (temporaries included, as CUDA's or
+    the host cache's allocator counts it; where neither does, the saved-activation bytes offloadd
+    holds) fits, fastest first (see [auto] in auto/planner.py, [measured peaks] in
+    auto/probe.py). A size (``"6GiB"``) or a fraction of keep's (``"0.3x"``); ``None`` (off, the
+    default) offloads every saved tensor as the tier says. A budget no plan fits in raises,
+    naming the smallest feasible one."""
+
+    memsave: bool = False
+    """Under ``OFFLOADD=1``: apply :func:`offloadd.memsave` to the model (the root module of the
+    first forward) once, so its Conv, ConvTranspose, BatchNorm (eval), ReLU, LeakyReLU, MaxPool and
+    Dropout modules save for backward only what the gradients that will be computed need (bitwise
+    the same gradients; less saved where gradients flow through frozen layers). In a program,
+    call ``offloadd.memsave(model)`` yourself: an :class:`~offloadd.Offloader` does not apply it."""
 
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     """The daemon's settings: the ``[daemon]`` table, ``OFFLOADD_DAEMON_<KEY>`` in the
@@ -209,5 +218,6 @@ KINDS: dict[str, Kind] = {
     "engine": Choice(get_args(EngineName)),
     "io_uring": Choice(get_args(IoUring)),
     "budget": Budget(),
+    "memsave": Bool(),
 }
 """How each field but the ``daemon`` section is read and checked (:mod:`offloadd.config.kinds`)."""

@@ -31,6 +31,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -42,6 +43,7 @@ from offloadd.config import Config
 from offloadd.integrations.ranks import RankInfo, rank_info
 from offloadd.integrations.report import report_dict, summary_line, write_report
 from offloadd.integrations.scope import ModuleScope
+from offloadd.memsave import memsave
 from offloadd.runtime.offloader import Offloader
 
 __all__ = ["AutoOffload", "EnvSettings", "activate", "current"]
@@ -128,6 +130,7 @@ class AutoOffload:
         self._pid = os.getpid()
         self._started = time.monotonic()
         self._finished = False
+        self._memsaved: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self.scope = ModuleScope(self._enter, self._leave)
 
     def install(self) -> None:
@@ -143,6 +146,12 @@ class AutoOffload:
             self.offloader.detach()
 
     def _enter(self, module: nn.Module) -> bool:
+        if self.settings.config.memsave and module not in self._memsaved:
+            # Once per root module (config ``memsave``); its children's forwards, which run
+            # after this, are the selective ones. The root's own class is swapped too if it is
+            # a supported one, for its next forward.
+            memsave(module)
+            self._memsaved.add(module)
         off = self.offloader or self._create()
         off.__enter__()
         # Offloader notes parameter storages from a global pre-hook that it registers on entry,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from offloadd.tools import bench_io, bench_step
+from offloadd.tools import bench_io, bench_memsave, bench_step
 
 __all__ = ["add_arguments", "main"]
 
@@ -15,8 +15,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     bench_step.add_arguments(
         sub.add_parser("step", help=bench_step.HELP, description=bench_step.__doc__)
     )
+    bench_memsave.add_arguments(
+        sub.add_parser("memsave", help=bench_memsave.HELP, description=bench_memsave.__doc__)
+    )
 
 
 def main(ns: argparse.Namespace) -> int:
-    status: int = (bench_step if ns.bench == "step" else bench_io).main(ns)
+    tools = {"step": bench_step, "memsave": bench_memsave}
+    status: int = tools.get(ns.bench, bench_io).main(ns)
     return status

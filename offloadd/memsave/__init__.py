@@ -1,0 +1,18 @@
+"""Selective differentiation: modules that save for backward only what the gradients that will be
+computed read (issue 16). :func:`memsave` swaps a model's supported modules in place (Note [class
+swap] in :mod:`offloadd.memsave.replace`).
+
+| module | role |
+|---|---|
+| ``bits`` | packing bool masks eight to a byte |
+| ``placeholder`` | a zero-byte stand-in for an input a backward reads the shape of |
+| ``conv`` | Conv1d/2d/3d, ConvTranspose1d/2d/3d: the input only for the weight's gradient |
+| ``norm`` | BatchNorm1d/2d/3d in eval mode: the input only for the weight's gradient |
+| ``pointwise`` | ReLU, LeakyReLU, Dropout: bit masks |
+| ``pool`` | MaxPool1d/2d/3d: window offsets, no input |
+| ``replace`` | :func:`memsave`, :func:`unmemsave` |
+"""
+
+from offloadd.memsave.replace import REPLACEMENTS, memsave, unmemsave
+
+__all__ = ["REPLACEMENTS", "memsave", "unmemsave"]

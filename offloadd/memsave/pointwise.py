@@ -1,0 +1,199 @@
+"""ReLU and LeakyReLU saving a bit mask, Dropout saving its mask as bits.
+
+What plain PyTorch (2.13, CPU) saves, and what these save instead, when the input requires grad:
+
+- ``ReLU``: the output, for ``threshold_backward(grad, result, 0)`` (``result <= 0 ? 0 :
+  grad``). Here: the bits of ``not (result <= 0)``; backward turns them into a tensor in the
+  gradient's dtype that is 0 where ``result <= 0`` and positive elsewhere and calls the same
+  ``threshold_backward`` on it, so NaN outputs (gradient passes), ``-0.0`` and exact zeros
+  (gradient 0) behave as in plain; the tests compare the bits. (``torch.where`` would select
+  the same values but is not vectorised on CPU: several times slower.)
+
+Note: [relu mask]
+~~~~~~~~~~~~~~~~~
+The mask is ``result.bool()``, not ``~(result <= 0)``: a ReLU's result is never below zero, so
+the two agree on every value (positive: true; +0.0 and -0.0: false; NaN: true, as ``NaN <= 0``
+is false), and on CPU the cast is vectorised where a comparison that yields bool is not (about
+5x faster on a 1M-element float32 tensor on this project's machine).
+- ``LeakyReLU``: the input (or, in place, the output); ``leaky_relu_backward`` reads only
+  ``self > 0``. Here: those bits; backward calls ``leaky_relu_backward`` on a 0/1 tensor.
+- ``Dropout`` (on CPU ``dropout`` is ``input * noise`` with ``noise`` a full tensor of 0 and
+  ``1 / (1 - p)`` in the input's dtype, saved by ``MulBackward0``): the same ``noise`` is drawn by
+  the same ops (``empty_like(x).bernoulli_(1 - p)``, then ``div_(1 - p)``), so a seed gives the
+  same mask and the same RNG state after; the bits of ``noise != 0`` are saved and backward
+  rebuilds ``noise`` with the same ops. Dropout1d/2d/3d and AlphaDropout are left untouched
+  (their noise is per channel, already small); so is Dropout on devices other than the CPU
+  (``native_dropout`` there, a different graph).
+
+Note: [in place]
+~~~~~~~~~~~~~~~~
+``ReLU(inplace=True)`` (as in ResNets) and ``LeakyReLU(inplace=True)`` stay in place: the
+function modifies its input and marks it dirty (``ctx.mark_dirty``), so the output is the input
+tensor, as in plain PyTorch, with the same aliasing and the same errors (a leaf that requires
+grad cannot be modified in place). One difference: the version counter advances by 2 rather than
+1 (the op's own bump and ``mark_dirty``'s); saved-tensor checks compare a version with the one
+saved, so nothing observable changes. In place LeakyReLU with a slope ``<= 0`` is left to plain
+PyTorch, which refuses its backward.
+
+Note: [fully trainable]
+~~~~~~~~~~~~~~~~~~~~~~~
+Conv and BatchNorm with a trainable weight run plain PyTorch's forward (they need the input
+anyway), so a fully trainable model differs only in its ReLU, LeakyReLU, MaxPool and Dropout
+modules. There a ReLU's mask replaces a tensor that the next layer often saves too (a conv after
+it saves the same storage), so the bytes barely change, and the mask costs a comparison pass in
+forward and an unpacking pass in backward (see docs/benchmarks/memsave_*).
+
+Note: [double backward]
+~~~~~~~~~~~~~~~~~~~~~~~
+All memsave functions are ``once_differentiable``: a first backward is exact (also with
+``create_graph=True``); differentiating the gradients they return raises PyTorch's "trying to
+differentiate twice a function that was marked with @once_differentiable" error rather than
+giving a wrong second derivative. Where memsave runs plain PyTorch's forward (a conv with a
+trainable weight, BatchNorm in train mode) double backward works as in plain. Do not memsave a
+model trained with a gradient penalty through frozen layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from offloadd.memsave.bits import pack_bits, unpack_bits, unpack_flags
+
+__all__ = [
+    "MemsaveDropout",
+    "MemsaveLeakyReLU",
+    "MemsaveReLU",
+    "dropout_bits",
+    "leaky_relu_bits",
+    "relu_bits",
+]
+
+
+_THRESHOLD_BACKWARD = torch.ops.aten.threshold_backward.grad_input
+_LEAKY_RELU_BACKWARD = torch.ops.aten.leaky_relu_backward.grad_input
+
+
+def _wants_graph(x: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and x.requires_grad
+
+
+class _ReLUBits(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, inplace: bool) -> torch.Tensor:
+        out = torch.relu_(x) if inplace else torch.relu(x)
+        if inplace:
+            ctx.mark_dirty(x)
+        ctx.shape = out.shape
+        # not (result <= 0), as a cast: Note [relu mask]
+        ctx.save_for_backward(pack_bits(out.bool()))
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (packed,) = ctx.saved_tensors
+        passes = unpack_flags(packed, ctx.shape).to(grad.dtype)  # 0 where result <= 0, else > 0
+        # written over ``passes`` (elementwise, same positions): one new tensor, as in plain
+        return _THRESHOLD_BACKWARD(grad, passes, 0, grad_input=passes), None
+
+
+class _LeakyReLUBits(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, slope: float, inplace: bool) -> torch.Tensor:
+        positive = x > 0
+        out = F.leaky_relu(x, slope, inplace)
+        if inplace:
+            ctx.mark_dirty(x)
+        ctx.shape = out.shape
+        ctx.slope = slope
+        ctx.save_for_backward(pack_bits(positive))
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (packed,) = ctx.saved_tensors
+        sign = unpack_flags(packed, ctx.shape).to(grad.dtype)  # > 0 exactly where self > 0
+        return _LEAKY_RELU_BACKWARD(grad, sign, ctx.slope, False, grad_input=sign), None, None
+
+
+def _noise(like: torch.Tensor, p: float) -> torch.Tensor:
+    """``noise`` as ATen's CPU ``dropout`` draws it (same ops, same RNG use)."""
+    return torch.empty_like(like).bernoulli_(1 - p)
+
+
+class _DropoutBits(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, p: float, inplace: bool) -> torch.Tensor:
+        noise = _noise(x, p)
+        packed = pack_bits(noise.bool())  # noise is 0 or 1 here
+        noise.div_(1 - p)
+        if inplace:
+            ctx.mark_dirty(x)
+            out = x.mul_(noise)
+        else:
+            out = x * noise
+        ctx.shape = x.shape
+        ctx.p = p
+        ctx.save_for_backward(packed)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (packed,) = ctx.saved_tensors
+        noise = unpack_bits(packed, ctx.shape).to(grad.dtype).div_(1 - ctx.p)
+        return grad * noise, None, None
+
+
+def relu_bits(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """``F.relu(x, inplace)`` saving one bit per element for backward."""
+    if not _wants_graph(x):
+        return F.relu(x, inplace)
+    out: torch.Tensor = _ReLUBits.apply(x, inplace)
+    return out
+
+
+def leaky_relu_bits(x: torch.Tensor, slope: float = 0.01, inplace: bool = False) -> torch.Tensor:
+    """``F.leaky_relu(x, slope, inplace)`` saving one bit per element for backward."""
+    if not _wants_graph(x) or (inplace and slope <= 0):
+        return F.leaky_relu(x, slope, inplace)
+    out: torch.Tensor = _LeakyReLUBits.apply(x, slope, inplace)
+    return out
+
+
+def dropout_bits(
+    x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
+) -> torch.Tensor:
+    """``F.dropout(x, p, training, inplace)`` saving its mask as bits (CPU; else plain)."""
+    plain = not training or p <= 0 or p >= 1 or x.numel() == 0 or x.device.type != "cpu"
+    if plain or not _wants_graph(x):
+        return F.dropout(x, p, training, inplace)
+    out: torch.Tensor = _DropoutBits.apply(x, p, inplace)
+    return out
+
+
+class MemsaveReLU(nn.ReLU):
+    """:class:`torch.nn.ReLU` whose backward keeps a bit mask (:func:`relu_bits`)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return relu_bits(input, self.inplace)
+
+
+class MemsaveLeakyReLU(nn.LeakyReLU):
+    """:class:`torch.nn.LeakyReLU` whose backward keeps a bit mask (:func:`leaky_relu_bits`)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return leaky_relu_bits(input, self.negative_slope, self.inplace)
+
+
+class MemsaveDropout(nn.Dropout):
+    """:class:`torch.nn.Dropout` whose backward keeps its mask as bits (:func:`dropout_bits`)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return dropout_bits(input, self.p, self.training, self.inplace)

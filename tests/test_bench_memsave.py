@@ -1,0 +1,74 @@
+"""``offloadd bench memsave`` smoke-runs at tiny sizes (figures are never asserted, only their
+presence, the deterministic saved-bytes ratios excepted)."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from offloadd.tools import bench_memsave
+
+pytest.importorskip("transformers")
+
+ENGINE_PARAMS = ("default",)  # the benchmark runs the default engine (auto)
+ROOT = Path(__file__).resolve().parent.parent
+TINY = [
+    "--resnet-depths", "1,1,1,1",
+    "--image-size", "32",
+    "--vit-layers", "1",
+    "--vit-hidden", "64",
+    "--vit-image-size", "32",
+    "--batch", "2",
+    "--steps", "1",
+    "--warmup", "0",
+]  # fmt: skip
+
+
+def _ns(*args: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    bench_memsave.add_arguments(p)
+    return p.parse_args(list(args))
+
+
+def test_bench_memsave_tiny(disk_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report.md"
+    ns = _ns(*TINY, "--ssd-dir", str(disk_dir), "--out", str(out))
+    assert bench_memsave.main(ns) == 0
+    text = out.read_text()
+    for scenario in bench_memsave.SCENARIOS:
+        assert f"### {scenario}" in text
+    assert text.count("| memsave+offload |") == len(bench_memsave.SCENARIOS)
+    assert "target saved bytes <= 0.1: met" in text  # saliency: deterministic
+
+
+def test_bench_memsave_ratios_are_deterministic() -> None:
+    ns = _ns(*TINY, "--scenarios", "saliency,full", "--no-offload")
+    a = bench_memsave.run_scenario("saliency", ns)
+    b = bench_memsave.run_scenario("saliency", ns)
+    assert a["plain"]["saved_bytes"] == b["plain"]["saved_bytes"]
+    assert a["memsave"]["saved_bytes"] == b["memsave"]["saved_bytes"]
+    assert a["memsave"]["saved_bytes"] <= 0.1 * a["plain"]["saved_bytes"]
+    assert "memsave+offload" not in a
+
+
+def test_bench_memsave_cli_and_errors() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "offloadd", "bench", "memsave", "--scenarios", "nope"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "unknown 'nope'" in proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "-m", "offloadd", "bench", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert proc.returncode == 0 and "memsave" in proc.stdout

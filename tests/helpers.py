@@ -86,7 +86,8 @@ def train(
                 off.synchronize()
         loss.backward()
         rng = torch.get_rng_state()  # same RNG use, e.g. by dropout
-        out.append([loss.detach().clone(), rng] + [p.grad.clone() for p in model.parameters()])
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]  # not frozen
+        out.append([loss.detach().clone(), rng, *grads])
         opt.step()
         opt.zero_grad()
     return out

@@ -687,3 +687,95 @@ def test_sgd_steps_with_offload_match_plain(disk_dir: Path, dropout: float) -> N
     finally:
         off.close()
     assert_bitwise_equal(reference, got)
+
+
+# -- a fully trainable model: nothing changes (Note [fully trainable] in memsave/gate.py) --------
+
+
+def _saved_shapes(model: nn.Module, x: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    shapes = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        shapes.append((tuple(t.shape), t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x).sum().backward()
+    return shapes
+
+
+def test_a_fully_trainable_model_saves_what_plain_saves() -> None:
+    """Every parameter trainable: the memsaved model saves the same tensors as plain PyTorch
+    (ReLU, MaxPool and Dropout included), bitwise the same results; freezing one parameter
+    switches the masks on at the next forward, unfreezing it off again."""
+    torch.manual_seed(0)
+    plain = small_cnn().train()
+    ms = memsave(copy.deepcopy(plain))
+    x = rand(2, 3, 8, 8)
+    torch.manual_seed(1)
+    want = _saved_shapes(plain, x)
+    torch.manual_seed(1)
+    assert _saved_shapes(ms, x) == want
+    a, plain_bytes = run(plain, x, True, 3)
+    b, ms_bytes = run(ms, x, True, 3)
+    assert ms_bytes == plain_bytes and all(same(u, v) for u, v in zip(a, b, strict=True))
+    ms[0].weight.requires_grad_(False)
+    torch.manual_seed(1)
+    assert any(dt == torch.uint8 for _, dt in _saved_shapes(ms, x))  # bit masks
+    ms[0].weight.requires_grad_(True)
+    torch.manual_seed(1)
+    assert _saved_shapes(ms, x) == want
+
+
+def test_the_gate_follows_copies_and_goes_with_unmemsave() -> None:
+    torch.manual_seed(0)
+    model = memsave(small_cnn())
+    clone = copy.deepcopy(model)
+    restored = pickle.loads(pickle.dumps(model))
+    for m in (clone, restored):
+        m[0].weight.requires_grad_(False)
+    x = rand(2, 3, 8, 8)
+    for m, masks in ((model, False), (clone, True), (restored, True)):
+        torch.manual_seed(1)
+        assert any(dt == torch.uint8 for _, dt in _saved_shapes(m, x)) == masks
+    unmemsave(clone)
+    assert not clone._forward_pre_hooks
+    assert all("_memsave_gate" not in m.__dict__ for m in clone.modules())
+
+
+# -- the equivalence suite's models, memsaved, with their first layer frozen ------------------
+
+
+def _first_layer_frozen(make: Callable[[], nn.Module], memsaved: bool) -> Callable[[], nn.Module]:
+    """``make``'s model with the weight of its first module that has one frozen (gradients flow
+    through it: the masks are on, Note [fully trainable]); memsaved or not."""
+
+    def build() -> nn.Module:
+        model = make()
+        first = next(
+            m for m in model.modules() if isinstance(getattr(m, "weight", None), nn.Parameter)
+        )
+        first.weight.requires_grad_(False)
+        return memsave(model) if memsaved else model
+
+    return build
+
+
+@pytest.mark.parametrize("tier", ["keep", "ssd", "cpu"])
+@pytest.mark.parametrize("model", ["mlp", "convnet", "encoder", "gpt"])
+def test_equivalence_models_memsaved_under_every_tier(
+    model: str, tier: str, disk_dir: Path
+) -> None:
+    """The models of tests/test_equivalence.py, first layer frozen: memsaved and offloaded,
+    bitwise the unmodified model trained without offloadd (dropout on)."""
+    from .helpers import assert_bitwise_equal, train
+    from .test_equivalence import MODELS
+
+    make, make_input = MODELS[model]
+    reference = train(_first_layer_frozen(make, False), make_input, None)
+    off = small_offloader(disk_dir, tier=tier)
+    try:
+        got = train(_first_layer_frozen(make, True), make_input, off, settle_first=True)
+    finally:
+        off.close()
+    assert_bitwise_equal(reference, got)

@@ -35,13 +35,8 @@ grad cannot be modified in place). One difference: the version counter advances 
 saved, so nothing observable changes. In place LeakyReLU with a slope ``<= 0`` is left to plain
 PyTorch, which refuses its backward.
 
-Note: [fully trainable]
-~~~~~~~~~~~~~~~~~~~~~~~
-Conv and BatchNorm with a trainable weight run plain PyTorch's forward (they need the input
-anyway), so a fully trainable model differs only in its ReLU, LeakyReLU, MaxPool and Dropout
-modules. There a ReLU's mask replaces a tensor that the next layer often saves too (a conv after
-it saves the same storage), so the bytes barely change, and the mask costs a comparison pass in
-forward and an unpacking pass in backward (see docs/benchmarks/memsave_*).
+A fully trainable model runs plain PyTorch's forward in these modules: Note [fully trainable] in
+:mod:`offloadd.memsave.gate`.
 
 Note: [double backward]
 ~~~~~~~~~~~~~~~~~~~~~~~
@@ -63,6 +58,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from offloadd.memsave.bits import pack_bits, unpack_bits, unpack_flags
+from offloadd.memsave.gate import gated_off
 
 __all__ = [
     "MemsaveDropout",
@@ -182,6 +178,8 @@ class MemsaveReLU(nn.ReLU):
     """:class:`torch.nn.ReLU` whose backward keeps a bit mask (:func:`relu_bits`)."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if gated_off(self):  # Note [fully trainable]
+            return F.relu(input, self.inplace)
         return relu_bits(input, self.inplace)
 
 
@@ -189,6 +187,8 @@ class MemsaveLeakyReLU(nn.LeakyReLU):
     """:class:`torch.nn.LeakyReLU` whose backward keeps a bit mask (:func:`leaky_relu_bits`)."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if gated_off(self):  # Note [fully trainable]
+            return F.leaky_relu(input, self.negative_slope, self.inplace)
         return leaky_relu_bits(input, self.negative_slope, self.inplace)
 
 
@@ -196,4 +196,6 @@ class MemsaveDropout(nn.Dropout):
     """:class:`torch.nn.Dropout` whose backward keeps its mask as bits (:func:`dropout_bits`)."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if gated_off(self):  # Note [fully trainable]
+            return F.dropout(input, self.p, self.training, self.inplace)
         return dropout_bits(input, self.p, self.training, self.inplace)

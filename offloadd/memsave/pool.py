@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from offloadd.memsave.gate import gated_off
 from offloadd.memsave.placeholder import placeholder
 
 __all__ = [
@@ -153,6 +154,7 @@ class _MemsaveMaxPool:
         nd = self._nd
         plain = (
             pool.return_indices
+            or gated_off(pool)  # Note [fully trainable]
             or not (torch.is_grad_enabled() and x.requires_grad)
             or x.dim() != nd + 2
             or x.device.type != "cpu"

@@ -30,6 +30,7 @@ from offloadd.memsave.conv import (
     MemsaveConvTranspose2d,
     MemsaveConvTranspose3d,
 )
+from offloadd.memsave.gate import Gate
 from offloadd.memsave.norm import MemsaveBatchNorm1d, MemsaveBatchNorm2d, MemsaveBatchNorm3d
 from offloadd.memsave.pointwise import MemsaveDropout, MemsaveLeakyReLU, MemsaveReLU
 from offloadd.memsave.pool import MemsaveMaxPool1d, MemsaveMaxPool2d, MemsaveMaxPool3d
@@ -61,19 +62,35 @@ _ORIGINALS = {v: k for k, v in REPLACEMENTS.items()}
 def memsave(model: nn.Module) -> nn.Module:
     """Make ``model`` (in place) save for backward only what the gradients that will be computed
     need: every module (``model`` included) whose class is exactly a key of
-    :data:`REPLACEMENTS` gets its selective subclass (Note [class swap]). Gradients, outputs,
-    running statistics and RNG use are bitwise those of the unmodified model. Returns ``model``."""
+    :data:`REPLACEMENTS` gets its selective subclass (Note [class swap]), and ``model`` a
+    :class:`~offloadd.memsave.gate.Gate` (Note [fully trainable]: nothing changes while every
+    parameter is trainable). Gradients, outputs, running statistics and RNG use are bitwise those
+    of the unmodified model. Returns ``model``."""
+    gate = _gate(model)
+    if gate is None:
+        gate = Gate()
+        model.register_forward_pre_hook(gate)
     for module in model.modules():
         cls = REPLACEMENTS.get(type(module))
         if cls is not None:
             module.__class__ = cls
+        if type(module) in _ORIGINALS:
+            module._memsave_gate = gate
     return model
 
 
 def unmemsave(model: nn.Module) -> nn.Module:
     """Undo :func:`memsave` (in place); returns ``model``."""
+    for key, hook in list(model._forward_pre_hooks.items()):
+        if isinstance(hook, Gate):
+            del model._forward_pre_hooks[key]
     for module in model.modules():
         cls = _ORIGINALS.get(type(module))
         if cls is not None:
             module.__class__ = cls
+            module.__dict__.pop("_memsave_gate", None)
     return model
+
+
+def _gate(model: nn.Module) -> Gate | None:
+    return next((h for h in model._forward_pre_hooks.values() if isinstance(h, Gate)), None)

@@ -75,7 +75,7 @@ def memsave(model: nn.Module) -> nn.Module:
         if cls is not None:
             module.__class__ = cls
         if type(module) in _ORIGINALS:
-            module._memsave_gate = gate
+            module.__dict__["_memsave_gate"] = gate  # a plain attribute (not a submodule)
     return model
 
 

@@ -236,8 +236,16 @@ def test_auto_points_end_to_end(disk_dir: Path, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     by = {r["strategy"]: r for r in _rows(out)}
     assert set(by) == {"keep", "recompute", "auto@100x", "auto@recompute"}
+    # At this size RSS is mostly not tensors: recompute's RSS less keep's overhead (RSS above
+    # what keep held: no offload-ssd point to measure the host cache against, see [budgets on
+    # the axis]) can be below what the measured plan needs. Infeasible is then the honest answer.
+    rec = by.pop("auto@recompute")
+    assert rec["status"] == "ok" or (
+        rec["status"] == "infeasible" and "smallest feasible budget" in rec["error"]
+    ), rec
     assert all(r["status"] == "ok" for r in by.values()), by
     assert by["auto@100x"]["plan"] == "k3 o0 r0"  # everything fits: both blocks and the head
+    by["auto@recompute"] = rec
     assert int(by["auto@recompute"]["budget_bytes"]) == int(
         by["recompute"]["activation_peak_bytes"]
     )

@@ -10,8 +10,7 @@ from __future__ import annotations
 import copy
 import itertools
 import pickle
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ import offloadd
 from offloadd.memsave.bits import pack_bits, packed_bytes, unpack_bits
 from offloadd.memsave.pool import compact_indices, expand_indices
 from offloadd.memsave.replace import REPLACEMENTS, memsave, unmemsave
+from offloadd.tools.bench_memsave import Logits, count_saved_bytes
 
 from .helpers import small_offloader
 
@@ -32,26 +32,6 @@ GRADS = list(itertools.product([False, True], repeat=3))  # input, weight, bias 
 
 
 # -- helpers ---------------------------------------------------------------------------------
-
-
-@contextmanager
-def saved_bytes(model: nn.Module | None = None) -> Iterator[list[int]]:
-    """Bytes of the distinct storages saved for backward while inside (parameters excluded)."""
-    params = set()
-    if model is not None:
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-    total = [0]
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in params and s.data_ptr() not in seen:
-            seen[s.data_ptr()] = s.nbytes()
-        total[0] = sum(seen.values())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield total
 
 
 def set_grads(m: nn.Module, weight: bool, bias: bool) -> None:
@@ -69,7 +49,7 @@ def run(
     for step in range(steps):
         leaf = x.detach().clone().requires_grad_(rx)
         torch.manual_seed(seed + step)
-        with saved_bytes(m) as counted:
+        with count_saved_bytes(m) as counted:
             out = m(leaf.clone())  # not the leaf: in-place modules may modify it
         nbytes = counted[0]
         results.append(out.detach().clone())
@@ -525,16 +505,6 @@ def test_double_backward_raises() -> None:
 # -- whole models (transformers, random weights) ---------------------------------------------
 
 transformers = pytest.importorskip("transformers")
-
-
-class Logits(nn.Module):
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.model(pixel_values=x).logits
-        return out
 
 
 def tiny_resnet() -> nn.Module:

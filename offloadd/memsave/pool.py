@@ -16,6 +16,7 @@ unbatched inputs, inputs that are not contiguous, and devices other than the CPU
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -72,14 +73,8 @@ def compact_indices(
         pos = rest % spatial[d] if d else rest
         rest = rest // spatial[d]
         k = (pos - starts[d]) // dilation[d]
-        scale = 1
-        for e in range(d + 1, nd):
-            scale *= kernel[e]
-        offset = offset + k * scale
-    volume = 1
-    for k_ in kernel:
-        volume *= k_
-    return offset.to(_offset_dtype(volume))
+        offset = offset + k * math.prod(kernel[d + 1 :])
+    return offset.to(_offset_dtype(math.prod(kernel)))
 
 
 def expand_indices(
@@ -96,10 +91,7 @@ def expand_indices(
         k = rest % kernel[d] if d else rest
         rest = rest // kernel[d]
         pos = starts[d] + k * dilation[d]
-        scale = 1
-        for e in range(d + 1, nd):
-            scale *= spatial[e]
-        index = index + pos * scale
+        index = index + pos * math.prod(spatial[d + 1 :])
     return index
 
 

@@ -37,9 +37,11 @@ from torch import nn
 
 from offloadd.memsave import memsave
 from offloadd.runtime.offloader import Offloader
+from offloadd.tools.machine import command_line
 from offloadd.tools.models.hf import require_transformers
 
 __all__ = [
+    "Logits",
     "CONFIGS",
     "HELP",
     "SCENARIOS",
@@ -82,7 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # -- models --------------------------------------------------------------------------------
 
 
-class _Logits(nn.Module):
+class Logits(nn.Module):
+    """An image classifier of transformers as ``pixels -> logits``."""
+
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
@@ -95,7 +99,7 @@ class _Logits(nn.Module):
 def _resnet(depths: list[int]) -> nn.Module:
     tf = require_transformers()
     cfg = tf.ResNetConfig(depths=depths, layer_type="bottleneck", num_labels=10)
-    return _Logits(tf.ResNetForImageClassification(cfg))
+    return Logits(tf.ResNetForImageClassification(cfg))
 
 
 def _vit(ns: argparse.Namespace) -> nn.Module:
@@ -110,7 +114,7 @@ def _vit(ns: argparse.Namespace) -> nn.Module:
         intermediate_size=4 * ns.vit_hidden,
         num_labels=10,
     )
-    return _Logits(tf.ViTForImageClassification(cfg))
+    return Logits(tf.ViTForImageClassification(cfg))
 
 
 def _build(scenario: str, ns: argparse.Namespace) -> tuple[nn.Module, torch.Tensor, bool]:
@@ -281,7 +285,7 @@ def main(ns: argparse.Namespace) -> int:
     header = [
         "## offloadd bench memsave",
         "",
-        f"- command: `{_command()}`",
+        f"- command: `{command_line()}`",
         f"- torch {torch.__version__}, {torch.get_num_threads()} threads",
         f"- ResNet depths {ns.resnet_depths}, image {ns.image_size}; ViT {ns.vit_layers} layers, "
         f"hidden {ns.vit_hidden}, image {ns.vit_image_size}; batch {ns.batch}; "
@@ -297,14 +301,3 @@ def main(ns: argparse.Namespace) -> int:
         Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
         Path(ns.out).write_text(report + "\n")
     return 0
-
-
-def _command() -> str:
-    argv = list(sys.argv)
-    if argv[0].endswith("__main__.py"):
-        argv[0] = "python -m offloadd"
-    elif argv[0].endswith(".py"):
-        argv[0] = f"python {argv[0]}"
-    else:
-        argv[0] = Path(argv[0]).name
-    return " ".join(argv)

@@ -27,6 +27,7 @@ import torch
 
 from offloadd.runtime.offloader import Offloader
 from offloadd.tools.bench_step_report import format_report
+from offloadd.tools.machine import command_line
 from offloadd.tools.models.build import MODELS
 from offloadd.tools.models.hf import HF_FAMILIES, require_transformers
 from offloadd.tools.train import (
@@ -92,7 +93,7 @@ def main(ns: argparse.Namespace) -> int:
     report = format_report(
         ns,
         results,
-        command=_command(),
+        command=command_line(),
         hook_cost=hook_cost,
         depth=depth,
     )
@@ -101,18 +102,6 @@ def main(ns: argparse.Namespace) -> int:
         Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
         Path(ns.out).write_text(report + "\n")
     return 0
-
-
-def _command() -> str:
-    """How this run was started, as a person would type it."""
-    argv = list(sys.argv)
-    if argv[0].endswith("__main__.py"):
-        argv[0] = "python -m offloadd"
-    elif argv[0].endswith(".py"):
-        argv[0] = f"python {argv[0]}"
-    else:
-        argv[0] = Path(argv[0]).name
-    return " ".join(argv)
 
 
 def _options(ns: argparse.Namespace) -> dict[str, Any]:

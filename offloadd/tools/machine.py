@@ -16,7 +16,7 @@ import torch
 from offloadd import __version__
 from offloadd.io.files import filesystem_type
 
-__all__ = ["describe_machine", "machine_line"]
+__all__ = ["command_line", "describe_machine", "machine_line"]
 
 
 def _cpu_model() -> str:
@@ -98,3 +98,15 @@ def machine_line(m: dict[str, Any]) -> str:
         else f"{m['cpu']}, {m['logical_cores']} cores"
     )
     return f"{where}, {m['ram_bytes'] / gib:.0f} GiB RAM, torch {m['torch']}"
+
+
+def command_line() -> str:
+    """How this run was started, as a person would type it."""
+    argv = list(sys.argv)
+    if argv[0].endswith("__main__.py"):
+        argv[0] = "python -m offloadd"
+    elif argv[0].endswith(".py"):
+        argv[0] = f"python {argv[0]}"
+    else:
+        argv[0] = Path(argv[0]).name
+    return " ".join(argv)

@@ -22,6 +22,7 @@ __all__ = [
     "Dirs",
     "Int",
     "Kind",
+    "Names",
     "Rejected",
     "Size",
     "SocketPath",
@@ -218,6 +219,20 @@ class Dirs:
             if not isinstance(p, str | os.PathLike) or not str(p).strip():
                 raise Rejected
             out.append(os.path.expanduser(str(p).strip()))
+        return tuple(out)
+
+
+class Names:
+    """Names: a list of identifiers, or one string of them separated by commas or blanks."""
+
+    what = "a list of names (or one string of them separated by ',')"
+
+    def read(self, value: object) -> tuple[str, ...]:
+        out = []
+        for p in _items(value, r"[,\s]+"):
+            if not isinstance(p, str) or not p.strip().isidentifier():
+                raise Rejected
+            out.append(p.strip())
         return tuple(out)
 
 

@@ -24,17 +24,28 @@ from offloadd.config.kinds import (
     Dirs,
     Int,
     Kind,
+    Names,
     Size,
     check,
     invalid,
 )
 
-__all__ = ["KINDS", "Config", "DirectIO", "EngineName", "HostAllocator", "IoUring", "Tier"]
+__all__ = [
+    "KINDS",
+    "CodecName",
+    "Config",
+    "DirectIO",
+    "EngineName",
+    "HostAllocator",
+    "IoUring",
+    "Tier",
+]
 
 Tier = Literal["keep", "cpu", "ssd"]
 EngineName = Literal["auto", "native", "python", "kvikio"]
 IoUring = Literal["auto", "on", "off"]
 HostAllocator = Literal["auto", "caching", "system"]
+CodecName = Literal["none", "int8", "fp8-e4m3", "fp8-e5m2", "int4", "int2"]
 
 _ALIGN = 4096
 
@@ -126,6 +137,35 @@ class Config:
     the same gradients; less saved where gradients flow through frozen layers). In a program,
     call ``offloadd.memsave(model)`` yourself: an :class:`~offloadd.Offloader` does not apply it."""
 
+    codec: CodecName = "none"
+    """Lossy compression of saved activations, opt-in: ``"none"`` (the default) stores them
+    exactly; ``"int8"``, ``"fp8-e4m3"``, ``"fp8-e5m2"``, ``"int4"``, ``"int2"`` encode the floating
+    activations that the ops in ``codec_ops`` save, per group of ``codec_group`` values with a
+    range each, before they are kept, moved or written (see [the codes] in codec/quant.py, [what
+    gets compressed] in codec/ops.py). Gradients are then approximate: docs/benchmarks holds the
+    measured error and loss curves of each codec."""
+
+    codec_group: int = 256
+    """Values per quantisation group (a range each); near it, groups follow rows and heads."""
+
+    codec_symmetric: bool = True
+    """``int8``: a scale per group around zero (``True``) or a minimum and a step (``False``).
+    int4 and int2 always use a minimum and a step; fp8 always a scale."""
+
+    codec_stochastic: bool = False
+    """Integer codecs: round stochastically (unbiased) instead of to nearest, from a generator
+    seeded per step with ``codec_seed``, so runs reproduce."""
+
+    codec_seed: int = 0
+    """Seed of stochastic rounding (mixed with the step number)."""
+
+    codec_min_bytes: int = 64 << 10
+    """Floating activations smaller than this are never encoded."""
+
+    codec_ops: tuple[str, ...] = ()
+    """Torch functions whose saved activations the codec may encode (``["linear"]``: only linear
+    inputs); empty (the default): the list in codec/ops.py, each entry with its reason."""
+
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     """The daemon's settings: the ``[daemon]`` table, ``OFFLOADD_DAEMON_<KEY>`` in the
     environment (:class:`~offloadd.config.DaemonConfig`). The training side reads only
@@ -137,6 +177,10 @@ class Config:
             object.__setattr__(self, name, check(name, kind, getattr(self, name)))
         if not isinstance(self.daemon, DaemonConfig):
             raise invalid("daemon", self.daemon, "a DaemonConfig (the daemon's settings)")
+        if self.codec_stochastic and self.codec.startswith("fp8"):
+            raise ValueError(
+                f"codec_stochastic: stochastic rounding is for the integer codecs, not {self.codec}"
+            )
         if self.staging_bytes < self.chunk_bytes:
             raise ValueError(
                 f"staging_bytes: {self.staging_bytes} does not hold one chunk "
@@ -219,5 +263,12 @@ KINDS: dict[str, Kind] = {
     "io_uring": Choice(get_args(IoUring)),
     "budget": Budget(),
     "memsave": Bool(),
+    "codec": Choice(get_args(CodecName)),
+    "codec_group": Int(8, 1 << 20),
+    "codec_symmetric": Bool(),
+    "codec_stochastic": Bool(),
+    "codec_seed": Int(0, (1 << 63) - 1),
+    "codec_min_bytes": Size(),
+    "codec_ops": Names(),
 }
 """How each field but the ``daemon`` section is read and checked (:mod:`offloadd.config.kinds`)."""

@@ -30,6 +30,7 @@ import torch
 from offloadd.auto.planner import AutoPlanner
 from offloadd.auto.solver import Plan
 from offloadd.backend import Backend, open_backend
+from offloadd.codec.coder import Codec, Coded
 from offloadd.config import Config
 from offloadd.io.pools import Pool
 from offloadd.io.request import Engine, on_engine_thread
@@ -106,6 +107,10 @@ class Offloader:
             if cfg.budget is not None
             else None
         )
+        # Lossy codes of some saved activations, opt-in (see [codes through the tiers]).
+        self._codec = Codec(cfg) if cfg.codec != "none" else None
+        if self._codec is not None:
+            self._stats.codec = cfg.codec
         # Last before the finalizer that releases it: a part refusing the config (the backend,
         # the writer) leaves torch's allocator alone.
         self._host_cache = host_allocator.open_for(cfg, ledger.warn_once)
@@ -137,7 +142,17 @@ class Offloader:
             self._auto.forward_begins()  # may refuse a budget no plan fits in, before any hook
         if self._backend is not None:
             self._backend.begin_step()  # the daemon client reconnects after a loss
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        codec = self._codec
+        if codec is None:
+            hooks: Any = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        else:
+            if not stack:
+                codec.begin_step()
+            hooks = contextlib.ExitStack()
+            hooks.enter_context(
+                torch.autograd.graph.saved_tensors_hooks(self._pack_coded, self._unpack_coded)
+            )
+            hooks.enter_context(codec.scope())
         hooks.__enter__()
         stack.append(hooks)
         with self._lock:
@@ -194,6 +209,8 @@ class Offloader:
             self._writer.note_buffers()
             if self._host_cache:
                 host_allocator.note_stats(self._stats)
+            if self._codec is not None:
+                self._codec.note_stats(self._stats)
             if self._backend is not None:
                 self._stats.disk_bytes = self._backend.used_bytes
                 self._stats.engine = self._backend.name
@@ -329,6 +346,34 @@ class Offloader:
             self._ledger.add_resident(block.nbytes)
         self._captures.add(block)
         return Ref(block, t, self._released, keep=False)
+
+    def _pack_coded(self, t: torch.Tensor) -> Any:
+        """pack with a codec: encoded where [what gets compressed] in codec/ops.py allows it
+        and the storage is not already saved exactly, else :meth:`_pack`."""
+        codec = self._codec
+        assert codec is not None
+        if codec.wants(t) and not self._saved_exactly(t):
+            coded = codec.pack(t, self._pack)
+            if coded is not None:
+                return coded
+        return self._pack(t)
+
+    def _saved_exactly(self, t: torch.Tensor) -> bool:
+        storage = movable_storage(t, False)
+        if storage is None:
+            return False
+        root = t._base if t._base is not None else t
+        with self._lock:
+            index = self._index
+            return index.backs_parameter(t, storage) or (
+                index.lookup(index.key(t, storage), root) is not None
+            )
+
+    def _unpack_coded(self, packed: Any) -> torch.Tensor:
+        if type(packed) is Coded:
+            assert self._codec is not None
+            return self._codec.unpack(packed, self._unpack)
+        return self._unpack(packed)
 
     def _note_saved(self, auto: AutoPlanner, nbytes: int) -> None:
         tag = getattr(self._tls, "tag", None)

@@ -65,6 +65,14 @@ class Stats:
     """Tensors kept in memory because their I/O failed (disk full, I/O error)."""
     buffered_io: bool = False
     """True when some file fell back from O_DIRECT to buffered I/O."""
+    codec: str = ""
+    """The lossy codec in use (``Config.codec``; empty for none)."""
+    coded_tensors: int = 0
+    """Saved tensors the codec encoded (each shared view once)."""
+    coded_in_bytes: int = 0
+    """Their bytes before encoding."""
+    coded_out_bytes: int = 0
+    """The bytes of their codes and ranges (what was saved in their place)."""
     engine: str = ""
     """The I/O engine in use ("native/uring", "native/threads", "python", "daemon"; empty for
     tier keep). "native/threads" too once a failed io_uring ring moved the engine to threads."""
@@ -83,6 +91,12 @@ class Stats:
             f"written {format_bytes(self.bytes_written)}, read {format_bytes(self.bytes_read)}, "
             f"io wait {self.io_wait_s:.3f}s, fallbacks {self.fallbacks}"
             + (f", engine {self.engine}" if self.engine else "")
+            + (
+                f", codec {self.codec} {format_bytes(self.coded_in_bytes)} -> "
+                f"{format_bytes(self.coded_out_bytes)}"
+                if self.codec
+                else ""
+            )
             + (
                 f", host cache {format_bytes(self.host_cached_bytes)} idle, "
                 f"{self.host_cache_hits}/{self.host_cache_hits + self.host_cache_misses} hits"

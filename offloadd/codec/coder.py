@@ -1,0 +1,210 @@
+"""The codec in the pack path: which saved tensors it encodes, the handle it returns, dedup.
+
+Note: [codes through the tiers] A tensor the codec takes (see [what gets compressed] in ops.py)
+is encoded inside pack on its own device (on a GPU before any copy to the host), and its codes
+and ranges are then saved like any other tensor: :class:`Codec` hands both to the exact pack
+path, which keeps them (tier keep: compressed in memory), moves them to the host pool or writes
+them to files (tiers cpu and ssd, embedded engine or daemon), and counts them for the planner
+of a budget, which so plans with the compressed sizes. Unpack brings both back through the same
+path, decodes, and returns a tensor of the saved one's dtype, shape and strides.
+
+A storage saved twice by allowed ops (the same layer-norm output read by three projections) is
+encoded once: the key is the one of [dedup identity] in runtime/dedup.py plus the view's
+geometry, and the handle is shared while it lives. A storage already saved exactly (by an op not
+in the list, say) is not encoded again: the exact copy is referenced instead, which costs
+nothing more. Stochastic rounding draws from one generator per device, seeded at each step's
+first forward from ``codec_seed`` and the step number, so two runs with the same seed round the
+same way.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from offloadd.codec.ops import DEFAULT_OPS, OpScope, saved_shapes
+from offloadd.codec.quant import Encoded, Scheme, decode, encode, group_size
+from offloadd.runtime.handles import describe, inplace_error, storage_of, version_handle
+
+if TYPE_CHECKING:
+    from offloadd.config import Config
+
+__all__ = ["Codec", "Coded", "dense_order"]
+
+_FLOATING = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class Coded:
+    """What pack returns for an encoded tensor: the exact path's handles of its codes and
+    ranges, and what rebuilds it."""
+
+    __slots__ = (
+        "__weakref__",
+        "codes",
+        "desc",
+        "dtype",
+        "group",
+        "handle",
+        "numel",
+        "params",
+        "perm",
+        "shape",
+        "version",
+    )
+
+    def __init__(self, t: torch.Tensor, perm: tuple[int, ...], enc: Encoded, pack: Any) -> None:
+        self.codes = pack(enc.codes)
+        self.params = pack(enc.params)
+        self.numel = enc.numel
+        self.group = enc.group
+        self.dtype = t.dtype
+        self.shape = tuple(t.shape[i] for i in perm)
+        self.perm = perm
+        self.version = t._version
+        self.handle = version_handle(t)
+        self.desc = describe(t)
+
+
+def dense_order(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The permutation of ``t``'s dims that makes it contiguous, or None (overlapping, gaps)."""
+    stride, size = t.stride(), t.shape
+    perm = tuple(sorted(range(t.dim()), key=lambda d: (-stride[d], -size[d])))
+    return perm if t.permute(perm).is_contiguous() else None
+
+
+def layout_for(t: torch.Tensor, storage: torch.UntypedStorage) -> tuple[int, ...] | None:
+    """How ``t`` is encoded: the permutation that makes it contiguous (encoded in memory order,
+    decoded to the same strides), the identity for a view with gaps (a slice of a fused
+    projection's output: encoded from a contiguous copy, decoded contiguous), or None for a
+    view that repeats elements (an expand: a copy would be larger than what it saves)."""
+    perm = dense_order(t)
+    if perm is not None:
+        return perm
+    if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape, strict=True)):
+        return None
+    if t.nbytes > storage.nbytes():
+        return None
+    return tuple(range(t.dim()))
+
+
+class Codec:
+    """Encodes the saved tensors it may in pack and decodes them in unpack (one Offloader's)."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.scheme = Scheme(
+            cfg.codec,
+            group=cfg.codec_group,
+            symmetric=cfg.codec_symmetric,
+            stochastic=cfg.codec_stochastic,
+        )
+        self.min_bytes = max(cfg.codec_min_bytes, 1)
+        self.ops = frozenset(cfg.codec_ops) if cfg.codec_ops else frozenset(DEFAULT_OPS)
+        self.seed = cfg.codec_seed
+        self.step = 0
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._saved: dict[tuple[Any, ...], tuple[StorageWeakRef, Any, Any]] = {}
+        self.coded_tensors = 0
+        self.coded_in_bytes = 0
+        self.coded_out_bytes = 0
+
+    def note_stats(self, stats: Any) -> None:
+        stats.coded_tensors = self.coded_tensors
+        stats.coded_in_bytes = self.coded_in_bytes
+        stats.coded_out_bytes = self.coded_out_bytes
+
+    def scope(self) -> OpScope:
+        """The torch function mode that tells pack which op saves (enter it per thread)."""
+        return OpScope(self.ops)
+
+    def begin_step(self) -> None:
+        """A step's first forward: reseed stochastic rounding, drop dead dedup entries."""
+        self.step += 1
+        for device, gen in self._generators.items():
+            gen.manual_seed(self._seed_for(device))
+        self._saved = {k: v for k, v in self._saved.items() if v[2]() is not None}
+
+    def _seed_for(self, device: torch.device) -> int:
+        return (self.seed * 1_000_003 + self.step) & ((1 << 63) - 1)
+
+    def _generator(self, device: torch.device) -> torch.Generator | None:
+        if not self.scheme.stochastic:
+            return None
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = self._generators[device] = torch.Generator(device=device)
+            gen.manual_seed(self._seed_for(device))
+        return gen
+
+    # -- pack ------------------------------------------------------------------------------
+
+    def wants(self, t: torch.Tensor) -> bool:
+        """Whether ``t``, being saved now, is one the codec encodes (see ops.py)."""
+        shapes = saved_shapes()
+        return (
+            shapes is not None
+            and type(t) is torch.Tensor
+            and t.dtype in _FLOATING
+            and t.layout is torch.strided
+            and t.nbytes >= self.min_bytes
+            and t.shape in shapes
+            and t.device.type in ("cpu", "cuda")
+            and not t.is_conj()
+            and not t.is_neg()
+            and not isinstance(t._base, torch.nn.Parameter)
+        )
+
+    def pack(self, t: torch.Tensor, pack_exact: Callable[[torch.Tensor], Any]) -> Coded | None:
+        """The coded handle of ``t`` (shared with an earlier save of the same view), or None
+        when ``t`` is not to be encoded (see :func:`layout_for`) and is saved exactly."""
+        storage = storage_of(t)
+        perm = layout_for(t, storage) if storage is not None else None
+        if perm is None or storage is None:
+            return None
+        root = t._base if t._base is not None else t
+        key = (
+            t.device,
+            storage._cdata,
+            t._version,
+            t.dtype,
+            t.storage_offset(),
+            tuple(t.shape),
+            t.stride(),
+        )
+        hit = self._saved.get(key)
+        if hit is not None and not hit[0].expired() and hit[1]() is root:
+            coded = hit[2]()
+            if coded is not None:
+                return coded
+        x = t.detach().permute(perm).contiguous()  # a copy only for a view with gaps
+        group = group_size(x.shape, self.scheme.group)
+        enc = encode(x, self.scheme, group, self._generator(t.device))
+        coded = Coded(t, perm, enc, pack_exact)
+        self._saved[key] = (StorageWeakRef(storage), weakref.ref(root), weakref.ref(coded))
+        self.coded_tensors += 1
+        self.coded_in_bytes += t.nbytes
+        self.coded_out_bytes += enc.codes.nbytes + enc.params.nbytes
+        return coded
+
+    # -- unpack ----------------------------------------------------------------------------
+
+    def unpack(self, coded: Coded, unpack_exact: Callable[[Any], torch.Tensor]) -> torch.Tensor:
+        """The decoded tensor, of the saved one's dtype and shape, and its strides unless it was
+        a view with gaps (then contiguous)."""
+        h = coded.handle
+        if h is not None and h._version != coded.version:
+            raise inplace_error(coded.desc, coded.version, h._version)
+        enc = Encoded(
+            codes=unpack_exact(coded.codes),
+            params=unpack_exact(coded.params),
+            numel=coded.numel,
+            group=coded.group,
+        )
+        flat = decode(enc, self.scheme, coded.dtype)
+        inverse = [0] * len(coded.perm)
+        for i, d in enumerate(coded.perm):
+            inverse[d] = i
+        return flat.view(coded.shape).permute(inverse)

@@ -1,0 +1,121 @@
+"""Which saved tensors a lossy codec may touch: the op that saves them, and which of them.
+
+Note: [what gets compressed] Saved-tensor hooks do not say which op saves a tensor. While a codec
+is on, :class:`OpScope` (a torch function mode, entered with the offloading scope on each
+thread) notes the torch function running at the outermost level (``linear``, ``softmax``,
+``scaled_dot_product_attention``…); pack compresses a saved tensor only if
+
+* that function is in the allow list below (or in ``codec_ops``, which replaces it),
+* the tensor has the shape of one of the function's tensor arguments, so what an op saves
+  beside its inputs and outputs (layer norm's mean and rstd, attention's logsumexp, which
+  every probability is divided by) stays exact, and
+* it is floating (float32, bfloat16, float16), strided, dense, not a parameter, and at least
+  ``codec_min_bytes`` (masks, indices, RNG state and integer tensors never qualify).
+
+Everything else is saved exactly, as with ``codec = "none"``. The list holds the ops whose
+gradients use a saved activation as a factor, where a small relative error stays small. Left
+out, with the reason: comparisons (``max``, ``amax``, ``clamp``, ``relu``, ``threshold``: the
+gradient's mask is decided by the saved values, so a rounded value moves it; ``relu``'s exact
+bit mask is what ``memsave`` is for), divisions by a saved value (``div``, ``log``, ``sqrt``,
+``pow`` with a negative exponent, ``reciprocal``: a value rounded towards zero blows up), dropout
+(its mask must stay exact), the loss (``log_softmax``, ``cross_entropy``: log-probabilities
+near -30 would lose their digits), and anything unknown.
+
+Compression happens inside pack. For the ops listed that is after their inputs were computed
+and before their kernel runs, and none of them writes a saved input (the case [capture after the
+op] in runtime/capture.py guards against), so the bytes encoded are the bytes backward would
+have read. An in-place change after the save still raises PyTorch's error at unpack (the coded
+handle checks the version counter).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any, Final
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["DEFAULT_OPS", "OpScope", "saved_shapes"]
+
+DEFAULT_OPS: Final[dict[str, str]] = {
+    "linear": "saves its input; grad_weight = grad^T @ input (Mesa and ActNN compress it)",
+    "matmul": "saves both operands; each gradient is the other operand times grad",
+    "bmm": "as matmul",
+    "mm": "as matmul",
+    "addmm": "as matmul (HF GPT-2's Conv1D)",
+    "baddbmm": "as matmul",
+    "conv1d": "saves its input; grad_weight correlates grad with it",
+    "conv2d": "as conv1d",
+    "conv3d": "as conv1d",
+    "gelu": "saves its input; the derivative is smooth in it",
+    "silu": "as gelu",
+    "tanh": "saves its output; grad * (1 - y^2)",
+    "sigmoid": "saves its output; grad * y * (1 - y)",
+    "softmax": "saves its output in [0, 1]; grad is y * (g - sum(g * y)) (Mesa compresses it)",
+    "layer_norm": "saves its input (mean and rstd stay exact: other shapes)",
+    "mul": "saves both operands; each gradient is grad times the other",
+    "scaled_dot_product_attention": (
+        "saves q, k, v and the output (its logsumexp stays exact: another shape); "
+        "only without dropout"
+    ),
+}
+"""The default allow list: torch function name -> why a rounded saved activation is safe."""
+
+_tls = threading.local()
+
+
+def saved_shapes() -> frozenset[torch.Size] | None:
+    """The shapes a saved tensor may have to be compressed now, or None (nothing may be)."""
+    return getattr(_tls, "shapes", None)
+
+
+def _tensor_shapes(args: Iterable[Any], kwargs: dict[str, Any]) -> frozenset[torch.Size]:
+    shapes = set()
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            shapes.add(a.shape)
+        elif isinstance(a, list | tuple):
+            shapes.update(x.shape for x in a if isinstance(x, torch.Tensor))
+    return frozenset(shapes)
+
+
+def _dropout_free(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+    return not p
+
+
+_CONDITIONS: Final[dict[str, Callable[[tuple[Any, ...], dict[str, Any]], bool]]] = {
+    "scaled_dot_product_attention": _dropout_free,
+}
+
+
+class OpScope(TorchFunctionMode):
+    """Notes, per thread, the shapes that the outermost torch function running allows to be
+    compressed (see [what gets compressed])."""
+
+    def __init__(self, ops: Iterable[str]) -> None:
+        super().__init__()
+        self.ops = frozenset(ops)
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", None)
+        shapes = None
+        if name in self.ops:
+            condition = _CONDITIONS.get(name)
+            if condition is None or condition(args, kwargs):
+                shapes = _tensor_shapes(args, kwargs)
+        outer = getattr(_tls, "shapes", None)
+        _tls.shapes = shapes
+        try:
+            return func(*args, **kwargs)
+        finally:
+            _tls.shapes = outer

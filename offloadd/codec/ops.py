@@ -6,9 +6,10 @@ thread) notes the torch function running at the outermost level (``linear``, ``s
 ``scaled_dot_product_attention``…); pack compresses a saved tensor only if
 
 * that function is in the allow list below (or in ``codec_ops``, which replaces it),
-* the tensor has the shape of one of the function's tensor arguments, so what an op saves
-  beside its inputs and outputs (layer norm's mean and rstd, attention's logsumexp, which
-  every probability is divided by) stays exact, and
+* the tensor has the shape of one of the function's tensor arguments (or that shape with its
+  leading dims folded into one: the view ``linear`` and ``matmul`` save of a 3-D or 4-D input),
+  so what an op saves beside its inputs and outputs (layer norm's mean and rstd, attention's
+  logsumexp, which every probability is divided by) stays exact, and
 * it is floating (float32, bfloat16, float16), strided, dense, not a parameter, and at least
   ``codec_min_bytes`` (masks, indices, RNG state and integer tensors never qualify).
 
@@ -30,6 +31,7 @@ handle checks the version counter).
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any, Final
@@ -72,13 +74,24 @@ def saved_shapes() -> frozenset[torch.Size] | None:
 
 
 def _tensor_shapes(args: Iterable[Any], kwargs: dict[str, Any]) -> frozenset[torch.Size]:
-    shapes = set()
+    shapes: set[torch.Size] = set()
     for a in (*args, *kwargs.values()):
         if isinstance(a, torch.Tensor):
-            shapes.add(a.shape)
+            _add_folded(shapes, a.shape)
         elif isinstance(a, list | tuple):
-            shapes.update(x.shape for x in a if isinstance(x, torch.Tensor))
+            for x in a:
+                if isinstance(x, torch.Tensor):
+                    _add_folded(shapes, x.shape)
     return frozenset(shapes)
+
+
+def _add_folded(shapes: set[torch.Size], shape: torch.Size) -> None:
+    """``shape`` and the shapes with its leading dims folded into one: ``linear`` and ``matmul``
+    save a ``(batch, tokens, d)`` input as the ``(batch * tokens, d)`` view they multiply, and a
+    4-D ``matmul`` its ``(batch * heads, tokens, d)`` views."""
+    shapes.add(shape)
+    for k in range(2, len(shape)):
+        shapes.add(torch.Size((math.prod(shape[:k]), *shape[k:])))
 
 
 def _dropout_free(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

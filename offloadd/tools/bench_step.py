@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from offloadd.config import Config
 from offloadd.runtime.offloader import Offloader
 from offloadd.tools.bench_step_report import format_report
 from offloadd.tools.machine import command_line
@@ -38,7 +39,7 @@ from offloadd.tools.train import (
     run_in_subprocess,
 )
 
-__all__ = ["HELP", "add_arguments", "hook_cost_us", "main"]
+__all__ = ["HELP", "add_arguments", "hook_cost_us", "main", "split_label"]
 
 HELP = "step time and memory of keep, recompute and ssd offload on one model, as ratios"
 
@@ -56,8 +57,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--deep-layers", type=int, default=48, help="depth for the scaling check (0: skip)"
     )
-    p.add_argument("--strategies", default="keep,recompute,ssd", help="comma-separated")
+    p.add_argument(
+        "--strategies",
+        default="keep,recompute,ssd",
+        help="comma-separated; a codec after a plus runs that strategy with it (ssd+int8), "
+        "compared with the strategy alone in the report",
+    )
     p.add_argument("--no-hook-cost", action="store_true", help="skip the hook cost measurement")
+    p.add_argument(
+        "--codec",
+        default="none",
+        help="offloadd's codec for keep, ssd and cpu (Config.codec; lossy unless none)",
+    )
     p.add_argument("--out", default=None, help="also write the markdown report here")
     p.add_argument(
         "--malloc-mmap-threshold",
@@ -80,7 +91,8 @@ def main(ns: argparse.Namespace) -> int:
     for r in range(ns.rounds):
         for s in strategies:
             print(f"round {r + 1}/{ns.rounds}: {s}", file=sys.stderr, flush=True)
-            results[s].append(run_in_subprocess(RunSpec(strategy=s, **common)))
+            base, codec = split_label(s, ns.codec)
+            results[s].append(run_in_subprocess(RunSpec(strategy=base, **common, codec=codec)))
     hook_cost = None if ns.no_hook_cost else hook_cost_us()
     depth = None
     if ns.deep_layers:
@@ -117,11 +129,27 @@ def _options(ns: argparse.Namespace) -> dict[str, Any]:
     if not strategies:
         raise ValueError("--strategies: give at least one")
     for s in strategies:
-        if s not in STRATEGIES:
+        base, codec = split_label(s, ns.codec)
+        if base not in STRATEGIES:
             raise ValueError(f"--strategies: unknown {s!r}; known: {', '.join(STRATEGIES)}")
+        try:
+            Config(codec=codec)  # type: ignore[arg-type]
+        except ValueError as e:
+            raise ValueError(f"--strategies {s!r}: {e}") from None
     if ns.model in HF_FAMILIES:
         require_transformers()  # ImportError naming the extra, before any run
+    try:
+        Config(codec=ns.codec)
+    except ValueError as e:
+        raise ValueError(f"--codec: {e}") from None
     return {**common, "model": ns.model}
+
+
+def split_label(label: str, codec: str) -> tuple[str, str]:
+    """(strategy, codec) of a ``--strategies`` label: ``ssd+int8`` -> ("ssd", "int8"); without
+    a plus, ``codec`` (``--codec``) for the strategies with hooks."""
+    base, plus, named = label.partition("+")
+    return base, named if plus else codec
 
 
 def hook_cost_us(ops: int = 5000, pairs: int = 15) -> dict[str, float]:

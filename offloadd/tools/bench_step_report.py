@@ -74,6 +74,7 @@ def format_report(
         "",
         *_ratio_table(results),
         "",
+        *_codec_table(results),
         *_identity(results),
     ]
     if hook_cost is not None:
@@ -135,6 +136,34 @@ def _ratio_table(results: Results) -> list[str]:
         ]
         lines.append(f"| ssd peak_resident_bytes / keep | {_spread(held)} | <= 0.25 |")
     return lines if len(lines) > 2 else []
+
+
+def _codec_table(results: Results) -> list[str]:
+    """Each ``X+codec`` label against ``X``: step time, bytes saved and written, per round."""
+    lines = []
+    for label in results:
+        base = label.partition("+")[0]
+        if "+" not in label or base not in results or "stats" not in results[base][0]:
+            continue
+        for what, key in (
+            ("step time", "step_time_s"),
+            ("saved bytes", "saved_bytes"),
+            ("bytes written", "bytes_written"),
+        ):
+            ratios = []
+            for a, b in zip(results[label], results[base], strict=True):
+                va, vb = (r[key] if key == "step_time_s" else r["stats"][key] for r in (a, b))
+                if vb:
+                    ratios.append(va / vb)
+            lines.append(f"| {label} {what} / {base} | {_spread(ratios)} |")
+    if not lines:
+        return []
+    return [
+        "| codec ratio (median of per-round ratios; min..max) | value |",
+        "|---|---|",
+        *lines,
+        "",
+    ]
 
 
 def _identity(results: Results) -> list[str]:

@@ -69,6 +69,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "fractions of keep's footprint (0.3x), or recompute (recompute's measured peak at the "
         "same batch size; needs recompute listed before auto). Default 0.25x,0.5x,recompute",
     )
+    p.add_argument(
+        "--codec",
+        default="none",
+        help="offloadd's codec for keep, offload and auto points (Config.codec: none, int8, "
+        "fp8-e4m3, fp8-e5m2, int4, int2); lossy unless none; recompute is never coded",
+    )
     p.add_argument("--out", default="rok", help="output directory (default: ./rok)")
     p.add_argument(
         "--quick",

@@ -17,7 +17,7 @@ from typing import Any
 
 from offloadd.config import parse_size
 from offloadd.runtime.stats import format_bytes
-from offloadd.tools.rok_sweep import AUTO, RECOMPUTE_BUDGET, Sweep, run_strategy
+from offloadd.tools.rok_sweep import AUTO, RECOMPUTE_BUDGET, Sweep, label_codec, run_strategy
 from offloadd.tools.train import RunFailed, RunSpec, run_in_subprocess
 
 __all__ = ["FIELDS", "auto_budget", "measure", "point_line", "read_points", "write_points"]
@@ -31,6 +31,7 @@ FIELDS: dict[str, type] = {
     "vocab": int,
     "device": str,
     "steps": int,
+    "codec": str,  # offloadd's codec for the strategies with hooks (none: exact)
     "strategy": str,
     "batch_size": int,
     "round": int,  # 1..--repeats
@@ -70,9 +71,11 @@ def read_points(path: Path) -> list[dict[str, Any]]:
     """The typed rows of a rok.csv; ValueError if its columns are not this version's."""
     with path.open(newline="") as f:
         reader = csv.DictReader(f)
-        if reader.fieldnames != list(FIELDS):
+        names = list(reader.fieldnames or ())
+        if names != list(FIELDS) and names != [k for k in FIELDS if k != "codec"]:
             raise ValueError(f"{path} does not have the columns of this offloadd version")
-        return [{k: _parse(k, v) for k, v in row.items()} for row in reader]
+        # sweeps from before --codec: exact
+        return [{"codec": "none"} | {k: _parse(k, v) for k, v in row.items()} for row in reader]
 
 
 def write_points(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -101,6 +104,7 @@ def measure(
     spec = RunSpec(
         strategy=run_strategy(strategy),
         budget=budget,
+        codec=label_codec(strategy, sw.codec),
         model=sw.model,
         num_layers=sw.layers,
         d_model=sw.hidden,

@@ -30,6 +30,7 @@ __all__ = [
     "STRATEGIES",
     "Sweep",
     "UsageError",
+    "label_codec",
     "resolve",
     "run_strategy",
 ]
@@ -52,8 +53,16 @@ size and round (the issue's "budget equal to full recompute's peak")."""
 
 
 def run_strategy(label: str) -> str:
-    """The ``RunSpec.strategy`` of a strategy label (``auto@0.3x`` -> ``auto``)."""
+    """The ``RunSpec.strategy`` of a strategy label (``auto@0.3x`` -> ``auto``; a codec after a
+    plus, ``offload-ssd+int8``, does not change it)."""
+    label = label.partition("+")[0]
     return "auto" if label.startswith(AUTO) else STRATEGIES[label]
+
+
+def label_codec(label: str, codec: str) -> str:
+    """The codec of a strategy label: the one after a plus, else ``codec`` (``--codec``)."""
+    _base, plus, named = label.partition("+")
+    return named if plus else codec
 
 
 def _budgets(text: str) -> list[str]:
@@ -72,7 +81,7 @@ def _budgets(text: str) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-KEY = ("model", "layers", "hidden", "heads", "seq", "vocab", "device", "steps")
+KEY = ("model", "layers", "hidden", "heads", "seq", "vocab", "device", "steps", "codec")
 """The fields that tell sweeps apart; ``--resume`` continues only a rok.csv whose rows match."""
 
 _SIZES: dict[str, dict[str, int]] = {
@@ -100,6 +109,7 @@ class Sweep:
     strategies: list[str]
     device: str
     steps: int
+    codec: str
     repeats: int
     out: Path
     ssd_dir: str | None
@@ -125,6 +135,7 @@ class Sweep:
         return (
             f"{self.model}: {self.layers} layers, hidden {self.hidden}, {self.heads} heads, "
             f"seq {self.seq}, vocab {self.vocab}; {self.steps} timed steps on {self.device}"
+            + (f"; codec {self.codec}" if self.codec != "none" else "")
         )
 
 
@@ -191,12 +202,29 @@ def resolve(ns: argparse.Namespace) -> Sweep:
         strategies = [s.strip() for s in ns.strategies.split(",") if s.strip()]
         if not strategies:
             raise UsageError(f"--strategies must name at least one strategy, got {ns.strategies!r}")
-        unknown = [s for s in strategies if s not in STRATEGIES and not s.startswith(AUTO)]
+        unknown = [
+            s
+            for s in strategies
+            if s.partition("+")[0] not in STRATEGIES and not s.startswith(AUTO)
+        ]
         if unknown:
             raise UsageError(
                 f"--strategies: unknown strategy {unknown[0]!r} "
-                f"(choose from {', '.join(STRATEGIES)})"
+                f"(choose from {', '.join(STRATEGIES)}; keep and offload ones may name a codec "
+                "after a plus, offload-ssd+int8)"
             )
+        for s in strategies:
+            base, plus, named = s.partition("+")
+            if plus and base in ("recompute", "auto"):
+                raise UsageError(
+                    f"--strategies {s!r}: a codec after a plus is for keep and offload "
+                    "strategies (auto takes --codec; recompute saves nothing to code)"
+                )
+            if plus:
+                try:
+                    Config(codec=named)  # type: ignore[arg-type]
+                except ValueError as e:
+                    raise UsageError(f"--strategies {s!r}: {e}") from None
         strategies = list(dict.fromkeys(strategies))
     if "auto" in strategies:
         budgets = _budgets(ns.budgets)
@@ -239,6 +267,11 @@ def resolve(ns: argparse.Namespace) -> Sweep:
             offload_dir = cfg.ssd_dirs[0] if cfg.ssd_dirs else default_offload_dir()
         except ValueError as e:
             raise UsageError(f"--ssd-dir: {e}") from None
+    codec = getattr(ns, "codec", "none")
+    try:
+        Config(codec=codec)  # type: ignore[arg-type]
+    except ValueError as e:
+        raise UsageError(f"--codec: {e}") from None
     out = Path(ns.out)
     _check_out(out)
     return Sweep(
@@ -252,6 +285,7 @@ def resolve(ns: argparse.Namespace) -> Sweep:
         strategies=strategies,
         device=device,
         steps=steps,
+        codec=codec,
         repeats=ns.repeats,
         out=out,
         ssd_dir=ns.ssd_dir,

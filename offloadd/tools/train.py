@@ -62,6 +62,8 @@ class RunSpec:
     """mini-gpt (built in), or gpt, bert, t5 (transformers, random weights); see models.build."""
     vocab_size: int | None = None
     """None: the model's usual vocabulary."""
+    codec: str = "none"
+    """Strategies with offloadd's hooks: ``Config.codec`` (lossy compression of what is saved)."""
     budget: str | None = None
     """auto: the budget (``Config.budget``: a size or a fraction of keep's, ``0.3x``)."""
     memory_limit_bytes: int = 0
@@ -172,6 +174,7 @@ def run(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
                 tier="ssd" if spec.strategy == "auto" else spec.strategy,  # type: ignore[arg-type]
                 ssd_dirs=(spec.ssd_dir,) if spec.ssd_dir else (),
                 min_bytes=spec.min_bytes,
+                codec=spec.codec,  # type: ignore[arg-type]
             ).replace(budget=spec.budget if spec.strategy == "auto" else None)
         )
         off = Offloader(ocfg)

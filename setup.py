@@ -2,7 +2,9 @@
 
 1. The optional native I/O engine (csrc/native.c -> offloadd.io._native). If the compiler or the
    headers are missing, ``pip install`` still succeeds, ``import offloadd`` still works, and
-   ``engine = "auto"`` logs that it fell back to the Python engine and why.
+   ``engine = "auto"`` logs that it fell back to the Python engine and why. The codec's fused
+   quantisation kernels (csrc/codec.c -> offloadd.codec._kernels) are optional the same way:
+   without them the codec runs as torch ops.
 2. The host cache's C++ source (csrc/host_allocator.cpp) goes into the package, because it is
    compiled at first use against the torch it runs with (see offloadd/runtime/host_allocator.py).
 3. offloadd.pth: the start-up hook (see offloadd_boot.py) must land at the top of site-packages,
@@ -66,6 +68,14 @@ setup(
             extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
             extra_link_args=["-pthread"],
             optional=True,
-        )
+        ),
+        Extension(
+            "offloadd.codec._kernels",
+            sources=["csrc/codec.c"],
+            # -ffp-contract=off: no fused multiply-add, so results match the torch path bitwise
+            extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-missing-field-initializers", "-ffp-contract=off"],
+            extra_link_args=["-pthread"],
+            optional=True,
+        ),
     ],
 )

@@ -22,6 +22,13 @@ generator given, so the decoded value is unbiased: its expectation is ``x`` (up 
 
 Ranges are kept per group, in float32, next to the codes (``params``: one scale per group, or
 ``lo`` and ``step``); they cost ``4 / g`` or ``8 / g`` bytes per value.
+
+Note: [two paths, one result] Host tensors of float32 or bfloat16 with integer codes and round
+to nearest go through csrc/codec.c (``offloadd.codec._kernels``), which reads each group once
+instead of making five passes of whole-tensor ops; it computes the same float32 operations in
+the same order, so its codes and decoded values are bitwise those of the torch ops below (a
+test holds both to it). Everything else (CUDA tensors, float16, fp8, stochastic rounding, an
+install without the compiled kernels) runs as the torch ops.
 """
 
 from __future__ import annotations
@@ -33,7 +40,21 @@ import torch
 
 from offloadd.config.schema import CodecName
 
-__all__ = ["CODECS", "Encoded", "Scheme", "coded_nbytes", "decode", "encode", "group_size"]
+try:
+    from offloadd.codec import _kernels  # type: ignore[attr-defined]
+except ImportError:  # built without a C compiler: the torch ops do it all
+    _kernels = None
+
+__all__ = [
+    "CODECS",
+    "Encoded",
+    "Scheme",
+    "coded_nbytes",
+    "decode",
+    "encode",
+    "group_size",
+    "native_available",
+]
 
 CODECS: Final = get_args(CodecName)
 """The codec names the config accepts; ``none`` stores activations exactly (the default)."""
@@ -117,11 +138,37 @@ def coded_nbytes(numel: int, scheme: Scheme, group: int) -> int:
     return codes + groups * 4 * (2 if scheme.affine else 1)
 
 
+_NATIVE_DTYPES: Final = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def native_available() -> bool:
+    """Whether the fused kernels of csrc/codec.c were built (see [two paths, one result])."""
+    return _kernels is not None
+
+
+def _native(x: torch.Tensor, scheme: Scheme) -> bool:
+    return (
+        _kernels is not None
+        and x.device.type == "cpu"
+        and x.dtype in _NATIVE_DTYPES
+        and scheme.name not in _FP8
+        and not scheme.stochastic
+    )
+
+
 def encode(
-    x: torch.Tensor, scheme: Scheme, group: int, generator: torch.Generator | None = None
+    x: torch.Tensor,
+    scheme: Scheme,
+    group: int,
+    generator: torch.Generator | None = None,
+    *,
+    native: bool = True,
 ) -> Encoded:
-    """Codes and ranges of the values of ``x`` (floating; contiguous), groups of ``group``."""
+    """Codes and ranges of the values of ``x`` (floating; contiguous), groups of ``group``;
+    ``native=False`` forces the torch ops (see [two paths, one result])."""
     n = x.numel()
+    if native and _native(x, scheme):
+        return _encode_native(x, scheme, group)
     groups = -(-n // group)
     flat = x.reshape(-1)
     if groups * group != n:
@@ -152,6 +199,27 @@ def encode(
         params = scale
         codes = q.view(torch.uint8).view(-1)
     params = params.masked_fill(bad, float("nan"))
+    return Encoded(codes=codes, params=params, numel=n, group=group)
+
+
+def _encode_native(x: torch.Tensor, scheme: Scheme, group: int) -> Encoded:
+    n = x.numel()
+    groups = -(-n // group)
+    per_byte = 8 // scheme.bits
+    codes = torch.empty(-(-groups * group // per_byte), dtype=torch.uint8)
+    params = torch.empty(groups, 2 if scheme.affine else 1, dtype=torch.float32)
+    assert _kernels is not None
+    _kernels.encode(
+        x.data_ptr(),
+        _NATIVE_DTYPES[x.dtype],
+        n,
+        group,
+        scheme.bits,
+        int(scheme.affine),
+        codes.data_ptr(),
+        params.data_ptr(),
+        torch.get_num_threads(),
+    )
     return Encoded(codes=codes, params=params, numel=n, group=group)
 
 
@@ -191,14 +259,31 @@ def _unpacked(codes: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     return torch.stack(parts, dim=1).view(-1)[:count]
 
 
-def decode(enc: Encoded, scheme: Scheme, dtype: torch.dtype) -> torch.Tensor:
+def decode(
+    enc: Encoded, scheme: Scheme, dtype: torch.dtype, *, native: bool = True
+) -> torch.Tensor:
     """The ``enc.numel`` decoded values, 1-D, of ``dtype``, on the codes' device."""
+    if native and _native(torch.empty(0, dtype=dtype, device=enc.codes.device), scheme):
+        out = torch.empty(enc.numel, dtype=dtype)
+        assert _kernels is not None
+        _kernels.decode(
+            enc.codes.data_ptr(),
+            enc.params.data_ptr(),
+            enc.numel,
+            enc.group,
+            scheme.bits,
+            int(scheme.affine),
+            out.data_ptr(),
+            _NATIVE_DTYPES[dtype],
+            torch.get_num_threads(),
+        )
+        return out
     g = enc.group
     groups = enc.params.shape[0]
     if scheme.affine:
         q = _unpacked(enc.codes, scheme.bits, groups * g).view(groups, g)
         lo, step = enc.params[:, :1], enc.params[:, 1:]
-        out = torch.addcmul(lo, q.to(torch.float32), step)
+        out = torch.mul(q.to(torch.float32), step).add_(lo)
     else:
         if scheme.name == "int8":
             q = enc.codes.view(torch.int8)

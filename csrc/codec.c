@@ -1,0 +1,336 @@
+/*
+ * offloadd.codec._kernels: per-group integer quantisation of host tensors in one pass.
+ *
+ * The same arithmetic as the torch path of offloadd/codec/quant.py (Note [the codes]), fused:
+ * each group of `group` values is read once from memory into cache, its range found, its codes
+ * written, instead of five passes of whole-tensor torch ops.  Results are bitwise those of the
+ * torch path: the same float32 operations in the same order (a true division, round half to
+ * even, the same clamps), the padding of the last group with zeros included in its range.
+ *
+ *   encode(src, dtype, n, group, bits, affine, codes, params, threads)
+ *   decode(codes, params, n, group, bits, affine, dst, dtype, threads)
+ *
+ * Addresses are integers (tensor.data_ptr()); dtype 0 is float32, 1 bfloat16.  bits is 8, 4 or
+ * 2; affine 0 is symmetric (int8 only: a scale per group, codes -127..127 as int8), 1 a minimum
+ * and a step per group (codes 0..2^bits-1, packed 8/bits to a byte, the first in the low bits).
+ * params holds a float32 scale per group, or lo and step.  A group holding an infinity or a NaN
+ * gets NaN params (its codes are 0).  Work is split by groups over `threads` pthreads; the GIL
+ * is released meanwhile.  Stochastic rounding and fp8 stay with the torch path.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_THREADS 64
+
+typedef struct {
+    const void *src;
+    void *dst;
+    uint8_t *codes;
+    float *params;
+    int dtype;
+    int64_t n, group, bits, affine;
+    int64_t g0, g1; /* groups [g0, g1) */
+} Job;
+
+static inline float load(const void *src, int dtype, int64_t i, int64_t n) {
+    if (i >= n) return 0.0f;
+    if (dtype == 0) return ((const float *)src)[i];
+    uint32_t b = (uint32_t)((const uint16_t *)src)[i] << 16;
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+static inline void store(void *dst, int dtype, int64_t i, float v) {
+    if (dtype == 0) {
+        ((float *)dst)[i] = v;
+        return;
+    }
+    uint32_t b;
+    memcpy(&b, &v, 4);
+    if ((b & 0x7fffffffu) > 0x7f800000u) { /* NaN: keep it a NaN */
+        ((uint16_t *)dst)[i] = (uint16_t)((b >> 16) | 0x40u);
+        return;
+    }
+    b += 0x7fffu + ((b >> 16) & 1u); /* round to nearest even, as torch's .to(bfloat16) */
+    ((uint16_t *)dst)[i] = (uint16_t)(b >> 16);
+}
+
+static inline void put_code(uint8_t *codes, int64_t i, int64_t bits, unsigned q) {
+    if (bits == 8) {
+        codes[i] = (uint8_t)q;
+        return;
+    }
+    int64_t per = 8 / bits;
+    codes[i / per] |= (uint8_t)(q << (bits * (i % per)));
+}
+
+/* Round half to even for |v| <= 2^22 (every code here: |v| is at most 2^bits plus a rounding):
+ * adding 1.5 * 2^23 moves v into the binade whose spacing is 1, where the addition itself rounds
+ * it as nearbyintf would in the default rounding mode; no call, so the loops vectorise. */
+static inline float rne(float v) {
+    const float magic = 12582912.0f;
+    return (v + magic) - magic;
+}
+
+/* Fused per group: a clone per instruction set where the compiler supports it. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define HOT __attribute__((target_clones("avx2", "default")))
+#else
+#define HOT
+#endif
+
+#define LANES 8
+
+/* lo and hi of x[0..g) (g a multiple of LANES), and whether any value is a NaN: LANES running
+ * minima side by side, which the compiler turns into vector compares and blends. */
+static inline int range_f32(const float *x, int64_t g, float *lo_out, float *hi_out) {
+    float lo[LANES], hi[LANES];
+    int nan[LANES];
+    for (int l = 0; l < LANES; l++) lo[l] = INFINITY, hi[l] = -INFINITY, nan[l] = 0;
+    for (int64_t i = 0; i < g; i += LANES)
+        for (int l = 0; l < LANES; l++) {
+            float v = x[i + l];
+            lo[l] = v < lo[l] ? v : lo[l];
+            hi[l] = v > hi[l] ? v : hi[l];
+            nan[l] |= v != v;
+        }
+    float a = lo[0], b = hi[0];
+    int bad = nan[0];
+    for (int l = 1; l < LANES; l++) {
+        a = lo[l] < a ? lo[l] : a;
+        b = hi[l] > b ? hi[l] : b;
+        bad |= nan[l];
+    }
+    *lo_out = a;
+    *hi_out = b;
+    return bad;
+}
+
+#define CHUNK 64
+
+/* CHUNK codes of `bits` bits into CHUNK * bits / 8 bytes, the first in the low bits. */
+static inline void pack_codes(const uint8_t *q, uint8_t *out, int64_t bits) {
+    if (bits == 8) {
+        memcpy(out, q, CHUNK);
+    } else if (bits == 4) {
+        for (int i = 0; i < CHUNK / 2; i++) out[i] = (uint8_t)(q[2 * i] | (q[2 * i + 1] << 4));
+    } else {
+        for (int i = 0; i < CHUNK / 4; i++)
+            out[i] = (uint8_t)(q[4 * i] | (q[4 * i + 1] << 2) | (q[4 * i + 2] << 4) |
+                               (q[4 * i + 3] << 6));
+    }
+}
+
+static inline void unpack_codes(const uint8_t *in, uint8_t *q, int64_t bits) {
+    if (bits == 8) {
+        memcpy(q, in, CHUNK);
+    } else if (bits == 4) {
+        for (int i = 0; i < CHUNK / 2; i++) q[2 * i] = in[i] & 15, q[2 * i + 1] = in[i] >> 4;
+    } else {
+        for (int i = 0; i < CHUNK / 4; i++)
+            q[4 * i] = in[i] & 3, q[4 * i + 1] = (in[i] >> 2) & 3, q[4 * i + 2] = (in[i] >> 4) & 3,
+            q[4 * i + 3] = in[i] >> 6;
+    }
+}
+
+HOT static void encode_range(const Job *j) {
+    const int64_t g = j->group, top = (1 << j->bits) - 1;
+    for (int64_t k = j->g0; k < j->g1; k++) {
+        const int64_t base = k * g;
+        float lo = INFINITY, hi = -INFINITY;
+        int bad = 0;
+        const int fast = j->dtype == 0 && base + g <= j->n && g % LANES == 0;
+        if (fast) {
+            bad = range_f32((const float *)j->src + base, g, &lo, &hi);
+            bad |= !isfinite(lo) || !isfinite(hi);
+        } else {
+            for (int64_t i = 0; i < g; i++) {
+                float v = load(j->src, j->dtype, base + i, j->n);
+                lo = v < lo ? v : lo;
+                hi = v > hi ? v : hi;
+                bad |= !isfinite(v);
+            }
+        }
+        if (j->affine) {
+            float step = (hi - lo) / (float)top;
+            if (!(step > 0.0f)) step = 1.0f;
+            j->params[2 * k] = bad ? NAN : lo;
+            j->params[2 * k + 1] = bad ? NAN : step;
+            const int64_t per = 8 / j->bits;
+            if (fast && !bad && base % per == 0 && g % (CHUNK) == 0) {
+                const float *x = (const float *)j->src + base;
+                uint8_t q[CHUNK];
+                for (int64_t c = 0; c < g; c += CHUNK) {
+                    for (int i = 0; i < CHUNK; i++) {
+                        float v = rne((x[c + i] - lo) / step);
+                        v = v < 0.0f ? 0.0f : (v > (float)top ? (float)top : v);
+                        q[i] = (uint8_t)(int)v;
+                    }
+                    pack_codes(q, j->codes + (base + c) / per, j->bits);
+                }
+                continue;
+            }
+            for (int64_t i = 0; i < g; i++) {
+                float v = bad ? 0.0f : rne((load(j->src, j->dtype, base + i, j->n) - lo) / step);
+                v = v < 0.0f ? 0.0f : (v > (float)top ? (float)top : v);
+                put_code(j->codes, base + i, j->bits, (unsigned)v);
+            }
+        } else {
+            float amax = -lo > hi ? -lo : hi;
+            float scale = amax / 127.0f;
+            if (!(scale > 0.0f)) scale = 1.0f;
+            j->params[k] = bad ? NAN : scale;
+            int8_t *out = (int8_t *)j->codes + base;
+            if (fast && !bad) {
+                const float *x = (const float *)j->src + base;
+                for (int64_t i = 0; i < g; i++) {
+                    float v = rne(x[i] / scale);
+                    v = v < -127.0f ? -127.0f : (v > 127.0f ? 127.0f : v);
+                    out[i] = (int8_t)v;
+                }
+            } else {
+                for (int64_t i = 0; i < g; i++) {
+                    float v = bad ? 0.0f : rne(load(j->src, j->dtype, base + i, j->n) / scale);
+                    v = v < -127.0f ? -127.0f : (v > 127.0f ? 127.0f : v);
+                    out[i] = (int8_t)v;
+                }
+            }
+        }
+    }
+}
+
+HOT static void decode_range(const Job *j) {
+    const int64_t g = j->group, per = 8 / j->bits, mask = (1 << j->bits) - 1;
+    for (int64_t k = j->g0; k < j->g1; k++) {
+        const int64_t base = k * g;
+        const int64_t end = base + g < j->n ? base + g : j->n;
+        if (j->affine) {
+            const float lo = j->params[2 * k], step = j->params[2 * k + 1];
+            if (j->dtype == 0 && end - base == g && g % CHUNK == 0 && base % per == 0) {
+                float *y = (float *)j->dst + base;
+                uint8_t q[CHUNK];
+                for (int64_t c = 0; c < g; c += CHUNK) {
+                    unpack_codes(j->codes + (base + c) / per, q, j->bits);
+                    for (int i = 0; i < CHUNK; i++) y[c + i] = (float)q[i] * step + lo;
+                }
+                continue;
+            }
+            for (int64_t i = base; i < end; i++) {
+                unsigned q = (j->codes[i / per] >> (j->bits * (i % per))) & mask;
+                store(j->dst, j->dtype, i, (float)q * step + lo);
+            }
+        } else {
+            const float scale = j->params[k];
+            const int8_t *q = (const int8_t *)j->codes;
+            if (j->dtype == 0) {
+                float *y = (float *)j->dst;
+                for (int64_t i = base; i < end; i++) y[i] = (float)q[i] * scale;
+            } else {
+                for (int64_t i = base; i < end; i++) store(j->dst, j->dtype, i, (float)q[i] * scale);
+            }
+        }
+    }
+}
+
+typedef struct {
+    Job job;
+    int encode;
+} Task;
+
+static void *run_task(void *arg) {
+    Task *t = (Task *)arg;
+    if (t->encode)
+        encode_range(&t->job);
+    else
+        decode_range(&t->job);
+    return NULL;
+}
+
+/* Split groups over threads; this thread takes the first share. */
+static int run_split(Job job, int encode, int threads) {
+    const int64_t groups = (job.n + job.group - 1) / job.group;
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if ((int64_t)threads > groups / 64) threads = (int)(groups / 64 > 0 ? groups / 64 : 1);
+    Task tasks[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    /* a multiple of 4 groups: packed codes of two threads never share a byte */
+    const int64_t share = ((groups + threads - 1) / threads + 3) / 4 * 4;
+    for (int t = 0; t < threads; t++) {
+        tasks[t].job = job;
+        tasks[t].encode = encode;
+        tasks[t].job.g0 = t * share < groups ? t * share : groups;
+        tasks[t].job.g1 = (t + 1) * share < groups ? (t + 1) * share : groups;
+    }
+    for (int t = 1; t < threads; t++)
+        started[t] = pthread_create(&ids[t], NULL, run_task, &tasks[t]) == 0;
+    for (int t = 0; t < threads; t++)
+        if (t == 0 || !started[t]) run_task(&tasks[t]); /* a thread that did not start: here */
+    for (int t = 1; t < threads; t++)
+        if (started[t]) pthread_join(ids[t], NULL);
+    return 0;
+}
+
+static int check(int dtype, long long n, long long group, int bits, int affine) {
+    if (dtype != 0 && dtype != 1) {
+        PyErr_Format(PyExc_ValueError, "dtype code must be 0 (float32) or 1 (bfloat16), got %d",
+                     dtype);
+        return -1;
+    }
+    if (n < 0 || group < 1 || (bits != 8 && bits != 4 && bits != 2) || (bits < 8 && !affine)) {
+        PyErr_SetString(PyExc_ValueError, "bad n, group or bits (symmetric codes are 8 bits)");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *py_encode(PyObject *self, PyObject *args) {
+    unsigned long long src, codes, params;
+    long long n, group;
+    int dtype, bits, affine, threads;
+    if (!PyArg_ParseTuple(args, "KiLLiiKKi", &src, &dtype, &n, &group, &bits, &affine, &codes,
+                          &params, &threads))
+        return NULL;
+    if (check(dtype, n, group, bits, affine) < 0) return NULL;
+    Job job = {(const void *)(uintptr_t)src, NULL, (uint8_t *)(uintptr_t)codes,
+               (float *)(uintptr_t)params, dtype, n, group, bits, affine, 0, 0};
+    if (bits < 8) { /* packed codes are or-ed in: start from zero */
+        const int64_t groups = (n + group - 1) / group, per = 8 / bits;
+        memset(job.codes, 0, (size_t)((groups * group + per - 1) / per));
+    }
+    Py_BEGIN_ALLOW_THREADS run_split(job, 1, threads);
+    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
+static PyObject *py_decode(PyObject *self, PyObject *args) {
+    unsigned long long codes, params, dst;
+    long long n, group;
+    int dtype, bits, affine, threads;
+    if (!PyArg_ParseTuple(args, "KKLLiiKii", &codes, &params, &n, &group, &bits, &affine, &dst,
+                          &dtype, &threads))
+        return NULL;
+    if (check(dtype, n, group, bits, affine) < 0) return NULL;
+    Job job = {NULL, (void *)(uintptr_t)dst, (uint8_t *)(uintptr_t)codes,
+               (float *)(uintptr_t)params, dtype, n, group, bits, affine, 0, 0};
+    Py_BEGIN_ALLOW_THREADS run_split(job, 0, threads);
+    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"encode", py_encode, METH_VARARGS, "encode(src, dtype, n, group, bits, affine, codes, params, threads)"},
+    {"decode", py_decode, METH_VARARGS, "decode(codes, params, n, group, bits, affine, dst, dtype, threads)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels",
+                                    "offloadd's fused per-group quantisation (see csrc/codec.c)",
+                                    -1, methods};
+
+PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&module); }

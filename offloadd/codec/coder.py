@@ -56,9 +56,11 @@ class Coded:
         "version",
     )
 
-    def __init__(self, t: torch.Tensor, perm: tuple[int, ...], enc: Encoded, pack: Any) -> None:
-        self.codes = pack(enc.codes)
-        self.params = pack(enc.params)
+    def __init__(
+        self, t: torch.Tensor, perm: tuple[int, ...], enc: Encoded, pack_codes: Any, pack: Any
+    ) -> None:
+        self.codes = pack_codes(enc.codes)
+        self.params = pack(enc.params)  # a 64th of the codes or less: as any small tensor
         self.numel = enc.numel
         self.group = enc.group
         self.dtype = t.dtype
@@ -157,9 +159,15 @@ class Codec:
             and not isinstance(t._base, torch.nn.Parameter)
         )
 
-    def pack(self, t: torch.Tensor, pack_exact: Callable[[torch.Tensor], Any]) -> Coded | None:
+    def pack(
+        self,
+        t: torch.Tensor,
+        pack_codes: Callable[[torch.Tensor], Any],
+        pack_exact: Callable[[torch.Tensor], Any],
+    ) -> Coded | None:
         """The coded handle of ``t`` (shared with an earlier save of the same view), or None
-        when ``t`` is not to be encoded (see :func:`layout_for`) and is saved exactly."""
+        when ``t`` is not to be encoded (see :func:`layout_for`) and is saved exactly. The
+        codes are saved with ``pack_codes``, the ranges with ``pack_exact``."""
         storage = storage_of(t)
         perm = layout_for(t, storage) if storage is not None else None
         if perm is None or storage is None:
@@ -182,7 +190,7 @@ class Codec:
         x = t.detach().permute(perm).contiguous()  # a copy only for a view with gaps
         group = group_size(x.shape, self.scheme.group)
         enc = encode(x, self.scheme, group, self._generator(t.device))
-        coded = Coded(t, perm, enc, pack_exact)
+        coded = Coded(t, perm, enc, pack_codes, pack_exact)
         self._saved[key] = (StorageWeakRef(storage), weakref.ref(root), weakref.ref(coded))
         self.coded_tensors += 1
         self.coded_in_bytes += t.nbytes

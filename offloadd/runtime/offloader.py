@@ -282,13 +282,15 @@ class Offloader:
 
     # -- pack ------------------------------------------------------------------------------
 
-    def _pack(self, t: torch.Tensor) -> Any:
+    def _pack(self, t: torch.Tensor, min_bytes: int = -1) -> Any:
+        if min_bytes < 0:
+            min_bytes = self._min_bytes
         if self._captures.num_pending:
             self._life.capture_due()
         storage = None
         if type(t) is torch.Tensor and t.layout is torch.strided:
             nbytes = t.nbytes
-            if nbytes >= self._min_bytes and nbytes:
+            if nbytes >= min_bytes and nbytes:
                 host_to_host = self.config.tier == "cpu" and not self._ordering.is_async(t.device)
                 storage = movable_storage(t, host_to_host)
         else:  # subclasses (fake, DTensor…), sparse, nested: passed through untouched
@@ -353,10 +355,15 @@ class Offloader:
         codec = self._codec
         assert codec is not None
         if codec.wants(t) and not self._saved_exactly(t):
-            coded = codec.pack(t, self._pack)
+            big = t.nbytes >= self._min_bytes
+            coded = codec.pack(t, self._pack_codes if big else self._pack, self._pack)
             if coded is not None:
                 return coded
         return self._pack(t)
+
+    def _pack_codes(self, codes: torch.Tensor) -> Any:
+        """The codes of an activation that is itself worth moving move whatever their size."""
+        return self._pack(codes, 1)
 
     def _saved_exactly(self, t: torch.Tensor) -> bool:
         storage = movable_storage(t, False)

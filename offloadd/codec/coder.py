@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from offloadd.codec.ops import DEFAULT_OPS, OpScope, saved_shapes
-from offloadd.codec.quant import Encoded, Scheme, decode, encode, group_size
+from offloadd.codec.ops import DEFAULT_OPS, OpScope, saved_shapes, unknown_ops
+from offloadd.codec.quant import Encoded, Scheme, coded_nbytes, decode, encode, group_size
 from offloadd.runtime.handles import describe, inplace_error, storage_of, version_handle
 
 if TYPE_CHECKING:
@@ -105,10 +105,17 @@ class Codec:
         )
         self.min_bytes = max(cfg.codec_min_bytes, 1)
         self.ops = frozenset(cfg.codec_ops) if cfg.codec_ops else frozenset(DEFAULT_OPS)
+        unknown = unknown_ops(self.ops)
+        if unknown:
+            raise ValueError(
+                f"codec_ops: {', '.join(map(repr, unknown))} is no torch function, "
+                "torch.nn.functional function or tensor method"
+            )
         self.seed = cfg.codec_seed
         self.step = 0
         self._generators: dict[torch.device, torch.Generator] = {}
         self._saved: dict[tuple[Any, ...], tuple[StorageWeakRef, Any, Any]] = {}
+        self._exact: dict[tuple[Any, ...], tuple[StorageWeakRef, Any]] = {}
         self.coded_tensors = 0
         self.coded_in_bytes = 0
         self.coded_out_bytes = 0
@@ -120,7 +127,7 @@ class Codec:
 
     def scope(self) -> OpScope:
         """The torch function mode that tells pack which op saves (enter it per thread)."""
-        return OpScope(self.ops)
+        return OpScope(self.ops, self.scheme.bits)
 
     def begin_step(self) -> None:
         """A step's first forward: reseed stochastic rounding, drop dead dedup entries."""
@@ -128,6 +135,7 @@ class Codec:
         for device, gen in self._generators.items():
             gen.manual_seed(self._seed_for(device))
         self._saved = {k: v for k, v in self._saved.items() if v[2]() is not None}
+        self._exact = {k: v for k, v in self._exact.items() if not v[0].expired()}
 
     def _seed_for(self, device: torch.device) -> int:
         return (self.seed * 1_000_003 + self.step) & ((1 << 63) - 1)
@@ -159,6 +167,32 @@ class Codec:
             and not isinstance(t._base, torch.nn.Parameter)
         )
 
+    def note_exact(self, t: torch.Tensor) -> None:
+        """``t`` was just saved exactly: a later save of its storage by an allowed op is not
+        encoded (that would add a copy and an error to bytes already held)."""
+        if (
+            type(t) is torch.Tensor
+            and t.dtype in _FLOATING
+            and t.layout is torch.strided
+            and t.nbytes >= self.min_bytes
+        ):
+            storage = storage_of(t)
+            if storage is not None:
+                root = t._base if t._base is not None else t
+                key = (t.device, storage._cdata, t._version)
+                self._exact[key] = (StorageWeakRef(storage), weakref.ref(root))
+
+    def saved_exactly(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s storage, at its version, was saved exactly (see :meth:`note_exact`)."""
+        if not self._exact:
+            return False
+        storage = storage_of(t)
+        if storage is None:
+            return False
+        hit = self._exact.get((t.device, storage._cdata, t._version))
+        root = t._base if t._base is not None else t
+        return hit is not None and not hit[0].expired() and hit[1]() is root
+
     def pack(
         self,
         t: torch.Tensor,
@@ -187,8 +221,11 @@ class Codec:
             coded = hit[2]()
             if coded is not None:
                 return coded
+        shape = tuple(t.shape[d] for d in perm)
+        group = group_size(shape, self.scheme.group)
+        if coded_nbytes(t.numel(), self.scheme, group) >= t.nbytes:
+            return None  # shorter than a group or two: the codes would not be smaller
         x = t.detach().permute(perm).contiguous()  # a copy only for a view with gaps
-        group = group_size(x.shape, self.scheme.group)
         enc = encode(x, self.scheme, group, self._generator(t.device))
         coded = Coded(t, perm, enc, pack_codes, pack_exact)
         self._saved[key] = (StorageWeakRef(storage), weakref.ref(root), weakref.ref(coded))

@@ -203,6 +203,7 @@ def encode(
 
 
 def _encode_native(x: torch.Tensor, scheme: Scheme, group: int) -> Encoded:
+    x = x.contiguous()  # the kernel reads memory order: the values' order (a no-op in the coder)
     n = x.numel()
     groups = -(-n // group)
     per_byte = 8 // scheme.bits

@@ -354,27 +354,25 @@ class Offloader:
         and the storage is not already saved exactly, else :meth:`_pack`."""
         codec = self._codec
         assert codec is not None
-        if codec.wants(t) and not self._saved_exactly(t):
+        if codec.wants(t) and not codec.saved_exactly(t) and not self._backs_parameter(t):
             big = t.nbytes >= self._min_bytes
             coded = codec.pack(t, self._pack_codes if big else self._pack, self._pack)
             if coded is not None:
                 return coded
-        return self._pack(t)
+        packed = self._pack(t)
+        codec.note_exact(t)
+        return packed
 
     def _pack_codes(self, codes: torch.Tensor) -> Any:
         """The codes of an activation that is itself worth moving move whatever their size."""
         return self._pack(codes, 1)
 
-    def _saved_exactly(self, t: torch.Tensor) -> bool:
+    def _backs_parameter(self, t: torch.Tensor) -> bool:
         storage = movable_storage(t, False)
         if storage is None:
             return False
-        root = t._base if t._base is not None else t
         with self._lock:
-            index = self._index
-            return index.backs_parameter(t, storage) or (
-                index.lookup(index.key(t, storage), root) is not None
-            )
+            return self._index.backs_parameter(t, storage)
 
     def _unpack_coded(self, packed: Any) -> torch.Tensor:
         if type(packed) is Coded:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from offloadd.codec.ops import DEFAULT_OPS, OpScope, saved_shapes, unknown_ops
+from offloadd.codec.ops import DEFAULT_OPS, OpScope, kept_exact, saved_shapes, unknown_ops
 from offloadd.codec.quant import Encoded, Scheme, coded_nbytes, decode, encode, group_size
 from offloadd.runtime.handles import describe, inplace_error, storage_of, version_handle
 
@@ -127,7 +127,7 @@ class Codec:
 
     def scope(self) -> OpScope:
         """The torch function mode that tells pack which op saves (enter it per thread)."""
-        return OpScope(self.ops, self.scheme.bits)
+        return OpScope(self.ops)
 
     def begin_step(self) -> None:
         """A step's first forward: reseed stochastic rounding, drop dead dedup entries."""
@@ -165,6 +165,7 @@ class Codec:
             and not t.is_conj()
             and not t.is_neg()
             and not isinstance(t._base, torch.nn.Parameter)
+            and not kept_exact(t)
         )
 
     def note_exact(self, t: torch.Tensor) -> None:

@@ -9,7 +9,9 @@ thread) notes the torch function running at the outermost level (``linear``, ``s
 * the tensor has the shape of one of the function's tensor arguments (or that shape with its
   leading dims folded into one: the view ``linear`` and ``matmul`` save of a 3-D or 4-D input),
   so what an op saves beside its inputs and outputs (layer norm's mean and rstd, attention's
-  logsumexp, which every probability is divided by) stays exact, and
+  logsumexp, which every probability is divided by) stays exact,
+* it is not an argument the op needs exactly (``_EXACT_ARGS``: attention's q, k and mask, from
+  which backward recomputes the attention weights), and
 * it is floating (float32, bfloat16, float16), strided, dense, not a parameter, and at least
   ``codec_min_bytes`` (masks, indices, RNG state and integer tensors never qualify).
 
@@ -39,7 +41,7 @@ from typing import Any, Final
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["DEFAULT_OPS", "OpScope", "saved_shapes", "unknown_ops"]
+__all__ = ["DEFAULT_OPS", "OpScope", "kept_exact", "saved_shapes", "unknown_ops"]
 
 DEFAULT_OPS: Final[dict[str, str]] = {
     "linear": "saves its input; grad_weight = grad^T @ input (Mesa and ActNN compress it)",
@@ -59,10 +61,11 @@ DEFAULT_OPS: Final[dict[str, str]] = {
     "layer_norm": "saves its input (mean and rstd stay exact: other shapes)",
     "mul": "saves both operands; each gradient is grad times the other",
     "scaled_dot_product_attention": (
-        "saves q, k, v and the output (its logsumexp stays exact: another shape); "
-        "only without dropout, and only with 8-bit codes: backward recomputes the attention "
-        "weights from the rounded q and k against the exact logsumexp, so the rounding error "
-        "of the scores is exponentiated (q's gradient: 1.6 % off at int8, 24 % at int4)"
+        "saves q, k, v, the mask and the output; only v and the output are coded, and only "
+        "without dropout: backward recomputes the attention weights from q, k and the mask "
+        "against the exact logsumexp, so a rounding of those would be exponentiated (q's "
+        "gradient 1.6 % off at int8 and 24 % at int4 with q and k coded; a mask's -inf turns "
+        "its group into NaN)"
     ),
 }
 """The default allow list: torch function name -> why a rounded saved activation is safe."""
@@ -73,6 +76,16 @@ _tls = threading.local()
 def saved_shapes() -> frozenset[torch.Size] | None:
     """The shapes a saved tensor may have to be compressed now, or None (nothing may be)."""
     return getattr(_tls, "shapes", None)
+
+
+def kept_exact(t: torch.Tensor) -> bool:
+    """Whether ``t`` is an argument the op running now needs exactly (see ``_EXACT_ARGS``)."""
+    exact = getattr(_tls, "exact", None)
+    return exact is not None and _identity(t) in exact
+
+
+def _identity(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype)
 
 
 def _tensor_shapes(args: Iterable[Any], kwargs: dict[str, Any]) -> frozenset[torch.Size]:
@@ -104,8 +117,20 @@ def _dropout_free(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 _CONDITIONS: Final[dict[str, Callable[[tuple[Any, ...], dict[str, Any]], bool]]] = {
     "scaled_dot_product_attention": _dropout_free,
 }
-_MIN_BITS: Final[dict[str, int]] = {"scaled_dot_product_attention": 8}
-"""Ops coded only with at least this many bits per value (the reason is in DEFAULT_OPS)."""
+_EXACT_ARGS: Final[dict[str, tuple[tuple[int, str], ...]]] = {
+    "scaled_dot_product_attention": ((0, "query"), (1, "key"), (3, "attn_mask")),
+}
+"""Arguments (position, name) an allowed op must save exactly (the reason is in DEFAULT_OPS):
+the saved tensor that is that very argument (same address, shape, strides) stays exact."""
+
+
+def _exact_args(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> frozenset[Any]:
+    out = set()
+    for pos, key in _EXACT_ARGS.get(name, ()):
+        a = args[pos] if pos < len(args) else kwargs.get(key)
+        if isinstance(a, torch.Tensor):
+            out.add(_identity(a))
+    return frozenset(out)
 
 
 def unknown_ops(names: Iterable[str]) -> list[str]:
@@ -118,9 +143,9 @@ class OpScope(TorchFunctionMode):
     """Notes, per thread, the shapes that the outermost torch function running allows to be
     compressed (see [what gets compressed])."""
 
-    def __init__(self, ops: Iterable[str], bits: int = 8) -> None:
+    def __init__(self, ops: Iterable[str]) -> None:
         super().__init__()
-        self.ops = frozenset(n for n in ops if bits >= _MIN_BITS.get(n, 0))
+        self.ops = frozenset(ops)
 
     def __torch_function__(
         self,
@@ -131,14 +156,15 @@ class OpScope(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", None)
-        shapes = None
+        shapes = exact = None
         if name in self.ops:
             condition = _CONDITIONS.get(name)
             if condition is None or condition(args, kwargs):
                 shapes = _tensor_shapes(args, kwargs)
-        outer = getattr(_tls, "shapes", None)
-        _tls.shapes = shapes
+                exact = _exact_args(name, args, kwargs) if name in _EXACT_ARGS else None
+        outer = getattr(_tls, "shapes", None), getattr(_tls, "exact", None)
+        _tls.shapes, _tls.exact = shapes, exact
         try:
             return func(*args, **kwargs)
         finally:
-            _tls.shapes = outer
+            _tls.shapes, _tls.exact = outer

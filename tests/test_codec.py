@@ -689,6 +689,19 @@ def test_a_tensor_shorter_than_its_codes_stays_exact() -> None:
     off.close()
 
 
+@pytest.mark.parametrize("codec", ["fp8-e4m3", "fp8-e5m2"])
+def test_layer_norm_stays_exact_under_fp8(codec: str) -> None:
+    ln = nn.LayerNorm(64)
+    x = torch.randn(4, 32, 64) + 50  # a common offset: fp8 would keep ~nothing of the spread
+    off = keep_offloader(codec=codec)
+    assert same(
+        run(lambda x: ln(x).square().sum(), [x], off, module=ln),
+        run(lambda x: ln(x).square().sum(), [x], None, module=ln),
+    )
+    assert off.stats().coded_tensors == 0
+    off.close()
+
+
 def test_a_misspelt_codec_op_is_refused() -> None:
     with pytest.raises(ValueError, match="codec_ops: 'lineaar'"):
         Offloader(tier="keep", codec="int8", codec_ops=["linear", "lineaar"])

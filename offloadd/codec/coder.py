@@ -127,7 +127,7 @@ class Codec:
 
     def scope(self) -> OpScope:
         """The torch function mode that tells pack which op saves (enter it per thread)."""
-        return OpScope(self.ops)
+        return OpScope(self.ops, self.scheme.name)
 
     def begin_step(self) -> None:
         """A step's first forward: reseed stochastic rounding, drop dead dedup entries."""

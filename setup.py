@@ -4,8 +4,7 @@
    headers are missing, ``pip install`` still succeeds, ``import offloadd`` still works, and
    ``engine = "auto"`` logs that it fell back to the Python engine and why. The codec's fused
    quantisation kernels (csrc/codec.c -> offloadd.codec._kernels) are optional the same way:
-   without them the codec runs as torch ops. So are memsave's bit-mask kernels (csrc/bits.c ->
-   offloadd.memsave._bits), without which ReLU's mask is packed with torch ops.
+   without them the codec runs as torch ops.
 2. The host cache's C++ source (csrc/host_allocator.cpp) goes into the package, because it is
    compiled at first use against the torch it runs with (see offloadd/runtime/host_allocator.py).
 3. offloadd.pth: the start-up hook (see offloadd_boot.py) must land at the top of site-packages,
@@ -67,20 +66,6 @@ setup(
             "offloadd.io._native",
             sources=["csrc/native.c"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
-            extra_link_args=["-pthread"],
-            optional=True,
-        ),
-        Extension(
-            "offloadd.memsave._bits",
-            sources=["csrc/bits.c"],
-            extra_compile_args=[
-                "-O3",
-                "-std=gnu11",
-                "-Wall",
-                "-Wextra",
-                "-Wno-unused-parameter",
-                "-Wno-missing-field-initializers",
-            ],
             extra_link_args=["-pthread"],
             optional=True,
         ),

@@ -15,17 +15,6 @@ carries), keeps bit ``i`` of byte ``i`` (``& 0x8040201008040201``) and reads the
 ``!= 0``. The int64 view needs the padded mask's length to be a
 multiple of 8 (it is padded with zeros) and the byte order of the host to be little endian
 (checked at import; a big-endian host takes the shift-and-sum path).
-
-Note: [fused masks]
-~~~~~~~~~~~~~~~~~~~
-ReLU's mask and its use in backward also exist as single-pass kernels (csrc/bits.c,
-``offloadd.memsave._bits``): :func:`nonzero_bits` packs ``t != 0`` straight from a float tensor
-(the mask of Note [relu mask] in pointwise.py, without the bool tensor in between) and
-:func:`select_by_bits` returns ``bit ? grad : 0``, what ``threshold_backward`` returns, without
-unpacking the bits into a tensor first. Both copy or test bit patterns only, so they give the
-torch path's bytes exactly (tests compare them, NaN payloads included); CUDA tensors,
-non-contiguous ones, 16-bit gradients (``threshold_backward`` computes those through float32,
-which changes NaN payloads) and an install without the compiled kernels take the torch path.
 """
 
 from __future__ import annotations
@@ -35,19 +24,7 @@ import sys
 
 import torch
 
-try:
-    from offloadd.memsave import _bits  # type: ignore[attr-defined]
-except ImportError:  # built without a C compiler: the torch ops do it all
-    _bits = None
-
-__all__ = [
-    "nonzero_bits",
-    "pack_bits",
-    "packed_bytes",
-    "select_by_bits",
-    "unpack_bits",
-    "unpack_flags",
-]
+__all__ = ["pack_bits", "packed_bytes", "unpack_bits", "unpack_flags"]
 
 _MAGIC = 0x0102040810204080
 _SPREAD = 0x0101010101010101
@@ -94,47 +71,3 @@ def unpack_flags(packed: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> t
 def unpack_bits(packed: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
     """The bool tensor of ``shape`` that :func:`pack_bits` packed into ``packed``."""
     return unpack_flags(packed, shape).bool()  # a cast: vectorised, unlike != 0
-
-
-_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-def _fused(*tensors: torch.Tensor) -> bool:
-    return _bits is not None and all(
-        t.device.type == "cpu" and t.dtype in _FUSED_DTYPES and t.is_contiguous() for t in tensors
-    )
-
-
-def nonzero_bits(t: torch.Tensor, *, fused: bool = True) -> torch.Tensor:
-    """``pack_bits(t != 0)`` for a floating tensor (a NaN is not zero; neither sign of zero is
-    set), in one pass where Note [fused masks] applies."""
-    if not (fused and _fused(t)):
-        return pack_bits(t.bool())  # t != 0, as a vectorised cast: Note [relu mask]
-    out = torch.empty(packed_bytes(t.numel()), dtype=torch.uint8)
-    assert _bits is not None
-    _bits.nonzero_bits(t.data_ptr(), t.numel(), t.element_size(), out.data_ptr(), _threads())
-    return out
-
-
-def select_by_bits(
-    grad: torch.Tensor, packed: torch.Tensor, shape: torch.Size | tuple[int, ...]
-) -> torch.Tensor | None:
-    """``bit ? grad : 0`` elementwise, a new tensor (Note [fused masks]), or None where the
-    fused kernel does not apply (the caller then takes the torch path)."""
-    if not _fused(grad) or grad.element_size() < 4 or tuple(grad.shape) != tuple(shape):
-        return None  # 16-bit floats: threshold_backward rewrites NaN payloads, so torch's
-    out = torch.empty_like(grad, memory_format=torch.contiguous_format)
-    assert _bits is not None
-    _bits.select_bits(
-        grad.data_ptr(),
-        packed.data_ptr(),
-        grad.numel(),
-        grad.element_size(),
-        out.data_ptr(),
-        _threads(),
-    )
-    return out
-
-
-def _threads() -> int:
-    return torch.get_num_threads()

@@ -57,13 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from offloadd.memsave.bits import (
-    nonzero_bits,
-    pack_bits,
-    select_by_bits,
-    unpack_bits,
-    unpack_flags,
-)
+from offloadd.memsave.bits import pack_bits, unpack_bits, unpack_flags
 from offloadd.memsave.gate import gated_off
 
 __all__ = [
@@ -91,17 +85,14 @@ class _ReLUBits(torch.autograd.Function):
         if inplace:
             ctx.mark_dirty(x)
         ctx.shape = out.shape
-        # not (result <= 0), which for a ReLU's result is result != 0: Note [relu mask]
-        ctx.save_for_backward(nonzero_bits(out))
+        # not (result <= 0), as a cast: Note [relu mask]
+        ctx.save_for_backward(pack_bits(out.bool()))
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         (packed,) = ctx.saved_tensors
-        fused = select_by_bits(grad, packed, ctx.shape)  # Note [fused masks] in bits.py
-        if fused is not None:
-            return fused, None
         passes = unpack_flags(packed, ctx.shape).to(grad.dtype)  # 0 where result <= 0, else > 0
         # written over ``passes`` (elementwise, same positions): one new tensor, as in plain
         return _THRESHOLD_BACKWARD(grad, passes, 0, grad_input=passes), None

@@ -62,6 +62,14 @@ def test_bench_step_script_end_to_end(disk_dir: Path, tmp_path: Path) -> None:
     assert "round 1/1: ssd" in proc.stderr
 
 
+def test_bench_step_compares_a_codec_with_the_strategy_alone(disk_dir: Path) -> None:
+    args = [*_TINY, "--steps", "1", "--rounds", "1", "--deep-layers", "0", "--no-hook-cost"]
+    proc = _bench(*args, "--strategies", "ssd,ssd+int8", "--ssd-dir", str(disk_dir))
+    assert proc.returncode == 0, proc.stderr
+    assert "| ssd+int8 step time / ssd |" in proc.stdout
+    assert "| ssd+int8 saved bytes / ssd |" in proc.stdout
+
+
 def test_bench_step_hf_gpt2(disk_dir: Path) -> None:
     pytest.importorskip("transformers")
     args = [*_TINY, "--steps", "1", "--rounds", "1", "--deep-layers", "0", "--no-hook-cost"]
@@ -83,6 +91,8 @@ def test_bench_step_hf_gpt2(disk_dir: Path) -> None:
         (["--deep-layers", "-1"], "--deep-layers must be 0 (skip) or positive"),
         (["--batch", "0"], "--batch must be positive"),
         (["--model", "llama"], "invalid choice: 'llama'"),
+        (["--codec", "int3"], "--codec: codec: 'int3'"),
+        (["--strategies", "ssd+int3"], "--strategies 'ssd+int3'"),
     ],
 )
 def test_bench_step_bad_arguments(args: list[str], message: str) -> None:

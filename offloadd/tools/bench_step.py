@@ -125,6 +125,10 @@ def _options(ns: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--rounds must be at least 1, got {ns.rounds}")
     if ns.deep_layers < 0:
         raise ValueError(f"--deep-layers must be 0 (skip) or positive, got {ns.deep_layers}")
+    try:
+        Config(codec=ns.codec)
+    except ValueError as e:
+        raise ValueError(f"--codec: {e}") from None
     strategies = [s for s in ns.strategies.split(",") if s]
     if not strategies:
         raise ValueError("--strategies: give at least one")
@@ -138,10 +142,6 @@ def _options(ns: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"--strategies {s!r}: {e}") from None
     if ns.model in HF_FAMILIES:
         require_transformers()  # ImportError naming the extra, before any run
-    try:
-        Config(codec=ns.codec)
-    except ValueError as e:
-        raise ValueError(f"--codec: {e}") from None
     return {**common, "model": ns.model}
 
 

@@ -73,7 +73,15 @@ setup(
             "offloadd.codec._kernels",
             sources=["csrc/codec.c"],
             # -ffp-contract=off: no fused multiply-add, so results match the torch path bitwise
-            extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-missing-field-initializers", "-ffp-contract=off"],
+            extra_compile_args=[
+                "-O3",
+                "-std=gnu11",
+                "-Wall",
+                "-Wextra",
+                "-Wno-unused-parameter",
+                "-Wno-missing-field-initializers",
+                "-ffp-contract=off",
+            ],
             extra_link_args=["-pthread"],
             optional=True,
         ),

@@ -49,9 +49,9 @@ class Coded:
         "dtype",
         "group",
         "handle",
+        "inverse",
         "numel",
         "params",
-        "perm",
         "shape",
         "version",
     )
@@ -64,8 +64,8 @@ class Coded:
         self.numel = enc.numel
         self.group = enc.group
         self.dtype = t.dtype
-        self.shape = tuple(t.shape[i] for i in perm)
-        self.perm = perm
+        self.shape = tuple(t.shape[i] for i in perm)  # as encoded: in memory order
+        self.inverse = tuple(sorted(range(len(perm)), key=perm.__getitem__))
         self.version = t._version
         self.handle = version_handle(t)
         self.desc = describe(t)
@@ -91,6 +91,13 @@ def layout_for(t: torch.Tensor, storage: torch.UntypedStorage) -> tuple[int, ...
     if t.nbytes > storage.nbytes():
         return None
     return tuple(range(t.dim()))
+
+
+def _same_storage(entry: tuple[Any, ...], t: torch.Tensor) -> bool:
+    """Whether a registry entry ``(StorageWeakRef, weakref to the root, ...)`` found under
+    ``t``'s key still stands for ``t``'s storage (see [dedup identity] in runtime/dedup.py)."""
+    root = t._base if t._base is not None else t
+    return not entry[0].expired() and entry[1]() is root
 
 
 class Codec:
@@ -132,12 +139,12 @@ class Codec:
     def begin_step(self) -> None:
         """A step's first forward: reseed stochastic rounding, drop dead dedup entries."""
         self.step += 1
-        for device, gen in self._generators.items():
-            gen.manual_seed(self._seed_for(device))
+        for gen in self._generators.values():
+            gen.manual_seed(self._seed())
         self._saved = {k: v for k, v in self._saved.items() if v[2]() is not None}
         self._exact = {k: v for k, v in self._exact.items() if not v[0].expired()}
 
-    def _seed_for(self, device: torch.device) -> int:
+    def _seed(self) -> int:
         return (self.seed * 1_000_003 + self.step) & ((1 << 63) - 1)
 
     def _generator(self, device: torch.device) -> torch.Generator | None:
@@ -146,7 +153,7 @@ class Codec:
         gen = self._generators.get(device)
         if gen is None:
             gen = self._generators[device] = torch.Generator(device=device)
-            gen.manual_seed(self._seed_for(device))
+            gen.manual_seed(self._seed())
         return gen
 
     # -- pack ------------------------------------------------------------------------------
@@ -191,8 +198,7 @@ class Codec:
         if storage is None:
             return False
         hit = self._exact.get((t.device, storage._cdata, t._version))
-        root = t._base if t._base is not None else t
-        return hit is not None and not hit[0].expired() and hit[1]() is root
+        return hit is not None and _same_storage(hit, t)
 
     def pack(
         self,
@@ -207,7 +213,6 @@ class Codec:
         perm = layout_for(t, storage) if storage is not None else None
         if perm is None or storage is None:
             return None
-        root = t._base if t._base is not None else t
         key = (
             t.device,
             storage._cdata,
@@ -218,7 +223,7 @@ class Codec:
             t.stride(),
         )
         hit = self._saved.get(key)
-        if hit is not None and not hit[0].expired() and hit[1]() is root:
+        if hit is not None and _same_storage(hit, t):
             coded = hit[2]()
             if coded is not None:
                 return coded
@@ -229,6 +234,7 @@ class Codec:
         x = t.detach().permute(perm).contiguous()  # a copy only for a view with gaps
         enc = encode(x, self.scheme, group, self._generator(t.device))
         coded = Coded(t, perm, enc, pack_codes, pack_exact)
+        root = t._base if t._base is not None else t
         self._saved[key] = (StorageWeakRef(storage), weakref.ref(root), weakref.ref(coded))
         self.coded_tensors += 1
         self.coded_in_bytes += t.nbytes
@@ -250,7 +256,4 @@ class Codec:
             group=coded.group,
         )
         flat = decode(enc, self.scheme, coded.dtype)
-        inverse = [0] * len(coded.perm)
-        for i, d in enumerate(coded.perm):
-            inverse[d] = i
-        return flat.view(coded.shape).permute(inverse)
+        return flat.view(coded.shape).permute(coded.inverse)

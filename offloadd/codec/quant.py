@@ -146,11 +146,11 @@ def native_available() -> bool:
     return _kernels is not None
 
 
-def _native(x: torch.Tensor, scheme: Scheme) -> bool:
+def _native(device: torch.device, dtype: torch.dtype, scheme: Scheme) -> bool:
     return (
         _kernels is not None
-        and x.device.type == "cpu"
-        and x.dtype in _NATIVE_DTYPES
+        and device.type == "cpu"
+        and dtype in _NATIVE_DTYPES
         and scheme.name not in _FP8
         and not scheme.stochastic
     )
@@ -167,7 +167,7 @@ def encode(
     """Codes and ranges of the values of ``x`` (floating; contiguous), groups of ``group``;
     ``native=False`` forces the torch ops (see [two paths, one result])."""
     n = x.numel()
-    if native and _native(x, scheme):
+    if native and _native(x.device, x.dtype, scheme):
         return _encode_native(x, scheme, group)
     groups = -(-n // group)
     flat = x.reshape(-1)
@@ -264,7 +264,7 @@ def decode(
     enc: Encoded, scheme: Scheme, dtype: torch.dtype, *, native: bool = True
 ) -> torch.Tensor:
     """The ``enc.numel`` decoded values, 1-D, of ``dtype``, on the codes' device."""
-    if native and _native(torch.empty(0, dtype=dtype, device=enc.codes.device), scheme):
+    if native and _native(enc.codes.device, dtype, scheme):
         out = torch.empty(enc.numel, dtype=dtype)
         assert _kernels is not None
         _kernels.decode(

@@ -37,9 +37,10 @@ from offloadd.tools.train import (
     add_model_arguments,
     model_kwargs,
     run_in_subprocess,
+    split_label,
 )
 
-__all__ = ["HELP", "add_arguments", "hook_cost_us", "main", "split_label"]
+__all__ = ["HELP", "add_arguments", "hook_cost_us", "main"]
 
 HELP = "step time and memory of keep, recompute and ssd offload on one model, as ratios"
 
@@ -143,13 +144,6 @@ def _options(ns: argparse.Namespace) -> dict[str, Any]:
     if ns.model in HF_FAMILIES:
         require_transformers()  # ImportError naming the extra, before any run
     return {**common, "model": ns.model}
-
-
-def split_label(label: str, codec: str) -> tuple[str, str]:
-    """(strategy, codec) of a ``--strategies`` label: ``ssd+int8`` -> ("ssd", "int8"); without
-    a plus, ``codec`` (``--codec``) for the strategies with hooks."""
-    base, plus, named = label.partition("+")
-    return base, named if plus else codec
 
 
 def hook_cost_us(ops: int = 5000, pairs: int = 15) -> dict[str, float]:

@@ -17,8 +17,8 @@ from typing import Any
 
 from offloadd.config import parse_size
 from offloadd.runtime.stats import format_bytes
-from offloadd.tools.rok_sweep import AUTO, RECOMPUTE_BUDGET, Sweep, label_codec, run_strategy
-from offloadd.tools.train import RunFailed, RunSpec, run_in_subprocess
+from offloadd.tools.rok_sweep import AUTO, RECOMPUTE_BUDGET, Sweep, run_strategy
+from offloadd.tools.train import RunFailed, RunSpec, run_in_subprocess, split_label
 
 __all__ = ["FIELDS", "auto_budget", "measure", "point_line", "read_points", "write_points"]
 
@@ -104,7 +104,7 @@ def measure(
     spec = RunSpec(
         strategy=run_strategy(strategy),
         budget=budget,
-        codec=label_codec(strategy, sw.codec),
+        codec=split_label(strategy, sw.codec)[1],
         model=sw.model,
         num_layers=sw.layers,
         d_model=sw.hidden,

@@ -22,6 +22,7 @@ from offloadd.config import Config, parse_size
 from offloadd.io.files import default_offload_dir
 from offloadd.tools.models.build import default_vocab
 from offloadd.tools.models.hf import HF_FAMILIES
+from offloadd.tools.train import split_label
 
 __all__ = [
     "AUTO",
@@ -30,7 +31,6 @@ __all__ = [
     "STRATEGIES",
     "Sweep",
     "UsageError",
-    "label_codec",
     "resolve",
     "run_strategy",
 ]
@@ -55,14 +55,8 @@ size and round (the issue's "budget equal to full recompute's peak")."""
 def run_strategy(label: str) -> str:
     """The ``RunSpec.strategy`` of a strategy label (``auto@0.3x`` -> ``auto``; a codec after a
     plus, ``offload-ssd+int8``, does not change it)."""
-    label = label.partition("+")[0]
+    label = split_label(label, "")[0]
     return "auto" if label.startswith(AUTO) else STRATEGIES[label]
-
-
-def label_codec(label: str, codec: str) -> str:
-    """The codec of a strategy label: the one after a plus, else ``codec`` (``--codec``)."""
-    _base, plus, named = label.partition("+")
-    return named if plus else codec
 
 
 def _budgets(text: str) -> list[str]:
@@ -205,7 +199,7 @@ def resolve(ns: argparse.Namespace) -> Sweep:
         unknown = [
             s
             for s in strategies
-            if s.partition("+")[0] not in STRATEGIES and not s.startswith(AUTO)
+            if split_label(s, "")[0] not in STRATEGIES and not s.startswith(AUTO)
         ]
         if unknown:
             raise UsageError(
@@ -214,13 +208,13 @@ def resolve(ns: argparse.Namespace) -> Sweep:
                 "after a plus, offload-ssd+int8)"
             )
         for s in strategies:
-            base, plus, named = s.partition("+")
-            if plus and base in ("recompute", "auto"):
+            base, named = split_label(s, "")
+            if named and base in ("recompute", "auto"):
                 raise UsageError(
                     f"--strategies {s!r}: a codec after a plus is for keep and offload "
                     "strategies (auto takes --codec; recompute saves nothing to code)"
                 )
-            if plus:
+            if named:
                 try:
                     Config(codec=named)  # type: ignore[arg-type]
                 except ValueError as e:

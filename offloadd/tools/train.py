@@ -37,6 +37,7 @@ __all__ = [
     "model_kwargs",
     "run",
     "run_in_subprocess",
+    "split_label",
 ]
 
 STRATEGIES = ("none", "keep", "recompute", "ssd", "cpu", "auto")
@@ -69,6 +70,13 @@ class RunSpec:
     memory_limit_bytes: int = 0
     """Simulates a smaller machine: memory allowed above what the built model holds (0: no
     limit). CPU: an RLIMIT_AS on address space, so approximate; CUDA: a per-process fraction."""
+
+
+def split_label(label: str, codec: str) -> tuple[str, str]:
+    """(strategy, codec) of a strategy label of ``bench step`` or ``rok``: ``ssd+int8`` ->
+    ("ssd", "int8"); without a plus, ``codec`` (their ``--codec``)."""
+    base, plus, named = label.partition("+")
+    return base, named if plus else codec
 
 
 class RunFailed(RuntimeError):

@@ -1,5 +1,5 @@
 /*
- * offloadd.codec._kernels: per-group integer quantisation of host tensors in one pass.
+ * offloadd.codec._kernels: per-group integer and fp8 quantisation of host tensors in one pass.
  *
  * The same arithmetic as the torch path of offloadd/codec/quant.py (Note [the codes]), fused:
  * each group of `group` values is read once from memory into cache, its range found, its codes
@@ -7,15 +7,17 @@
  * torch path: the same float32 operations in the same order (a true division, round half to
  * even, the same clamps), the padding of the last group with zeros included in its range.
  *
- *   encode(src, dtype, n, group, bits, affine, codes, params, threads)
- *   decode(codes, params, n, group, bits, affine, dst, dtype, threads)
+ *   encode(src, dtype, n, group, bits, affine, codes, params, threads, fp8)
+ *   decode(codes, params, n, group, bits, affine, dst, dtype, threads, fp8)
  *
  * Addresses are integers (tensor.data_ptr()); dtype 0 is float32, 1 bfloat16.  bits is 8, 4 or
  * 2; affine 0 is symmetric (int8 only: a scale per group, codes -127..127 as int8), 1 a minimum
  * and a step per group (codes 0..2^bits-1, packed 8/bits to a byte, the first in the low bits).
  * params holds a float32 scale per group, or lo and step.  A group holding an infinity or a NaN
- * gets NaN params (its codes are 0).  Work is split by groups over `threads` pthreads; the GIL
- * is released meanwhile.  Stochastic rounding and fp8 stay with the torch path.
+ * gets NaN params (its codes are 0).  fp8 is 0 for integer codes, 1 for float8 e4m3fn, 2 for
+ * e5m2 (8 bits, symmetric: a scale per group, codes as torch's float8 bytes, see fp8_code).  Work
+ * is split by groups over `threads` pthreads; the GIL is released meanwhile.  Stochastic rounding
+ * stays with the torch path.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -32,7 +34,7 @@ typedef struct {
     void *dst;
     uint8_t *codes;
     float *params;
-    int dtype;
+    int dtype, fp8;
     int64_t n, group, bits, affine;
     int64_t g0, g1; /* groups [g0, g1) */
 } Job;
@@ -76,6 +78,59 @@ static inline void put_code(uint8_t *codes, int64_t i, int64_t bits, unsigned q)
 static inline float rne(float v) {
     const float magic = 12582912.0f;
     return (v + magic) - magic;
+}
+
+/* float8 formats: exponent bits, mantissa bits, bias, largest finite value. */
+typedef struct {
+    int m, bias;
+    float max;
+} Fp8;
+static const Fp8 FP8[3] = {{0, 0, 127.0f}, {3, 7, 448.0f}, {2, 15, 57344.0f}};
+
+/* The float8 byte of v (finite, |v| <= the format's max), rounded to nearest even, as torch's
+ * .to(float8_e4m3fn / float8_e5m2): below the smallest normal 2^(1-bias), v scaled by 2^(bias-1+m)
+ * (exact) and rounded to an integer is the subnormal's code (2^m, the carry, is the smallest
+ * normal's); above, the float32 bits lose 23-m mantissa bits, rounding half to even, and the
+ * exponent is rebased from 127 to bias. */
+static inline uint8_t fp8_code(float v, Fp8 f) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    const uint32_t sign = (u >> 24) & 0x80u;
+    u &= 0x7fffffffu;
+    float a;
+    memcpy(&a, &u, 4);
+    const int drop = 23 - f.m;
+    uint32_t code;
+    if (u < (uint32_t)(128 - f.bias) << 23) {
+        code = (uint32_t)rne(a * (float)(1 << (f.bias - 1 + f.m)));
+    } else {
+        u += (1u << (drop - 1)) - 1u + ((u >> drop) & 1u);
+        code = (u >> drop) - ((uint32_t)(127 - f.bias) << f.m);
+    }
+    return (uint8_t)(sign | code);
+}
+
+/* The value of every float8 byte, per format (filled at import; NaN codes decode to NaN). */
+static float FP8_VALUE[3][256];
+
+static void fill_fp8_values(void) {
+    for (int k = 1; k < 3; k++) {
+        const Fp8 f = FP8[k];
+        const int e_bits = 7 - f.m;
+        for (int c = 0; c < 256; c++) {
+            const int e = (c >> f.m) & ((1 << e_bits) - 1), mant = c & ((1 << f.m) - 1);
+            float v;
+            if (e == 0)
+                v = ldexpf((float)mant, 1 - f.bias - f.m);
+            else if (k == 1 && e == 15 && mant == 7)
+                v = NAN;
+            else if (k == 2 && e == 31)
+                v = mant ? NAN : INFINITY;
+            else
+                v = ldexpf((float)((1 << f.m) + mant), e - f.bias - f.m);
+            FP8_VALUE[k][c] = (c & 0x80) ? -v : v;
+        }
+    }
 }
 
 /* Fused per group: a clone per instruction set where the compiler supports it. */
@@ -181,6 +236,27 @@ HOT static void encode_range(const Job *j) {
                 v = v < 0.0f ? 0.0f : (v > (float)top ? (float)top : v);
                 put_code(j->codes, base + i, j->bits, (unsigned)v);
             }
+        } else if (j->fp8) {
+            const Fp8 f = FP8[j->fp8];
+            float amax = -lo > hi ? -lo : hi;
+            float scale = amax / f.max;
+            if (!(scale > 0.0f)) scale = 1.0f;
+            j->params[k] = bad ? NAN : scale;
+            uint8_t *out = j->codes + base;
+            if (fast && !bad) {
+                const float *x = (const float *)j->src + base;
+                for (int64_t i = 0; i < g; i++) {
+                    float v = x[i] / scale;
+                    v = v < -f.max ? -f.max : (v > f.max ? f.max : v);
+                    out[i] = fp8_code(v, f);
+                }
+            } else {
+                for (int64_t i = 0; i < g; i++) {
+                    float v = bad ? 0.0f : load(j->src, j->dtype, base + i, j->n) / scale;
+                    v = v < -f.max ? -f.max : (v > f.max ? f.max : v);
+                    out[i] = fp8_code(v, f);
+                }
+            }
         } else {
             float amax = -lo > hi ? -lo : hi;
             float scale = amax / 127.0f;
@@ -224,6 +300,16 @@ HOT static void decode_range(const Job *j) {
             for (int64_t i = base; i < end; i++) {
                 unsigned q = (j->codes[i / per] >> (j->bits * (i % per))) & mask;
                 store(j->dst, j->dtype, i, (float)q * step + lo);
+            }
+        } else if (j->fp8) {
+            const float scale = j->params[k];
+            const float *value = FP8_VALUE[j->fp8];
+            if (j->dtype == 0) {
+                float *y = (float *)j->dst;
+                for (int64_t i = base; i < end; i++) y[i] = value[j->codes[i]] * scale;
+            } else {
+                for (int64_t i = base; i < end; i++)
+                    store(j->dst, j->dtype, i, value[j->codes[i]] * scale);
             }
         } else {
             const float scale = j->params[k];
@@ -278,10 +364,15 @@ static int run_split(Job job, int encode, int threads) {
     return 0;
 }
 
-static int check(int dtype, long long n, long long group, int bits, int affine) {
+static int check(int dtype, long long n, long long group, int bits, int affine, int fp8) {
     if (dtype != 0 && dtype != 1) {
         PyErr_Format(PyExc_ValueError, "dtype code must be 0 (float32) or 1 (bfloat16), got %d",
                      dtype);
+        return -1;
+    }
+    if (fp8 < 0 || fp8 > 2 || (fp8 && (bits != 8 || affine))) {
+        PyErr_Format(PyExc_ValueError, "fp8 must be 0, 1 (e4m3) or 2 (e5m2), symmetric 8-bit codes; got %d",
+                     fp8);
         return -1;
     }
     if (n < 0 || group < 1 || (bits != 8 && bits != 4 && bits != 2) || (bits < 8 && !affine)) {
@@ -294,13 +385,13 @@ static int check(int dtype, long long n, long long group, int bits, int affine) 
 static PyObject *py_encode(PyObject *self, PyObject *args) {
     unsigned long long src, codes, params;
     long long n, group;
-    int dtype, bits, affine, threads;
-    if (!PyArg_ParseTuple(args, "KiLLiiKKi", &src, &dtype, &n, &group, &bits, &affine, &codes,
-                          &params, &threads))
+    int dtype, bits, affine, threads, fp8;
+    if (!PyArg_ParseTuple(args, "KiLLiiKKii", &src, &dtype, &n, &group, &bits, &affine, &codes,
+                          &params, &threads, &fp8))
         return NULL;
-    if (check(dtype, n, group, bits, affine) < 0) return NULL;
+    if (check(dtype, n, group, bits, affine, fp8) < 0) return NULL;
     Job job = {(const void *)(uintptr_t)src, NULL, (uint8_t *)(uintptr_t)codes,
-               (float *)(uintptr_t)params, dtype, n, group, bits, affine, 0, 0};
+               (float *)(uintptr_t)params, dtype, fp8, n, group, bits, affine, 0, 0};
     if (bits < 8) { /* packed codes are or-ed in: start from zero */
         const int64_t groups = (n + group - 1) / group, per = 8 / bits;
         memset(job.codes, 0, (size_t)((groups * group + per - 1) / per));
@@ -312,20 +403,22 @@ static PyObject *py_encode(PyObject *self, PyObject *args) {
 static PyObject *py_decode(PyObject *self, PyObject *args) {
     unsigned long long codes, params, dst;
     long long n, group;
-    int dtype, bits, affine, threads;
-    if (!PyArg_ParseTuple(args, "KKLLiiKii", &codes, &params, &n, &group, &bits, &affine, &dst,
-                          &dtype, &threads))
+    int dtype, bits, affine, threads, fp8;
+    if (!PyArg_ParseTuple(args, "KKLLiiKiii", &codes, &params, &n, &group, &bits, &affine, &dst,
+                          &dtype, &threads, &fp8))
         return NULL;
-    if (check(dtype, n, group, bits, affine) < 0) return NULL;
+    if (check(dtype, n, group, bits, affine, fp8) < 0) return NULL;
     Job job = {NULL, (void *)(uintptr_t)dst, (uint8_t *)(uintptr_t)codes,
-               (float *)(uintptr_t)params, dtype, n, group, bits, affine, 0, 0};
+               (float *)(uintptr_t)params, dtype, fp8, n, group, bits, affine, 0, 0};
     Py_BEGIN_ALLOW_THREADS run_split(job, 0, threads);
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
-    {"encode", py_encode, METH_VARARGS, "encode(src, dtype, n, group, bits, affine, codes, params, threads)"},
-    {"decode", py_decode, METH_VARARGS, "decode(codes, params, n, group, bits, affine, dst, dtype, threads)"},
+    {"encode", py_encode, METH_VARARGS,
+     "encode(src, dtype, n, group, bits, affine, codes, params, threads, fp8)"},
+    {"decode", py_decode, METH_VARARGS,
+     "decode(codes, params, n, group, bits, affine, dst, dtype, threads, fp8)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -333,4 +426,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels",
                                     "offloadd's fused per-group quantisation (see csrc/codec.c)",
                                     -1, methods};
 
-PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__kernels(void) {
+    fill_fp8_values();
+    return PyModule_Create(&module);
+}

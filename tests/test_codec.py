@@ -231,7 +231,7 @@ def test_coded_nbytes_is_what_encode_makes(label: str) -> None:
 @pytest.mark.skipif(not native_available(), reason="offloadd.codec._kernels was not built")
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("label", INTEGER)
+@pytest.mark.parametrize("label", list(CODEC_KW))
 def test_the_fused_kernels_match_the_torch_ops_bitwise(
     label: str, dtype: torch.dtype, threads: int
 ) -> None:
@@ -261,6 +261,34 @@ def test_the_fused_kernels_match_the_torch_ops_bitwise(
                     assert torch.equal(z.nan_to_num(), y.nan_to_num())
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not native_available(), reason="offloadd.codec._kernels was not built")
+@pytest.mark.parametrize("label", ["fp8-e4m3", "fp8-e5m2"])
+def test_the_fused_fp8_cast_rounds_like_torch_at_every_boundary(label: str) -> None:
+    """csrc/codec.c casts to float8 itself: every finite float8 value, every midpoint between
+    two neighbours (a tie, to even), and the float32 values just beside each, subnormals, signed
+    zeros and float32 values far below the smallest subnormal give torch's bytes. Each group
+    holds the format's largest value, so its scale is 1 and the values are cast as they are."""
+    s = scheme(label)
+    fmt = {"fp8-e4m3": torch.float8_e4m3fn, "fp8-e5m2": torch.float8_e5m2}[label]
+    top = torch.finfo(fmt).max
+    grid = torch.arange(256, dtype=torch.uint8).view(fmt).float()
+    grid = grid[grid.isfinite()].unique()
+    mids = ((grid[1:].double() + grid[:-1].double()) / 2).float()
+    up, down = torch.tensor(math.inf), torch.tensor(-math.inf)
+    values = [grid, mids]
+    values += [torch.nextafter(v, d) for v in (grid, mids) for d in (up, down)]
+    values.append(torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e-45, -3e-39]))
+    x = torch.cat(values)
+    x = x[x.abs() <= top]
+    g = 64
+    x = torch.cat([x, x.new_zeros(-x.numel() % (g - 1))]).view(-1, g - 1)
+    x = torch.cat([x, x.new_full((x.shape[0], 1), top)], dim=1).reshape(-1)
+    a, b = encode(x, s, g), encode(x, s, g, native=False)
+    assert torch.equal(b.params, torch.ones_like(b.params))
+    assert torch.equal(a.codes, b.codes) and torch.equal(a.params, b.params)
+    assert torch.equal(decode(a, s, torch.float32), decode(b, s, torch.float32, native=False))
 
 
 def test_int8_is_about_a_quarter_of_float32() -> None:

@@ -23,12 +23,13 @@ generator given, so the decoded value is unbiased: its expectation is ``x`` (up 
 Ranges are kept per group, in float32, next to the codes (``params``: one scale per group, or
 ``lo`` and ``step``); they cost ``4 / g`` or ``8 / g`` bytes per value.
 
-Note: [two paths, one result] Host tensors of float32 or bfloat16 with integer codes and round
-to nearest go through csrc/codec.c (``offloadd.codec._kernels``), which reads each group once
-instead of making five passes of whole-tensor ops; it computes the same float32 operations in
-the same order, so its codes and decoded values are bitwise those of the torch ops below (a
-test holds both to it). Everything else (CUDA tensors, float16, fp8, stochastic rounding, an
-install without the compiled kernels) runs as the torch ops.
+Note: [two paths, one result] Host tensors of float32 or bfloat16 with round to nearest (every
+codec's default) go through csrc/codec.c (``offloadd.codec._kernels``), which reads each group
+once instead of making five passes of whole-tensor ops; it computes the same float32 operations
+in the same order, and casts to float8 with the same round half to even as torch's conversion,
+so its codes and decoded values are bitwise those of the torch ops below (tests hold both to it,
+every float8 rounding boundary included). Everything else (CUDA tensors, float16, stochastic
+rounding, an install without the compiled kernels) runs as the torch ops.
 """
 
 from __future__ import annotations
@@ -151,9 +152,11 @@ def _native(device: torch.device, dtype: torch.dtype, scheme: Scheme) -> bool:
         _kernels is not None
         and device.type == "cpu"
         and dtype in _NATIVE_DTYPES
-        and scheme.name not in _FP8
         and not scheme.stochastic
     )
+
+
+_FP8_CODE: Final = {"fp8-e4m3": 1, "fp8-e5m2": 2}  # the kernels' format argument (0: integer)
 
 
 def encode(
@@ -220,6 +223,7 @@ def _encode_native(x: torch.Tensor, scheme: Scheme, group: int) -> Encoded:
         codes.data_ptr(),
         params.data_ptr(),
         torch.get_num_threads(),
+        _FP8_CODE.get(scheme.name, 0),
     )
     return Encoded(codes=codes, params=params, numel=n, group=group)
 
@@ -277,6 +281,7 @@ def decode(
             out.data_ptr(),
             _NATIVE_DTYPES[dtype],
             torch.get_num_threads(),
+            _FP8_CODE.get(scheme.name, 0),
         )
         return out
     g = enc.group

@@ -100,14 +100,12 @@ static inline uint8_t fp8_code(float v, Fp8 f) {
     float a;
     memcpy(&a, &u, 4);
     const int drop = 23 - f.m;
-    uint32_t code;
-    if (u < (uint32_t)(128 - f.bias) << 23) {
-        code = (uint32_t)rne(a * (float)(1 << (f.bias - 1 + f.m)));
-    } else {
-        u += (1u << (drop - 1)) - 1u + ((u >> drop) & 1u);
-        code = (u >> drop) - ((uint32_t)(127 - f.bias) << f.m);
-    }
-    return (uint8_t)(sign | code);
+    /* both, then a select by mask: no branch, so the loops calling this vectorise */
+    const int32_t sub = (int32_t)rne(a * (float)(1 << (f.bias - 1 + f.m)));
+    const uint32_t up = u + (1u << (drop - 1)) - 1u + ((u >> drop) & 1u);
+    const int32_t normal = (int32_t)((up >> drop) - ((uint32_t)(127 - f.bias) << f.m));
+    const int32_t is_sub = -(int32_t)(u < (uint32_t)(128 - f.bias) << 23);
+    return (uint8_t)(sign | (uint32_t)((sub & is_sub) | (normal & ~is_sub)));
 }
 
 /* The value of every float8 byte, per format (filled at import; NaN codes decode to NaN). */
@@ -224,7 +222,8 @@ HOT static void encode_range(const Job *j) {
                 for (int64_t c = 0; c < g; c += CHUNK) {
                     for (int i = 0; i < CHUNK; i++) {
                         float v = rne((x[c + i] - lo) / step);
-                        v = v < 0.0f ? 0.0f : (v > (float)top ? (float)top : v);
+                        v = v < 0.0f ? 0.0f : v;
+                        v = v > (float)top ? (float)top : v;
                         q[i] = (uint8_t)(int)v;
                     }
                     pack_codes(q, j->codes + (base + c) / per, j->bits);
@@ -233,7 +232,8 @@ HOT static void encode_range(const Job *j) {
             }
             for (int64_t i = 0; i < g; i++) {
                 float v = bad ? 0.0f : rne((load(j->src, j->dtype, base + i, j->n) - lo) / step);
-                v = v < 0.0f ? 0.0f : (v > (float)top ? (float)top : v);
+                v = v < 0.0f ? 0.0f : v;
+                v = v > (float)top ? (float)top : v;
                 put_code(j->codes, base + i, j->bits, (unsigned)v);
             }
         } else if (j->fp8) {
@@ -247,13 +247,15 @@ HOT static void encode_range(const Job *j) {
                 const float *x = (const float *)j->src + base;
                 for (int64_t i = 0; i < g; i++) {
                     float v = x[i] / scale;
-                    v = v < -f.max ? -f.max : (v > f.max ? f.max : v);
+                    v = v < -f.max ? -f.max : v; /* two clamps, not nested: vectorises */
+                    v = v > f.max ? f.max : v;
                     out[i] = fp8_code(v, f);
                 }
             } else {
                 for (int64_t i = 0; i < g; i++) {
                     float v = bad ? 0.0f : load(j->src, j->dtype, base + i, j->n) / scale;
-                    v = v < -f.max ? -f.max : (v > f.max ? f.max : v);
+                    v = v < -f.max ? -f.max : v; /* two clamps, not nested: vectorises */
+                    v = v > f.max ? f.max : v;
                     out[i] = fp8_code(v, f);
                 }
             }
@@ -267,13 +269,15 @@ HOT static void encode_range(const Job *j) {
                 const float *x = (const float *)j->src + base;
                 for (int64_t i = 0; i < g; i++) {
                     float v = rne(x[i] / scale);
-                    v = v < -127.0f ? -127.0f : (v > 127.0f ? 127.0f : v);
+                    v = v < -127.0f ? -127.0f : v;
+                    v = v > 127.0f ? 127.0f : v;
                     out[i] = (int8_t)v;
                 }
             } else {
                 for (int64_t i = 0; i < g; i++) {
                     float v = bad ? 0.0f : rne(load(j->src, j->dtype, base + i, j->n) / scale);
-                    v = v < -127.0f ? -127.0f : (v > 127.0f ? 127.0f : v);
+                    v = v < -127.0f ? -127.0f : v;
+                    v = v > 127.0f ? 127.0f : v;
                     out[i] = (int8_t)v;
                 }
             }

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import itertools
 import json
 import logging
+import math
 import random
 from pathlib import Path
 from typing import Any
@@ -450,8 +452,11 @@ def test_infeasible_budget_names_the_smallest(disk_dir: Path) -> None:
 
 
 def test_a_new_shape_is_profiled_and_plans_are_kept_per_shape(
-    disk_dir: Path, caplog: pytest.LogCaptureFixture
+    disk_dir: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Timing drift profiles again (a test of its own below); on a loaded machine the tiny
+    # blocks' forward times swing by more than _DRIFT, which would drop a plan counted here.
+    monkeypatch.setattr(importlib.import_module("offloadd.auto.planner"), "_DRIFT", math.inf)
     off = Offloader(tier="ssd", ssd_dirs=[str(disk_dir)], min_bytes=1024, budget="0.9x")
     model = _gpt()
     short, long = _batches(3, seq=16), _batches(3, seq=32)
@@ -469,6 +474,24 @@ def test_a_new_shape_is_profiled_and_plans_are_kept_per_shape(
     d: dict[str, Any] = plan_dict(plan)
     assert [b["name"] for b in d["blocks"]] == [*(f"blocks.{k}" for k in range(4)), HEAD]
     assert d["predicted_peak_bytes"] <= d["budget_bytes"]
+    off.close()
+
+
+def test_drifting_forward_times_profile_again_and_stay_exact(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every step counts as drifted (a factor just above 1): after _DRIFT_STEPS planned steps
+    the plan is dropped and the shape profiled again; the weights stay those of plain training."""
+    planner = importlib.import_module("offloadd.auto.planner")
+    monkeypatch.setattr(planner, "_DRIFT", 1.0 + 1e-9)
+    batches = _batches(8)
+    ref_w, ref_l = _train(_gpt(), None, batches)
+    off = Offloader(tier="cpu", min_bytes=1024, budget="100x")
+    with caplog.at_level(logging.INFO, logger="offloadd"):
+        w, losses = _train(_gpt(), off, batches)
+    assert any("profiling again" in r.getMessage() for r in caplog.records)
+    assert off._auto is not None and off._auto.profiles >= 2
+    assert losses == ref_l and all(torch.equal(a, b) for a, b in zip(ref_w, w, strict=True))
     off.close()
 
 

@@ -145,6 +145,25 @@ class _Reuses(nn.Module):
         return torch.tanh(x) * 2
 
 
+def test_small_parameters_are_kept_but_not_resident(disk_dir: Path) -> None:
+    """Parameters and their views below min_bytes (pack's lock-free path) count as saved and
+    kept, but not as resident activation memory: the model holds them anyway."""
+    off = Offloader(tier="ssd", ssd_dirs=[str(disk_dir)], min_bytes=1 << 20)
+    lin = nn.Linear(16, 16)
+    x = torch.randn(4, 16, requires_grad=True)
+    with off:
+        y = lin(x)  # saves x (an activation) and weight.t() (a view of a parameter)
+        z = (y * lin.bias).sum()  # saves y and the bias itself
+    st = off.stats()
+    act, params = x.nbytes + y.nbytes, lin.weight.nbytes + lin.bias.nbytes
+    assert st.saved_tensors == 4 and st.saved_bytes == st.kept_bytes == act + params
+    assert st.resident_bytes == st.peak_resident_bytes == act
+    z.backward()
+    del y, z
+    assert off.stats().resident_bytes == 0
+    off.close()
+
+
 def test_detached_leaves_are_activations_not_parameters(disk_dir: Path) -> None:
     """A leaf that requires grad is offloaded unless it is (a view of) a parameter or backs a
     module's parameter or buffer: reentrant checkpointing's detached inputs are such leaves."""

@@ -117,8 +117,10 @@ class Lifetime:
 
     def drain(self) -> None:
         """Apply the events queued without the lock (lock held), in the order they happened:
-        ``~nbytes`` for a small tensor saved and kept (pack's hot path), ``nbytes`` for its
-        release (``Kept.__del__``), a ``Ref`` for the release of a ref to a block (see
+        ``~nbytes`` for a small tensor saved and kept (pack's hot path), ``float(nbytes)`` for a
+        parameter (or a view of one) saved there (saved and kept, but not resident: the model
+        holds it anyway), ``nbytes`` for a release (``Kept.__del__``; a parameter's is 0), a
+        ``Ref`` for the release of a ref to a block (see
         [freeing] in handles.py). The paths that add resident bytes in bulk (a block packed or
         captured, a read) drain first, so no queued save is counted after a later add and the
         peak sees it."""
@@ -136,6 +138,12 @@ class Lifetime:
                     ledger.add_resident(n, kept=True)
                 else:
                     ledger.sub_resident(item, kept=True)
+                continue
+            if type(item) is float:
+                n = int(item)
+                st.saved_tensors += 1
+                st.saved_bytes += n
+                st.kept_bytes += n
                 continue
             ref: Ref = item
             block = ref.block

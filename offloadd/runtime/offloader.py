@@ -56,6 +56,7 @@ from offloadd.runtime.writer import Writer
 
 __all__ = ["Offloader"]
 
+_Parameter = torch.nn.Parameter
 _DRAIN_AT = 4096  # events queued by the lock-free hot path before pack applies them itself
 
 
@@ -299,7 +300,11 @@ class Offloader:
             # The hot path (most saved tensors are small): no lock. The save is queued as an
             # event, in order with the releases, and counted at the next drain (see Lifetime.drain).
             q = self._released
-            q.append(~nbytes)
+            if isinstance(t, _Parameter) or isinstance(t._base, _Parameter):
+                q.append(float(nbytes))  # held by the model anyway: not activation memory
+                nbytes = 0
+            else:
+                q.append(~nbytes)
             if len(q) > _DRAIN_AT:
                 with self._lock:
                     self._drain()

@@ -7,6 +7,9 @@ time the smaller writes and reads save; this script measures the first term and 
 it, for the bench step model (``offloadd bench step`` measures the step times themselves).
 
     python scripts/codec_cost.py --codecs int8,fp8-e4m3,int4 --ssd-dir /var/tmp/rok-ssd
+
+The model options (``--layers 8 --d-model 512 --heads 8 --seq 512 --batch 4 --steps 3`` by
+default: the bench step point of docs/benchmarks/codec_step_*) are those of ``bench step``.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 
 import offloadd.codec.coder as coder
 from offloadd.codec.quant import CODECS
-from offloadd.tools.train import RunSpec, run
+from offloadd.tools.train import RunSpec, add_model_arguments, model_kwargs, run
 
 
 def measure(codec: str, args: argparse.Namespace) -> dict[str, float]:
@@ -42,18 +45,8 @@ def measure(codec: str, args: argparse.Namespace) -> dict[str, float]:
 
     coder.encode, coder.decode = timed_encode, timed_decode  # type: ignore[assignment]
     try:
-        spec = RunSpec(
-            strategy="ssd",
-            codec=codec,
-            num_layers=args.layers,
-            d_model=args.d_model,
-            num_heads=args.heads,
-            seq_len=args.seq,
-            batch_size=args.batch,
-            steps=args.steps,
-            ssd_dir=args.ssd_dir,
-        )
-        run(spec)  # step times: `offloadd bench step` (a process per run; these share one)
+        # step times come from `offloadd bench step` (a process per run; these share one)
+        run(RunSpec(strategy="ssd", codec=codec, **model_kwargs(args)))
     finally:
         coder.encode, coder.decode = encode, decode  # type: ignore[assignment]
     steps = args.steps + 1  # the warm-up step codes too
@@ -79,13 +72,7 @@ def bandwidth_floor(nbytes: int) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--codecs", default="int8,fp8-e4m3,int4")
-    p.add_argument("--ssd-dir", required=True, help="offload directory (ext4, not tmpfs)")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--d-model", type=int, default=512)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=3)
+    add_model_arguments(p, layers=8, d_model=512, heads=8, seq=512, batch=4, steps=3)
     args = p.parse_args(argv)
     codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
     for c in codecs:

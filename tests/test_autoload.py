@@ -27,6 +27,7 @@ from tests.envrun import (
 )
 
 PLAIN = str(CLIENTS / "plain_train.py")
+ENGINE_PARAMS = ("default",)  # the processes under test choose the engine (auto)
 
 
 # -- settings -------------------------------------------------------------------------------
@@ -204,8 +205,6 @@ def test_plain_script_under_a_budget_is_identical(
 def test_forked_child_is_silent(disk_dir: Path, tmp_path: Path) -> None:
     code = """
 import os, torch
-
-ENGINE_PARAMS = ("default",)  # the processes under test choose the engine (auto)
 torch.set_num_threads(1)  # an OpenMP pool used before fork() hangs the child, offloadd or not
 model = torch.nn.Linear(256, 256)
 model(torch.randn(64, 256)).sum().backward()

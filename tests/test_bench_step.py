@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from offloadd import cli
 from offloadd.tools.bench_step_report import RATIOS, format_report, per_round
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,10 +96,17 @@ def test_bench_step_hf_gpt2(disk_dir: Path) -> None:
         (["--strategies", "ssd+int3"], "--strategies 'ssd+int3'"),
     ],
 )
-def test_bench_step_bad_arguments(args: list[str], message: str) -> None:
-    proc = _bench(*args, script=False)
-    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
-    assert "round 1/" not in proc.stderr  # refused before any run
+def test_bench_step_bad_arguments(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In process (the end-to-end tests run the command itself): refused, before any run."""
+    try:
+        code = cli.main(["bench", "step", *args])
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+    assert "round 1/" not in err
 
 
 def _run(step: float, rss: int, digest: str = "ab") -> dict[str, Any]:

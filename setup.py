@@ -82,7 +82,6 @@ setup(
                 "-Wno-missing-field-initializers",
                 "-ffp-contract=off",
             ],
-            extra_link_args=["-pthread"],
             optional=True,
         ),
     ],

@@ -7,27 +7,25 @@
  * torch path: the same float32 operations in the same order (a true division, round half to
  * even, the same clamps), the padding of the last group with zeros included in its range.
  *
- *   encode(src, dtype, n, group, bits, affine, codes, params, threads, fp8)
- *   decode(codes, params, n, group, bits, affine, dst, dtype, threads, fp8)
+ *   encode(src, dtype, n, group, bits, affine, codes, params, fp8)
+ *   decode(codes, params, n, group, bits, affine, dst, dtype, fp8)
  *
  * Addresses are integers (tensor.data_ptr()); dtype 0 is float32, 1 bfloat16.  bits is 8, 4 or
  * 2; affine 0 is symmetric (int8 only: a scale per group, codes -127..127 as int8), 1 a minimum
  * and a step per group (codes 0..2^bits-1, packed 8/bits to a byte, the first in the low bits).
  * params holds a float32 scale per group, or lo and step.  A group holding an infinity or a NaN
  * gets NaN params (its codes are 0).  fp8 is 0 for integer codes, 1 for float8 e4m3fn, 2 for
- * e5m2 (8 bits, symmetric: a scale per group, codes as torch's float8 bytes, see fp8_code).  Work
- * is split by groups over `threads` pthreads; the GIL is released meanwhile.  Stochastic rounding
- * stays with the torch path.
+ * e5m2 (8 bits, symmetric: a scale per group, codes as torch's float8 bytes, see fp8_code).  The
+ * work runs on the calling thread, the GIL released: inside a training step torch's OpenMP
+ * workers spin on the other cores between ops, and threads of our own fought them (slower, see
+ * offloadd/codec/quant.py).  Stochastic rounding stays with the torch path.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
-
-#define MAX_THREADS 64
 
 typedef struct {
     const void *src;
@@ -36,7 +34,6 @@ typedef struct {
     float *params;
     int dtype, fp8;
     int64_t n, group, bits, affine;
-    int64_t g0, g1; /* groups [g0, g1) */
 } Job;
 
 static inline float load(const void *src, int dtype, int64_t i, int64_t n) {
@@ -192,9 +189,9 @@ static inline void unpack_codes(const uint8_t *in, uint8_t *q, int64_t bits) {
     }
 }
 
-HOT static void encode_range(const Job *j) {
+HOT static void encode_groups(const Job *j) {
     const int64_t g = j->group, top = (1 << j->bits) - 1;
-    for (int64_t k = j->g0; k < j->g1; k++) {
+    for (int64_t k = 0; k * g < j->n; k++) {
         const int64_t base = k * g;
         float lo = INFINITY, hi = -INFINITY;
         int bad = 0;
@@ -285,9 +282,9 @@ HOT static void encode_range(const Job *j) {
     }
 }
 
-HOT static void decode_range(const Job *j) {
+HOT static void decode_groups(const Job *j) {
     const int64_t g = j->group, per = 8 / j->bits, mask = (1 << j->bits) - 1;
-    for (int64_t k = j->g0; k < j->g1; k++) {
+    for (int64_t k = 0; k * g < j->n; k++) {
         const int64_t base = k * g;
         const int64_t end = base + g < j->n ? base + g : j->n;
         if (j->affine) {
@@ -328,46 +325,6 @@ HOT static void decode_range(const Job *j) {
     }
 }
 
-typedef struct {
-    Job job;
-    int encode;
-} Task;
-
-static void *run_task(void *arg) {
-    Task *t = (Task *)arg;
-    if (t->encode)
-        encode_range(&t->job);
-    else
-        decode_range(&t->job);
-    return NULL;
-}
-
-/* Split groups over threads; this thread takes the first share. */
-static int run_split(Job job, int encode, int threads) {
-    const int64_t groups = (job.n + job.group - 1) / job.group;
-    if (threads < 1) threads = 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if ((int64_t)threads > groups / 64) threads = (int)(groups / 64 > 0 ? groups / 64 : 1);
-    Task tasks[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    /* a multiple of 4 groups: packed codes of two threads never share a byte */
-    const int64_t share = ((groups + threads - 1) / threads + 3) / 4 * 4;
-    for (int t = 0; t < threads; t++) {
-        tasks[t].job = job;
-        tasks[t].encode = encode;
-        tasks[t].job.g0 = t * share < groups ? t * share : groups;
-        tasks[t].job.g1 = (t + 1) * share < groups ? (t + 1) * share : groups;
-    }
-    for (int t = 1; t < threads; t++)
-        started[t] = pthread_create(&ids[t], NULL, run_task, &tasks[t]) == 0;
-    for (int t = 0; t < threads; t++)
-        if (t == 0 || !started[t]) run_task(&tasks[t]); /* a thread that did not start: here */
-    for (int t = 1; t < threads; t++)
-        if (started[t]) pthread_join(ids[t], NULL);
-    return 0;
-}
-
 static int check(int dtype, long long n, long long group, int bits, int affine, int fp8) {
     if (dtype != 0 && dtype != 1) {
         PyErr_Format(PyExc_ValueError, "dtype code must be 0 (float32) or 1 (bfloat16), got %d",
@@ -389,40 +346,40 @@ static int check(int dtype, long long n, long long group, int bits, int affine, 
 static PyObject *py_encode(PyObject *self, PyObject *args) {
     unsigned long long src, codes, params;
     long long n, group;
-    int dtype, bits, affine, threads, fp8;
-    if (!PyArg_ParseTuple(args, "KiLLiiKKii", &src, &dtype, &n, &group, &bits, &affine, &codes,
-                          &params, &threads, &fp8))
+    int dtype, bits, affine, fp8;
+    if (!PyArg_ParseTuple(args, "KiLLiiKKi", &src, &dtype, &n, &group, &bits, &affine, &codes,
+                          &params, &fp8))
         return NULL;
     if (check(dtype, n, group, bits, affine, fp8) < 0) return NULL;
     Job job = {(const void *)(uintptr_t)src, NULL, (uint8_t *)(uintptr_t)codes,
-               (float *)(uintptr_t)params, dtype, fp8, n, group, bits, affine, 0, 0};
+               (float *)(uintptr_t)params, dtype, fp8, n, group, bits, affine};
     if (bits < 8) { /* packed codes are or-ed in: start from zero */
         const int64_t groups = (n + group - 1) / group, per = 8 / bits;
         memset(job.codes, 0, (size_t)((groups * group + per - 1) / per));
     }
-    Py_BEGIN_ALLOW_THREADS run_split(job, 1, threads);
+    Py_BEGIN_ALLOW_THREADS encode_groups(&job);
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
 static PyObject *py_decode(PyObject *self, PyObject *args) {
     unsigned long long codes, params, dst;
     long long n, group;
-    int dtype, bits, affine, threads, fp8;
-    if (!PyArg_ParseTuple(args, "KKLLiiKiii", &codes, &params, &n, &group, &bits, &affine, &dst,
-                          &dtype, &threads, &fp8))
+    int dtype, bits, affine, fp8;
+    if (!PyArg_ParseTuple(args, "KKLLiiKii", &codes, &params, &n, &group, &bits, &affine, &dst,
+                          &dtype, &fp8))
         return NULL;
     if (check(dtype, n, group, bits, affine, fp8) < 0) return NULL;
     Job job = {NULL, (void *)(uintptr_t)dst, (uint8_t *)(uintptr_t)codes,
-               (float *)(uintptr_t)params, dtype, fp8, n, group, bits, affine, 0, 0};
-    Py_BEGIN_ALLOW_THREADS run_split(job, 0, threads);
+               (float *)(uintptr_t)params, dtype, fp8, n, group, bits, affine};
+    Py_BEGIN_ALLOW_THREADS decode_groups(&job);
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
     {"encode", py_encode, METH_VARARGS,
-     "encode(src, dtype, n, group, bits, affine, codes, params, threads, fp8)"},
+     "encode(src, dtype, n, group, bits, affine, codes, params, fp8)"},
     {"decode", py_decode, METH_VARARGS,
-     "decode(codes, params, n, group, bits, affine, dst, dtype, threads, fp8)"},
+     "decode(codes, params, n, group, bits, affine, dst, dtype, fp8)"},
     {NULL, NULL, 0, NULL},
 };
 

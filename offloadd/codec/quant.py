@@ -31,10 +31,10 @@ so its codes and decoded values are bitwise those of the torch ops below (tests 
 every float8 rounding boundary included). Everything else (CUDA tensors, float16, stochastic
 rounding, an install without the compiled kernels) runs as the torch ops.
 
-The kernels run on the calling thread (``_kernel_threads``): they can split the groups over
-threads, and alone two threads are faster, but inside a training step torch's OpenMP workers
-spin on the same cores between ops, and the extra threads fight them. On the bench step model
-(2 cores) one thread took encode from 149 to 129 ms per step and decode from 92 to 43 ms.
+The kernels run on the calling thread. They used to split the groups over torch's thread count
+of pthreads, which alone is faster, but inside a training step torch's OpenMP workers spin on
+the same cores between ops and the extra threads fought them: on the bench step model (2 cores)
+one thread took encode from 149 to 129 ms per step and decode from 92 to 43 ms.
 """
 
 from __future__ import annotations
@@ -145,7 +145,6 @@ def coded_nbytes(numel: int, scheme: Scheme, group: int) -> int:
 
 
 _NATIVE_DTYPES: Final = {torch.float32: 0, torch.bfloat16: 1}
-_kernel_threads = 1  # see [two paths, one result]; tests raise it to cover the split
 
 
 def native_available() -> bool:
@@ -228,7 +227,6 @@ def _encode_native(x: torch.Tensor, scheme: Scheme, group: int) -> Encoded:
         int(scheme.affine),
         codes.data_ptr(),
         params.data_ptr(),
-        _kernel_threads,
         _FP8_CODE.get(scheme.name, 0),
     )
     return Encoded(codes=codes, params=params, numel=n, group=group)
@@ -286,7 +284,6 @@ def decode(
             int(scheme.affine),
             out.data_ptr(),
             _NATIVE_DTYPES[dtype],
-            _kernel_threads,
             _FP8_CODE.get(scheme.name, 0),
         )
         return out

@@ -21,7 +21,16 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from offloadd.runtime.blocks import Block
 from offloadd.runtime.handles import storage_of
 
-__all__ = ["StorageIndex"]
+__all__ = ["StorageIndex", "is_parameter"]
+
+_Parameter = torch.nn.Parameter
+
+
+def is_parameter(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a parameter or a view of one (no storage lookup: pack's lock-free path
+    asks too). A leaf that requires grad is not a parameter by itself: the detached inputs of
+    reentrant checkpointing are such leaves, and they are activations."""
+    return isinstance(t, _Parameter) or isinstance(t._base, _Parameter)
 
 
 class StorageIndex:
@@ -50,11 +59,8 @@ class StorageIndex:
 
     def backs_parameter(self, t: torch.Tensor, storage: torch.UntypedStorage) -> bool:
         """Whether ``t`` is a parameter, a view of one, or shares the storage of a parameter or
-        buffer of a module called in the scope (a transposed weight, an FSDP flat parameter).
-
-        A leaf that requires grad is not a parameter by itself: the detached inputs of
-        reentrant checkpointing are such leaves, and they are activations."""
-        if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
+        buffer of a module called in the scope (a transposed weight, an FSDP flat parameter)."""
+        if is_parameter(t):
             return True
         ref = self._params.get((t.device, storage._cdata))
         return ref is not None and not ref.expired()

@@ -36,7 +36,7 @@ from offloadd.io.pools import Pool
 from offloadd.io.request import Engine, on_engine_thread
 from offloadd.runtime import host_allocator
 from offloadd.runtime.blocks import PENDING, BlockMap
-from offloadd.runtime.dedup import StorageIndex
+from offloadd.runtime.dedup import StorageIndex, is_parameter
 from offloadd.runtime.handles import (
     Kept,
     Ref,
@@ -56,7 +56,6 @@ from offloadd.runtime.writer import Writer
 
 __all__ = ["Offloader"]
 
-_Parameter = torch.nn.Parameter
 _DRAIN_AT = 4096  # events queued by the lock-free hot path before pack applies them itself
 
 
@@ -300,7 +299,7 @@ class Offloader:
             # The hot path (most saved tensors are small): no lock. The save is queued as an
             # event, in order with the releases, and counted at the next drain (see Lifetime.drain).
             q = self._released
-            if isinstance(t, _Parameter) or isinstance(t._base, _Parameter):
+            if is_parameter(t):
                 q.append(float(nbytes))  # held by the model anyway: not activation memory
                 nbytes = 0
             else:

@@ -26,7 +26,7 @@ from offloadd.auto import (
     smallest_budget,
     solve,
 )
-from offloadd.auto.profile import HEAD
+from offloadd.auto.profile import HEAD, StepProfile
 from offloadd.auto.solver import KEEP, OFFLOAD, RECOMPUTE
 from offloadd.tools.models.gpt import GPT, GPTConfig
 
@@ -170,6 +170,26 @@ def test_everything_kept_when_it_fits_and_the_tail_first() -> None:
     assert plan.decisions == (KEEP,) * 6 and plan.extra_s == 0
     plan = solve(blocks, 5 * MiB, 5 * MiB + 20 * MiB)  # room for two kept blocks
     assert plan.decisions == (OFFLOAD,) * 4 + (KEEP,) * 2  # TBA's adaptive keep: the tail
+
+
+def test_io_wait_noise_does_not_outvote_the_tail() -> None:
+    # A profile whose I/O hid everywhere but for a few hundred microseconds of noise on blocks
+    # 1 and 3: the one block that fits is still the last (the plan of the mini-gpt at batch 2
+    # kept blocks.0 or blocks.6 by such noise). A wait of 1 % of a block's time is a cost.
+    prof = StepProfile(names=["b0", "b1", "b2", "b3", HEAD], signature=(), wait=lambda: 0.0)
+    prof.saved = [10 * MiB] * 4 + [2 * MiB]
+    prof.inputs = [MiB] * 5
+    prof.fwd = [0.06] * 5
+    prof.fwd_wait = [0.0, 0.0004, 0.0, 0.0, 0.0]
+    prof.forward_end = 0.30
+    prof.grad_out_last = (0.40, 0.0)
+    prof.grad_in = [(0.80, 0.0), (0.70, 0.0), (0.60, 0.0), (0.50, 0.0004), None]
+    costs = prof.costs()
+    assert [c.offload_s for c in costs] == [0.0] * 5
+    plan = solve(costs, MiB, MiB + 13 * MiB)
+    assert plan.decisions == (OFFLOAD, OFFLOAD, OFFLOAD, KEEP, KEEP)
+    prof.fwd_wait[1] = 0.002  # 1.1 % of b1's 180 ms: I/O on the critical path
+    assert [c.offload_s for c in prof.costs()] == [0.0, 0.002, 0.0, 0.0, 0.0]
 
 
 def test_offload_beats_recompute_unless_its_io_shows() -> None:

@@ -11,7 +11,11 @@ backward of that forward. Per block it records:
   from tensor hooks on the inputs of every block and on the output of the last one (they
   observe, and change nothing);
 - ``offload_s``: the training thread's I/O wait (``Stats.io_wait_s``) during its forward (a full
-  staging pool) and during its backward (reads not prefetched in time);
+  staging pool) and during its backward (reads not prefetched in time); a wait under
+  :data:`HIDDEN` of the unit's forward plus backward time counts as none (I/O hidden): a few
+  hundred microseconds of timer and scheduling noise on one block and not the next would
+  otherwise decide which blocks are kept, over the solver's tail-first tie-break (the blocks
+  backward needs first, TBA's adaptive keep);
 
 and for the step the peak of saved-activation bytes offloadd held (resident + its buffers). With
 a :class:`~offloadd.auto.probe.MemoryProbe` (see [measured peaks] in probe.py) it also records,
@@ -37,11 +41,22 @@ import torch
 from offloadd.auto.probe import MemoryProbe
 from offloadd.auto.solver import BlockCost
 
-__all__ = ["HEAD", "StepProfile", "input_bytes"]
+__all__ = ["HEAD", "HIDDEN", "StepProfile", "input_bytes", "offload_cost"]
 
 HEAD = "(after the blocks)"
 """The name of the last unit: what runs after the blocks (the head, the loss), up to the end of
 the offload scope; its backward runs until the gradient reaches the last block's output."""
+
+
+HIDDEN = 0.01
+"""An I/O wait under this fraction of a unit's forward plus backward time counts as hidden."""
+
+
+def offload_cost(wait: float, forward_s: float, backward_s: float) -> float:
+    """A unit's ``offload_s`` from the I/O wait measured while it was offloaded (see the module
+    docstring): the wait, or 0.0 where it is under :data:`HIDDEN` of the unit's own time."""
+    wait = max(0.0, wait)
+    return wait if wait >= HIDDEN * (forward_s + backward_s) else 0.0
 
 
 def input_bytes(args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> int:
@@ -239,7 +254,7 @@ class StepProfile:
                     inputs=self.inputs[k],
                     forward_s=self.fwd[k],
                     backward_s=bwd,
-                    offload_s=max(0.0, self.fwd_wait[k]) + bwd_wait,
+                    offload_s=offload_cost(self.fwd_wait[k] + bwd_wait, self.fwd[k], bwd),
                     # Recomputing a block that changes its inputs or buffers in place (BatchNorm's
                     # running statistics, relu_ on its input) would change them twice, or break
                     # backward: such blocks are kept or offloaded.
@@ -261,7 +276,7 @@ class StepProfile:
                 inputs=0,
                 forward_s=self.fwd[n],
                 backward_s=bwd,
-                offload_s=max(0.0, self.fwd_wait[n]) + bwd_wait,
+                offload_s=offload_cost(self.fwd_wait[n] + bwd_wait, self.fwd[n], bwd),
                 recomputable=False,
                 **self._measured(n, prefix if kept else 0, self.saved[n] if kept else 0),
             )

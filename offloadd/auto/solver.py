@@ -25,8 +25,9 @@ windows and uses ``kept_base``, the peak of what was kept in that step.
 
 The extra time over keeping everything is ``forward_s[k]`` for a recomputed block (its forward
 runs again) and ``offload_s[k]`` for an offloaded one: the I/O wait measured while that block was
-offloaded in the profile, plus a tie-break that grows with its bytes and towards the last block,
-so that when the I/O hides everywhere the tail is kept first (TBA's adaptive keep: backward needs
+offloaded in the profile (none where it is too small to tell from noise, see ``HIDDEN`` in
+profile.py), plus a tie-break that grows with its bytes and towards the last block, so that when
+the I/O hides everywhere the tail is kept first (TBA's adaptive keep: backward needs
 it first). The head may be kept or offloaded but not recomputed: backward needs it first, so it
 is kept whenever it fits (anchors' trap: offloading it costs bandwidth), but a head over a large
 vocabulary (GPT-2's logits) can be most of the memory, and offloading it is then what makes a

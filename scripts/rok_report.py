@@ -28,6 +28,10 @@ def _cell(r: dict[str, Any], key: str, fmt: str) -> str:
     return "-" if v is None else format(v, fmt)
 
 
+def _ms(r: dict[str, Any], key: str) -> str:
+    return "-" if r.get(key) is None else f"{r[key] * 1e3:.0f} ms"
+
+
 def _bytes(r: dict[str, Any], key: str) -> str:
     v = r.get(key)
     return "-" if v is None else format_bytes(v)
@@ -69,13 +73,18 @@ def main() -> int:
         "built; beside it, where offloadd's host cache was torch's allocator, its peak live bytes "
         "above the same point (what an auto budget bounds), and offloadd's own "
         "`peak_resident_bytes`",
+        "- CPU stolen per step: the CPU time the hypervisor took from the machine's CPUs during "
+        "a timed step (Linux's steal, all CPUs together, median over steps and rounds): where "
+        "the host serves the virtual disk with the CPUs the guest trains on, the I/O's cost "
+        "shows up here",
         *[f"- note: {n}" for n in ns.note],
         "",
         f"![ROK curves]({stem.with_suffix('.png').name})",
         "",
         "| strategy | batch | status (ok rounds) | median step time (s) | fastest step (s) | samples/s | model GFLOP/s | activation "
-        "peak (RSS) | host cache live peak | offloadd peak resident | written | read |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "peak (RSS) | host cache live peak | offloadd peak resident | written | read | CPU stolen "
+        "per step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         gflops = None if r["model_tflops"] is None else r["model_tflops"] * 1e3
@@ -86,7 +95,8 @@ def main() -> int:
             f"{'-' if gflops is None else f'{gflops:.1f}'} | "
             f"{_bytes(r, 'activation_peak_bytes')} | {_bytes(r, 'peak_live_above_base')} | "
             f"{_bytes(r, 'peak_resident_bytes')} | "
-            f"{_bytes(r, 'bytes_written')} | {_bytes(r, 'bytes_read')} |"
+            f"{_bytes(r, 'bytes_written')} | {_bytes(r, 'bytes_read')} | "
+            f"{_ms(r, 'steal_s')} |"
         )
     autos = [r for r in rows if r["strategy"].startswith("auto@")]
     if autos:

@@ -10,10 +10,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from offloadd import cli
-from offloadd.tools.rok_summary import aggregate, compare, compare_auto, interpolate
+from offloadd.tools.rok_summary import (
+    aggregate,
+    compare,
+    compare_auto,
+    interpolate,
+    summary_lines,
+)
 from offloadd.tools.train import RunSpec, run
 
 ENGINE_PARAMS = ("default",)  # the runs under test choose the engine (auto)
@@ -180,6 +187,8 @@ def test_transformers_families_train_losslessly(disk_dir: Path, family: str) -> 
     assert keep["weights_sha256"] == ssd["weights_sha256"]
     assert rec["losses"][0] == keep["losses"][0]  # same forward, recomputed in backward
     assert keep["flops_per_step"] > 6 * keep["params"] * 2 * 32  # plus attention
+    if psutil.LINUX:  # steal is Linux's; the figure is machine-wide, so only its type is checked
+        assert isinstance(ssd["steal_s"], float) and ssd["steal_s"] >= 0.0
 
 
 def test_comparisons() -> None:
@@ -205,6 +214,14 @@ def test_comparisons() -> None:
     assert c["mem_vs_keep"] == pytest.approx(0.42) and c["thr_vs_keep"] == pytest.approx(0.96)
     assert c["keep_target"] and c["dominates_recompute"]
     assert c["thr_vs_recompute_at_equal_memory"] == pytest.approx(9.6 / 7.05)
+    assert "extra_steal_s" not in c  # no steal figures: no steal line
+    assert not any("hypervisor" in line for line in summary_lines(rows))
+    rows[0].update(step_time_s=1.0, steal_s=0.01)
+    rows[3].update(step_time_s=1.15, steal_s=0.21)
+    (c,) = compare(rows, "offload-ssd")
+    assert c["extra_s"] == pytest.approx(0.15) and c["extra_steal_s"] == pytest.approx(0.2)
+    (line,) = [x for x in summary_lines(rows) if "hypervisor" in x]
+    assert line.endswith("batch 2 +150 ms, +200 ms")
 
 
 def test_aggregate_takes_medians_over_ok_rounds() -> None:

@@ -50,6 +50,7 @@ FIELDS: dict[str, type] = {
     "bytes_written": int,
     "bytes_read": int,
     "io_wait_s": float,
+    "steal_s": float,  # CPU time the hypervisor took per timed step, all CPUs (median; Linux)
     "params": int,
     "flops_per_step": int,
     "weights_sha256": str,
@@ -243,6 +244,7 @@ def _results(res: dict[str, Any], batch: int, *, cuda: bool) -> dict[str, Any]:
         "bytes_written": st.get("bytes_written"),
         "bytes_read": st.get("bytes_read"),
         "io_wait_s": st.get("io_wait_s"),
+        "steal_s": res.get("steal_s"),
         "params": res["params"],
         "flops_per_step": res["flops_per_step"],
         "weights_sha256": res["weights_sha256"] if ok else None,

@@ -37,6 +37,7 @@ _MEDIAN_KEYS = (
     "peak_live_above_base",
     "peak_resident_bytes",
     "io_wait_s",
+    "steal_s",
 )
 
 
@@ -97,6 +98,10 @@ def compare(rows: list[Row], offload: str) -> list[Row]:
             c["keep_target"] = c["thr_vs_keep"] >= 0.95 and c["mem_vs_keep"] <= 0.5
             if o.get("step_time_min_s") and k.get("step_time_min_s"):
                 c["fastest_vs_keep"] = k["step_time_min_s"] / o["step_time_min_s"]
+            if o.get("steal_s") is not None and k.get("steal_s") is not None:
+                # on a VM, I/O the host serves with the CPUs training runs on (see train._stolen_s)
+                c["extra_s"] = o["step_time_s"] - k["step_time_s"]
+                c["extra_steal_s"] = o["steal_s"] - k["steal_s"]
         if b in rec:
             r = rec[b]
             c["mem_vs_recompute"] = o["activation_peak_bytes"] / max(1, r["activation_peak_bytes"])
@@ -222,4 +227,15 @@ def summary_lines(rows: list[Row]) -> list[str]:
             if judged:
                 yes = [c["batch_size"] for c in judged if c[key]]
                 lines.append(f"  {verdict}: {len(yes)}/{len(judged)} batch sizes {yes}")
+        stolen = [c for c in comps if "extra_steal_s" in c]
+        if stolen:
+            lines.append(
+                "  step time over keep's, and CPU time the hypervisor took per step beyond keep's "
+                "(steal): "
+                + ", ".join(
+                    f"batch {c['batch_size']} {c['extra_s'] * 1e3:+.0f} ms, "
+                    f"{c['extra_steal_s'] * 1e3:+.0f} ms"
+                    for c in stolen
+                )
+            )
     return lines + _auto_lines(rows)

@@ -123,6 +123,14 @@ def _rss() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
+def _stolen_s() -> float | None:
+    """CPU seconds the hypervisor has taken from this machine's CPUs since boot, all CPUs
+    together (Linux's ``steal`` in /proc/stat); None where it is not reported. On a VM whose
+    disk is served by the host's CPUs, I/O shows up here when the guest's CPUs are busy."""
+    steal = getattr(psutil.cpu_times(), "steal", None)
+    return None if steal is None else float(steal)
+
+
 def _peak_rss() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
@@ -202,13 +210,14 @@ def run(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
     if spec.memory_limit_bytes > 0:
         _limit_memory(spec.memory_limit_bytes, cuda, base_dev)
     times: list[float] = []
+    stolen: list[float] = []
     losses: list[float] = []
     oom_error = None
     loss: torch.Tensor | None = None
     try:
         for step, batch in enumerate(batches):
             batch = batch.to(device)
-            t0 = time.perf_counter()
+            t0, steal0 = time.perf_counter(), _stolen_s()
             if off is not None:
                 with off:
                     loss = built.loss(batch[:, :-1], batch[:, 1:])
@@ -221,9 +230,11 @@ def run(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
             loss = None
             if cuda:
                 torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
+            dt, steal1 = time.perf_counter() - t0, _stolen_s()
             if step >= warmup:
                 times.append(dt)
+                if steal0 is not None and steal1 is not None:
+                    stolen.append(steal1 - steal0)
             if progress:
                 print(
                     f"  [{spec.strategy}] step {step}/{spec.steps}"
@@ -250,6 +261,8 @@ def run(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
         "error": oom_error,
         "step_time_s": statistics.median(times) if times else float("nan"),
         "step_times_s": times,
+        # machine-wide: CPU time the hypervisor took per timed step (None: not reported)
+        "steal_s": statistics.median(stolen) if stolen else None,
         "losses": losses,
         "weights_sha256": digest.hexdigest(),
         "peak_rss_above_base": max(0, _peak_rss() - base_rss),

@@ -19,8 +19,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
-from offloadd import Config
+from offloadd import Config, Offloader
 from offloadd.backend import daemon_ending
 from offloadd.backend.daemon import DaemonBackend
 from offloadd.config import DaemonConfig
@@ -28,6 +30,7 @@ from offloadd.daemon import protocol as proto
 from offloadd.io import python_engine as engine_module
 from offloadd.io.buffers import AlignedBuffer
 from offloadd.io.request import Op, Request
+from offloadd.runtime import ledger as ledger_module
 
 from .daemon_proc import DaemonProc, RawSession, held_descriptors
 from .helpers import small_offloader
@@ -128,6 +131,58 @@ def test_close_returns_when_the_daemon_stops_answering(
     # The daemon, running again, ends the session that the client abandoned.
     assert not d.wait_idle()["sessions"]
     assert d.held() == NOTHING
+    assert d.stop() == 0
+
+
+def test_backward_waiting_on_a_stopped_daemon_says_so(
+    own_daemon: Callable[..., DaemonProc],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A daemon SIGSTOPped between forward and backward: backward's wait for the read-back is
+    logged once it has lasted STALL_WARN_S and again each time it has doubled, naming the
+    daemon, its pid and its state; resumed, backward finishes with the gradients of a run
+    without offloadd."""
+    monkeypatch.setattr(ledger_module, "STALL_WARN_S", 0.3)
+    d = own_daemon().start()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    x = torch.randn(512, 64)
+    model(x).square().sum().backward()
+    want = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    model.zero_grad()
+    off = Offloader(
+        tier="ssd",
+        ssd_dirs=[str(d.dirs[0])],
+        daemon=DaemonConfig(socket=d.socket),
+        min_bytes=4096,
+        chunk_bytes=CHUNK,
+        staging_bytes=16 * CHUNK,
+        prefetch_bytes=4 * CHUNK,
+    )
+    try:
+        with off:
+            loss = model(x).square().sum()
+        off.synchronize()  # every write acknowledged: only backward's reads meet the stop
+        assert off.stats().bytes_written > 0
+        d.pause()
+        back = threading.Thread(target=loss.backward, name="test-backward", daemon=True)
+        with caplog.at_level(logging.WARNING, logger="offloadd"):
+            back.start()
+            time.sleep(1.5)
+            d.resume()
+            back.join(30)
+        assert not back.is_alive(), "backward still waits after the daemon resumed"
+        msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        stalls = [m for m in msgs if "has waited" in m]
+        assert len(stalls) >= 2, msgs  # at 0.3 s, 0.6 s, 1.2 s
+        assert all("read-back" in m and d.socket in m for m in stalls), stalls
+        assert any(f"pid {d.pid}, stopped" in m for m in stalls), stalls
+        got = [p.grad for p in model.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))  # type: ignore[arg-type]
+    finally:
+        d.resume()
+        off.close()
     assert d.stop() == 0
 
 

@@ -80,6 +80,11 @@ class Backend(Protocol):
         """Called at each ``with offloader:`` (the daemon client reconnects after a loss)."""
         ...
 
+    def stall_hint(self) -> str:
+        """Who does the I/O and what state it is in, for the warning about a long wait (a
+        stopped daemon, a hung disk: see ``StallWatch`` in runtime/ledger.py)."""
+        ...
+
     def close(self) -> None:
         """Finish the requests in flight and stop the threads (idempotent, bounded)."""
         ...

@@ -34,6 +34,7 @@ from offloadd.backend.daemon_link import (
     StagingPool,
     connect_control,
     open_session,
+    peer_state,
     recv_frame,
 )
 from offloadd.config import Config
@@ -150,6 +151,12 @@ class DaemonBackend(Ending):
         )
 
     # -- the Backend -----------------------------------------------------------------------
+
+    def stall_hint(self) -> str:
+        gen = self._current
+        if gen is None:
+            return f"the daemon at {self.socket_path} (connection lost)"
+        return f"the daemon at {self.socket_path} ({peer_state(gen.sock)})"
 
     @property
     def writes_pages(self) -> bool:

@@ -12,11 +12,14 @@ import json
 import os
 import queue
 import socket
+import struct
 import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import psutil
 
 from offloadd.daemon import protocol as proto
 from offloadd.io.buffers import AlignedBuffer, SlotPool
@@ -30,6 +33,7 @@ __all__ = [
     "connect_control",
     "identity",
     "open_session",
+    "peer_state",
     "recv_frame",
 ]
 
@@ -71,6 +75,17 @@ def recv_frame(sock: socket.socket, buf: bytearray, fds: list[int] | None = None
         if not data:
             raise DaemonError("the daemon closed the connection")
         buf += data
+
+
+def peer_state(sock: socket.socket) -> str:
+    """``pid N, <state>`` of the process at the other end of a Unix socket (its credentials,
+    SO_PEERCRED; the state as psutil reads it: running, sleeping, stopped...), or why not."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid = struct.unpack("3i", raw)[0]
+        return f"pid {pid}, {psutil.Process(pid).status()}"
+    except (OSError, AttributeError, psutil.Error) as e:  # no SO_PEERCRED off Linux; gone
+        return f"its process not known: {e}"
 
 
 def connect_control(path: str, timeout: float = _CONNECT_TIMEOUT_S) -> socket.socket:

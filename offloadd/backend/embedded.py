@@ -23,7 +23,7 @@ class EmbeddedBackend:
 
     def __init__(self, config: Config, engine: Engine | None = None) -> None:
         self._config = config
-        dirs = list(config.ssd_dirs) or [default_offload_dir()]
+        self._dirs = dirs = list(config.ssd_dirs) or [default_offload_dir()]
         self._disk = DiskStore(dirs, config.chunk_bytes, config.direct_io)
         try:
             if engine is not None:
@@ -53,6 +53,9 @@ class EmbeddedBackend:
     @property
     def buffered(self) -> bool:
         return self._disk.buffered
+
+    def stall_hint(self) -> str:
+        return f"the embedded {self.name} engine, to {', '.join(self._dirs)}"
 
     @property
     def used_bytes(self) -> int:

@@ -12,15 +12,20 @@ import ctypes
 import logging
 import platform
 import threading
+import time
 import warnings
 from collections import deque
 from collections.abc import Callable
 
 from offloadd.runtime.stats import Stats
 
-__all__ = ["Ledger"]
+__all__ = ["STALL_WARN_S", "Ledger", "StallWatch"]
 
 log = logging.getLogger("offloadd")
+
+STALL_WARN_S = 30.0
+"""A wait of the training thread for I/O this long is logged at WARNING, and again each time it
+has doubled: a stopped daemon or a hung disk shows up in the log instead of as a silent hang."""
 
 
 class Ledger:
@@ -100,6 +105,16 @@ class Ledger:
     def warnings_due(self) -> bool:
         return bool(self._warnings)
 
+    def wait_while(self, busy: Callable[[], bool], what: str, hint: Callable[[], str]) -> None:
+        """Wait (``lock`` held) on ``cond`` while ``busy()``, saying so if it takes long (see
+        :class:`StallWatch`)."""
+        if not busy():
+            return
+        watch = StallWatch(what, hint)
+        while busy():
+            self.cond.wait(timeout=watch.timeout())
+            watch.check()
+
     def flush_warnings(self) -> None:
         """Raise the queued warnings (the caller does not hold ``lock``)."""
         while self._warnings:
@@ -117,3 +132,34 @@ def _malloc_trim() -> Callable[[int], int] | None:
     fn.argtypes = [ctypes.c_size_t]
     fn.restype = ctypes.c_int
     return fn
+
+
+class StallWatch:
+    """Logs a wait that has gone on for :data:`STALL_WARN_S`, then 2x, 4x... as long: how long,
+    for what, and ``hint()`` (what the backend knows: which engine or daemon, and its state)."""
+
+    def __init__(self, what: str, hint: Callable[[], str]) -> None:
+        self.what, self.hint = what, hint
+        self.start = time.monotonic()
+        self.next = self.start + STALL_WARN_S
+
+    def timeout(self, most: float = 1.0) -> float:
+        """How long the next wait may block before :meth:`check` is due."""
+        return max(0.001, min(most, self.next - time.monotonic()))
+
+    def check(self) -> None:
+        now = time.monotonic()
+        if now < self.next:
+            return
+        waited = now - self.start
+        self.next = self.start + 2 * waited
+        try:
+            hint = self.hint()
+        except Exception as e:  # a hint must never turn a slow wait into a failure
+            hint = f"(its state could not be read: {e})"
+        log.warning(
+            "offloadd: the training thread has waited %.0f s for %s, and still waits; I/O by %s",
+            waited,
+            self.what,
+            hint,
+        )

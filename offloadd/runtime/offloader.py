@@ -228,8 +228,11 @@ class Offloader:
         for copy in copies:  # async devices: copies, waited for without the lock
             copy.done(wait=True)
         with self._lock:
-            while self._writer.in_flight or self._blocks.any_loading():
-                self._cond.wait()
+            self._ledger.wait_while(
+                lambda: bool(self._writer.in_flight or self._blocks.any_loading()),
+                "every write and read in flight",
+                self._writer.stall_hint,
+            )
             self._writer.poll_copies()
             self._drain()
 

@@ -31,6 +31,7 @@ from offloadd.io.pools import ReadPool
 from offloadd.io.request import Op, Request
 from offloadd.runtime.blocks import CAPTURED, CAPTURING, Block
 from offloadd.runtime.handles import Ref, inplace_error, storage_bytes, view
+from offloadd.runtime.stats import format_bytes
 from offloadd.runtime.writer import Writer
 
 if TYPE_CHECKING:
@@ -89,8 +90,11 @@ class Reader:
             self.prefetch_below(block.seq)
             if block.loading or block.finishing:
                 start = time.perf_counter()
-                while block.loading or block.finishing:
-                    self.ledger.cond.wait()
+                self.ledger.wait_while(
+                    lambda: bool(block.loading or block.finishing),
+                    f"the read-back of a saved activation ({format_bytes(block.nbytes)})",
+                    self.writer.stall_hint,
+                )
                 self.ledger.stats.io_wait_s += time.perf_counter() - start
             if block.error is not None:
                 err = block.error

@@ -28,7 +28,7 @@ from offloadd.io.pools import Pool
 from offloadd.io.request import Op, Request
 from offloadd.runtime.blocks import Block, BlockMap, Chunk
 from offloadd.runtime.handles import storage_bytes
-from offloadd.runtime.ledger import Ledger
+from offloadd.runtime.ledger import Ledger, StallWatch
 from offloadd.runtime.ordering import Ordering, StagedCopy
 from offloadd.runtime.writer_in_place import InPlace
 
@@ -167,6 +167,10 @@ class Writer:
             self.ordering.prepare_pool(pool)
         return pool
 
+    def stall_hint(self) -> str:
+        """Who does the I/O and its state, for a long wait's warning (see StallWatch)."""
+        return "no backend" if self.backend is None else self.backend.stall_hint()
+
     def _acquire_slot(self, pool: SlotPool) -> int | None:
         """A free slot, waiting for writes (spilling the oldest host chunks on the cpu tier)."""
         slot = pool.acquire()
@@ -175,6 +179,7 @@ class Writer:
         st = self.ledger.stats
         start = time.perf_counter()
         st.backpressure_waits += 1
+        watch = StallWatch("a free staging slot (writes to finish)", self.stall_hint)
         while slot is None:
             busy = self.in_flight > 0 or bool(self.awaiting_copy)
             if self.host_tier and not busy:
@@ -182,7 +187,8 @@ class Writer:
             if not busy:
                 break
             # Nothing signals a copy's completion: poll for those, wait for writes.
-            self.ledger.cond.wait(timeout=0.002 if self.awaiting_copy else 1.0)
+            self.ledger.cond.wait(timeout=watch.timeout(0.002 if self.awaiting_copy else 1.0))
+            watch.check()
             self.poll_copies()
             slot = pool.acquire()
         st.io_wait_s += time.perf_counter() - start

@@ -101,8 +101,11 @@ class InPlace:
         st = self.ledger.stats
         st.backpressure_waits += 1
         start = time.perf_counter()
-        while self.held_bytes and self.held_bytes + nbytes > limit:
-            self.ledger.cond.wait(timeout=1.0)
+        self.ledger.wait_while(
+            lambda: bool(self.held_bytes and self.held_bytes + nbytes > limit),
+            "writes to finish (staging_bytes of sources held)",
+            self.writer.stall_hint,
+        )
         st.io_wait_s += time.perf_counter() - start
 
     # -- completion (lock held) ------------------------------------------------------------

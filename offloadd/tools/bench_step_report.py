@@ -98,8 +98,8 @@ def format_report(
 def _strategy_table(results: Results) -> list[str]:
     lines = [
         "| strategy | step time (s) | peak RSS above model | peak saved bytes held "
-        "(offloadd accounting) | written | read | io wait (s) |",
-        "|---|---|---|---|---|---|---|",
+        "(offloadd accounting) | written | read | io wait (s) | CPU stolen per step |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for s, runs in results.items():
 
@@ -112,10 +112,14 @@ def _strategy_table(results: Results) -> list[str]:
             v = statistics.median(float(r["stats"][key]) for r in runs)
             return f"{v:.3f}" if key == "io_wait_s" else format_bytes(v)
 
+        # the hypervisor's steal, all CPUs (train._stolen_s): host-served I/O shows up there
+        stolen = [float(r["steal_s"]) for r in runs if r.get("steal_s") is not None]
+        steal = f"{statistics.median(stolen) * 1e3:.0f} ms" if stolen else "-"
+
         lines.append(
             f"| {s} | {med('step_time_s'):.3f} | {format_bytes(med('peak_rss_above_base'))} | "
             f"{stat('peak_resident_bytes')} | {stat('bytes_written')} | {stat('bytes_read')} | "
-            f"{stat('io_wait_s')} |"
+            f"{stat('io_wait_s')} | {steal} |"
         )
     return lines
 

@@ -82,7 +82,6 @@ class Offloader:
         self._min_bytes = cfg.min_bytes
         self._ledger = ledger = Ledger(cfg.trim_host_bytes)
         self._lock = ledger.lock
-        self._cond = ledger.cond
         self._stats = ledger.stats
         self._blocks = BlockMap()
         self._index = StorageIndex(cfg.dedup)

@@ -5,8 +5,9 @@
    ``engine = "auto"`` logs that it fell back to the Python engine and why. The codec's fused
    quantisation kernels (csrc/codec.c -> offloadd.codec._kernels) are optional the same way:
    without them the codec runs as torch ops.
-2. The host cache's C++ source (csrc/host_allocator.cpp) goes into the package, because it is
-   compiled at first use against the torch it runs with (see offloadd/runtime/host_allocator.py).
+2. The C++ sources compiled at first use against the torch they run with (the host cache,
+   csrc/host_allocator.cpp, and memsave's mask kernels, csrc/memsave_kernels.cpp; see
+   offloadd/native_build.py) go into the package, as offloadd/csrc/.
 3. offloadd.pth: the start-up hook (see offloadd_boot.py) must land at the top of site-packages,
    for ``pip install .`` (a wheel) and ``pip install -e .`` (an editable wheel) alike.
 """
@@ -23,12 +24,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from offloadd_boot import PTH_LINE  # standard library only: safe at build time
 
 PTH_NAME = "offloadd.pth"
-HOST_CACHE_SOURCE = os.path.join("csrc", "host_allocator.cpp")
+FIRST_USE_SOURCES = ("host_allocator.cpp", "memsave_kernels.cpp")
 
 
 class BuildPyWithPth(build_py):
     """build_py that also writes offloadd.pth at the root of what becomes site-packages, and
-    copies the host cache's source into the package (an editable install finds it in csrc/).
+    copies the sources compiled at first use into the package (an editable install finds them in
+    csrc/).
 
     A regular build puts it into build_lib, the wheel's root. An editable build does not copy
     build_lib into the wheel; there the ``install`` command's install_lib is the directory that
@@ -43,8 +45,10 @@ class BuildPyWithPth(build_py):
             root = self.build_lib
         os.makedirs(root, exist_ok=True)
         if not getattr(self, "editable_mode", False):
-            runtime = os.path.join(self.build_lib, "offloadd", "runtime")
-            self.copy_file(HOST_CACHE_SOURCE, os.path.join(runtime, "host_allocator.cpp"))
+            csrc = os.path.join(self.build_lib, "offloadd", "csrc")
+            os.makedirs(csrc, exist_ok=True)
+            for name in FIRST_USE_SOURCES:
+                self.copy_file(os.path.join("csrc", name), os.path.join(csrc, name))
         path = os.path.join(root, PTH_NAME)
         with open(path, "w", encoding="utf-8") as f:
             f.write(PTH_LINE)
@@ -53,9 +57,8 @@ class BuildPyWithPth(build_py):
         outputs = list(super().get_outputs(include_bytecode))
         if not getattr(self, "editable_mode", False):
             outputs.append(os.path.join(self.build_lib, PTH_NAME))
-            outputs.append(
-                os.path.join(self.build_lib, "offloadd", "runtime", "host_allocator.cpp")
-            )
+            for name in FIRST_USE_SOURCES:
+                outputs.append(os.path.join(self.build_lib, "offloadd", "csrc", name))
         return outputs
 
 

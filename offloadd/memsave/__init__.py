@@ -5,7 +5,8 @@ swap] in :mod:`offloadd.memsave.replace`).
 | module | role |
 |---|---|
 | ``bits`` | packing bool masks eight to a byte |
-| ``placeholder`` | a zero-byte stand-in for an input a backward reads the shape of |
+| ``kernels`` | the native kernels: ReLU with its mask, masks, pooling offsets (csrc/) |
+| ``placeholder`` | stand-ins for an input a backward reads the shape of |
 | ``conv`` | Conv1d/2d/3d, ConvTranspose1d/2d/3d: the input only for the weight's gradient |
 | ``norm`` | BatchNorm1d/2d/3d in eval mode: the input only for the weight's gradient |
 | ``pointwise`` | ReLU, LeakyReLU, Dropout: bit masks |

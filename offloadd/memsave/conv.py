@@ -7,7 +7,7 @@ is read only for the weight's gradient. Here, at each forward, ``ctx.needs_input
 the input is saved (through ``save_for_backward``, so offloadd's hooks see it) only when the
 weight requires grad; the weight (a parameter: saving it costs nothing) always.
 Backward calls ``aten.convolution_backward`` with the arguments autograd passes it (the input or,
-when it is not read, a placeholder of its shape: Note [placeholder]) and the same output mask, so
+when it is not read, an uninitialised stand-in of its shape: Note [placeholder]) and the same output mask, so
 the gradients are bitwise those of plain PyTorch.
 
 Forward calls ``torch.convolution``, the op ``F.conv*`` reach, so the output is plain's. A
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from offloadd.memsave.placeholder import placeholder
+from offloadd.memsave.placeholder import uninitialised
 
 __all__ = [
     "MemsaveConv1d",
@@ -73,7 +73,7 @@ class _ConvSelective(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         if x is None:
-            x = placeholder(*ctx.x_meta)
+            x = uninitialised(*ctx.x_meta)
         stride, padding, dilation, transposed, output_padding, groups = ctx.params
         gx, gw, gb = _CONVOLUTION_BACKWARD(
             grad,

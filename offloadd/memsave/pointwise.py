@@ -15,6 +15,20 @@ The mask is ``result.bool()``, not ``~(result <= 0)``: a ReLU's result is never 
 the two agree on every value (positive: true; +0.0 and -0.0: false; NaN: true, as ``NaN <= 0``
 is false), and on CPU the cast is vectorised where a comparison that yields bool is not (about
 5x faster on a 1M-element float32 tensor on this project's machine).
+
+Note: [fused relu]
+~~~~~~~~~~~~~~~~~~
+The mask above, in torch ops, costs five passes over memory in forward (the cast, the packing)
+and four in backward (unpacking, the conversion to the gradient's dtype), where plain's ReLU
+makes one each way (part of the 1.09-1.12x plain's step time that memsave first measured for
+ResNet-101 with frozen convolutions). On contiguous float32 CPU tensors, memsave's kernels
+(:mod:`offloadd.memsave.kernels`, csrc/memsave_kernels.cpp) compute the ReLU and its bits in the one pass plain makes (torch's own
+``max(0, x)`` instruction, so NaN payloads and -0.0 come out as torch's) and backward's
+``result <= 0 ? 0 : grad`` from the bits in one pass; bfloat16 gets the bits in one pass and
+``threshold_backward`` on a mask expanded in one pass (torch's bfloat16 kernel rewrites NaN
+gradients, and only it knows which). Anything else, or no kernels, takes the torch ops; the
+tests compare both paths with plain PyTorch bit for bit.
+
 - ``LeakyReLU``: the input (or, in place, the output); ``leaky_relu_backward`` reads only
   ``self > 0``. Here: those bits; backward calls ``leaky_relu_backward`` on a 0/1 tensor.
 - ``Dropout`` (on CPU ``dropout`` is ``input * noise`` with ``noise`` a full tensor of 0 and
@@ -59,6 +73,7 @@ from torch.autograd.function import once_differentiable
 
 from offloadd.memsave.bits import pack_bits, unpack_bits, unpack_flags
 from offloadd.memsave.gate import gated_off
+from offloadd.memsave.kernels import native, serves
 
 __all__ = [
     "MemsaveDropout",
@@ -78,22 +93,50 @@ def _wants_graph(x: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and x.requires_grad
 
 
+def _expand(
+    packed: torch.Tensor, shape: torch.Size, dtype: torch.dtype, ones: bool = True
+) -> torch.Tensor:
+    """The mask as a contiguous tensor of ``dtype``: 1 (with ``ones=False``, any value > 0)
+    where the bit is set, 0 elsewhere."""
+    k = native()
+    if k is not None and dtype in (torch.float32, torch.bfloat16):
+        return k.expand(packed, shape, dtype)
+    if ones:
+        return unpack_bits(packed, shape).to(dtype)
+    return unpack_flags(packed, shape).to(dtype)  # one pass fewer
+
+
+def _pack(t: torch.Tensor, positive: bool) -> torch.Tensor:
+    """The packed bits of ``t > 0`` if ``positive``, else of ``not (t <= 0)``."""
+    k = native() if serves(t) else None
+    if k is not None:
+        return k.pack(t, positive)
+    return pack_bits(t > 0 if positive else t.bool())  # Note [relu mask]
+
+
 class _ReLUBits(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, inplace: bool) -> torch.Tensor:
-        out = torch.relu_(x) if inplace else torch.relu(x)
+        k = native() if serves(x) else None
+        if k is not None:  # Note [fused relu]
+            out, packed = k.relu(x, inplace)
+        else:
+            out = torch.relu_(x) if inplace else torch.relu(x)
+            packed = pack_bits(out.bool())  # not (result <= 0), as a cast: Note [relu mask]
         if inplace:
             ctx.mark_dirty(x)
         ctx.shape = out.shape
-        # not (result <= 0), as a cast: Note [relu mask]
-        ctx.save_for_backward(pack_bits(out.bool()))
+        ctx.save_for_backward(packed)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         (packed,) = ctx.saved_tensors
-        passes = unpack_flags(packed, ctx.shape).to(grad.dtype)  # 0 where result <= 0, else > 0
+        k = native() if serves(grad) and grad.dtype == torch.float32 else None
+        if k is not None:  # threshold_backward's result, in one pass: Note [fused relu]
+            return k.select(grad, packed), None
+        passes = _expand(packed, ctx.shape, grad.dtype, ones=False)  # 0 where result <= 0
         # written over ``passes`` (elementwise, same positions): one new tensor, as in plain
         return _THRESHOLD_BACKWARD(grad, passes, 0, grad_input=passes), None
 
@@ -101,20 +144,20 @@ class _ReLUBits(torch.autograd.Function):
 class _LeakyReLUBits(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, slope: float, inplace: bool) -> torch.Tensor:
-        positive = x > 0
+        positive = _pack(x, positive=True)
         out = F.leaky_relu(x, slope, inplace)
         if inplace:
             ctx.mark_dirty(x)
         ctx.shape = out.shape
         ctx.slope = slope
-        ctx.save_for_backward(pack_bits(positive))
+        ctx.save_for_backward(positive)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         (packed,) = ctx.saved_tensors
-        sign = unpack_flags(packed, ctx.shape).to(grad.dtype)  # > 0 exactly where self > 0
+        sign = _expand(packed, ctx.shape, grad.dtype, ones=False)  # > 0 exactly where self > 0
         return _LEAKY_RELU_BACKWARD(grad, sign, ctx.slope, False, grad_input=sign), None, None
 
 
@@ -127,7 +170,7 @@ class _DropoutBits(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, p: float, inplace: bool) -> torch.Tensor:
         noise = _noise(x, p)
-        packed = pack_bits(noise.bool())  # noise is 0 or 1 here
+        packed = _pack(noise, positive=False)  # noise is 0 or 1 here
         noise.div_(1 - p)
         if inplace:
             ctx.mark_dirty(x)
@@ -143,7 +186,7 @@ class _DropoutBits(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         (packed,) = ctx.saved_tensors
-        noise = unpack_bits(packed, ctx.shape).to(grad.dtype).div_(1 - ctx.p)
+        noise = _expand(packed, ctx.shape, grad.dtype).div_(1 - ctx.p)  # 0 or 1, then scaled
         return grad * noise, None, None
 
 

@@ -8,7 +8,9 @@ window positions, int16, int32) and the input not at all. Backward rebuilds the 
 the same arithmetic in reverse and calls the same aten backward op with a placeholder of the
 input's shape (Note [placeholder]): bitwise plain's gradient. Padding, dilation, ``ceil_mode``
 and any stride are handled (the window of an output position starts at
-``o * stride - padding``).
+``o * stride - padding``). On contiguous indices memsave's kernels (:mod:`offloadd.memsave.kernels`)
+do this arithmetic in one pass each way; the torch ops below (several passes of int64 division,
+about 4x slower on ResNet's stem pool) serve where the kernels cannot.
 
 Left to plain PyTorch: ``return_indices=True`` (the caller holds the int64 indices anyway),
 unbatched inputs, inputs that are not contiguous, and devices other than the CPU.
@@ -24,6 +26,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from offloadd.memsave.gate import gated_off
+from offloadd.memsave.kernels import native
 from offloadd.memsave.placeholder import placeholder
 
 __all__ = [
@@ -111,7 +114,13 @@ class _MaxPoolCompact(torch.autograd.Function):
         ctx.geometry = geometry
         ctx.ceil_mode = ceil_mode
         ctx.x_meta = (x.shape, x.dtype, x.device)
-        ctx.save_for_backward(compact_indices(indices, x.shape, geometry))
+        k = native() if indices.is_contiguous() else None
+        if k is not None:  # the same arithmetic in one pass (csrc/memsave_kernels.cpp)
+            dtype = _offset_dtype(math.prod(geometry[0]))
+            offsets = k.pool_compact(indices, x.shape, geometry, dtype)
+        else:
+            offsets = compact_indices(indices, x.shape, geometry)
+        ctx.save_for_backward(offsets)
         return out
 
     @staticmethod
@@ -119,7 +128,11 @@ class _MaxPoolCompact(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         (offsets,) = ctx.saved_tensors
         shape = ctx.x_meta[0]
-        indices = expand_indices(offsets, shape, ctx.geometry)
+        k = native() if offsets.is_contiguous() else None
+        if k is not None:
+            indices = k.pool_expand(offsets, shape, ctx.geometry)
+        else:
+            indices = expand_indices(offsets, shape, ctx.geometry)
         _, bwd = _WITH_INDICES[len(ctx.geometry[0])]
         x = placeholder(*ctx.x_meta)
         gx = bwd(grad, x, *ctx.geometry, ctx.ceil_mode, indices)

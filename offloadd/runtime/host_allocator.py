@@ -7,23 +7,13 @@ activations fault their pages in again (docs/benchmarks/fastpath_allocator_cpu-2
 The host cache recycles freed blocks by size class, warm, and caps what it keeps at what was live.
 
 How it is built: ``csrc/host_allocator.cpp`` includes only c10's allocator headers, so it compiles
-in about a second against the installed torch, with the C++ compiler (``$CXX``, else ``c++``).
-The library is cached per source, torch version and ABI under ``$XDG_CACHE_HOME/offloadd`` (else
-``~/.cache/offloadd``); a file lock keeps the ranks of a node from building it twice at once.
-It is not built by ``pip install`` because pip builds in an isolated environment without torch,
-and the library must match the torch it runs with.
+in about a second against the installed torch at first use (:mod:`offloadd.native_build`).
 """
 
 from __future__ import annotations
 
 import ctypes
-import fcntl
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from offloadd import native_build
 from offloadd.config import Config
 from offloadd.runtime.stats import Stats
 
@@ -44,7 +35,6 @@ __all__ = [
     "HostCacheCounters",
     "acquire",
     "build",
-    "cache_dir",
     "current",
     "note_stats",
     "open_for",
@@ -93,79 +83,21 @@ class HostCacheCounters:
 
 
 def source_path() -> Path:
-    """The C++ source: next to this module in a wheel, in csrc/ of a source tree."""
-    here = Path(__file__).resolve()
-    for candidate in (here.with_name(_SOURCE), here.parents[2] / "csrc" / _SOURCE):
-        if candidate.is_file():
-            return candidate
-    raise HostAllocatorError(
-        f"its source {_SOURCE} is missing (looked next to {here} and in csrc/)"
-    )
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "offloadd"
+    """The C++ source (see :mod:`offloadd.native_build`)."""
+    try:
+        return native_build.source_path(_SOURCE)
+    except native_build.NativeBuildError as e:
+        raise HostAllocatorError(str(e)) from e
 
 
 def build(directory: Path | None = None) -> Path:
     """The host cache library for this torch, compiled now unless already cached."""
-    src = source_path()
-    torch_dir = Path(torch.__file__).resolve().parent
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    cxx = os.environ.get("CXX") or "c++"
-    key = hashlib.sha256(
-        b"\0".join(
-            [
-                src.read_bytes(),
-                torch.__version__.encode(),
-                str(torch_dir).encode(),
-                b"%d" % abi,
-                cxx.encode(),
-            ]
-        )
-    ).hexdigest()[:16]
-    directory = directory if directory is not None else cache_dir()
-    target = directory / f"host_allocator-{key}.so"
-    if target.is_file():
-        return target
-    compiler = shutil.which(cxx)
-    if compiler is None:
-        raise HostAllocatorError(
-            f"no C++ compiler: {cxx!r} is not on PATH (set CXX, or install g++)"
-        )
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        lock = open(directory / ".build.lock", "w")  # noqa: SIM115 (held across the build)
-    except OSError as e:
-        raise HostAllocatorError(f"cannot write its build cache {directory}: {e}") from e
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another rank may be building it right now
-        if target.is_file():
-            return target
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".host_allocator-", suffix=".so")
-        os.close(fd)
-        cmd = [
-            compiler, "-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            f"-I{torch_dir / 'include'}", str(src), "-o", tmp,
-            f"-L{torch_dir / 'lib'}", "-lc10", f"-Wl,-rpath,{torch_dir / 'lib'}",
-        ]  # fmt: skip
-        log.info(
-            "offloadd: building the host cache for torch %s (once): %s",
-            torch.__version__,
-            " ".join(cmd),
+        return native_build.build(
+            _SOURCE, flags=["-O2"], libs=["c10"], what="the host cache", directory=directory
         )
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            os.unlink(tmp)
-            raise HostAllocatorError(f"{compiler} failed: {e}") from e
-        if done.returncode != 0:
-            os.unlink(tmp)
-            tail = "\n".join(done.stderr.strip().splitlines()[-12:])
-            raise HostAllocatorError(f"{compiler} exited with {done.returncode}:\n{tail}")
-        os.replace(tmp, target)
-    return target
+    except native_build.NativeBuildError as e:
+        raise HostAllocatorError(str(e)) from e
 
 
 class HostCache:

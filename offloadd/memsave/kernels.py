@@ -1,0 +1,205 @@
+"""memsave's native kernels (csrc/memsave_kernels.cpp): a ReLU and its bit mask in one pass, a mask
+back into a gradient in one pass, and MaxPool's indices to window offsets and back.
+
+:func:`native` returns them when they can serve: built at first use against the installed torch
+(:mod:`offloadd.native_build`, about two seconds, cached), loaded, and the CPU has AVX2. Otherwise
+it returns ``None`` and says why once in the log, and memsave keeps its torch-op path
+(:mod:`offloadd.memsave.bits`, :mod:`offloadd.memsave.pool`: bitwise the same results, more
+passes over memory). The mask kernels take contiguous float32 or bfloat16 CPU tensors
+(:func:`serves`), the pooling ones contiguous CPU indices; callers keep the torch-op path for
+anything else. ``OFFLOADD_MEMSAVE_KERNELS=0`` turns them off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import platform
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from offloadd import native_build
+from offloadd.memsave.bits import packed_bytes
+
+__all__ = ["ENV", "Kernels", "native", "serves", "torch_ops_only"]
+
+log = logging.getLogger("offloadd")
+
+ENV = "OFFLOADD_MEMSAVE_KERNELS"
+_SOURCE = "memsave_kernels.cpp"
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_OFFSETS = {torch.uint8: 0, torch.int16: 1, torch.int32: 2}
+_P = ctypes.c_void_p
+_N = ctypes.c_int64
+_I = ctypes.c_int
+
+
+class Kernels:
+    """The loaded library. Every tensor passed is a contiguous CPU tensor."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        lib.offloadd_masks_vectorised.restype = _I
+        lib.offloadd_masks_relu_f32.argtypes = [_P, _P, _P, _N]
+        lib.offloadd_masks_pack.argtypes = [_P, _I, _I, _P, _N]
+        lib.offloadd_masks_select_f32.argtypes = [_P, _P, _P, _N]
+        lib.offloadd_masks_expand.argtypes = [_P, _P, _N, _I]
+        for fn in ("relu_f32", "pack", "select_f32", "expand"):
+            getattr(lib, f"offloadd_masks_{fn}").restype = None
+        for pool in (lib.offloadd_pool_compact, lib.offloadd_pool_expand):
+            pool.argtypes = [_P, _P, _I, _N, _P]
+            pool.restype = None
+        self._lib = lib
+        self.vectorised = bool(lib.offloadd_masks_vectorised())
+
+    def relu(self, x: torch.Tensor, inplace: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``relu(x)`` (into ``x`` if ``inplace``) and the packed bits of ``not (result <= 0)``."""
+        n = x.numel()
+        bits = torch.empty(packed_bytes(n), dtype=torch.uint8)
+        if x.dtype == torch.float32:
+            out = x if inplace else torch.empty_like(x)
+            self._lib.offloadd_masks_relu_f32(x.data_ptr(), out.data_ptr(), bits.data_ptr(), n)
+        else:  # the op itself is torch's (bfloat16 rounding of NaN payloads is torch's business)
+            out = torch.relu_(x) if inplace else torch.relu(x)
+            self._lib.offloadd_masks_pack(out.data_ptr(), _DTYPES[x.dtype], 0, bits.data_ptr(), n)
+        return out, bits
+
+    def pack(self, t: torch.Tensor, positive: bool) -> torch.Tensor:
+        """The packed bits of ``t > 0`` if ``positive``, else of ``not (t <= 0)``."""
+        n = t.numel()
+        bits = torch.empty(packed_bytes(n), dtype=torch.uint8)
+        self._lib.offloadd_masks_pack(
+            t.data_ptr(), _DTYPES[t.dtype], int(positive), bits.data_ptr(), n
+        )
+        return bits
+
+    def select(self, grad: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+        """A new tensor: float32 ``grad`` where the bit is set, ``+0`` elsewhere (bfloat16: see
+        csrc/memsave_kernels.cpp)."""
+        out = torch.empty_like(grad)
+        self._lib.offloadd_masks_select_f32(
+            grad.data_ptr(), bits.data_ptr(), out.data_ptr(), grad.numel()
+        )
+        return out
+
+    def expand(
+        self, bits: torch.Tensor, shape: torch.Size | tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
+        """A new contiguous tensor of ``shape``: 1 where the bit is set, 0 elsewhere."""
+        out = torch.empty(shape, dtype=dtype)
+        self._lib.offloadd_masks_expand(
+            bits.data_ptr(), out.data_ptr(), out.numel(), _DTYPES[dtype]
+        )
+        return out
+
+    def pool_compact(
+        self,
+        indices: torch.Tensor,
+        in_shape: torch.Size,
+        geometry: _Geometry,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """``compact_indices`` of :mod:`offloadd.memsave.pool`, into ``dtype``, in one pass."""
+        offsets = torch.empty(indices.shape, dtype=dtype)
+        planes, g = _pool_args(indices.shape, in_shape, geometry)
+        self._lib.offloadd_pool_compact(
+            indices.data_ptr(), offsets.data_ptr(), _OFFSETS[dtype], planes, ctypes.addressof(g)
+        )
+        return offsets
+
+    def pool_expand(
+        self, offsets: torch.Tensor, in_shape: torch.Size, geometry: _Geometry
+    ) -> torch.Tensor:
+        """``expand_indices`` of :mod:`offloadd.memsave.pool`: int64 indices, in one pass."""
+        indices = torch.empty(offsets.shape, dtype=torch.int64)
+        planes, g = _pool_args(offsets.shape, in_shape, geometry)
+        self._lib.offloadd_pool_expand(
+            offsets.data_ptr(),
+            indices.data_ptr(),
+            _OFFSETS[offsets.dtype],
+            planes,
+            ctypes.addressof(g),
+        )
+        return indices
+
+
+_Geometry = tuple[list[int], list[int], list[int], list[int]]  # kernel, stride, padding, dilation
+
+
+def _pool_args(
+    out_shape: torch.Size, in_shape: torch.Size, geometry: _Geometry
+) -> tuple[int, ctypes.Array[ctypes.c_int64]]:
+    """The planes and the 18 geometry integers of csrc's Pool (2d as 3d with a depth of 1)."""
+    kernel, stride, padding, dilation = geometry
+    nd = len(kernel)
+    lead = 3 - nd
+    rows = [
+        [1] * lead + list(in_shape[-nd:]),
+        [1] * lead + list(out_shape[-nd:]),
+        [1] * lead + list(kernel),
+        [1] * lead + list(stride),
+        [0] * lead + list(padding),
+        [1] * lead + list(dilation),
+    ]
+    planes = 1
+    for size in out_shape[:-nd]:
+        planes *= size
+    return planes, (ctypes.c_int64 * 18)(*(v for row in rows for v in row))
+
+
+_lock = threading.Lock()
+_state: list[Kernels | None] = []  # empty until the first call of native()
+_off = threading.local()
+
+
+def _load() -> Kernels | None:
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        log.info("offloadd: memsave's kernels are off (%s); torch ops instead", ENV)
+        return None
+    if platform.machine() not in ("x86_64", "AMD64"):
+        log.info("offloadd: memsave's kernels need x86-64 with AVX2; torch ops instead")
+        return None
+    try:
+        path = native_build.build(
+            _SOURCE,
+            flags=["-O3", "-fopenmp"],
+            libs=["c10", "torch_cpu"],
+            what="memsave's kernels",
+        )
+        lib = Kernels(ctypes.CDLL(str(path)))
+    except (native_build.NativeBuildError, OSError) as e:
+        log.warning("offloadd: memsave's kernels are unavailable, torch ops instead: %s", e)
+        return None
+    if not lib.vectorised:
+        log.info("offloadd: this CPU lacks AVX2: memsave's kernels stay off; torch ops instead")
+        return None
+    return lib
+
+
+def native() -> Kernels | None:
+    """The kernels, built and loaded at the first call; ``None`` where they cannot serve."""
+    if getattr(_off, "depth", 0):
+        return None
+    if not _state:
+        with _lock:
+            if not _state:
+                _state.append(_load())
+    return _state[0]
+
+
+def serves(t: torch.Tensor) -> bool:
+    """Whether the kernels take ``t``: a non-empty contiguous float32/bfloat16 CPU tensor."""
+    return t.device.type == "cpu" and t.dtype in _DTYPES and t.is_contiguous() and t.numel() > 0
+
+
+@contextmanager
+def torch_ops_only() -> Iterator[None]:
+    """Inside, on this thread, memsave uses the torch-op path (the tests compare both)."""
+    _off.depth = getattr(_off, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _off.depth -= 1

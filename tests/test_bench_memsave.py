@@ -55,6 +55,16 @@ def test_bench_memsave_ratios_are_deterministic() -> None:
     assert "memsave+offload" not in a
 
 
+def test_bench_memsave_control_is_a_second_plain() -> None:
+    ns = _ns(*TINY, "--scenarios", "bn-tuning", "--no-offload", "--control", "--steps", "2")
+    res = bench_memsave.run_scenario("bn-tuning", ns)
+    control = res[bench_memsave.CONTROL]
+    assert control["saved_bytes"] == res["plain"]["saved_bytes"]
+    assert res["plain"]["step_ratio"] == 1.0 and control["step_ratio"] > 0
+    report = bench_memsave.format_report({"bn-tuning": res}, [])
+    assert f"| {bench_memsave.CONTROL} |" in report and "x plain (paired)" in report
+
+
 def test_bench_memsave_cli_and_errors() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "offloadd", "bench", "memsave", "--scenarios", "nope"],

@@ -15,7 +15,11 @@ pack hook cannot run beside the Offloader's): memsave's count less the Offloader
 ``offloaded_bytes`` per step, i.e. what stays in memory once the writes completed (tensors below
 ``--min-bytes`` are kept). Step time (forward, loss,
 backward) is the median over ``--steps`` after ``--warmup``, the configurations interleaved
-step by step in one process, so drift hits them alike. Example (the docs/benchmarks run):
+step by step in one process, so drift hits them alike, in an order reversed every round (the
+step after a plain one otherwise starts with its gigabyte just freed). A configuration's "x plain"
+is the median of its per-round ratios to plain's step of the same round. ``--control`` adds a
+deep copy of the plain model as a fourth configuration: its ratio is the measurement's own
+noise and bias, to read the others against. Example (the docs/benchmarks run):
 
     offloadd bench memsave --image-size 128 --batch 4 --steps 5
 """
@@ -43,6 +47,7 @@ from offloadd.tools.models.hf import require_transformers
 __all__ = [
     "Logits",
     "CONFIGS",
+    "CONTROL",
     "HELP",
     "SCENARIOS",
     "TARGETS",
@@ -57,6 +62,8 @@ HELP = "saved bytes and step time of plain, memsave and memsave + ssd offload (f
 
 SCENARIOS = ("bn-tuning", "saliency", "vit-tuning", "full")
 CONFIGS = ("plain", "memsave", "memsave+offload")
+CONTROL = "plain (copy)"
+"""The plain model's deep copy, with ``--control``."""
 TARGETS = {"bn-tuning": (0.6, 1.02), "saliency": (0.1, None)}
 """scenario -> (saved-bytes ratio, step-time ratio) targets of memsave against plain."""
 
@@ -78,6 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--min-bytes", type=int, default=1 << 20, help="the Offloader's min_bytes (default 1 MiB)"
     )
     p.add_argument("--no-offload", action="store_true", help="skip memsave+offload")
+    p.add_argument(
+        "--control", action="store_true", help="also time a copy of plain (the noise floor)"
+    )
     p.add_argument("--out", default=None, help="also write the markdown report here")
 
 
@@ -184,8 +194,11 @@ def run_scenario(scenario: str, ns: argparse.Namespace) -> dict[str, dict[str, f
     ms = memsave(copy.deepcopy(plain))
     configs = [c for c in CONFIGS if not (ns.no_offload and c.endswith("offload"))]
     models = {"plain": plain, "memsave": ms, "memsave+offload": ms}
+    if ns.control:
+        configs.append(CONTROL)
+        models[CONTROL] = copy.deepcopy(plain)
     results: dict[str, dict[str, float]] = {c: {} for c in configs}
-    for c in ("plain", "memsave"):
+    for c in [k for k in configs if k != "memsave+offload"]:  # with offload: counted below
         with count_saved_bytes(models[c]) as counted:
             out = models[c](x.detach().requires_grad_(x_grad))
         results[c]["saved_bytes"] = counted[0]
@@ -202,7 +215,7 @@ def run_scenario(scenario: str, ns: argparse.Namespace) -> dict[str, dict[str, f
     times: dict[str, list[float]] = {c: [] for c in configs}
     try:
         for step in range(ns.warmup + ns.steps):
-            for c in configs:
+            for c in configs if step % 2 == 0 else configs[::-1]:
                 ctx: AbstractContextManager[Any] = nullcontext()
                 if c.endswith("offload") and off is not None:
                     ctx = off
@@ -219,6 +232,8 @@ def run_scenario(scenario: str, ns: argparse.Namespace) -> dict[str, dict[str, f
             off.close()
     for c in configs:
         results[c]["step_s"] = statistics.median(times[c])
+        paired = [t / p for t, p in zip(times[c], times["plain"], strict=True)]
+        results[c]["step_ratio"] = statistics.median(paired)
     return results
 
 
@@ -229,6 +244,11 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def _speed(r: dict[str, float], base: dict[str, float]) -> float:
+    """The median of the per-round ratios to plain (or, without them, the medians' ratio)."""
+    return r["step_ratio"] if "step_ratio" in r else r["step_s"] / base["step_s"]
+
+
 def format_report(all_results: dict[str, dict[str, dict[str, float]]], header: list[str]) -> str:
     lines = [*header, ""]
     for scenario, res in all_results.items():
@@ -237,7 +257,7 @@ def format_report(all_results: dict[str, dict[str, dict[str, float]]], header: l
             f"### {scenario}",
             "",
             "| configuration | saved bytes in memory | x plain | offloaded per step | step time "
-            "| x plain |",
+            "| x plain (paired) |",
             "|---|---|---|---|---|---|",
         ]
         for c, r in res.items():
@@ -245,10 +265,10 @@ def format_report(all_results: dict[str, dict[str, dict[str, float]]], header: l
             lines.append(
                 f"| {c} | {_mib(r['saved_bytes'])} ({int(r['saved_bytes'])} B) | "
                 f"{r['saved_bytes'] / max(base['saved_bytes'], 1):.3f} | {moved} | "
-                f"{r['step_s']:.3f} s | {r['step_s'] / base['step_s']:.3f} |"
+                f"{r['step_s']:.3f} s | {_speed(r, base):.3f} |"
             )
         ratio = res["memsave"]["saved_bytes"] / max(base["saved_bytes"], 1)
-        speed = res["memsave"]["step_s"] / base["step_s"]
+        speed = _speed(res["memsave"], base)
         target = TARGETS.get(scenario)
         verdict = f"memsave / plain: saved bytes {ratio:.3f}, step time {speed:.3f}"
         if target is not None:

@@ -63,6 +63,22 @@ def test_bench_memsave_control_is_a_second_plain() -> None:
     assert res["plain"]["step_ratio"] == 1.0 and control["step_ratio"] > 0
     report = bench_memsave.format_report({"bn-tuning": res}, [])
     assert f"| {bench_memsave.CONTROL} |" in report and "x plain (paired)" in report
+    assert "page faults per step" in report and control["faults"] >= 0
+
+
+def test_keep_freed_memory_flag(tmp_path: Path) -> None:
+    # a subprocess: the flag changes glibc's settings for the whole process
+    out = tmp_path / "report.md"
+    args = [*TINY, "--scenarios", "saliency", "--no-offload", "--keep-freed-memory"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "offloadd", "bench", "memsave", *args, "--out", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    text = out.read_text()
+    assert "glibc keeps freed memory (--keep-freed-memory)" in text
+    assert "page faults per step" in text
 
 
 def test_bench_memsave_cli_and_errors() -> None:

@@ -22,12 +22,27 @@ deep copy of the plain model as a fourth configuration: its ratio is the measure
 noise and bias, to read the others against. Example (the docs/benchmarks run):
 
     offloadd bench memsave --image-size 128 --batch 4 --steps 5
+
+Note: [page faults]
+~~~~~~~~~~~~~~~~~~~
+On the development VM, a step's time depends as much on page faults as on the work: glibc gives
+large freed blocks back to the kernel, and the next allocation of that memory faults every page
+in again (zeroed by the kernel: about as dear as writing it twice, more under a hypervisor).
+Which steps fault, and how much, depends on the order of allocations and frees, so it differs by
+configuration and from run to run (one run: plain 18,769 faults per step, memsave 0, memsave with
+its ReLU outputs held as plain holds them 126,068, and step times following the faults). The
+report gives the median faults per step next to each time. ``--keep-freed-memory`` sets glibc's
+thresholds so that freed memory stays in the process (``keep_freed_memory``): after warm-up no
+configuration faults, and the times compare the work alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
+import ctypes.util
+import resource
 import statistics
 import sys
 import time
@@ -54,6 +69,7 @@ __all__ = [
     "add_arguments",
     "count_saved_bytes",
     "format_report",
+    "keep_freed_memory",
     "main",
     "run_scenario",
 ]
@@ -87,6 +103,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-offload", action="store_true", help="skip memsave+offload")
     p.add_argument(
         "--control", action="store_true", help="also time a copy of plain (the noise floor)"
+    )
+    p.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="glibc keeps freed memory for reuse (no page faults after warm-up; see the docs)",
     )
     p.add_argument("--out", default=None, help="also write the markdown report here")
 
@@ -177,15 +198,30 @@ def count_saved_bytes(model: nn.Module) -> Iterator[list[int]]:
 
 def _step(
     model: nn.Module, x: torch.Tensor, x_grad: bool, ctx: AbstractContextManager[Any]
-) -> float:
+) -> tuple[float, int]:
+    """Seconds and page faults (minor: memory the kernel mapped fresh) of one step."""
     leaf = x.detach().requires_grad_(x_grad)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t0 = time.perf_counter()
     with ctx:
         out = model(leaf)
     out.float().square().mean().backward()
     elapsed = time.perf_counter() - t0
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     model.zero_grad(set_to_none=True)
-    return elapsed
+    return elapsed, faults
+
+
+def keep_freed_memory() -> None:
+    """Ask glibc to keep freed memory for reuse instead of giving it back to the kernel
+    (Note [page faults]): allocations up to 32 MiB (its maximum) come from the heap, which is
+    never trimmed. Raises ``OSError`` where glibc's ``mallopt`` is missing."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    if not libc.mallopt(m_mmap_threshold, 32 << 20) or not libc.mallopt(
+        m_trim_threshold, 2**31 - 1
+    ):
+        raise OSError("mallopt refused the thresholds")
 
 
 def run_scenario(scenario: str, ns: argparse.Namespace) -> dict[str, dict[str, float]]:
@@ -213,15 +249,17 @@ def run_scenario(scenario: str, ns: argparse.Namespace) -> dict[str, dict[str, f
         off = Offloader(**kw)
         off.note_module(ms)
     times: dict[str, list[float]] = {c: [] for c in configs}
+    faults: dict[str, list[int]] = {c: [] for c in configs}
     try:
         for step in range(ns.warmup + ns.steps):
             for c in configs if step % 2 == 0 else configs[::-1]:
                 ctx: AbstractContextManager[Any] = nullcontext()
                 if c.endswith("offload") and off is not None:
                     ctx = off
-                t = _step(models[c], x, x_grad, ctx)
+                t, f = _step(models[c], x, x_grad, ctx)
                 if step >= ns.warmup:
                     times[c].append(t)
+                    faults[c].append(f)
         if off is not None:
             off.synchronize()
             moved = off.stats().offloaded_bytes / (ns.warmup + ns.steps)
@@ -234,6 +272,7 @@ def run_scenario(scenario: str, ns: argparse.Namespace) -> dict[str, dict[str, f
         results[c]["step_s"] = statistics.median(times[c])
         paired = [t / p for t, p in zip(times[c], times["plain"], strict=True)]
         results[c]["step_ratio"] = statistics.median(paired)
+        results[c]["faults"] = statistics.median(faults[c])
     return results
 
 
@@ -257,15 +296,15 @@ def format_report(all_results: dict[str, dict[str, dict[str, float]]], header: l
             f"### {scenario}",
             "",
             "| configuration | saved bytes in memory | x plain | offloaded per step | step time "
-            "| x plain (paired) |",
-            "|---|---|---|---|---|---|",
+            "| x plain (paired) | page faults per step |",
+            "|---|---|---|---|---|---|---|",
         ]
         for c, r in res.items():
             moved = _mib(r["offloaded_bytes"]) if "offloaded_bytes" in r else "-"
             lines.append(
                 f"| {c} | {_mib(r['saved_bytes'])} ({int(r['saved_bytes'])} B) | "
                 f"{r['saved_bytes'] / max(base['saved_bytes'], 1):.3f} | {moved} | "
-                f"{r['step_s']:.3f} s | {_speed(r, base):.3f} |"
+                f"{r['step_s']:.3f} s | {_speed(r, base):.3f} | {r.get('faults', 0):.0f} |"
             )
         ratio = res["memsave"]["saved_bytes"] / max(base["saved_bytes"], 1)
         speed = _speed(res["memsave"], base)
@@ -302,6 +341,12 @@ def main(ns: argparse.Namespace) -> int:
         return 2
     if ns.threads:
         torch.set_num_threads(ns.threads)
+    if ns.keep_freed_memory:
+        try:
+            keep_freed_memory()
+        except OSError as e:
+            print(f"offloadd bench memsave: --keep-freed-memory: {e}", file=sys.stderr)
+            return 2
     header = [
         "## offloadd bench memsave",
         "",
@@ -310,6 +355,9 @@ def main(ns: argparse.Namespace) -> int:
         f"- ResNet depths {ns.resnet_depths}, image {ns.image_size}; ViT {ns.vit_layers} layers, "
         f"hidden {ns.vit_hidden}, image {ns.vit_image_size}; batch {ns.batch}; "
         f"{ns.steps} timed steps after {ns.warmup} warm-up",
+        "- glibc keeps freed memory (--keep-freed-memory)"
+        if ns.keep_freed_memory
+        else "- glibc's default malloc settings",
     ]
     results: dict[str, dict[str, dict[str, float]]] = {}
     for s in scenarios:

@@ -308,8 +308,11 @@ def test_relu_inplace_aliasing() -> None:
     assert y is x and x._version > version  # plain bumps it once, a dirty custom Function twice
     y.sum().backward()
     assert torch.equal(leaf.grad, (leaf > 0).float())
+    leaf = rand(3).requires_grad_()
+    before = leaf.detach().clone()
     with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
-        m(rand(3).requires_grad_())
+        m(leaf)
+    assert torch.equal(leaf.detach(), before)  # refused before writing, as plain refuses
 
 
 # -- max pool --------------------------------------------------------------------------------
@@ -485,6 +488,27 @@ def test_freeze_unfreeze_between_steps(train: bool) -> None:
         a, _ = run(plain, rand(2, 3, 8, 8, seed=step), True, step)
         b, _nbytes = run(ms, rand(2, 3, 8, 8, seed=step), True, step)
         assert all(same(u, v) for u, v in zip(a, b, strict=True)), step
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: nn.ReLU(),
+        lambda: nn.LeakyReLU(0.1),
+        lambda: nn.MaxPool2d(2),
+        lambda: nn.Dropout(0.5),
+        lambda: nn.BatchNorm2d(3).eval().requires_grad_(False),
+    ],
+    ids=["relu", "leaky", "maxpool", "dropout", "bn-eval"],
+)
+def test_double_backward_raises_and_backward_does_not(make: Callable[[], nn.Module]) -> None:
+    m = memsave(make())
+    x = rand(2, 3, 6, 6).requires_grad_()
+    (g,) = torch.autograd.grad(m(x * 1).pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        g.sum().backward()
+    m(x * 1).pow(2).sum().backward()  # an ordinary backward: grad mode off, no wrapper
+    assert x.grad is not None
 
 
 def test_double_backward_raises() -> None:

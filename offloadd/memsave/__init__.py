@@ -11,6 +11,7 @@ swap] in :mod:`offloadd.memsave.replace`).
 | ``norm`` | BatchNorm1d/2d/3d in eval mode: the input only for the weight's gradient |
 | ``pointwise`` | ReLU, LeakyReLU, Dropout: bit masks |
 | ``pool`` | MaxPool1d/2d/3d: window offsets, no input |
+| ``once`` | ``once_differentiable`` without its cost in an ordinary backward |
 | ``replace`` | :func:`memsave`, :func:`unmemsave` |
 """
 

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 
+from offloadd.memsave.once import once_differentiable
 from offloadd.memsave.placeholder import uninitialised
 
 __all__ = [

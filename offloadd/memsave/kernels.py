@@ -192,7 +192,7 @@ def native() -> Kernels | None:
 
 def serves(t: torch.Tensor) -> bool:
     """Whether the kernels take ``t``: a non-empty contiguous float32/bfloat16 CPU tensor."""
-    return t.device.type == "cpu" and t.dtype in _DTYPES and t.is_contiguous() and t.numel() > 0
+    return t.is_cpu and t.dtype in _DTYPES and t.is_contiguous() and t.numel() > 0
 
 
 @contextmanager

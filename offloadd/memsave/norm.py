@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
+
+from offloadd.memsave.once import once_differentiable
 
 __all__ = [
     "MemsaveBatchNorm1d",

@@ -69,11 +69,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from offloadd.memsave.bits import pack_bits, unpack_bits, unpack_flags
 from offloadd.memsave.gate import gated_off
 from offloadd.memsave.kernels import native, serves
+from offloadd.memsave.once import once_differentiable
 
 __all__ = [
     "MemsaveDropout",
@@ -89,8 +89,11 @@ _THRESHOLD_BACKWARD = torch.ops.aten.threshold_backward.grad_input
 _LEAKY_RELU_BACKWARD = torch.ops.aten.leaky_relu_backward.grad_input
 
 
-def _wants_graph(x: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and x.requires_grad
+def _wants_graph(x: torch.Tensor, inplace: bool) -> bool:
+    """Whether memsave's function should run: a graph is built, and the op is not one that
+    plain PyTorch refuses (in place on a leaf that requires grad: plain raises before it writes,
+    where a function's ``mark_dirty`` raises only after its forward wrote)."""
+    return torch.is_grad_enabled() and x.requires_grad and not (inplace and x.is_leaf)
 
 
 def _expand(
@@ -192,7 +195,7 @@ class _DropoutBits(torch.autograd.Function):
 
 def relu_bits(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     """``F.relu(x, inplace)`` saving one bit per element for backward."""
-    if not _wants_graph(x):
+    if not _wants_graph(x, inplace):
         return F.relu(x, inplace)
     out: torch.Tensor = _ReLUBits.apply(x, inplace)
     return out
@@ -200,7 +203,7 @@ def relu_bits(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
 
 def leaky_relu_bits(x: torch.Tensor, slope: float = 0.01, inplace: bool = False) -> torch.Tensor:
     """``F.leaky_relu(x, slope, inplace)`` saving one bit per element for backward."""
-    if not _wants_graph(x) or (inplace and slope <= 0):
+    if not _wants_graph(x, inplace) or (inplace and slope <= 0):
         return F.leaky_relu(x, slope, inplace)
     out: torch.Tensor = _LeakyReLUBits.apply(x, slope, inplace)
     return out
@@ -211,7 +214,7 @@ def dropout_bits(
 ) -> torch.Tensor:
     """``F.dropout(x, p, training, inplace)`` saving its mask as bits (CPU; else plain)."""
     plain = not training or p <= 0 or p >= 1 or x.numel() == 0 or x.device.type != "cpu"
-    if plain or not _wants_graph(x):
+    if plain or not _wants_graph(x, inplace):
         return F.dropout(x, p, training, inplace)
     out: torch.Tensor = _DropoutBits.apply(x, p, inplace)
     return out

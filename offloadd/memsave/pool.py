@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from offloadd.memsave.gate import gated_off
 from offloadd.memsave.kernels import native
+from offloadd.memsave.once import once_differentiable
 from offloadd.memsave.placeholder import placeholder
 
 __all__ = [

@@ -257,3 +257,9 @@ def test_unavailable_kernels_fall_back_with_one_warning(
     x = torch.randn(64, requires_grad=True)
     memsave(nn.ReLU())(x * 1).sum().backward()
     assert x.grad is not None and torch.equal(x.grad, (x > 0).float())
+
+
+def test_the_switch_is_not_taken_for_a_config_key() -> None:
+    from offloadd.config.loader import from_environ
+
+    assert from_environ({kernels.ENV: "0"}) == {}

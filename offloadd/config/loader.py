@@ -43,7 +43,12 @@ __all__ = [
 ENV_PREFIX = "OFFLOADD_"
 DAEMON_ENV_PREFIX = f"{ENV_PREFIX}{SECTION.upper()}_"
 #: ``OFFLOADD_*`` variables that are not config keys but are read by other parts of offloadd.
-RESERVED_ENV = frozenset({"OFFLOADD", "OFFLOADD_CONFIG", "OFFLOADD_REPORT", "OFFLOADD_LOG"})
+RESERVED_ENV = frozenset(
+    {"OFFLOADD", "OFFLOADD_CONFIG", "OFFLOADD_REPORT", "OFFLOADD_LOG", "OFFLOADD_MEMSAVE_KERNELS"}
+)
+"""Read elsewhere: the switch, the config file, the report and log destinations
+(:mod:`offloadd.integrations`), and memsave's kernels (:mod:`offloadd.memsave.kernels`, a
+process-wide switch for a diagnosis, not a setting of a run)."""
 
 Flat = dict[str, tuple[object, str | None]]
 """Dotted key -> (the value as given, where it came from: a file, a variable; None: code)."""

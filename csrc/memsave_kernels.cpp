@@ -97,14 +97,12 @@ void pack_scalar(const void* src, int dtype, int pred, uint8_t* bits, int64_t be
   }
 }
 
+/* out = bit ? src : 0, src[j] (select) or, broadcast, src[0] (expand: src is the one) */
 template <typename T>
-void select_scalar(const T* grad, const uint8_t* bits, T* out, int64_t begin, int64_t end) {
-  for (int64_t j = begin; j < end; ++j) out[j] = (bits[j / 8] >> (j % 8)) & 1 ? grad[j] : T(0);
-}
-
-template <typename T>
-void expand_scalar(const uint8_t* bits, T* out, T one, int64_t begin, int64_t end) {
-  for (int64_t j = begin; j < end; ++j) out[j] = (bits[j / 8] >> (j % 8)) & 1 ? one : T(0);
+void mask_scalar(const T* src, bool broadcast, const uint8_t* bits, T* out, int64_t begin,
+                 int64_t end) {
+  for (int64_t j = begin; j < end; ++j)
+    out[j] = (bits[j / 8] >> (j % 8)) & 1 ? src[broadcast ? 0 : j] : T(0);
 }
 
 #if OFFLOADD_X86
@@ -157,37 +155,30 @@ __attribute__((target("avx2"))) void pack_avx2(const void* src, int dtype, int p
   if (i < end) pack_scalar(src, dtype, pred, bits, i, end);
 }
 
-__attribute__((target("avx2"))) void select32_avx2(const uint32_t* grad, const uint8_t* bits,
-                                                   uint32_t* out, int64_t begin, int64_t end) {
+__attribute__((target("avx2"))) void mask32_avx2(const uint32_t* src, bool broadcast,
+                                                 const uint8_t* bits, uint32_t* out,
+                                                 int64_t begin, int64_t end) {
+  const __m256i one = _mm256_set1_epi32(static_cast<int>(src[0]));
   int64_t i = begin;
   for (; i + 8 <= end; i += 8) {
-    __m256i g = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grad + i));
+    __m256i v = broadcast ? one : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
-                        _mm256_and_si256(g, lanes32(bits[i / 8])));
+                        _mm256_and_si256(v, lanes32(bits[i / 8])));
   }
-  select_scalar(grad, bits, out, i, end);
-}
-
-__attribute__((target("avx2"))) void expand32_avx2(const uint8_t* bits, uint32_t* out,
-                                                   uint32_t one, int64_t begin, int64_t end) {
-  const __m256i ones = _mm256_set1_epi32(static_cast<int>(one));
-  int64_t i = begin;
-  for (; i + 8 <= end; i += 8)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
-                        _mm256_and_si256(ones, lanes32(bits[i / 8])));
-  expand_scalar(bits, out, one, i, end);
+  mask_scalar(src, broadcast, bits, out, i, end);
 }
 
 __attribute__((target("avx2"))) void expand16_avx2(const uint8_t* bits, uint16_t* out,
-                                                   uint16_t one, int64_t begin, int64_t end) {
-  const __m256i ones = _mm256_set1_epi16(static_cast<int16_t>(one));
+                                                   const uint16_t* one, int64_t begin,
+                                                   int64_t end) {
+  const __m256i ones = _mm256_set1_epi16(static_cast<int16_t>(*one));
   int64_t i = begin;
   for (; i + 16 <= end; i += 16) {
     unsigned two = bits[i / 8] | (static_cast<unsigned>(bits[i / 8 + 1]) << 8);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
                         _mm256_and_si256(ones, lanes16(two)));
   }
-  expand_scalar(bits, out, one, i, end);
+  mask_scalar(one, true, bits, out, i, end);
 }
 
 bool has_avx2() { return __builtin_cpu_supports("avx2"); }
@@ -293,6 +284,14 @@ void expand_offsets(const O* off, int64_t* idx, int64_t planes, const Pool& q) {
 
 }  // namespace
 
+/* Returns the AVX2 loop's result where the CPU has AVX2; the scalar line after it runs otherwise. */
+#if OFFLOADD_X86
+#define VECTORISED(call) \
+  if (has_avx2()) return call
+#else
+#define VECTORISED(call)
+#endif
+
 extern "C" {
 
 int offloadd_masks_vectorised(void) { return has_avx2() ? 1 : 0; }
@@ -302,9 +301,7 @@ void offloadd_masks_relu_f32(intptr_t x, intptr_t out, intptr_t bits, int64_t n)
   auto* po = reinterpret_cast<float*>(out);
   auto* pb = reinterpret_cast<uint8_t*>(bits);
   over_bytes(n, [&](int64_t b, int64_t e) {
-#if OFFLOADD_X86
-    if (has_avx2()) return relu_avx2(px, po, pb, b, e);
-#endif
+    VECTORISED(relu_avx2(px, po, pb, b, e));
     relu_scalar(px, po, pb, b, e);
   });
 }
@@ -313,9 +310,7 @@ void offloadd_masks_pack(intptr_t src, int dtype, int pred, intptr_t bits, int64
   auto* ps = reinterpret_cast<const void*>(src);
   auto* pb = reinterpret_cast<uint8_t*>(bits);
   over_bytes(n, [&](int64_t b, int64_t e) {
-#if OFFLOADD_X86
-    if (has_avx2()) return pack_avx2(ps, dtype, pred, pb, b, e);
-#endif
+    VECTORISED(pack_avx2(ps, dtype, pred, pb, b, e));
     pack_scalar(ps, dtype, pred, pb, b, e);
   });
 }
@@ -325,10 +320,8 @@ void offloadd_masks_select_f32(intptr_t grad, intptr_t bits, intptr_t out, int64
   auto* pb = reinterpret_cast<const uint8_t*>(bits);
   auto* o = reinterpret_cast<uint32_t*>(out);
   over_bytes(n, [&](int64_t b, int64_t e) {
-#if OFFLOADD_X86
-    if (has_avx2()) return select32_avx2(g, pb, o, b, e);
-#endif
-    select_scalar(g, pb, o, b, e);
+    VECTORISED(mask32_avx2(g, false, pb, o, b, e));
+    mask_scalar(g, false, pb, o, b, e);
   });
 }
 
@@ -338,17 +331,13 @@ void offloadd_masks_expand(intptr_t bits, intptr_t out, int64_t n, int dtype) {
     if (dtype == 0) {
       auto* o = reinterpret_cast<uint32_t*>(out);
       const uint32_t one = 0x3f800000u; /* 1.0f */
-#if OFFLOADD_X86
-      if (has_avx2()) return expand32_avx2(pb, o, one, b, e);
-#endif
-      expand_scalar(pb, o, one, b, e);
+      VECTORISED(mask32_avx2(&one, true, pb, o, b, e));
+      mask_scalar(&one, true, pb, o, b, e);
     } else {
       auto* o = reinterpret_cast<uint16_t*>(out);
       const uint16_t one = 0x3f80u; /* 1.0 in bfloat16 */
-#if OFFLOADD_X86
-      if (has_avx2()) return expand16_avx2(pb, o, one, b, e);
-#endif
-      expand_scalar(pb, o, one, b, e);
+      VECTORISED(expand16_avx2(pb, o, &one, b, e));
+      mask_scalar(&one, true, pb, o, b, e);
     }
   });
 }

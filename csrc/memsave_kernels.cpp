@@ -25,15 +25,15 @@
  *  - The mask compares in float, as torch's ops do, so it follows the same MXCSR (a flushed
  *    denormal compares as zero in both).
  *  - select and expand move bits only: no arithmetic, nothing to round.
- *  - pool_compact and pool_expand are integer arithmetic, exact; the same as pool.py's torch ops.  There is no bfloat16
- *    select: torch's bfloat16 threshold_backward computes in float and turns NaN gradients into
- *    0xffff in its vectorised loop (not in its scalar tail), so Python gives it the expanded
- *    mask instead.
+ *  - There is no bfloat16 select: torch's bfloat16 threshold_backward computes in float and
+ *    turns NaN gradients into 0xffff in its vectorised loop (not in its scalar tail), so Python
+ *    gives it the expanded mask instead.
+ *  - pool_compact and pool_expand are integer arithmetic, exact: pool.py's torch ops in one pass.
  *
  * The work is split over torch's own intra-op threads (at::parallel_for, torch's OpenMP
- * runtime through the rpath), so it takes the cores plain PyTorch's ReLU would.  The AVX2 loops
- * run only where the CPU has AVX2 (offloadd_masks_vectorised() says whether it does); elsewhere
- * Python keeps the torch-op path.
+ * runtime through the rpath), so it takes the cores plain PyTorch's ReLU would.  The source is
+ * x86-64 only, and Python calls nothing here unless offloadd_masks_vectorised() says the CPU
+ * has AVX2 (elsewhere it keeps the torch-op path); the scalar loops finish each chunk's tail.
  */
 #include <ATen/Parallel.h>
 
@@ -41,10 +41,10 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define OFFLOADD_X86 1
+#if !defined(__x86_64__)
+#error "memsave's kernels are x86-64 only (offloadd/memsave/kernels.py does not build them elsewhere)"
 #endif
+#include <immintrin.h>
 
 namespace {
 
@@ -68,7 +68,7 @@ void over_bytes(int64_t n, F body) {
   });
 }
 
-/* ---- scalar: tails, and the whole of it where AVX2 is missing (Python then does not call) -- */
+/* ---- scalar: the tails of the AVX2 loops -------------------------------------------------- */
 
 void relu_scalar(const float* x, float* out, uint8_t* bits, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; i += 8) {
@@ -104,8 +104,6 @@ void mask_scalar(const T* src, bool broadcast, const uint8_t* bits, T* out, int6
   for (int64_t j = begin; j < end; ++j)
     out[j] = (bits[j / 8] >> (j % 8)) & 1 ? src[broadcast ? 0 : j] : T(0);
 }
-
-#if OFFLOADD_X86
 
 /* ---- AVX2 ---------------------------------------------------------------------------------- */
 
@@ -183,12 +181,6 @@ __attribute__((target("avx2"))) void expand16_avx2(const uint8_t* bits, uint16_t
 
 bool has_avx2() { return __builtin_cpu_supports("avx2"); }
 
-#else
-
-bool has_avx2() { return false; }
-
-#endif
-
 /* ---- max pool window offsets ------------------------------------------------------------ */
 
 /* a / d for 0 <= a < 2^50 and d >= 1, exact: a multiplication by the reciprocal in double, then
@@ -225,13 +217,17 @@ Pool read_pool(const int64_t* g) {
   return q;
 }
 
-/* Calls body(row, first element) for each row of out[2] outputs, rows split over threads. */
+/* Calls body(first element, d0, h0) for each row of out[2] outputs, rows split over threads;
+ * d0 and h0 are where the row's windows start in depth and height. */
 template <typename F>
 void over_rows(int64_t planes, const Pool& q, F body) {
   int64_t rows = planes * q.out[0] * q.out[1];
   int64_t grain = q.out[2] > 0 ? (kGrain + q.out[2] - 1) / q.out[2] : rows;
   at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) body(r, r * q.out[2]);
+    for (int64_t r = b; r < e; ++r) {
+      int64_t oh = r % q.out[1], od = (r / q.out[1]) % q.out[0];
+      body(r * q.out[2], od * q.s[0] - q.p[0], oh * q.s[1] - q.p[1]);
+    }
   });
 }
 
@@ -242,11 +238,9 @@ template <typename O>
 void compact(const int64_t* idx, O* off, int64_t planes, const Pool& q) {
   const Divider by_hw(q.in[1] * q.in[2]), by_w(q.in[2]), dil0(q.d[0]), dil1(q.d[1]), dil2(q.d[2]);
   /* by value: stores through O* (a char type for uint8) could alias the geometry otherwise */
-  over_rows(planes, q, [=](int64_t row, int64_t first) {
+  over_rows(planes, q, [=](int64_t first, int64_t d0, int64_t h0) {
     const int64_t w = q.in[2], hw = q.in[1] * w, ow_n = q.out[2], k1 = q.k[1], k2 = q.k[2];
     const int64_t s2 = q.s[2], p2 = q.p[2];
-    const int64_t oh = row % q.out[1], od = (row / q.out[1]) % q.out[0];
-    const int64_t d0 = od * q.s[0] - q.p[0], h0 = oh * q.s[1] - q.p[1];
     const int64_t* __restrict in = idx + first;
     O* __restrict out = off + first;
     for (int64_t ow = 0; ow < ow_n; ++ow) {
@@ -263,12 +257,10 @@ void compact(const int64_t* idx, O* off, int64_t planes, const Pool& q) {
 template <typename O>
 void expand_offsets(const O* off, int64_t* idx, int64_t planes, const Pool& q) {
   const Divider by_khw(q.k[1] * q.k[2]), by_kw(q.k[2]);
-  over_rows(planes, q, [=](int64_t row, int64_t first) {
+  over_rows(planes, q, [=](int64_t first, int64_t d0, int64_t h0) {
     const int64_t khw = q.k[1] * q.k[2], k2 = q.k[2], ow_n = q.out[2];
     const int64_t dd = q.d[0], dh = q.d[1], dw = q.d[2], s2 = q.s[2], p2 = q.p[2];
     const int64_t h = q.in[1], w = q.in[2];
-    const int64_t oh = row % q.out[1], od = (row / q.out[1]) % q.out[0];
-    const int64_t d0 = od * q.s[0] - q.p[0], h0 = oh * q.s[1] - q.p[1];
     const O* __restrict in = off + first;
     int64_t* __restrict out = idx + first;
     for (int64_t ow = 0; ow < ow_n; ++ow) {
@@ -284,14 +276,6 @@ void expand_offsets(const O* off, int64_t* idx, int64_t planes, const Pool& q) {
 
 }  // namespace
 
-/* Returns the AVX2 loop's result where the CPU has AVX2; the scalar line after it runs otherwise. */
-#if OFFLOADD_X86
-#define VECTORISED(call) \
-  if (has_avx2()) return call
-#else
-#define VECTORISED(call)
-#endif
-
 extern "C" {
 
 int offloadd_masks_vectorised(void) { return has_avx2() ? 1 : 0; }
@@ -300,29 +284,20 @@ void offloadd_masks_relu_f32(intptr_t x, intptr_t out, intptr_t bits, int64_t n)
   auto* px = reinterpret_cast<const float*>(x);
   auto* po = reinterpret_cast<float*>(out);
   auto* pb = reinterpret_cast<uint8_t*>(bits);
-  over_bytes(n, [&](int64_t b, int64_t e) {
-    VECTORISED(relu_avx2(px, po, pb, b, e));
-    relu_scalar(px, po, pb, b, e);
-  });
+  over_bytes(n, [&](int64_t b, int64_t e) { relu_avx2(px, po, pb, b, e); });
 }
 
 void offloadd_masks_pack(intptr_t src, int dtype, int pred, intptr_t bits, int64_t n) {
   auto* ps = reinterpret_cast<const void*>(src);
   auto* pb = reinterpret_cast<uint8_t*>(bits);
-  over_bytes(n, [&](int64_t b, int64_t e) {
-    VECTORISED(pack_avx2(ps, dtype, pred, pb, b, e));
-    pack_scalar(ps, dtype, pred, pb, b, e);
-  });
+  over_bytes(n, [&](int64_t b, int64_t e) { pack_avx2(ps, dtype, pred, pb, b, e); });
 }
 
 void offloadd_masks_select_f32(intptr_t grad, intptr_t bits, intptr_t out, int64_t n) {
   auto* g = reinterpret_cast<const uint32_t*>(grad);
   auto* pb = reinterpret_cast<const uint8_t*>(bits);
   auto* o = reinterpret_cast<uint32_t*>(out);
-  over_bytes(n, [&](int64_t b, int64_t e) {
-    VECTORISED(mask32_avx2(g, false, pb, o, b, e));
-    mask_scalar(g, false, pb, o, b, e);
-  });
+  over_bytes(n, [&](int64_t b, int64_t e) { mask32_avx2(g, false, pb, o, b, e); });
 }
 
 void offloadd_masks_expand(intptr_t bits, intptr_t out, int64_t n, int dtype) {
@@ -331,13 +306,11 @@ void offloadd_masks_expand(intptr_t bits, intptr_t out, int64_t n, int dtype) {
     if (dtype == 0) {
       auto* o = reinterpret_cast<uint32_t*>(out);
       const uint32_t one = 0x3f800000u; /* 1.0f */
-      VECTORISED(mask32_avx2(&one, true, pb, o, b, e));
-      mask_scalar(&one, true, pb, o, b, e);
+      mask32_avx2(&one, true, pb, o, b, e);
     } else {
       auto* o = reinterpret_cast<uint16_t*>(out);
       const uint16_t one = 0x3f80u; /* 1.0 in bfloat16 */
-      VECTORISED(expand16_avx2(pb, o, &one, b, e));
-      mask_scalar(&one, true, pb, o, b, e);
+      expand16_avx2(pb, o, &one, b, e);
     }
   });
 }

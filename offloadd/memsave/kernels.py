@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import platform
 import threading
@@ -25,13 +26,14 @@ import torch
 from offloadd import native_build
 from offloadd.memsave.bits import packed_bytes
 
-__all__ = ["ENV", "Kernels", "native", "serves", "torch_ops_only"]
+__all__ = ["DTYPES", "ENV", "Kernels", "native", "serves", "torch_ops_only"]
 
 log = logging.getLogger("offloadd")
 
 ENV = "OFFLOADD_MEMSAVE_KERNELS"
 _SOURCE = "memsave_kernels.cpp"
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+"""The dtypes of the mask kernels, with their code in csrc/memsave_kernels.cpp."""
 _OFFSETS = {torch.uint8: 0, torch.int16: 1, torch.int32: 2}
 _P = ctypes.c_void_p
 _N = ctypes.c_int64
@@ -64,7 +66,7 @@ class Kernels:
             self._lib.offloadd_masks_relu_f32(x.data_ptr(), out.data_ptr(), bits.data_ptr(), n)
         else:  # the op itself is torch's (bfloat16 rounding of NaN payloads is torch's business)
             out = torch.relu_(x) if inplace else torch.relu(x)
-            self._lib.offloadd_masks_pack(out.data_ptr(), _DTYPES[x.dtype], 0, bits.data_ptr(), n)
+            self._lib.offloadd_masks_pack(out.data_ptr(), DTYPES[x.dtype], 0, bits.data_ptr(), n)
         return out, bits
 
     def pack(self, t: torch.Tensor, positive: bool) -> torch.Tensor:
@@ -72,7 +74,7 @@ class Kernels:
         n = t.numel()
         bits = torch.empty(packed_bytes(n), dtype=torch.uint8)
         self._lib.offloadd_masks_pack(
-            t.data_ptr(), _DTYPES[t.dtype], int(positive), bits.data_ptr(), n
+            t.data_ptr(), DTYPES[t.dtype], int(positive), bits.data_ptr(), n
         )
         return bits
 
@@ -90,9 +92,7 @@ class Kernels:
     ) -> torch.Tensor:
         """A new contiguous tensor of ``shape``: 1 where the bit is set, 0 elsewhere."""
         out = torch.empty(shape, dtype=dtype)
-        self._lib.offloadd_masks_expand(
-            bits.data_ptr(), out.data_ptr(), out.numel(), _DTYPES[dtype]
-        )
+        self._lib.offloadd_masks_expand(bits.data_ptr(), out.data_ptr(), out.numel(), DTYPES[dtype])
         return out
 
     def pool_compact(
@@ -144,9 +144,7 @@ def _pool_args(
         [0] * lead + list(padding),
         [1] * lead + list(dilation),
     ]
-    planes = 1
-    for size in out_shape[:-nd]:
-        planes *= size
+    planes = math.prod(out_shape[:-nd])
     return planes, (ctypes.c_int64 * 18)(*(v for row in rows for v in row))
 
 
@@ -192,7 +190,7 @@ def native() -> Kernels | None:
 
 def serves(t: torch.Tensor) -> bool:
     """Whether the kernels take ``t``: a non-empty contiguous float32/bfloat16 CPU tensor."""
-    return t.is_cpu and t.dtype in _DTYPES and t.is_contiguous() and t.numel() > 0
+    return t.is_cpu and t.dtype in DTYPES and t.is_contiguous() and t.numel() > 0
 
 
 @contextmanager

@@ -72,7 +72,7 @@ from torch import nn
 
 from offloadd.memsave.bits import pack_bits, unpack_bits, unpack_flags
 from offloadd.memsave.gate import gated_off
-from offloadd.memsave.kernels import native, serves
+from offloadd.memsave.kernels import DTYPES, native, serves
 from offloadd.memsave.once import once_differentiable
 
 __all__ = [
@@ -102,7 +102,7 @@ def _expand(
     """The mask as a contiguous tensor of ``dtype``: 1 (with ``ones=False``, any value > 0)
     where the bit is set, 0 elsewhere."""
     k = native()
-    if k is not None and dtype in (torch.float32, torch.bfloat16):
+    if k is not None and dtype in DTYPES:
         return k.expand(packed, shape, dtype)
     if ones:
         return unpack_bits(packed, shape).to(dtype)

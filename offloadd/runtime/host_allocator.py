@@ -39,7 +39,6 @@ __all__ = [
     "note_stats",
     "open_for",
     "release",
-    "source_path",
 ]
 
 log = logging.getLogger("offloadd")
@@ -80,14 +79,6 @@ class HostCacheCounters:
     """Bytes mapped fresh (one mapping per miss)."""
     window_peak_live_bytes: int
     """Most live bytes since the last :meth:`HostCache.reset_window` (the planner's probe)."""
-
-
-def source_path() -> Path:
-    """The C++ source (see :mod:`offloadd.native_build`)."""
-    try:
-        return native_build.source_path(_SOURCE)
-    except native_build.NativeBuildError as e:
-        raise HostAllocatorError(str(e)) from e
 
 
 def build(directory: Path | None = None) -> Path:

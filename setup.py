@@ -6,7 +6,8 @@
    quantisation kernels (csrc/codec.c -> offloadd.codec._kernels) are optional the same way:
    without them the codec runs as torch ops.
 2. The C++ sources compiled at first use against the torch they run with (the host cache,
-   csrc/host_allocator.cpp, and memsave's mask kernels, csrc/memsave_kernels.cpp; see
+   csrc/host_allocator.cpp, and memsave's kernels and C++ autograd functions,
+   csrc/memsave_kernels.{cpp,h} and csrc/memsave_ops.cpp; see
    offloadd/native_build.py) go into the package, as offloadd/csrc/.
 3. offloadd.pth: the start-up hook (see offloadd_boot.py) must land at the top of site-packages,
    for ``pip install .`` (a wheel) and ``pip install -e .`` (an editable wheel) alike.
@@ -24,7 +25,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from offloadd_boot import PTH_LINE  # standard library only: safe at build time
 
 PTH_NAME = "offloadd.pth"
-FIRST_USE_SOURCES = ("host_allocator.cpp", "memsave_kernels.cpp")
+FIRST_USE_SOURCES = (
+    "host_allocator.cpp",
+    "memsave_kernels.cpp",
+    "memsave_kernels.h",
+    "memsave_ops.cpp",
+)
 
 
 class BuildPyWithPth(build_py):

@@ -35,6 +35,8 @@
  * x86-64 only, and Python calls nothing here unless offloadd_masks_vectorised() says the CPU
  * has AVX2 (elsewhere it keeps the torch-op path); the scalar loops finish each chunk's tail.
  */
+#include "memsave_kernels.h"
+
 #include <ATen/Parallel.h>
 
 #include <cmath>

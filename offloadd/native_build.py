@@ -1,7 +1,8 @@
 """C++ sources of csrc/ compiled at first use against the torch that runs them.
 
 Used for the host cache (csrc/host_allocator.cpp, :mod:`offloadd.runtime.host_allocator`) and
-memsave's kernels (csrc/memsave_kernels.cpp, :mod:`offloadd.memsave.kernels`). They are not
+memsave's kernels and C++ autograd functions (csrc/memsave_kernels.cpp with memsave_ops.cpp,
+:mod:`offloadd.memsave.kernels`). They are not
 built by ``pip install``: pip builds in an isolated environment without torch, and a library that
 links against torch must match the torch it is loaded into.
 
@@ -53,6 +54,7 @@ def cache_dir() -> Path:
 def build(
     name: str,
     *,
+    also: Sequence[str] = (),
     flags: Sequence[str] = (),
     libs: Sequence[str] = ("c10",),
     what: str = "",
@@ -60,9 +62,13 @@ def build(
 ) -> Path:
     """The shared library of csrc/``name`` for this torch, compiled now unless already cached.
 
-    ``flags`` go to the compiler before the source, ``libs`` are torch's libraries to link;
-    ``what`` names the library in the log line."""
+    ``also`` are more files of csrc/ that go into it: sources (``.cpp``) compiled with ``name``,
+    headers only read by them (both part of the cache key). ``flags`` go to the compiler before
+    the sources (a ``-std=`` there overrides the default C++17), ``libs`` are torch's libraries
+    to link; ``what`` names the library in the log line."""
     src = source_path(name)
+    others = [source_path(other) for other in also]
+    compiled = [str(src), *(str(p) for p in others if p.suffix == ".cpp")]
     torch_dir = Path(torch.__file__).resolve().parent
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     cxx = os.environ.get("CXX") or "c++"
@@ -70,6 +76,7 @@ def build(
         b"\0".join(
             [
                 src.read_bytes(),
+                *(p.read_bytes() for p in others),
                 torch.__version__.encode(),
                 str(torch_dir).encode(),
                 b"%d" % abi,
@@ -99,7 +106,7 @@ def build(
         os.close(fd)
         cmd = [
             compiler, "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            *flags, f"-I{torch_dir / 'include'}", str(src), "-o", tmp,
+            *flags, f"-I{torch_dir / 'include'}", *compiled, "-o", tmp,
             f"-L{torch_dir / 'lib'}", *(f"-l{lib}" for lib in libs),
             f"-Wl,-rpath,{torch_dir / 'lib'}",
         ]  # fmt: skip

@@ -186,6 +186,12 @@ MODULES: list[tuple[str, Callable[[], nn.Module]]] = [
         "maxpool",
         lambda: nn.Sequential(nn.Unflatten(1, (1, -1, 1)), nn.MaxPool2d((3, 1), 2, (1, 0))),
     ),
+    (  # the C++ function of csrc/memsave_ops.cpp, or the Python one
+        "conv-frozen",
+        lambda: nn.Sequential(
+            nn.Unflatten(1, (1, -1)), nn.Conv1d(1, 2, 3, padding=1).requires_grad_(False)
+        ),
+    ),
 ]
 
 
@@ -196,7 +202,7 @@ def test_modules_bitwise_plain_either_path(
     path: str, name: str, make: Callable[[], nn.Module], dtype: torch.dtype, n: int
 ) -> None:
     x = special(n, dtype, seed=n).view(1, -1)
-    plain = make()
+    plain = make().to(dtype)
     ms = memsave(copy.deepcopy(plain))
     a = _grads(plain, x, seed=5)
     b = _grads(ms, x, seed=5)

@@ -207,7 +207,7 @@ def test_relu_inplace_aliasing() -> None:
     x = leaf * 1
     version = x._version
     y = m(x)
-    assert y is x and x._version > version  # plain bumps it once, a dirty custom Function twice
+    assert y is x and x._version > version  # once (plain, C++); twice (a dirty Python Function)
     y.sum().backward()
     assert torch.equal(leaf.grad, (leaf > 0).float())
     leaf = rand(3).requires_grad_()

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from offloadd.memsave.kernels import native
 from offloadd.memsave.once import once_differentiable
 from offloadd.memsave.placeholder import uninitialised
 
@@ -99,21 +100,25 @@ def conv_selective(
 ) -> torch.Tensor:
     """``aten.convolution(x, weight, bias, *params)`` saving only what the gradients that will be
     computed read. ``x`` must be batched and contiguous unless ``weight`` requires grad."""
-    out: torch.Tensor = _ConvSelective.apply(x, weight, bias, params)
+    k = native()
+    if k is not None:  # the same function in C++: Note [C++ functions] in kernels.py
+        out: torch.Tensor = k.conv_selective(x, weight, bias, *params)
+        return out
+    out = _ConvSelective.apply(x, weight, bias, params)
     return out
 
 
-def _selective(conv: Any, x: torch.Tensor, nd: int) -> bool:
+def _selective(
+    weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, nd: int, padding: Any
+) -> bool:
     """Whether the selective function saves less than plain here: a graph is built and the
     weight is frozen (with a trainable weight both save the input and the weight, and plain's
     forward costs less)."""
-    weight: torch.Tensor = conv.weight
-    bias: torch.Tensor | None = conv.bias
     if weight.requires_grad or not torch.is_grad_enabled():
         return False
     if not (x.requires_grad or (bias is not None and bias.requires_grad)):
         return False
-    return x.dim() == nd + 2 and not isinstance(conv.padding, str) and x.is_contiguous()
+    return x.dim() == nd + 2 and not isinstance(padding, str) and x.is_contiguous()
 
 
 class _MemsaveConvNd:
@@ -126,7 +131,7 @@ class _MemsaveConvNd:
         conv: Any = self
         weight: torch.Tensor = conv.weight
         bias: torch.Tensor | None = conv.bias
-        if not _selective(conv, x, self._nd):
+        if not _selective(weight, bias, x, self._nd, conv.padding):
             return _plain_forward(conv, x, output_size)
         if self._transposed:
             if conv.padding_mode != "zeros":

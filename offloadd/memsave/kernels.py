@@ -1,13 +1,31 @@
 """memsave's native kernels (csrc/memsave_kernels.cpp): a ReLU and its bit mask in one pass, a mask
-back into a gradient in one pass, and MaxPool's indices to window offsets and back.
+back into a gradient in one pass, and MaxPool's indices to window offsets and back; and, in the
+same library, memsave's two hottest autograd functions in C++ (csrc/memsave_ops.cpp).
 
 :func:`native` returns them when they can serve: built at first use against the installed torch
-(:mod:`offloadd.native_build`, about two seconds, cached), loaded, and the CPU has AVX2. Otherwise
+(:mod:`offloadd.native_build`, about 25 seconds on two cores, once: cached), loaded, and the CPU
+has AVX2. Otherwise
 it returns ``None`` and says why once in the log, and memsave keeps its torch-op path
 (:mod:`offloadd.memsave.bits`, :mod:`offloadd.memsave.pool`: bitwise the same results, more
 passes over memory). The mask kernels take contiguous float32 or bfloat16 CPU tensors
 (:func:`serves`), the pooling ones contiguous CPU indices; callers keep the torch-op path for
 anything else. ``OFFLOADD_MEMSAVE_KERNELS=0`` turns them off.
+
+Note: [C++ functions]
+~~~~~~~~~~~~~~~~~~~~~
+A Python ``autograd.Function`` costs about 30 us per forward and as much again per backward
+beyond the op it wraps (building its context from Python, the engine taking the GIL to call
+back into Python), and a ResNet-101 step has 104 frozen convolutions and 100 ReLUs: 25 ms per
+step at 64 px, batch 2, measured (+18 % there), about 1 % of a step at 224 px, batch 8, the
+scenario of issue 16's step-time target. So the ReLU that keeps bits and the selective
+convolution are also written as C++ autograd functions (``torch::autograd::Function``),
+registered as ``torch.ops.offloadd_memsave.*`` when the library loads: the same forward, the
+same tensors through ``save_for_backward`` (offloadd's hooks see them), the same backward ops
+on the same arguments, with ``once_differentiable``'s behaviour. :func:`~offloadd.memsave.pointwise.relu_bits`
+and :func:`~offloadd.memsave.conv.conv_selective` call them when :func:`native` serves and keep their Python functions
+otherwise, so the tests compare both paths with plain PyTorch. The rest (LeakyReLU, Dropout,
+MaxPool, BatchNorm and the norms) stay Python: they are one call per model, or absent from the
+models where the step time counts.
 """
 
 from __future__ import annotations
@@ -32,6 +50,7 @@ log = logging.getLogger("offloadd")
 
 ENV = "OFFLOADD_MEMSAVE_KERNELS"
 _SOURCE = "memsave_kernels.cpp"
+_ALSO = ("memsave_kernels.h", "memsave_ops.cpp")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 """The dtypes of the mask kernels, with their code in csrc/memsave_kernels.cpp."""
 _OFFSETS = {torch.uint8: 0, torch.int16: 1, torch.int32: 2}
@@ -56,6 +75,14 @@ class Kernels:
             pool.restype = None
         self._lib = lib
         self.vectorised = bool(lib.offloadd_masks_vectorised())
+        ops = torch.ops.offloadd_memsave  # registered by loading the library: Note [C++ functions]
+        self.relu_bits = ops.relu_bits.default
+        """``relu_bits(x)``: the ReLU keeping bits, for tensors :func:`serves` takes."""
+        self.relu_bits_ = ops.relu_bits_.default
+        """``relu_bits_(x)``: the same in place."""
+        self.conv_selective = ops.conv_selective.default
+        """``conv_selective(x, weight, bias, stride, padding, dilation, transposed,
+        output_padding, groups)``: :func:`offloadd.memsave.conv.conv_selective`."""
 
     def relu(self, x: torch.Tensor, inplace: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """``relu(x)`` (into ``x`` if ``inplace``) and the packed bits of ``not (result <= 0)``."""
@@ -150,7 +177,7 @@ def _pool_args(
 
 _lock = threading.Lock()
 _state: list[Kernels | None] = []  # empty until the first call of native()
-_off = threading.local()
+_torch_ops_only = 0  # depth of torch_ops_only(): a global, read on every memsaved call
 
 
 def _load() -> Kernels | None:
@@ -163,7 +190,8 @@ def _load() -> Kernels | None:
     try:
         path = native_build.build(
             _SOURCE,
-            flags=["-O3", "-fopenmp"],
+            also=_ALSO,
+            flags=["-std=c++20", "-O3", "-fopenmp"],  # torch 2.13's autograd headers want C++20
             libs=["c10", "torch_cpu"],
             what="memsave's kernels",
         )
@@ -179,7 +207,7 @@ def _load() -> Kernels | None:
 
 def native() -> Kernels | None:
     """The kernels, built and loaded at the first call; ``None`` where they cannot serve."""
-    if getattr(_off, "depth", 0):
+    if _torch_ops_only:
         return None
     if not _state:
         with _lock:
@@ -195,9 +223,10 @@ def serves(t: torch.Tensor) -> bool:
 
 @contextmanager
 def torch_ops_only() -> Iterator[None]:
-    """Inside, on this thread, memsave uses the torch-op path (the tests compare both)."""
-    _off.depth = getattr(_off, "depth", 0) + 1
+    """Inside, memsave uses the torch-op path, in every thread (the tests compare both)."""
+    global _torch_ops_only
+    _torch_ops_only += 1
     try:
         yield
     finally:
-        _off.depth -= 1
+        _torch_ops_only -= 1

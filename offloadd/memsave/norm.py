@@ -115,16 +115,19 @@ class _MemsaveBatchNorm:
     def _memsave_forward(self, x: torch.Tensor) -> torch.Tensor:
         bn: Any = self
         base: Any = type(self).__mro__[2]
+        if bn.training:  # batch statistics (BN tuning's case): checked first, it is all it takes
+            out: torch.Tensor = base.forward(bn, x)
+            return out
         weight: torch.Tensor | None = bn.weight
         bias: torch.Tensor | None = bn.bias
-        batch_stats = bn.training or bn.running_mean is None or bn.running_var is None
+        no_stats = bn.running_mean is None or bn.running_var is None
         # A trainable weight needs the input: plain's forward then saves the same, for less.
         weight_grad = weight is not None and weight.requires_grad
         wants = torch.is_grad_enabled() and (
             x.requires_grad or (bias is not None and bias.requires_grad)
         )
-        if batch_stats or weight_grad or not wants or not x.is_contiguous():
-            out: torch.Tensor = base.forward(bn, x)
+        if no_stats or weight_grad or not wants or not x.is_contiguous():
+            out = base.forward(bn, x)
             return out
         bn._check_input_dim(x)
         return batch_norm_eval_selective(x, weight, bias, bn.running_mean, bn.running_var, bn.eps)

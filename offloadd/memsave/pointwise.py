@@ -197,7 +197,11 @@ def relu_bits(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     """``F.relu(x, inplace)`` saving one bit per element for backward."""
     if not _wants_graph(x, inplace):
         return F.relu(x, inplace)
-    out: torch.Tensor = _ReLUBits.apply(x, inplace)
+    k = native() if serves(x) else None
+    if k is not None:  # the same function in C++: Note [C++ functions] in kernels.py
+        out: torch.Tensor = k.relu_bits_(x) if inplace else k.relu_bits(x)
+        return out
+    out = _ReLUBits.apply(x, inplace)
     return out
 
 

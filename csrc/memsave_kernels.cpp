@@ -42,6 +42,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if !defined(__x86_64__)
 #error "memsave's kernels are x86-64 only (offloadd/memsave/kernels.py does not build them elsewhere)"
@@ -238,6 +239,27 @@ void over_rows(int64_t planes, const Pool& q, F body) {
  * window, which is where max pooling's indices point. */
 template <typename O>
 void compact(const int64_t* idx, O* off, int64_t planes, const Pool& q) {
+  if (q.d[0] == 1 && q.d[1] == 1 && q.d[2] == 1 && q.k[1] <= q.in[1] && q.k[2] <= q.in[2]) {
+    /* No dilation, windows no wider than the plane: an index's distance from its window's
+     * first position is kd * hw + kh * w + kw with kh * w + kw < hw and kw < w, so kd and kh
+     * are counted by k - 1 comparisons each (ResNet's 3x3 pool: none for kd, two for kh),
+     * where the general path below divides five times. */
+    over_rows(planes, q, [=](int64_t first, int64_t d0, int64_t h0) {
+      const int64_t w = q.in[2], hw = q.in[1] * w, ow_n = q.out[2];
+      const int64_t k0 = q.k[0], k1 = q.k[1], k2 = q.k[2];
+      const int64_t row = (d0 * q.in[1] + h0) * w - q.p[2], s2 = q.s[2];
+      const int64_t* __restrict in = idx + first;
+      O* __restrict out = off + first;
+      for (int64_t ow = 0; ow < ow_n; ++ow) {
+        int64_t rest = in[ow] - (row + ow * s2), kd = 0, kh = 0;
+        for (int64_t j = 1; j < k0; ++j) kd += rest >= j * hw; /* compares, not branches */
+        rest -= kd * hw;
+        for (int64_t j = 1; j < k1; ++j) kh += rest >= j * w;
+        out[ow] = static_cast<O>((kd * k1 + kh) * k2 + rest - kh * w);
+      }
+    });
+    return;
+  }
   const Divider by_hw(q.in[1] * q.in[2]), by_w(q.in[2]), dil0(q.d[0]), dil1(q.d[1]), dil2(q.d[2]);
   /* by value: stores through O* (a char type for uint8) could alias the geometry otherwise */
   over_rows(planes, q, [=](int64_t first, int64_t d0, int64_t h0) {
@@ -258,6 +280,25 @@ void compact(const int64_t* idx, O* off, int64_t planes, const Pool& q) {
 
 template <typename O>
 void expand_offsets(const O* off, int64_t* idx, int64_t planes, const Pool& q) {
+  const int64_t volume = q.k[0] * q.k[1] * q.k[2];
+  if (volume <= 4096) {
+    /* An offset's index is its window's first position plus a distance that depends on the
+     * offset alone: a table of them, one load and one add per index. */
+    std::vector<int64_t> distances(static_cast<size_t>(volume));
+    for (int64_t kd = 0; kd < q.k[0]; ++kd)
+      for (int64_t kh = 0; kh < q.k[1]; ++kh)
+        for (int64_t kw = 0; kw < q.k[2]; ++kw)
+          distances[(kd * q.k[1] + kh) * q.k[2] + kw] =
+              (kd * q.d[0] * q.in[1] + kh * q.d[1]) * q.in[2] + kw * q.d[2];
+    const int64_t* table = distances.data();
+    over_rows(planes, q, [=](int64_t first, int64_t d0, int64_t h0) {
+      const int64_t row = (d0 * q.in[1] + h0) * q.in[2] - q.p[2], s2 = q.s[2], ow_n = q.out[2];
+      const O* __restrict in = off + first;
+      int64_t* __restrict out = idx + first;
+      for (int64_t ow = 0; ow < ow_n; ++ow) out[ow] = row + ow * s2 + table[in[ow]];
+    });
+    return;
+  }
   const Divider by_khw(q.k[1] * q.k[2]), by_kw(q.k[2]);
   over_rows(planes, q, [=](int64_t first, int64_t d0, int64_t h0) {
     const int64_t khw = q.k[1] * q.k[2], k2 = q.k[2], ow_n = q.out[2];

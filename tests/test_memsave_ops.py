@@ -171,3 +171,32 @@ def test_forward_mode_ad_is_refused_by_name() -> None:
             memsave(nn.ReLU())(dual)
         with pytest.raises(RuntimeError, match="forward-mode AD"):
             memsave(frozen_conv())(dual)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_under_autocast_bitwise_plain(path: str, dtype: torch.dtype) -> None:
+    # Note [autocast] in memsave/conv.py: autocast casts at F.conv*, above aten.convolution
+    def make() -> nn.Module:
+        torch.manual_seed(3)
+        model = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.ConvTranspose2d(8, 4, 2, stride=2),
+        )
+        model[0].weight.requires_grad_(False)
+        model[4].weight.requires_grad_(False)
+        return model
+
+    x = rand(2, 3, 8, 8, seed=4)
+    results = []
+    for model in (make(), memsave(make())):
+        leaf = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=dtype):
+            out = model(leaf)
+        out.float().square().sum().backward()
+        grads = [p.grad for p in model.parameters() if p.requires_grad]
+        results.append([out.detach(), leaf.grad, *grads])
+    for u, v in zip(*results, strict=True):
+        assert u.dtype == v.dtype and torch.equal(u, v)

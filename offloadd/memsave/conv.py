@@ -10,7 +10,15 @@ Backward calls ``aten.convolution_backward`` with the arguments autograd passes 
 when it is not read, an uninitialised stand-in of its shape: Note [placeholder]) and the same output mask, so
 the gradients are bitwise those of plain PyTorch.
 
-Forward calls ``torch.convolution``, the op ``F.conv*`` reach, so the output is plain's. A
+Forward calls ``torch.convolution``, the op ``F.conv*`` reach, so the output is plain's.
+
+Note: [autocast]
+~~~~~~~~~~~~~~~~
+Autocast casts at ``conv1d``/``conv2d``/``conv_transpose2d``..., the ops ``F.conv*`` call, not at
+``convolution`` below them: called directly, ``convolution`` would compute in float32 where
+plain computes in bfloat16 or float16, a different output and different gradients (it did, until
+a test compared memsave with plain under ``torch.autocast``). So while autocast is on for the
+input's device, the module runs plain PyTorch's forward (and saves what plain saves). A
 trainable weight needs the input, so then the module runs plain PyTorch's forward: nothing
 changes for a fully trainable model (same saved tensors, no extra Python). Also left to plain
 PyTorch: string padding (``"same"``/``"valid"``), unbatched inputs, non-contiguous inputs
@@ -117,6 +125,8 @@ def _selective(
     if weight.requires_grad or not torch.is_grad_enabled():
         return False
     if not (x.requires_grad or (bias is not None and bias.requires_grad)):
+        return False
+    if torch.is_autocast_enabled(x.device.type):  # Note [autocast]
         return False
     return x.dim() == nd + 2 and not isinstance(padding, str) and x.is_contiguous()
 

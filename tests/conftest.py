@@ -57,6 +57,22 @@ def engine_name(request: pytest.FixtureRequest) -> Iterator[str]:
     helpers.ENGINE = helpers.ENGINE_OPTIONS["default"]
 
 
+@pytest.fixture(params=["native", "torch-ops"])
+def memsave_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Runs a memsave test on its native library (csrc/memsave_kernels.cpp and memsave_ops.cpp)
+    and on its torch-op path with the Python functions."""
+    from offloadd.memsave import kernels
+
+    if request.param == "native":
+        if kernels.native() is None:
+            pytest.skip("memsave's native library is unavailable here")
+        yield request.param
+    else:
+        with kernels.torch_ops_only():
+            assert kernels.native() is None
+            yield request.param
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return

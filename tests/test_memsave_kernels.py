@@ -12,7 +12,7 @@ import math
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -153,18 +153,6 @@ def test_pool_offsets_are_pool_pys(k: kernels.Kernels, case: tuple) -> None:
 # -- the modules, with the kernels and without ----------------------------------------------
 
 
-@pytest.fixture(params=["kernels", "torch-ops"])
-def path(request: pytest.FixtureRequest) -> Iterator[str]:
-    if request.param == "kernels":
-        if kernels.native() is None:
-            pytest.skip("memsave's kernels are unavailable here")
-        yield request.param
-    else:
-        with kernels.torch_ops_only():
-            assert kernels.native() is None
-            yield request.param
-
-
 def _grads(m: nn.Module, x: torch.Tensor, seed: int) -> list[torch.Tensor]:
     leaf = x.detach().clone().requires_grad_()
     torch.manual_seed(seed)
@@ -199,7 +187,7 @@ MODULES: list[tuple[str, Callable[[], nn.Module]]] = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(("name", "make"), MODULES, ids=[m[0] for m in MODULES])
 def test_modules_bitwise_plain_either_path(
-    path: str, name: str, make: Callable[[], nn.Module], dtype: torch.dtype, n: int
+    memsave_path: str, name: str, make: Callable[[], nn.Module], dtype: torch.dtype, n: int
 ) -> None:
     x = special(n, dtype, seed=n).view(1, -1)
     plain = make().to(dtype)
@@ -210,7 +198,7 @@ def test_modules_bitwise_plain_either_path(
         assert torch.equal(bits_of(u), bits_of(v))
 
 
-def test_relu_with_denormals_flushed(path: str) -> None:
+def test_relu_with_denormals_flushed(memsave_path: str) -> None:
     if not torch.set_flush_denormal(True):
         pytest.skip("this CPU cannot flush denormals")
     try:

@@ -8,7 +8,7 @@ test_memsave_kernels.py.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -19,15 +19,13 @@ from offloadd.memsave.bits import packed_bytes
 from offloadd.memsave.replace import memsave
 
 
-@pytest.fixture(params=["cpp", "python"])
-def path(request: pytest.FixtureRequest) -> Iterator[str]:
-    if request.param == "cpp":
-        if kernels.native() is None:
-            pytest.skip("memsave's native library is unavailable here")
-        yield request.param
-    else:
-        with kernels.torch_ops_only():
-            yield request.param
+@pytest.fixture
+def native() -> kernels.Kernels:
+    """The native library, for the tests of its C++ functions alone."""
+    lib = kernels.native()
+    if lib is None:
+        pytest.skip("memsave's native library is unavailable here")
+    return lib
 
 
 def rand(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -40,12 +38,12 @@ def frozen_conv(bias: bool = True) -> nn.Conv2d:
     return conv
 
 
-def test_the_nodes_are_the_cpp_functions(path: str) -> None:
+def test_the_nodes_are_the_cpp_functions(memsave_path: str) -> None:
     x = rand(2, 3, 5, 5).requires_grad_()
     relu = memsave(nn.ReLU())(x).grad_fn
     conv = memsave(frozen_conv())(x).grad_fn
     assert relu is not None and conv is not None
-    if path == "cpp":
+    if memsave_path == "native":
         assert (relu.name(), conv.name()) == ("ReluBitsBackward", "ConvSelectiveBackward")
     else:
         assert (relu.name(), conv.name()) == ("_ReLUBitsBackward", "_ConvSelectiveBackward")
@@ -64,7 +62,7 @@ def _saved(fn: Callable[[], torch.Tensor]) -> tuple[list[tuple[torch.dtype, int]
 
 
 @pytest.mark.parametrize("inplace", [False, True])
-def test_hooks_see_the_bits_of_the_relu(path: str, inplace: bool) -> None:
+def test_hooks_see_the_bits_of_the_relu(memsave_path: str, inplace: bool) -> None:
     leaf = rand(3, 37).requires_grad_()
     seen, out = _saved(lambda: memsave(nn.ReLU(inplace))(leaf * 1))
     assert seen == [(torch.uint8, packed_bytes(leaf.numel()))]
@@ -73,7 +71,7 @@ def test_hooks_see_the_bits_of_the_relu(path: str, inplace: bool) -> None:
 
 
 @pytest.mark.parametrize("x_grad", [True, False])
-def test_hooks_see_only_the_weight_of_a_frozen_conv(path: str, x_grad: bool) -> None:
+def test_hooks_see_only_the_weight_of_a_frozen_conv(memsave_path: str, x_grad: bool) -> None:
     conv = frozen_conv()  # the bias trains: a graph is built even for an x without grad
     plain = nn.Conv2d(3, 4, 3, padding=1)
     plain.load_state_dict(conv.state_dict())
@@ -87,7 +85,7 @@ def test_hooks_see_only_the_weight_of_a_frozen_conv(path: str, x_grad: bool) -> 
     assert torch.equal(conv.bias.grad, plain.bias.grad)
 
 
-def test_relu_in_place_on_a_view_rebases_its_base(path: str) -> None:
+def test_relu_in_place_on_a_view_rebases_its_base(memsave_path: str) -> None:
     leaf = rand(4, 6, seed=1).requires_grad_()
     grads = []
     for m in (nn.ReLU(inplace=True), memsave(nn.ReLU(inplace=True))):
@@ -100,9 +98,7 @@ def test_relu_in_place_on_a_view_rebases_its_base(path: str) -> None:
     assert torch.equal(grads[0], grads[1])
 
 
-def test_in_place_on_a_view_of_a_leaf_is_refused_before_writing() -> None:
-    if kernels.native() is None:
-        pytest.skip("memsave's native library is unavailable here")
+def test_in_place_on_a_view_of_a_leaf_is_refused_before_writing(native: kernels.Kernels) -> None:
     leaf = rand(4, 6).requires_grad_()
     before = leaf.detach().clone()
     with pytest.raises(RuntimeError, match="a view of a leaf Variable that requires grad"):
@@ -110,9 +106,7 @@ def test_in_place_on_a_view_of_a_leaf_is_refused_before_writing() -> None:
     assert torch.equal(leaf.detach(), before)
 
 
-def test_in_place_bumps_the_version_once_as_plain() -> None:
-    if kernels.native() is None:
-        pytest.skip("memsave's native library is unavailable here")
+def test_in_place_bumps_the_version_once_as_plain(native: kernels.Kernels) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         x = rand(5, 7).to(dtype).requires_grad_() * 1
         y = x * 1
@@ -122,7 +116,7 @@ def test_in_place_bumps_the_version_once_as_plain() -> None:
 
 
 @pytest.mark.parametrize("which", ["relu", "conv"])
-def test_backward_twice(path: str, which: str) -> None:
+def test_backward_twice(memsave_path: str, which: str) -> None:
     make = (lambda: nn.ReLU()) if which == "relu" else frozen_conv
     plain = make()
     ms = memsave(make())
@@ -140,7 +134,7 @@ def test_backward_twice(path: str, which: str) -> None:
     assert torch.equal(grads[0], grads[1])
 
 
-def test_gradients_of_a_subset_of_the_inputs(path: str) -> None:
+def test_gradients_of_a_subset_of_the_inputs(memsave_path: str) -> None:
     conv = frozen_conv()
     plain = nn.Conv2d(3, 4, 3, padding=1)
     plain.load_state_dict(conv.state_dict())
@@ -159,9 +153,7 @@ def test_gradients_of_a_subset_of_the_inputs(path: str) -> None:
 @pytest.mark.filterwarnings(
     "ignore:`torch.jit.script` is deprecated:DeprecationWarning"
 )  # make_dual
-def test_forward_mode_ad_is_refused_by_name() -> None:
-    if kernels.native() is None:
-        pytest.skip("memsave's native library is unavailable here")
+def test_forward_mode_ad_is_refused_by_name(native: kernels.Kernels) -> None:
     import torch.autograd.forward_ad as fwad
 
     x = rand(2, 3, 5, 5).requires_grad_()
@@ -174,7 +166,7 @@ def test_forward_mode_ad_is_refused_by_name() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_under_autocast_bitwise_plain(path: str, dtype: torch.dtype) -> None:
+def test_under_autocast_bitwise_plain(memsave_path: str, dtype: torch.dtype) -> None:
     # Note [autocast] in memsave/conv.py: autocast casts at F.conv*, above aten.convolution
     def make() -> nn.Module:
         torch.manual_seed(3)

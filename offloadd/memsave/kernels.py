@@ -89,7 +89,8 @@ class Kernels:
         output_padding, groups)``: :func:`offloadd.memsave.conv.conv_selective`."""
 
     def relu(self, x: torch.Tensor, inplace: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """``relu(x)`` (into ``x`` if ``inplace``) and the packed bits of ``not (result <= 0)``."""
+        """``relu(x)`` (into ``x`` if ``inplace``) and the packed bits of ``not (result <= 0)``:
+        the kernel alone (memsave's ReLU calls it from C++, through :attr:`relu_bits`)."""
         n = x.numel()
         bits = torch.empty(packed_bytes(n), dtype=torch.uint8)
         if x.dtype == torch.float32:

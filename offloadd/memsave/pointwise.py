@@ -120,12 +120,9 @@ def _pack(t: torch.Tensor, positive: bool) -> torch.Tensor:
 class _ReLUBits(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, inplace: bool) -> torch.Tensor:
-        k = native() if serves(x) else None
-        if k is not None:  # Note [fused relu]
-            out, packed = k.relu(x, inplace)
-        else:
-            out = torch.relu_(x) if inplace else torch.relu(x)
-            packed = pack_bits(out.bool())  # not (result <= 0), as a cast: Note [relu mask]
+        # reached only where the C++ function cannot serve x (relu_bits): torch ops
+        out = torch.relu_(x) if inplace else torch.relu(x)
+        packed = pack_bits(out.bool())  # not (result <= 0), as a cast: Note [relu mask]
         if inplace:
             ctx.mark_dirty(x)
         ctx.shape = out.shape

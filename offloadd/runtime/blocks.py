@@ -32,7 +32,18 @@ HELD = 3  # capture failed or made no sense: ``source`` holds the data for good
 
 
 class Chunk:
-    __slots__ = ("file", "index", "mem", "nbytes", "offset", "on_disk", "ready", "request", "slot")
+    __slots__ = (
+        "file",
+        "filling",
+        "index",
+        "mem",
+        "nbytes",
+        "offset",
+        "on_disk",
+        "ready",
+        "request",
+        "slot",
+    )
 
     def __init__(self, index: int, nbytes: int) -> None:
         self.index = index
@@ -44,6 +55,7 @@ class Chunk:
         self.on_disk = False
         self.mem: torch.Tensor | None = None  # fallback copy after a failed write
         self.ready: Callable[[], None] | None = None  # waits for its copy into the slot
+        self.filling = False  # its slot is taken, its copy not yet enqueued (see writer.py)
 
 
 class Block:

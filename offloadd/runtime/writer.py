@@ -8,6 +8,17 @@ to make room. ``keep`` never gets here. CUDA tensors go through the same slots a
 asynchronous copy ordered by :mod:`~offloadd.runtime.ordering`, or, with GDS, are written from
 device memory directly.
 
+Note: [a slot being filled] ``write_out`` takes a chunk's slot under the lock, then copies into
+it (or, on an async device, enqueues the copy and gets the event its write must wait on) without
+the lock. Until it has the lock again, that slot holds stale bytes and ``chunk.ready`` is not set;
+the chunk is marked ``filling`` for exactly that span. Another thread forwarding through the
+same Offloader (``nn.DataParallel``'s replicas) may meanwhile need a slot: the cpu tier's spill
+then writes out host-held chunks, and it skips filling ones, whose write would send the stale
+bytes to disk and whose completion would free the slot under the late copy. A thread that finds
+no slot and nothing to spill waits while any chunk is being filled, since each will become
+spillable (cpu tier) or be written (ssd). The filling thread itself holds none while it waits:
+it marks a chunk only after its slot was acquired and clears it before acquiring the next.
+
 Note: [never fail the step] A write that fails (disk full, the daemon gone) keeps that chunk's
 bytes in memory, with one warning; a slot that cannot be had because nothing could ever free one
 keeps the chunk in memory too. The step goes on with the same result.
@@ -60,6 +71,7 @@ class Writer:
         self.in_flight = 0  # writes submitted and not completed
         self.pending_copies: deque[StagedCopy] = deque()  # copies whose source is still held
         self.awaiting_copy: list[Block] = []  # freed blocks whose slots a copy still fills
+        self.filling = 0  # chunks whose copy into their slot is not enqueued yet
         self.in_place: InPlace | None = None  # zero-copy writes of CPU tensors
         if not self.host_tier and backend is not None and backend.writes_pages:
             self.in_place = InPlace(self)
@@ -112,25 +124,40 @@ class Writer:
             with lock:
                 chunk.slot = self._acquire_slot(pool)
                 self.ledger.add_resident(chunk.nbytes)
+                if chunk.slot is not None:
+                    chunk.filling = True  # see [a slot being filled]
+                    self.filling += 1
             if chunk.slot is None:  # nothing can free a slot: keep this chunk in memory
                 mem = torch.zeros(chunk.nbytes, dtype=torch.uint8)
                 mem[:n].copy_(src[pos : pos + n])
                 chunk.mem = mem
                 pos += n
                 continue
-            dst = pool.tensor(chunk.slot, n)
-            if copy is not None:
-                chunk.ready = copy.chunk(dst, src[pos : pos + n])
-            else:
-                dst.copy_(src[pos : pos + n])
-            pos += n
-            if not self.host_tier:
+            try:
+                dst = pool.tensor(chunk.slot, n)
+                if copy is not None:
+                    chunk.ready = copy.chunk(dst, src[pos : pos + n])
+                else:
+                    dst.copy_(src[pos : pos + n])
+            except BaseException:
                 with lock:
+                    self._filled(chunk)
+                raise
+            pos += n
+            with lock:
+                self._filled(chunk)
+                if not self.host_tier:
                     self.submit_write(block, chunk, chunk.ready)
         if copy is not None:
             copy.seal()
             with lock:
                 self.pending_copies.append(copy)
+
+    def _filled(self, chunk: Chunk) -> None:
+        """The copy into ``chunk``'s slot is enqueued or done, or failed (lock held)."""
+        chunk.filling = False
+        self.filling -= 1
+        self.ledger.cond.notify_all()  # a thread may wait to spill it, or for its write
 
     def _write_out_direct(self, block: Block, t: torch.Tensor, src: torch.Tensor) -> None:
         """GDS: write each chunk straight from device memory, after the producer's event.
@@ -181,7 +208,8 @@ class Writer:
         st.backpressure_waits += 1
         watch = StallWatch("a free staging slot (writes to finish)", self.stall_hint)
         while slot is None:
-            busy = self.in_flight > 0 or bool(self.awaiting_copy)
+            # Another thread's chunks being filled will be written (ssd) or become spillable.
+            busy = self.in_flight > 0 or bool(self.awaiting_copy) or self.filling > 0
             if self.host_tier and not busy:
                 busy = self._spill_oldest()
             if not busy:
@@ -199,7 +227,12 @@ class Writer:
         started = 0
         for block in self.blocks:
             for chunk in block.chunks:
-                if chunk.slot is not None and chunk.request is None and not chunk.on_disk:
+                if (
+                    chunk.slot is not None
+                    and not chunk.filling  # see [a slot being filled]
+                    and chunk.request is None
+                    and not chunk.on_disk
+                ):
                     # The chunk's own event: the block may still be being captured, its later
                     # chunks' copies not even enqueued (see [device ordering] in ordering.py).
                     self.submit_write(block, chunk, chunk.ready)

@@ -244,16 +244,17 @@ def test_unknown_section_keys_list_the_valid_ones(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="OFFLOADD_DAEMON_<KEY> for the keys of the"):
         Config.from_env({"OFFLOADD_SOCKET": "/run/d.sock"})
     # daemon keys written where the top-level ones go: the error says where they belong
-    p.write_text('daemon_socket = "/run/d.sock"\n')
+    # (daemon_socket, the first release's key, is read instead: tests/test_config_renamed.py)
+    p.write_text('daemon_checksum = "crc32"\n')
     with pytest.raises(
-        ValueError, match=r"daemon_socket: unknown key.*did you mean daemon\.socket"
+        ValueError, match=r"daemon_checksum: unknown key.*did you mean daemon\.checksum"
     ):
         Config.from_toml(p)
     p.write_text('quota_bytes = "1GiB"\n')
     with pytest.raises(ValueError, match=r"did you mean daemon\.quota_bytes"):
         Config.from_toml(p)
-    with pytest.raises(ValueError, match=r"daemon_socket: unknown key.*daemon=\{'socket'"):
-        Offloader(tier="keep", daemon_socket="/run/d.sock")
+    with pytest.raises(ValueError, match=r"daemon_checksum: unknown key.*daemon=\{'checksum'"):
+        Offloader(tier="keep", daemon_checksum="crc32")
 
 
 def test_replace_and_the_section() -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import InitVar, dataclass, field, fields
 from typing import Any, Literal, get_args
 
 from offloadd.config.daemon import DaemonConfig
@@ -29,6 +29,7 @@ from offloadd.config.kinds import (
     check,
     invalid,
 )
+from offloadd.config.renamed import move_renamed
 
 __all__ = [
     "KINDS",
@@ -172,11 +173,19 @@ class Config:
     ``daemon.socket``: when it is set and the tier is ``ssd``, the ``offloadd serve`` daemon there
     does the I/O. ``offloadd serve`` reads all of it."""
 
-    def __post_init__(self) -> None:
+    daemon_socket: InitVar[str | None] = None
+    """Deprecated: the first release's name of ``daemon.socket``, read with a DeprecationWarning
+    until offloadd 0.3.0 (see [renamed keys] in config/renamed.py). Not a field."""
+
+    def __post_init__(self, daemon_socket: str | None) -> None:
         for name, kind in KINDS.items():
             object.__setattr__(self, name, check(name, kind, getattr(self, name)))
         if not isinstance(self.daemon, DaemonConfig):
             raise invalid("daemon", self.daemon, "a DaemonConfig (the daemon's settings)")
+        if daemon_socket is not None:
+            old = {"daemon_socket": daemon_socket, "daemon": self.daemon}
+            moved = move_renamed(old, "a keyword argument", "keyword")
+            object.__setattr__(self, "daemon", moved["daemon"])
         if self.codec_stochastic and self.codec.startswith("fp8"):
             raise ValueError(
                 f"codec_stochastic: stochastic rounding is for the integer codecs, not {self.codec}"
@@ -232,7 +241,9 @@ class Config:
     def replace(self, **changes: Any) -> Config:
         """A copy with ``changes`` applied and checked. ``daemon`` may be a :class:`DaemonConfig`
         (the whole section) or a mapping of some of its keys, merged into the current section:
-        ``cfg.replace(daemon={"socket": path})``."""
+        ``cfg.replace(daemon={"socket": path})``. Renamed keys are read with a warning (see
+        [renamed keys] in config/renamed.py)."""
+        changes = move_renamed(changes, "a keyword argument", "keyword")
         values = self.as_dict()
         section = changes.pop("daemon", values["daemon"])
         if isinstance(section, Mapping):

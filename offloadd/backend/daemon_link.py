@@ -15,13 +15,14 @@ import socket
 import struct
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
 
 from offloadd.daemon import protocol as proto
+from offloadd.daemon.trust import own_uid, peer_credentials, socket_dir_problem
 from offloadd.io.buffers import AlignedBuffer, SlotPool
 from offloadd.io.request import Request
 
@@ -88,14 +89,28 @@ def peer_state(sock: socket.socket) -> str:
         return f"its process not known: {e}"
 
 
-def connect_control(path: str, timeout: float = _CONNECT_TIMEOUT_S) -> socket.socket:
-    """A connection past the handshake (for ``offloadd status`` / ``stop`` and tests)."""
+def connect_control(
+    path: str,
+    timeout: float = _CONNECT_TIMEOUT_S,
+    *,
+    trusted_uids: Collection[int] | None = None,
+) -> socket.socket:
+    """A connection past the handshake (for ``offloadd status`` / ``stop`` and tests), to a
+    daemon this process trusts, checked before a byte is sent (see offloadd/daemon/trust.py
+    [who trusts whom]). ``trusted_uids``: ``daemon.trusted_uids``; None: as the environment
+    sets it (``OFFLOADD_DAEMON_TRUSTED_UIDS``)."""
+    extra = _environment_trusted_uids() if trusted_uids is None else tuple(trusted_uids)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
+        _check_socket_dir(path, extra)
         sock.connect(path)
+        _check_peer(sock, path, extra)
         sock.sendall(proto.encode_hello(os.getpid(), identity()))
         r = proto.decode_reply(recv_frame(sock, bytearray()))
+    except DaemonError:
+        sock.close()
+        raise
     except (OSError, proto.ProtocolError) as e:
         sock.close()
         raise DaemonError(f"daemon.socket: cannot reach a daemon at {path!r}: {e}") from e
@@ -105,6 +120,40 @@ def connect_control(path: str, timeout: float = _CONNECT_TIMEOUT_S) -> socket.so
             f"daemon at {path!r} refused the handshake: {r.tail.decode(errors='replace')}"
         )
     return sock
+
+
+def _environment_trusted_uids() -> tuple[int, ...]:
+    from offloadd.config import load_daemon
+
+    try:
+        return load_daemon().trusted_uids
+    except ValueError as e:
+        raise DaemonError(str(e)) from None
+
+
+def _expected(extra: tuple[int, ...]) -> str:
+    """The uids a client trusts, in words (see [who trusts whom])."""
+    listed = ", ".join(str(u) for u in extra) or "none set"
+    return f"uid {own_uid()} (this process's), root, or one of daemon.trusted_uids ({listed})"
+
+
+def _check_socket_dir(path: str, extra: tuple[int, ...]) -> None:
+    """The socket's directory must be a trusted uid's and writable by it alone; OSError if it
+    cannot be examined (no such directory: no daemon there)."""
+    directory = os.path.dirname(path) or "."
+    problem = socket_dir_problem(directory, {own_uid(), 0, *extra}, _expected(extra))
+    if problem is not None:
+        raise DaemonError(f"daemon.socket {path!r}: not connecting: the socket's {problem}")
+
+
+def _check_peer(sock: socket.socket, path: str, extra: tuple[int, ...]) -> None:
+    """The process listening at the socket must run as a trusted uid (SO_PEERCRED)."""
+    pid, uid, _gid = peer_credentials(sock)
+    if uid not in (own_uid(), 0, *extra):
+        raise DaemonError(
+            f"daemon.socket {path!r}: refusing the process listening there (pid {pid}): it "
+            f"runs as uid {uid}, expected {_expected(extra)}; nothing was sent to it"
+        )
 
 
 class StagingPool(SlotPool):

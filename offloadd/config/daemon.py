@@ -3,7 +3,7 @@
 In TOML they are the ``[daemon]`` table (``configs/daemon.toml`` documents every key); in the
 environment ``OFFLOADD_DAEMON_<KEY>`` (``OFFLOADD_DAEMON_QUOTA_BYTES=64GiB``). ``offloadd serve``
 reads the whole section, and its command-line options override it; the training side reads only
-``socket``. Errors name the dotted key (``daemon.quota_bytes``).
+``socket`` and ``trusted_uids``. Errors name the dotted key (``daemon.quota_bytes``).
 """
 
 from __future__ import annotations
@@ -66,6 +66,13 @@ class DaemonConfig:
     allowed_uids: tuple[int, ...] = ()
     """User ids besides the daemon's own that may connect (checked with SO_PEERCRED)."""
 
+    trusted_uids: tuple[int, ...] = ()
+    """The client's side (the training side, ``offloadd status`` and ``stop``): user ids besides
+    its own and root whose daemon it talks to, for a daemon run by a service user. A client
+    checks the uid of the process listening at ``socket`` and the owner of the socket's
+    directory before it sends a byte, and refuses any other (see offloadd/daemon/trust.py
+    [who trusts whom]). The daemon does not read it."""
+
     io_threads: int = 4
     """Requests the daemon's I/O engine runs at once (shared by all sessions). The daemon's own
     value: the training side's ``io_threads`` sizes only its embedded engine."""
@@ -112,6 +119,7 @@ KINDS: dict[str, Kind] = {
     "quota_bytes": Size(0, 1 << 62),
     "checksum": Choice(get_args(Checksum)),
     "allowed_uids": Uids(),
+    "trusted_uids": Uids(),
     "io_threads": Int(1, 256),
     "direct_io": Choice(get_args(DirectIO)),
     "max_sessions": Int(1, 1 << 16),

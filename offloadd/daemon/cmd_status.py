@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Collection
 from typing import Any
 
 from offloadd.backend.daemon_link import DaemonError, connect_control, recv_frame
@@ -26,9 +27,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the status document as JSON")
 
 
-def query(path: str, kind: proto.Msg = proto.Msg.STATS) -> proto.Reply:
-    """Send one STATS or STOP request to the daemon at ``path``; return its reply."""
-    sock = connect_control(path)
+def query(
+    path: str, kind: proto.Msg = proto.Msg.STATS, *, trusted_uids: Collection[int] | None = None
+) -> proto.Reply:
+    """Send one STATS or STOP request to the daemon at ``path``; return its reply.
+    ``trusted_uids``: as :func:`~offloadd.backend.daemon_link.connect_control` takes them."""
+    sock = connect_control(path, trusted_uids=trusted_uids)
     try:
         sock.sendall(proto.encode_request(proto.Command(kind, 1)))
         return proto.decode_reply(recv_frame(sock, bytearray()))
@@ -74,12 +78,13 @@ def _table(doc: dict[str, Any]) -> str:
 
 def main(ns: argparse.Namespace) -> int:
     try:
-        path = ns.socket or load_daemon().socket_path
+        cfg = load_daemon()
     except ValueError as e:
         print(f"offloadd status: {e}", file=sys.stderr)
         return 2
+    path = ns.socket or cfg.socket_path
     try:
-        r = query(path)
+        r = query(path, trusted_uids=cfg.trusted_uids)
     except DaemonError as e:
         print(f"offloadd status: {e}", file=sys.stderr)
         return 1

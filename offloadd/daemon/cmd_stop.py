@@ -23,12 +23,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(ns: argparse.Namespace) -> int:
     try:
-        path = ns.socket or load_daemon().socket_path
+        cfg = load_daemon()
     except ValueError as e:
         print(f"offloadd stop: {e}", file=sys.stderr)
         return 2
+    path = ns.socket or cfg.socket_path
     try:
-        query(path, proto.Msg.STOP)
+        query(path, proto.Msg.STOP, trusted_uids=cfg.trusted_uids)
     except DaemonError as e:
         print(f"offloadd stop: {e}", file=sys.stderr)
         return 1

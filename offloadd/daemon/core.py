@@ -33,6 +33,7 @@ from offloadd.daemon.ops import Handlers
 from offloadd.daemon.scheduler import Scheduler
 from offloadd.daemon.session import SessionError
 from offloadd.daemon.status import Status
+from offloadd.daemon.trust import own_uid, socket_dir_problem
 from offloadd.io.buffers import ALIGN
 from offloadd.io.files import SlotFile, default_offload_dir
 from offloadd.io.request import Engine
@@ -80,10 +81,11 @@ class Server:
         path = self.socket_path
         directory = os.path.dirname(path) or "."
         os.makedirs(directory, mode=0o700, exist_ok=True)
-        st = os.stat(directory)
-        if st.st_uid != os.getuid():
-            raise ValueError(f"socket: directory {directory!r} belongs to uid {st.st_uid}")
-        if stat.S_IMODE(st.st_mode) != 0o700:
+        me = own_uid()  # see trust [who trusts whom]: the clients' rule, this uid alone trusted
+        problem = socket_dir_problem(directory, {me}, f"uid {me} (this daemon's)")
+        if problem is not None:
+            raise ValueError(f"socket: {problem}")
+        if stat.S_IMODE(os.stat(directory).st_mode) != 0o700:
             os.chmod(directory, 0o700)
         if os.path.exists(path):
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -1,0 +1,73 @@
+"""Who the daemon and its clients trust: uids, as the kernel reports them.
+
+Shared by both sides: the daemon's ``listen()`` (offloadd/daemon/core.py) and the client's
+``connect_control`` (offloadd/backend/daemon_link.py, used by the Offloader's daemon backend,
+``offloadd status`` and ``offloadd stop``).
+
+Note: [who trusts whom] Whoever listens at the socket path receives every activation a client
+offloads and answers its reads with bytes of its own choosing; and the per-user default path,
+``/tmp/offloadd-run-$UID/daemon.sock`` where ``XDG_RUNTIME_DIR`` is not set (ssh, Slurm,
+containers), lies in a directory any local user can create first. So, before it sends a byte, a
+client requires:
+
+- the process listening at the socket (SO_PEERCRED: the uid that called ``listen()``) to run as
+  the client's own uid, as root, or as a uid of the client's ``daemon.trusted_uids``;
+- the socket's directory to belong to one of those uids and not to be writable by group or
+  others: whoever may write there can put a socket of their own in its place
+  (:func:`socket_dir_problem`).
+
+Otherwise it refuses with a ``DaemonError`` naming the path, the uid found and the ones expected.
+Root is always trusted: it can read any process's memory anyway. Root as a client trusts no
+other uid by default either. A daemon run by a service user for several users (``allowed_uids``)
+is a deliberate setup, so its clients opt in explicitly, ``daemon.trusted_uids =
+[<the service uid>]`` (``OFFLOADD_DAEMON_TRUSTED_UIDS``): nothing about a path proves who made it.
+
+The daemon applies the same directory rule to its own socket's directory, with its own uid as the
+only one trusted, before it binds (so it refuses ``/tmp`` itself, which it would otherwise make
+0700), and then sets the directory's mode. Whom it accepts is checked at each connection: its own
+uid and ``allowed_uids`` (SO_PEERCRED again).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import struct
+from collections.abc import Collection
+
+__all__ = ["own_uid", "peer_credentials", "socket_dir_problem"]
+
+_UCRED = struct.Struct("3i")
+
+
+def own_uid() -> int:
+    """This process's uid, as a peer sees it (SO_PEERCRED reports the effective uid)."""
+    return os.geteuid()
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix socket (for a client: of the
+    one that called ``listen()``)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    pid, uid, gid = _UCRED.unpack(raw)
+    return pid, uid, gid
+
+
+def socket_dir_problem(directory: str, trusted: Collection[int], expected: str) -> str | None:
+    """Why ``directory`` may not hold a trusted socket, or None (see [who trusts whom]): it must
+    belong to a uid of ``trusted`` (``expected`` says which, in words) and not be writable by
+    group or others. Raises OSError if it cannot be examined."""
+    st = os.stat(directory)
+    mode = stat.S_IMODE(st.st_mode)
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{directory!r} is not a directory"
+    if st.st_uid not in trusted:
+        return f"directory {directory!r} belongs to uid {st.st_uid}, expected {expected}"
+    if mode & 0o022:
+        return (
+            f"directory {directory!r} may be written by group or others (mode {mode:04o}): "
+            "whoever can write there can put their own socket in its place; use a directory of "
+            "its own"
+        )
+    return None

@@ -7,18 +7,20 @@
  * torch path: the same float32 operations in the same order (a true division, round half to
  * even, the same clamps), the padding of the last group with zeros included in its range.
  *
- *   encode(src, dtype, n, group, bits, affine, codes, params, fp8)
+ *   encode(src, dtype, n, group, bits, affine, codes, params, fp8) -> groups not finite
  *   decode(codes, params, n, group, bits, affine, dst, dtype, fp8)
  *
  * Addresses are integers (tensor.data_ptr()); dtype 0 is float32, 1 bfloat16.  bits is 8, 4 or
  * 2; affine 0 is symmetric (int8 only: a scale per group, codes -127..127 as int8), 1 a minimum
  * and a step per group (codes 0..2^bits-1, packed 8/bits to a byte, the first in the low bits).
- * params holds a float32 scale per group, or lo and step.  A group holding an infinity or a NaN
- * gets NaN params (its codes are 0).  fp8 is 0 for integer codes, 1 for float8 e4m3fn, 2 for
- * e5m2 (8 bits, symmetric: a scale per group, codes as torch's float8 bytes, see fp8_code).  The
- * work runs on the calling thread, the GIL released: inside a training step torch's OpenMP
- * workers spin on the other cores between ops, and threads of our own fought them (slower, see
- * offloadd/codec/quant.py).  Stochastic rounding stays with the torch path.
+ * params holds a float32 scale per group, or lo and step.  A group holding an infinity, a NaN or
+ * a magnitude above EDGE gets NaN params (its codes are 0), and encode returns how many groups
+ * did: the range pass finds them, so the coder saves such a tensor exactly at no extra cost.
+ * fp8 is 0 for integer codes, 1 for float8 e4m3fn, 2 for e5m2 (8 bits, symmetric: a scale per
+ * group, codes as torch's float8 bytes, see fp8_code).  The work runs on the calling thread,
+ * the GIL released: inside a training step torch's OpenMP workers spin on the other cores
+ * between ops, and threads of our own fought them (slower, see offloadd/codec/quant.py).
+ * Stochastic rounding stays with the torch path.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -137,6 +139,10 @@ static void fill_fp8_values(void) {
 
 #define LANES 8
 
+/* The largest magnitude encoded, as quant.py's _EDGE: a quarter of float32's largest value, so
+ * that no decoded value (at most about 127 * scale, or lo + top * step) can overflow. */
+#define EDGE 0x1p126f
+
 /* lo and hi of x[0..g) (g a multiple of LANES), and whether any value is a NaN: LANES running
  * minima side by side, which the compiler turns into vector compares and blends. */
 static inline int range_f32(const float *x, int64_t g, float *lo_out, float *hi_out) {
@@ -189,8 +195,9 @@ static inline void unpack_codes(const uint8_t *in, uint8_t *q, int64_t bits) {
     }
 }
 
-HOT static void encode_groups(const Job *j) {
+HOT static int64_t encode_groups(const Job *j) {
     const int64_t g = j->group, top = (1 << j->bits) - 1;
+    int64_t not_finite = 0;
     for (int64_t k = 0; k * g < j->n; k++) {
         const int64_t base = k * g;
         float lo = INFINITY, hi = -INFINITY;
@@ -198,15 +205,16 @@ HOT static void encode_groups(const Job *j) {
         const int fast = j->dtype == 0 && base + g <= j->n && g % LANES == 0;
         if (fast) {
             bad = range_f32((const float *)j->src + base, g, &lo, &hi);
-            bad |= !isfinite(lo) || !isfinite(hi);
         } else {
             for (int64_t i = 0; i < g; i++) {
                 float v = load(j->src, j->dtype, base + i, j->n);
                 lo = v < lo ? v : lo;
                 hi = v > hi ? v : hi;
-                bad |= !isfinite(v);
+                bad |= v != v;
             }
         }
+        bad |= !(lo >= -EDGE && hi <= EDGE); /* infinities and magnitudes past the edge */
+        not_finite += bad;
         if (j->affine) {
             float step = (hi - lo) / (float)top;
             if (!(step > 0.0f)) step = 1.0f;
@@ -280,6 +288,7 @@ HOT static void encode_groups(const Job *j) {
             }
         }
     }
+    return not_finite;
 }
 
 HOT static void decode_groups(const Job *j) {
@@ -357,8 +366,9 @@ static PyObject *py_encode(PyObject *self, PyObject *args) {
         const int64_t groups = (n + group - 1) / group, per = 8 / bits;
         memset(job.codes, 0, (size_t)((groups * group + per - 1) / per));
     }
-    Py_BEGIN_ALLOW_THREADS encode_groups(&job);
-    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+    int64_t not_finite;
+    Py_BEGIN_ALLOW_THREADS not_finite = encode_groups(&job);
+    Py_END_ALLOW_THREADS return PyLong_FromLongLong((long long)not_finite);
 }
 
 static PyObject *py_decode(PyObject *self, PyObject *args) {
@@ -377,7 +387,7 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"encode", py_encode, METH_VARARGS,
-     "encode(src, dtype, n, group, bits, affine, codes, params, fp8)"},
+     "encode(src, dtype, n, group, bits, affine, codes, params, fp8) -> groups not finite"},
     {"decode", py_decode, METH_VARARGS,
      "decode(codes, params, n, group, bits, affine, dst, dtype, fp8)"},
     {NULL, NULL, 0, NULL},
@@ -389,5 +399,11 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels",
 
 PyMODINIT_FUNC PyInit__kernels(void) {
     fill_fp8_values();
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    /* 2: encode returns the groups not finite (quant.py uses no older build) */
+    if (m != NULL && PyModule_AddIntConstant(m, "VERSION", 2) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

@@ -175,8 +175,8 @@ def test_codes_never_wrap_around(label: str, stochastic: bool) -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("label", sorted(CODEC_KW))
 def test_an_infinity_or_nan_makes_its_group_nan(label: str, dtype: torch.dtype) -> None:
-    """Groups holding inf, NaN or -inf decode to NaN as a whole (the loss scaler sees them);
-    the other groups decode exactly as without them."""
+    """Groups holding inf, NaN or -inf decode to NaN as a whole (the coder saves such a tensor
+    exactly instead: [non-finite values]); the other groups decode exactly as without them."""
     s = scheme(label)
     for native in PATHS:
         x = torch.randn(6, 64, generator=torch.Generator().manual_seed(1)).to(dtype)

@@ -15,6 +15,19 @@ in the list, say) is not encoded again: the exact copy is referenced instead, wh
 nothing more. Stochastic rounding draws from one generator per device, seeded at each step's
 first forward from ``codec_seed`` and the step number, so two runs with the same seed round the
 same way.
+
+Note: [non-finite values] A tensor that holds an infinity or a NaN (or a magnitude past the edge
+of [the codes] in quant.py, where a decoded value could overflow) is saved exactly: pack encodes
+it, sees from :attr:`~offloadd.codec.quant.Encoded.finite` that a group's range is not finite,
+drops the codes and returns None. Coded, its group would decode to NaN as a whole, and a NaN
+where exact training had a finite value poisons every gradient it reaches: sdpa saves the float
+copy of 0 and -inf it makes of a bool mask, and q, k and v's gradients all turned NaN, with a
+forward loss still exact, so nothing showed until the optimizer step (a GradScaler silently
+skipped every step). Saved exactly, the non-finite values reach backward as they would without
+offloadd, and gradients are finite wherever exact training's are. The ranges that find it are
+the ones the encoder computes anyway (per-group minimum and maximum, in the fused kernel and the
+torch ops alike), so a finite tensor pays nothing; on CUDA reading the flag is a sync with the
+device, once per coded tensor. A non-finite one pays for an encode it throws away.
 """
 
 from __future__ import annotations
@@ -233,6 +246,8 @@ class Codec:
             return None  # shorter than a group or two: the codes would not be smaller
         x = t.detach().permute(perm).contiguous()  # a copy only for a view with gaps
         enc = encode(x, self.scheme, group, self._generator(t.device))
+        if not enc.finite:
+            return None  # see [non-finite values]
         coded = Coded(t, perm, enc, pack_codes, pack_exact)
         root = t._base if t._base is not None else t
         self._saved[key] = (StorageWeakRef(storage), weakref.ref(root), weakref.ref(coded))

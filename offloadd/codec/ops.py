@@ -10,10 +10,20 @@ thread) notes the torch function running at the outermost level (``linear``, ``s
   leading dims folded into one: the view ``linear`` and ``matmul`` save of a 3-D or 4-D input),
   so what an op saves beside its inputs and outputs (layer norm's mean and rstd, attention's
   logsumexp, which every probability is divided by) stays exact,
-* it is not an argument the op needs exactly (``_EXACT_ARGS``: attention's q, k and mask, from
-  which backward recomputes the attention weights), and
+* it is not an argument the op needs exactly (``_EXACT_ARGS``: attention's q and k, from which
+  backward recomputes the attention weights),
+* it does not have the shape of a mask the op takes (``_MASK_ARGS``: attention's ``attn_mask``),
+  folded or not. A kernel may save what it derives from a mask, a new tensor of the mask's
+  shape that backward needs exactly: sdpa turns a bool mask into a float one of 0 and -inf.
+  Its values do not tell it apart: masks are often filled with a large finite value (HF's
+  ``torch.finfo(dtype).min``, -10000 in older models), and a group's range spanning it rounds
+  every other value away (a bias added to the mask, ALiBi's or relative positions': at int8 or
+  int4 a bias of -7.75 beside -10000 decodes 7.75 off). So the shape decides, for the mask
+  itself too (a v or an output that happens to have the mask's shape stays exact with it),
 * it is floating (float32, bfloat16, float16), strided, dense, not a parameter, and at least
-  ``codec_min_bytes`` (masks, indices, RNG state and integer tensors never qualify).
+  ``codec_min_bytes`` (bool masks, indices, RNG state and integer tensors never qualify), and
+* every value in it is finite (see [non-finite values] in coder.py: found from the ranges the
+  encoder computes anyway, the tensor is then saved exactly).
 
 Everything else is saved exactly, as with ``codec = "none"``. The list holds the ops whose
 gradients use a saved activation as a factor, where a small relative error stays small. Left
@@ -69,8 +79,9 @@ DEFAULT_OPS: Final[dict[str, str]] = {
         "saves q, k, v, the mask and the output; only v and the output are coded, and only "
         "without dropout: backward recomputes the attention weights from q, k and the mask "
         "against the exact logsumexp, so a rounding of those would be exponentiated (q's "
-        "gradient 1.6 % off at int8 and 24 % at int4 with q and k coded; a mask's -inf turns "
-        "its group into NaN)"
+        "gradient 1.6 % off at int8 and 24 % at int4 with q and k coded); nothing of the mask's "
+        "shape is coded (a -inf turns its group into NaN; beside a large fill such as finfo.min "
+        "or -10000, a bias added to the mask rounds away)"
     ),
 }
 """The default allow list: torch function name -> why a rounded saved activation is safe."""
@@ -123,19 +134,38 @@ _CONDITIONS: Final[dict[str, Callable[[tuple[Any, ...], dict[str, Any]], bool]]]
     "scaled_dot_product_attention": _dropout_free,
 }
 _EXACT_ARGS: Final[dict[str, tuple[tuple[int, str], ...]]] = {
-    "scaled_dot_product_attention": ((0, "query"), (1, "key"), (3, "attn_mask")),
+    "scaled_dot_product_attention": ((0, "query"), (1, "key")),
 }
 """Arguments (position, name) an allowed op must save exactly (the reason is in DEFAULT_OPS):
 the saved tensor that is that very argument (same address, shape, strides) stays exact."""
+
+_MASK_ARGS: Final[dict[str, tuple[tuple[int, str], ...]]] = {
+    "scaled_dot_product_attention": ((3, "attn_mask"),),
+}
+"""Mask arguments (position, name) of an allowed op: no saved tensor of a mask's shape (or that
+shape folded) is coded, whatever its address (see [what gets compressed])."""
+
+
+def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], pos: int, key: str) -> Any:
+    return args[pos] if pos < len(args) else kwargs.get(key)
 
 
 def _exact_args(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> frozenset[Any]:
     out = set()
     for pos, key in _EXACT_ARGS.get(name, ()):
-        a = args[pos] if pos < len(args) else kwargs.get(key)
+        a = _argument(args, kwargs, pos, key)
         if isinstance(a, torch.Tensor):
             out.add(_identity(a))
     return frozenset(out)
+
+
+def _mask_shapes(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> set[torch.Size]:
+    out: set[torch.Size] = set()
+    for pos, key in _MASK_ARGS.get(name, ()):
+        a = _argument(args, kwargs, pos, key)
+        if isinstance(a, torch.Tensor):
+            _add_folded(out, a.shape)
+    return out
 
 
 _NOT_WITH: Final[dict[str, tuple[str, ...]]] = {"layer_norm": ("fp8-e4m3", "fp8-e5m2")}
@@ -170,6 +200,8 @@ class OpScope(TorchFunctionMode):
             condition = _CONDITIONS.get(name)
             if condition is None or condition(args, kwargs):
                 shapes = _tensor_shapes(args, kwargs)
+                if name in _MASK_ARGS:
+                    shapes -= _mask_shapes(name, args, kwargs)
                 exact = _exact_args(name, args, kwargs) if name in _EXACT_ARGS else None
         outer = getattr(_tls, "shapes", None), getattr(_tls, "exact", None)
         _tls.shapes, _tls.exact = shapes, exact

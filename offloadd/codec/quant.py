@@ -14,11 +14,14 @@ Note: [the codes] A tensor is cut, in memory order, into groups of ``g`` values 
   even), decoded as ``code * scale``.
 
 Codes are clamped to the code range before the cast, so a value can never wrap around (Mesa's
-kernel turns values above 255 into small ones). A group holding an infinity or a NaN decodes to
-NaN as a whole: the loss scaler of mixed precision then sees it, as it would have seen the
-infinity. A group of zeros decodes to zeros. Stochastic rounding (``stochastic=True``, integer
-codes only) replaces ``round(v)`` by ``floor(v + u)`` with ``u`` uniform in [0, 1) from the
-generator given, so the decoded value is unbiased: its expectation is ``x`` (up to the clamp).
+kernel turns values above 255 into small ones). A group holding an infinity, a NaN or a
+magnitude above ``2**126`` (a quarter of float32's largest value: beyond it a decoded value
+could overflow, int8 decoding float32's ``finfo.min`` to -inf) gets NaN ranges and decodes to
+NaN as a whole, and :attr:`Encoded.finite` says whether any group did; the coder then saves the
+tensor exactly instead (see [non-finite values] in coder.py). A group of zeros decodes to
+zeros. Stochastic rounding (``stochastic=True``, integer codes only) replaces ``round(v)`` by
+``floor(v + u)`` with ``u`` uniform in [0, 1) from the generator given, so the decoded value is
+unbiased: its expectation is ``x`` (up to the clamp).
 
 Ranges are kept per group, in float32, next to the codes (``params``: one scale per group, or
 ``lo`` and ``step``); they cost ``4 / g`` or ``8 / g`` bytes per value.
@@ -29,7 +32,9 @@ once instead of making five passes of whole-tensor ops; it computes the same flo
 in the same order, and casts to float8 with the same round half to even as torch's conversion,
 so its codes and decoded values are bitwise those of the torch ops below (tests hold both to it,
 every float8 rounding boundary included). Everything else (CUDA tensors, float16, stochastic
-rounding, an install without the compiled kernels) runs as the torch ops.
+rounding, an install without the compiled kernels, or with kernels built from a csrc/codec.c
+older than its ``VERSION`` 2, whose encode does not count the groups not finite) runs as the
+torch ops.
 
 The kernels run on the calling thread. They used to split the groups over torch's thread count
 of pthreads, which alone is faster, but inside a training step torch's OpenMP workers spin on
@@ -49,6 +54,8 @@ from offloadd.config.schema import CodecName
 try:
     from offloadd.codec import _kernels  # type: ignore[attr-defined]
 except ImportError:  # built without a C compiler: the torch ops do it all
+    _kernels = None
+if getattr(_kernels, "VERSION", 0) < 2:  # built from an older csrc/codec.c: rebuild it
     _kernels = None
 
 __all__ = [
@@ -105,6 +112,12 @@ class Encoded:
     params: torch.Tensor
     numel: int
     group: int
+    finite: bool = True
+    """False when a group's range is not finite (see [the codes]): its params are NaN."""
+
+
+_EDGE: Final = 2.0**126
+"""The largest magnitude encoded (see [the codes]); csrc/codec.c has the same."""
 
 
 def group_size(shape: tuple[int, ...] | torch.Size, group: int) -> int:
@@ -184,7 +197,7 @@ def encode(
     xg = flat.view(groups, group)
     lo, hi = torch.aminmax(xg, dim=1, keepdim=True)
     lo, hi = lo.float(), hi.float()
-    bad = ~torch.isfinite(lo) | ~torch.isfinite(hi)
+    bad = ~((lo >= -_EDGE) & (hi <= _EDGE))  # NaN too: every comparison with it is false
     name = scheme.name
     if scheme.affine:
         top = (1 << scheme.bits) - 1
@@ -207,7 +220,8 @@ def encode(
         params = scale
         codes = q.view(torch.uint8).view(-1)
     params = params.masked_fill(bad, float("nan"))
-    return Encoded(codes=codes, params=params, numel=n, group=group)
+    finite = not bool(bad.any())  # a flag per group; on CUDA, the encoder's one sync
+    return Encoded(codes=codes, params=params, numel=n, group=group, finite=finite)
 
 
 def _encode_native(x: torch.Tensor, scheme: Scheme, group: int) -> Encoded:
@@ -218,7 +232,7 @@ def _encode_native(x: torch.Tensor, scheme: Scheme, group: int) -> Encoded:
     codes = torch.empty(-(-groups * group // per_byte), dtype=torch.uint8)
     params = torch.empty(groups, 2 if scheme.affine else 1, dtype=torch.float32)
     assert _kernels is not None
-    _kernels.encode(
+    bad = _kernels.encode(
         x.data_ptr(),
         _NATIVE_DTYPES[x.dtype],
         n,
@@ -228,8 +242,8 @@ def _encode_native(x: torch.Tensor, scheme: Scheme, group: int) -> Encoded:
         codes.data_ptr(),
         params.data_ptr(),
         _FP8_CODE.get(scheme.name, 0),
-    )
-    return Encoded(codes=codes, params=params, numel=n, group=group)
+    )  # the number of groups whose range is not finite, found by the range pass
+    return Encoded(codes=codes, params=params, numel=n, group=group, finite=not bad)
 
 
 def _rounded(

@@ -52,7 +52,7 @@ def test_bench_io_end_to_end(disk_dir: Path) -> None:
         (["--engine", "rust"], "--engine: unknown engine 'rust'"),
         (["--request-bytes", "5000"], "--request-bytes: 5000 is not a positive multiple of 4096"),
         (["--total-bytes", "lots"], "--total-bytes"),
-        (["--dir", "/nonexistent/offloadd"], "--dir /nonexistent/offloadd: not a writable"),
+        (["--dir", "/dev/null/offloadd"], "--dir '/dev/null/offloadd' is not a writable"),
         (["--pairs", "0"], "--pairs must be at least 1"),
     ],
 )

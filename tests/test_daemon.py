@@ -418,19 +418,21 @@ def test_bad_daemon_settings_name_the_key(tmp_path: Path) -> None:
     bad.write_text('[daemon]\nquota_bytes = "lots"\n')
     with pytest.raises(ValueError, match=r"daemon\.quota_bytes: 'lots' is not a size"):
         Config.from_toml(bad)
+    # A settings directory is the daemon's to check, not to make (a --dir option's is made:
+    # tests/test_cli_dirs.py)
     out = subprocess.run(
         [
             sys.executable,
             "-m",
             "offloadd",
             "serve",
-            "--dir",
-            str(tmp_path / "missing"),
             "--socket",
             str(tmp_path / "s" / "d.sock"),
         ],
         capture_output=True,
         text=True,
+        env={**os.environ, "OFFLOADD_DAEMON_DIRS": str(tmp_path / "missing")},
+        timeout=120,
     )
     assert out.returncode == 2 and "does not exist" in out.stderr
 

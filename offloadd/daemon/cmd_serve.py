@@ -12,6 +12,7 @@ import argparse
 import logging
 import sys
 
+from offloadd.cli_dirs import ready_dir, ready_parent
 from offloadd.config import DaemonConfig, load_daemon, parse_size
 
 __all__ = ["add_arguments", "main"]
@@ -23,10 +24,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--socket",
-        help="Unix socket path (default: $OFFLOADD_DAEMON_SOCKET, else per-user runtime directory)",
+        help="Unix socket path, its directory created (mode 0700) if missing (default: "
+        "$OFFLOADD_DAEMON_SOCKET, else per-user runtime directory)",
     )
     p.add_argument(
-        "--dir", action="append", dest="dirs", metavar="DIR", help="offload directory (repeatable)"
+        "--dir",
+        action="append",
+        dest="dirs",
+        metavar="DIR",
+        help="offload directory (repeatable), created (mode 0700) if missing",
     )
     p.add_argument("--quota-bytes", help="disk bytes one session may hold (e.g. 8GiB; 0: none)")
     p.add_argument("--checksum", choices=["xxh3", "crc32", "none"], help="per-chunk checksum")
@@ -56,6 +62,12 @@ def main(ns: argparse.Namespace) -> int:
     logging.getLogger("offloadd").setLevel(logging.DEBUG if ns.verbose else logging.INFO)
     try:
         cfg = config_from_args(ns)
+        # The options' directories, before the daemon starts (Note [directories of the command
+        # line] in cli_dirs.py); the settings file's dirs are checked by the daemon, not made.
+        for d in ns.dirs or ():
+            ready_dir("--dir", d)
+        if ns.socket:
+            ready_parent("--socket", ns.socket)
         from offloadd.daemon.core import serve
 
         return serve(cfg)

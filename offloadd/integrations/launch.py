@@ -23,6 +23,8 @@ import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+from offloadd.cli_dirs import ready_parent
+
 __all__ = ["HELP", "add_arguments", "bootstrap_dir", "build_env", "main"]
 
 HELP = "run a command (a training script, torchrun, deepspeed) with offloading switched on"
@@ -42,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--report",
         metavar="PATH",
-        help="write the stats as JSON at exit (sets OFFLOADD_REPORT; {rank} is substituted)",
+        help="write the stats as JSON at exit (sets OFFLOADD_REPORT; {rank} is substituted); "
+        "its directory is created (mode 0700) if missing",
     )
     p.add_argument(
         "--daemon",
@@ -63,6 +66,13 @@ def build_env(base: Mapping[str, str], *, config: str | None, report: str | None
         env["OFFLOADD_CONFIG"] = str(path)
     if report is not None:
         env["OFFLOADD_REPORT"] = str(Path(report).expanduser().resolve())
+        # Note [directories of the command line] in cli_dirs.py; a directory that names the
+        # rank is each rank's, checked at its activation.
+        if "{rank}" not in str(Path(report).parent):
+            try:
+                ready_parent("--report", report)
+            except ValueError as e:
+                raise LaunchError(str(e)) from None
     try:
         EnvSettings.from_env(env)
     except ValueError as e:

@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 from typing import Any
 
+from offloadd.cli_dirs import ready_dir, ready_parent
 from offloadd.config import parse_size
 from offloadd.io.files import default_offload_dir
 from offloadd.tools.bench_io_engines import ENGINES
@@ -46,7 +46,12 @@ HELP = "measure the I/O engines against fio on the same directory"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dir", action="append", default=None, help="directory (repeat to stripe)")
+    p.add_argument(
+        "--dir",
+        action="append",
+        default=None,
+        help="directory (repeat to stripe), created (mode 0700) if missing",
+    )
     p.add_argument("--total-bytes", default="1GiB", help="bytes written and read per run")
     p.add_argument(
         "--request-bytes", default="4MiB,16MiB,64MiB", help="request sizes (comma-separated)"
@@ -65,7 +70,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="engine buffers on 4 KiB pages (default: huge pages, as offloadd's staging slots)",
     )
-    p.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH ('-': stdout)")
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        help="write the results as JSON to PATH ('-': stdout; its directory created if missing)",
+    )
 
 
 def main(ns: argparse.Namespace) -> int:
@@ -87,10 +96,6 @@ def main(ns: argparse.Namespace) -> int:
 
 
 def _options(ns: argparse.Namespace) -> dict[str, Any]:
-    dirs = ns.dir or [default_offload_dir()]
-    for d in dirs:
-        if not os.path.isdir(d) or not os.access(d, os.W_OK):
-            raise ValueError(f"--dir {d}: not a writable directory")
     total = parse_size("--total-bytes", ns.total_bytes)
     sizes = [parse_size("--request-bytes", s) for s in ns.request_bytes.split(",") if s]
     if not sizes:
@@ -111,6 +116,10 @@ def _options(ns: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--pairs must be at least 1, got {ns.pairs}")
     if not 1 <= ns.threads <= 256:
         raise ValueError(f"--threads must be in 1..256, got {ns.threads}")
+    # last, so that a bad option creates nothing (Note [directories of the command line])
+    dirs = [str(ready_dir("--dir", d)) for d in ns.dir] if ns.dir else [default_offload_dir()]
+    if ns.json and ns.json != "-":
+        ready_parent("--json", ns.json)
     fio = None if ns.no_fio else shutil.which("fio")
     if not ns.no_fio and fio is None:
         print(

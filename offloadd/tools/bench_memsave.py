@@ -54,6 +54,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from offloadd.cli_dirs import ready_dir, ready_parent
 from offloadd.memsave import memsave
 from offloadd.runtime.offloader import Offloader
 from offloadd.tools.machine import command_line
@@ -96,7 +97,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=3, help="timed steps per configuration")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--ssd-dir", default=None, help="offload directory (default: offloadd's)")
+    p.add_argument(
+        "--ssd-dir",
+        default=None,
+        help="offload directory, created (mode 0700) if missing (default: offloadd's)",
+    )
     p.add_argument(
         "--min-bytes", type=int, default=1 << 20, help="the Offloader's min_bytes (default 1 MiB)"
     )
@@ -109,7 +114,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="glibc keeps freed memory for reuse (no page faults after warm-up; see the docs)",
     )
-    p.add_argument("--out", default=None, help="also write the markdown report here")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="also write the markdown report here (its directory created, mode 0700, if missing)",
+    )
 
 
 # -- models --------------------------------------------------------------------------------
@@ -330,6 +339,11 @@ def _options(ns: argparse.Namespace) -> list[str]:
     if ns.steps < 1 or ns.warmup < 0:
         raise ValueError("--steps must be at least 1 and --warmup at least 0")
     require_transformers()
+    # last, so that a bad option creates nothing (Note [directories of the command line])
+    if ns.ssd_dir:
+        ready_dir("--ssd-dir", ns.ssd_dir)
+    if ns.out:
+        ready_parent("--out", ns.out)
     return scenarios
 
 
@@ -366,6 +380,5 @@ def main(ns: argparse.Namespace) -> int:
     report = format_report(results, header)
     print(report)
     if ns.out:
-        Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
         Path(ns.out).write_text(report + "\n")
     return 0

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from offloadd.cli_dirs import ready_dir, ready_parent
 from offloadd.config import Config
 from offloadd.runtime.offloader import Offloader
 from offloadd.tools.bench_step_report import format_report
@@ -70,7 +71,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="none",
         help="offloadd's codec for keep, ssd and cpu (Config.codec; lossy unless none)",
     )
-    p.add_argument("--out", default=None, help="also write the markdown report here")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="also write the markdown report here (its directory created, mode 0700, if missing)",
+    )
     p.add_argument(
         "--malloc-mmap-threshold",
         type=int,
@@ -112,7 +117,6 @@ def main(ns: argparse.Namespace) -> int:
     )
     print(report)
     if ns.out:
-        Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
         Path(ns.out).write_text(report + "\n")
     return 0
 
@@ -143,6 +147,11 @@ def _options(ns: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"--strategies {s!r}: {e}") from None
     if ns.model in HF_FAMILIES:
         require_transformers()  # ImportError naming the extra, before any run
+    # last, so that a bad option creates nothing (Note [directories of the command line])
+    if ns.ssd_dir:
+        ready_dir("--ssd-dir", ns.ssd_dir)
+    if ns.out:
+        ready_parent("--out", ns.out)
     return {**common, "model": ns.model}
 
 

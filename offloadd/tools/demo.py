@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from offloadd.cli_dirs import ready_dir
 from offloadd.runtime.stats import Stats, format_bytes
 from offloadd.tools.train import (
     RunFailed,
@@ -48,6 +49,8 @@ def main(ns: argparse.Namespace) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         common = model_kwargs(ns)
+        if ns.ssd_dir:  # before any run (Note [directories of the command line])
+            ready_dir("--ssd-dir", ns.ssd_dir)
     except ValueError as e:
         print(f"offloadd demo: {e}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ import sys
 import torch
 
 from offloadd.auto import InfeasibleBudget, plan_dict, plan_table
+from offloadd.cli_dirs import ready_dir, ready_parent
 from offloadd.config import Config
 from offloadd.runtime import Offloader
 from offloadd.tools.models.build import MODELS, build_model, default_vocab
@@ -31,8 +32,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--config", help="a TOML config (the [offload] keys); OFFLOADD_* apply too")
     p.add_argument("--tier", choices=("ssd", "cpu", "keep"), help="overrides the config's tier")
-    p.add_argument("--ssd-dir", help="offload directory (default: the config's, else chosen)")
-    p.add_argument("--json", help="also write the plan as JSON to this file")
+    p.add_argument(
+        "--ssd-dir",
+        help="offload directory, created (mode 0700) if missing (default: the config's, else "
+        "chosen)",
+    )
+    p.add_argument(
+        "--json", help="also write the plan as JSON to this file (its directory created if missing)"
+    )
 
 
 def main(ns: argparse.Namespace) -> int:
@@ -44,6 +51,11 @@ def main(ns: argparse.Namespace) -> int:
         if ns.ssd_dir:
             changes["ssd_dirs"] = (ns.ssd_dir,)
         cfg = cfg.replace(**changes)
+        # before the model is built (Note [directories of the command line] in cli_dirs.py)
+        if ns.ssd_dir:
+            ready_dir("--ssd-dir", ns.ssd_dir)
+        if ns.json:
+            ready_parent("--json", ns.json)
     except ValueError as e:
         print(f"offloadd plan: {e}", file=sys.stderr)
         return 2

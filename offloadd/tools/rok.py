@@ -53,7 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(and offload-cpu on CUDA)",
     )
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--ssd-dir", default=None, help="offload directory (default: per-user dir)")
+    p.add_argument(
+        "--ssd-dir",
+        default=None,
+        help="offload directory, created (mode 0700) if missing (default: per-user dir)",
+    )
     p.add_argument("--steps", type=int, default=None, help="timed steps per point, after a warm-up")
     p.add_argument(
         "--repeats",
@@ -75,7 +79,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="offloadd's codec for keep, offload and auto points (Config.codec: none, int8, "
         "fp8-e4m3, fp8-e5m2, int4, int2); lossy unless none; recompute is never coded",
     )
-    p.add_argument("--out", default="rok", help="output directory (default: ./rok)")
+    p.add_argument(
+        "--out",
+        default="rok",
+        help="output directory, created (mode 0700) if missing (default: ./rok)",
+    )
     p.add_argument(
         "--quick",
         action="store_true",

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 
 import torch
 
+from offloadd.cli_dirs import ready_dir
 from offloadd.config import Config, parse_size
 from offloadd.io.files import default_offload_dir
 from offloadd.tools.models.build import default_vocab
@@ -146,15 +146,6 @@ def _int_list(text: str, option: str) -> list[int]:
     return sorted(set(values))
 
 
-def _check_out(out: Path) -> None:
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".rok-probe-"):
-            pass
-    except OSError as e:
-        raise UsageError(f"--out {str(out)!r} is not a writable directory: {e}") from None
-
-
 def resolve(ns: argparse.Namespace) -> Sweep:
     """Check every argument and fill in defaults; UsageError names the bad option."""
     kind = "quick" if ns.quick else "full"
@@ -267,7 +258,12 @@ def resolve(ns: argparse.Namespace) -> Sweep:
     except ValueError as e:
         raise UsageError(f"--codec: {e}") from None
     out = Path(ns.out)
-    _check_out(out)
+    try:  # last, so that a bad option creates nothing (Note [directories of the command line])
+        if ns.ssd_dir:
+            ready_dir("--ssd-dir", ns.ssd_dir)
+        ready_dir("--out", out)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     return Sweep(
         model=ns.model,
         layers=layers,

@@ -100,7 +100,11 @@ def add_model_arguments(p: argparse.ArgumentParser, **defaults: int) -> None:
     p.add_argument("--seq", type=int, default=d["seq"], help="sequence length")
     p.add_argument("--batch", type=int, default=d["batch"], help="batch size")
     p.add_argument("--steps", type=int, default=d["steps"], help="timed steps after a warm-up")
-    p.add_argument("--ssd-dir", default=None, help="offload directory (default: per-user dir)")
+    p.add_argument(
+        "--ssd-dir",
+        default=None,
+        help="offload directory, created (mode 0700) if missing (default: per-user dir)",
+    )
 
 
 def model_kwargs(ns: argparse.Namespace) -> dict[str, Any]:

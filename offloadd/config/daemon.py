@@ -44,10 +44,12 @@ class DaemonConfig:
     """How ``offloadd serve`` runs and where clients find it. Every field has a working default."""
 
     socket: str = ""
-    """Unix socket path. The daemon listens on it (its directory is created 0700, the socket
-    0600); the training side, when it is set and the tier is ``ssd``, has the daemon there do its
-    I/O: staging memory is shared with it, and ``ssd_dirs``/``engine``/``io_threads``/``direct_io``
-    are the daemon's business (an unreachable daemon raises at the Offloader's construction).
+    """Unix socket path. The daemon listens on it (its directory is made 0700 and the socket
+    0600; 0711 and 0666 with ``allowed_uids``); the training side, when it is set and the tier
+    is ``ssd``, has the daemon there do its I/O: staging memory is shared with it, and
+    ``ssd_dirs``/``engine``/``io_threads``/``direct_io`` are the daemon's business (an
+    unreachable or untrusted daemon raises at the Offloader's construction; see
+    ``trusted_uids``).
     Empty: the daemon listens on the per-user default (``$XDG_RUNTIME_DIR/offloadd/daemon.sock``
     or ``/tmp/offloadd-run-$UID/daemon.sock``), and the training side uses its embedded engine."""
 
@@ -64,7 +66,9 @@ class DaemonConfig:
     dependency of offloadd), ``crc32`` (zlib; slower) or ``none``."""
 
     allowed_uids: tuple[int, ...] = ()
-    """User ids besides the daemon's own that may connect (checked with SO_PEERCRED)."""
+    """User ids besides the daemon's own that may connect (checked with SO_PEERCRED). When set,
+    the socket's directory is made 0711 and the socket 0666, and the SO_PEERCRED check alone
+    keeps other users out (see offloadd/daemon/core.py [socket modes])."""
 
     trusted_uids: tuple[int, ...] = ()
     """The client's side (the training side, ``offloadd status`` and ``stop``): user ids besides

@@ -10,6 +10,15 @@ Note: [never blocked by a client] The loop only does non-blocking socket calls (
 bounded buffer), and the engine's threads never wait on a client. A client that stops reading
 gets its replies buffered up to a limit and is then dropped; a client that dies is seen as end
 of file. Neither delays any other session.
+
+Note: [socket modes] Without ``allowed_uids`` the socket's directory is made 0700 and the socket
+0600: no other user reaches it. With ``allowed_uids`` the directory is 0711 (other users may pass
+through it, not list it) and the socket 0666: any local user may connect, and the SO_PEERCRED
+check at accept (the daemon's own uid, or one of ``allowed_uids``) keeps the others out before
+a byte of theirs is read; they are logged and counted (``refused_connections``). The
+directories above the socket's must let those users pass too; the daemon leaves them as they
+are. The modes are set at each start, on a directory that passes the rule of
+offloadd/daemon/trust.py [who trusts whom].
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import signal
 import socket
 import stat
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from offloadd.config import Config, DaemonConfig
 from offloadd.daemon import protocol as proto
@@ -39,7 +48,7 @@ from offloadd.io.files import SlotFile, default_offload_dir
 from offloadd.io.request import Engine
 from offloadd.io.select import open_host_engine
 
-__all__ = ["Server", "make_engine", "serve"]
+__all__ = ["Server", "make_engine", "serve", "socket_modes"]
 
 log = logging.getLogger("offloadd.daemon")
 
@@ -80,13 +89,14 @@ class Server:
     def listen(self) -> None:
         path = self.socket_path
         directory = os.path.dirname(path) or "."
+        dir_mode, sock_mode = socket_modes(self.config.allowed_uids)
         os.makedirs(directory, mode=0o700, exist_ok=True)
         me = own_uid()  # see trust [who trusts whom]: the clients' rule, this uid alone trusted
         problem = socket_dir_problem(directory, {me}, f"uid {me} (this daemon's)")
         if problem is not None:
             raise ValueError(f"socket: {problem}")
-        if stat.S_IMODE(os.stat(directory).st_mode) != 0o700:
-            os.chmod(directory, 0o700)
+        if stat.S_IMODE(os.stat(directory).st_mode) != dir_mode:
+            os.chmod(directory, dir_mode)
         if os.path.exists(path):
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
@@ -103,12 +113,19 @@ class Server:
             sock.bind(path)
         finally:
             os.umask(old)
-        os.chmod(path, 0o600)
+        os.chmod(path, sock_mode)
         sock.listen(128)
         sock.setblocking(False)
         self._listener = sock
         self.loop.add_reader(sock.fileno(), self._accept)
-        log.info("serving %s as pid %d, dirs %s", path, os.getpid(), ", ".join(self.dirs))
+        log.info(
+            "serving %s (mode %04o, in a directory of mode %04o) as pid %d, dirs %s",
+            path,
+            sock_mode,
+            dir_mode,
+            os.getpid(),
+            ", ".join(self.dirs),
+        )
 
     async def run(self) -> None:
         self.listen()
@@ -214,6 +231,11 @@ class Server:
         self.conns.discard(conn)
         if conn.session is not None:
             self.handlers.end_session(conn.session)
+
+
+def socket_modes(allowed_uids: Collection[int]) -> tuple[int, int]:
+    """The modes of the socket's directory and of the socket (see [socket modes])."""
+    return (0o711, 0o666) if allowed_uids else (0o700, 0o600)
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:

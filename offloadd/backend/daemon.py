@@ -37,6 +37,7 @@ from offloadd.backend.daemon_link import (
     peer_state,
     recv_frame,
 )
+from offloadd.backend.daemon_slots import DaemonProcess, ReadSlots
 from offloadd.config import Config
 from offloadd.daemon import protocol as proto
 from offloadd.daemon.checksum import checksum_function
@@ -74,7 +75,7 @@ class DaemonBackend(Ending):
         self._idle = threading.Condition(self._lock)
         self._ids = itertools.count(1)
         self._records: dict[int, Placed] = {}  # virtual offset -> placement
-        self._read_free = list(range(num_read - 1, -1, -1))
+        self._read_slots = ReadSlots(num_read)  # see [read slots after a loss]
         self._read_wait: deque[Request] = deque()
         self._local: PythonEngine | None = None  # reads after a daemon loss
         self._gens: list[Generation] = []
@@ -119,6 +120,7 @@ class DaemonBackend(Ending):
             list(info["files"]),
             checksum_function(info["checksum"]),
             number=next(self._numbers),
+            daemon=DaemonProcess.of(sock),
         )
         for target, name in ((self._send_loop, "send"), (self._recv_loop, "recv")):
             t = threading.Thread(
@@ -137,6 +139,9 @@ class DaemonBackend(Ending):
     def begin_step(self) -> None:
         """Called at each ``with offloader:``; reconnects after a daemon loss."""
         with self._lock:
+            if self._read_slots.quarantined:
+                for slot in self._read_slots.reclaim():
+                    self._release_read_slot(slot, locked=True)
             if self._current is not None or self._closing:
                 return
         try:
@@ -210,8 +215,10 @@ class DaemonBackend(Ending):
                 self._fail_later(req, errno.ENOENT, f"no daemon block for chunk {req.offset}")
             elif rec.gen is not self._current:
                 self._read_locally(req, rec)
-            elif self._read_free:
-                rec.gen.sendq.put((req, self._read_free.pop()))
+            elif (slot := self._read_slots.take()) is not None:
+                rec.gen.sendq.put((req, slot))
+            elif not self._read_slots.circulating:  # see [read slots after a loss]
+                self._read_locally(req, rec)
             else:
                 self._read_wait.append(req)
 
@@ -235,6 +242,7 @@ class DaemonBackend(Ending):
                 gen.sendq.put(proto.Command(proto.Msg.FREE, next(self._ids), block=rec.block))
             elif gen.dead and gen.live == 0:
                 self._close_files(gen)
+                self._retired(gen)
 
     # -- threads ---------------------------------------------------------------------------
 
@@ -279,7 +287,7 @@ class DaemonBackend(Ending):
                     return proto.encode_request(
                         proto.Command(proto.Msg.READ, rid, rec.block, off, req.nbytes)
                     )
-                self._read_free.append(slot)
+                self._read_slots.give_back(slot)
                 placed = self._records.get(req.offset)
                 if req.state is RequestState.PENDING and placed is not None:
                     self._read_locally(req, placed)
@@ -324,6 +332,8 @@ class DaemonBackend(Ending):
         if not self._closed or gen.pending:
             self._lost(gen, err or ConnectionResetError("the daemon closed the connection"))
         gen.closed_event.set()
+        if gen.dead:
+            self._retire(gen)
 
     def _on_reply(self, gen: Generation, r: proto.Reply) -> None:
         with self._lock:
@@ -383,10 +393,14 @@ class DaemonBackend(Ending):
             self._outstanding -= 1
             self._idle.notify_all()
 
-    def _release_read_slot(self, slot: int) -> None:
-        with self._lock:
-            gen = self._current
-            if self._read_wait and gen is not None:
-                gen.sendq.put((self._read_wait.popleft(), slot))
-            else:
-                self._read_free.append(slot)
+    def _release_read_slot(self, slot: int, *, locked: bool = False) -> None:
+        """A read slot is free again: to the oldest waiting read, else to the free list."""
+        if not locked:
+            with self._lock:
+                self._release_read_slot(slot, locked=True)
+            return
+        gen = self._current
+        if self._read_wait and gen is not None:
+            gen.sendq.put((self._read_wait.popleft(), slot))
+        else:
+            self._read_slots.give_back(slot)

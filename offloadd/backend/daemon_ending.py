@@ -7,8 +7,13 @@ done here, with a local engine, from the session's files, whose descriptors the 
 open (see offloadd/daemon/session.py [per-session files]), and checked against the block's
 checksum. Until the next step every write is kept in memory. At the next step (``begin_step``,
 called by ``Offloader.__enter__``) the backend reconnects and offers the daemon the same shared
-memory, so the staging pool stays where it is. The old files are closed once their last block
-is freed.
+memory, so the staging pool stays where it is; the read slots that the lost daemon may still
+write into stay out of use (see [read slots after a loss] in daemon_slots.py).
+
+What a lost connection held is given back as soon as nothing needs it: its socket once its two
+threads have ended (the receiving thread closes it, after the sender), its files at once if no
+block lives in them, else when the last one is freed; then the generation is dropped. So a
+client that outlives any number of daemon restarts holds what it held after its first step.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from offloadd.backend.daemon_link import Generation, Placed
+from offloadd.backend.daemon_slots import ReadSlots
 from offloadd.daemon import protocol as proto
 from offloadd.io.buffers import AlignedBuffer, address_view
 from offloadd.io.python_engine import PythonEngine
@@ -56,7 +62,7 @@ class Ending:
     _current: Generation | None
     _gens: list[Generation]
     _records: dict[int, Placed]
-    _read_free: list[int]
+    _read_slots: ReadSlots
     _read_wait: deque[Request]
     _local: PythonEngine | None
     _closed: bool
@@ -106,7 +112,9 @@ class Ending:
                 self._abandon(gen, f"answer the close of session {gen.session}")
         if until is None:
             until = time.monotonic() + _TEARDOWN_TIMEOUT_S
-        for g in self._gens:
+        with self._lock:
+            gens = list(self._gens)
+        for g in gens:
             with contextlib.suppress(OSError):  # wakes our threads blocked on the socket
                 g.sock.shutdown(socket.SHUT_RDWR)
             g.sendq.put(None)
@@ -124,7 +132,7 @@ class Ending:
             max(_LAST_GRACE_S, until - time.monotonic())
         )
         if local_done:
-            for g in self._gens:
+            for g in gens:
                 self._close_files(g)
         else:
             log.warning(
@@ -244,13 +252,14 @@ class Ending:
                 self._current = None
             entries = list(gen.pending.values())
             gen.pending.clear()
+            quarantined: list[int] = []
             for req, slot in entries:
                 if req is CLOSE_MARK:
                     continue
                 if req.op is Op.WRITE:
                     failed.append(req)
                     continue
-                self._read_free.append(slot)
+                quarantined.append(slot)  # the daemon may still read into it
                 rec = self._records.get(req.offset)
                 if rec is None:
                     failed.append(req)
@@ -263,8 +272,13 @@ class Ending:
                     failed.append(req)
                 else:
                     self._read_locally(req, rec)
+            self._read_slots.quarantine(gen.daemon, quarantined)
+            if gen.live == 0:
+                self._close_files(gen)  # no block lives there: nothing will read them
             closing = self._closing
             gen.sendq.put(None)
+        with contextlib.suppress(OSError):  # wakes the receiving thread, which closes it
+            gen.sock.shutdown(socket.SHUT_RDWR)
         gen.closed_event.set()
         warn = self._warn_ref()
         if announce and closing:
@@ -290,3 +304,22 @@ class Ending:
             with contextlib.suppress(OSError):
                 os.close(fd)
         gen.file_fds = []
+
+    def _retire(self, gen: Generation) -> None:
+        """A lost generation's receiving thread, at its end: wait for the sender, close the
+        socket, and drop the generation once its files are closed too."""
+        for t in gen.threads:
+            if t is not threading.current_thread():
+                t.join(timeout=_TEARDOWN_TIMEOUT_S)
+                if t.is_alive():  # stuck in a write's wait for its copy: leave it to close()
+                    log.warning("offloadd: thread %s did not finish; keeping its socket", t.name)
+                    return
+        gen.sock.close()
+        with self._lock:
+            gen.retired = True
+            self._retired(gen)
+
+    def _retired(self, gen: Generation) -> None:
+        """Forget a lost generation whose socket and files are both closed (lock held)."""
+        if gen.retired and not gen.file_fds and gen in self._gens and not self._closing:
+            self._gens.remove(gen)

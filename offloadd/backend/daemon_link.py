@@ -21,6 +21,7 @@ from typing import Any
 
 import psutil
 
+from offloadd.backend.daemon_slots import DaemonProcess
 from offloadd.daemon import protocol as proto
 from offloadd.daemon.trust import own_uid, peer_credentials, socket_dir_problem
 from offloadd.io.buffers import AlignedBuffer, SlotPool
@@ -188,6 +189,8 @@ class Generation:
     # This backend's count of its connections. Not the session id, which a restarted daemon
     # hands out again from 1: a warning keyed on it would be swallowed as already given.
     number: int = 0
+    daemon: DaemonProcess | None = None  # its process (see [read slots after a loss])
+    retired: bool = False  # lost, and its socket closed (see [daemon loss])
 
 
 @dataclass(slots=True)

@@ -13,6 +13,7 @@ import errno
 import json
 import os
 import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -34,14 +35,16 @@ BIG_CHUNK = 2 << 20  # the quota holds four of them, and what is left of other s
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as other uids")
 
 _CHILD = r"""
-import errno, fcntl, json, mmap, os, sys, traceback
+import contextlib, errno, fcntl, io, json, mmap, os, sys, traceback
 sock_path, root, uid, big = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 sys.path.insert(0, root)
 import torch
 import offloadd.backend.daemon, offloadd.backend.daemon_ending, offloadd.io.python_engine
 from offloadd.backend.daemon_link import connect_control, recv_frame
 from offloadd.daemon import protocol as proto
+from offloadd.cli import main as cli_main
 from offloadd.daemon.cmd_status import query
+import offloadd.daemon.cmd_stop
 from tests.daemon_proc import RawSession
 from tests.helpers import assert_bitwise_equal, small_offloader, train
 from tests.test_equivalence import MODELS
@@ -126,8 +129,16 @@ def quota():
         b.close()
 
 def stop():
-    r = query(sock_path, proto.Msg.STOP)
-    return {"status": r.status, "why": r.tail.decode()}
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
+        code = cli_main(["stop", "--socket", sock_path])  # offloadd stop
+    out = {"code": code, "said": said.getvalue()}
+    try:
+        r = query(sock_path, proto.Msg.STOP)
+        out.update(status=r.status, why=r.tail.decode())
+    except Exception as e:
+        out.update(status=None, why=repr(e))
+    return out
 
 for name, fn in [("step", step), ("descriptors", descriptors), ("stats", stats),
                  ("quota", quota), ("stop", stop)]:
@@ -167,6 +178,11 @@ class Shared:
         )
         self.stranger = stranger.stdout.strip() or stranger.stderr
         self.refused = d.status()["refused_connections"]
+        with socket.socket(socket.AF_UNIX) as junk:  # root's error, in the recent errors
+            junk.settimeout(10)
+            junk.connect(d.socket)
+            junk.sendall(b"\xff" * 64)
+            assert junk.recv(1) == b""
         self.mine = RawSession(d.socket)
         self.data = os.urandom(4096)
         self.block = self.mine.write(self.data).block
@@ -217,3 +233,24 @@ def test_allowed_uids_open_the_socket_to_them_alone(shared: Shared) -> None:
     assert shared.modes == [0o711, 0o666]
     assert shared.stranger in ("0", f"err {errno.ECONNRESET}"), shared.stranger
     assert shared.refused == 1
+
+
+def test_stats_shows_another_user_its_own_sessions_only(shared: Shared) -> None:
+    """The allowed user's STATS lists its own sessions and errors, not root's; root's lists
+    everything."""
+    stats = shared.part("stats")
+    assert stats["uids"] == [USER] and stats["errors"] == [], stats
+    doc = shared.daemon.status()  # root's view
+    assert 0 in [s["uid"] for s in doc["sessions"]] and doc["recent_errors"], doc
+
+
+def test_only_the_daemons_uid_or_root_may_stop_it(shared: Shared) -> None:
+    """The allowed user's STOP is refused with EPERM, and ``offloadd stop`` says so; the daemon
+    and root's session go on."""
+    stop = shared.part("stop")
+    assert stop["code"] == 1 and "refused" in stop["said"] and "uid 0" in stop["said"], stop
+    assert stop["status"] == errno.EPERM and "uid 0" in stop["why"], stop
+    d = shared.daemon
+    assert d.proc is not None and d.proc.poll() is None, "the daemon stopped"
+    r, got = shared.mine.read(shared.block)
+    assert r.status == 0 and got == shared.data  # root's session kept its block throughout

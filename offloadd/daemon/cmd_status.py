@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Collection
 from typing import Any
@@ -13,7 +14,7 @@ from offloadd.config import load_daemon
 from offloadd.daemon import protocol as proto
 from offloadd.runtime.stats import format_bytes
 
-__all__ = ["add_arguments", "main", "query"]
+__all__ = ["add_arguments", "main", "query", "refusal"]
 
 _STALE_S = 5.0  # the daemon probes its directories every second: older figures are flagged
 
@@ -42,6 +43,11 @@ def query(
         sock.close()
 
 
+def refusal(r: proto.Reply) -> str:
+    """A refused reply's errno and the daemon's reason, in words."""
+    return f"{os.strerror(r.status)}: {r.tail.decode(errors='replace')}"
+
+
 def _table(doc: dict[str, Any]) -> str:
     lines = [
         f"offloadd daemon pid {doc['pid']} on {doc['socket']}, up {doc['uptime_s']:.0f}s, "
@@ -64,7 +70,9 @@ def _table(doc: dict[str, Any]) -> str:
             f"the free-space probe has been running for {probing:.0f} s: a directory's file "
             "system is slow or hung (sessions are not held up by it)"
         )
-    lines.append(f"{len(doc['sessions'])} session(s)")
+    only = doc.get("only_uid")  # a client that does not administer the daemon sees its own
+    mine = "" if only is None else f" of uid {only} (the only ones shown to this user)"
+    lines.append(f"{len(doc['sessions'])} session(s){mine}")
     for s in doc["sessions"]:
         lines.append(
             f"  #{s['id']} {s['identity']} (uid {s['uid']}): holds {format_bytes(s['bytes_held'])}"
@@ -87,6 +95,9 @@ def main(ns: argparse.Namespace) -> int:
         r = query(path, trusted_uids=cfg.trusted_uids)
     except DaemonError as e:
         print(f"offloadd status: {e}", file=sys.stderr)
+        return 1
+    if r.status:
+        print(f"offloadd status: the daemon at {path} refused: {refusal(r)}", file=sys.stderr)
         return 1
     doc = json.loads(r.tail)
     print(json.dumps(doc, indent=2) if ns.json else _table(doc))

@@ -8,7 +8,7 @@ import sys
 from offloadd.backend.daemon import DaemonError
 from offloadd.config import load_daemon
 from offloadd.daemon import protocol as proto
-from offloadd.daemon.cmd_status import query
+from offloadd.daemon.cmd_status import query, refusal
 
 __all__ = ["add_arguments", "main"]
 
@@ -29,9 +29,12 @@ def main(ns: argparse.Namespace) -> int:
         return 2
     path = ns.socket or cfg.socket_path
     try:
-        query(path, proto.Msg.STOP, trusted_uids=cfg.trusted_uids)
+        r = query(path, proto.Msg.STOP, trusted_uids=cfg.trusted_uids)
     except DaemonError as e:
         print(f"offloadd stop: {e}", file=sys.stderr)
+        return 1
+    if r.status:  # EPERM: not the daemon's uid nor root (see trust [who trusts whom])
+        print(f"offloadd stop: the daemon at {path} refused: {refusal(r)}", file=sys.stderr)
         return 1
     print(f"offloadd: daemon at {path} is stopping")
     return 0

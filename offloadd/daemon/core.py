@@ -31,7 +31,6 @@ import os
 import signal
 import socket
 import stat
-import struct
 from collections.abc import Callable, Collection
 
 from offloadd.config import Config, DaemonConfig
@@ -42,7 +41,7 @@ from offloadd.daemon.ops import Handlers
 from offloadd.daemon.scheduler import Scheduler
 from offloadd.daemon.session import SessionError
 from offloadd.daemon.status import Status
-from offloadd.daemon.trust import own_uid, socket_dir_problem
+from offloadd.daemon.trust import own_uid, peer_credentials, socket_dir_problem
 from offloadd.io.buffers import ALIGN
 from offloadd.io.files import SlotFile, default_offload_dir
 from offloadd.io.request import Engine
@@ -51,8 +50,6 @@ from offloadd.io.select import open_host_engine
 __all__ = ["Server", "make_engine", "serve", "socket_modes"]
 
 log = logging.getLogger("offloadd.daemon")
-
-_UCRED = struct.Struct("3i")
 
 
 def make_engine(config: DaemonConfig) -> Engine:
@@ -168,10 +165,8 @@ class Server:
             except OSError as e:
                 log.error("accept failed: %s", e)
                 return
-            pid, uid, _gid = _UCRED.unpack(
-                sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-            )
-            if uid != os.getuid() and uid not in self.config.allowed_uids:
+            pid, uid, _gid = peer_credentials(sock)
+            if uid != own_uid() and uid not in self.config.allowed_uids:
                 log.error("refused a connection from uid %d (pid %d): not allowed", uid, pid)
                 self.status.totals["refused_connections"] += 1
                 sock.close()
@@ -220,7 +215,7 @@ class Server:
         if error:
             log.error("dropping connection of %s: %s", who, why)
             self.status.totals["dropped_connections"] += 1
-            self.status.error(f"{who}: {why}")
+            self.status.error(f"{who}: {why}", conn.uid)
         else:
             log.info("connection of %s closed: %s", who, why)
         fd = conn.sock.fileno()

@@ -1,6 +1,7 @@
 """The daemon's answer to each client message, and the sessions and blocks those act on.
 
-HELLO, STATS, STOP and CLOSE are answered at once; OPEN makes a session; WRITE and READ are
+HELLO, STATS, STOP and CLOSE are answered at once (STATS and STOP as the client's uid may: see
+offloadd/daemon/trust.py [who trusts whom]); OPEN makes a session; WRITE and READ are
 checked here and queued with the scheduler, which hands them back done (:meth:`Handlers.done`);
 FREE gives a block's disk slot back.
 
@@ -29,6 +30,7 @@ from offloadd.daemon import protocol as proto
 from offloadd.daemon.connection import Connection
 from offloadd.daemon.scheduler import Job
 from offloadd.daemon.session import Block, Session, SessionError, check_memfd, create_memfd
+from offloadd.daemon.trust import administers, own_uid
 from offloadd.io.buffers import ALIGN
 from offloadd.io.files import SlotFile
 
@@ -81,9 +83,16 @@ class Handlers:
             self._open(conn, msg, fds)
             return
         kind = msg.kind
-        if kind is proto.Msg.STATS:
-            doc = json.dumps(self.server.status.document(), separators=(",", ":")).encode()
-            conn.reply(proto.Reply(msg.req, tail=doc))
+        if kind is proto.Msg.STATS:  # see trust [who trusts whom]: others see their own only
+            view = self.server.status.document(None if administers(conn.uid) else conn.uid)
+            conn.reply(proto.Reply(msg.req, tail=json.dumps(view, separators=(",", ":")).encode()))
+        elif kind is proto.Msg.STOP and not administers(conn.uid):
+            why = (
+                f"only uid {own_uid()} (the daemon's) or root may stop the daemon; this client "
+                f"runs as uid {conn.uid}"
+            )
+            log.warning("refused a stop by pid %d %r: %s", conn.pid, conn.identity, why)
+            conn.reply(proto.Reply(msg.req, errno.EPERM, tail=why.encode()))
         elif kind is proto.Msg.STOP:
             log.info("stop requested by pid %d %r", conn.pid, conn.identity)
             conn.reply(proto.Reply(msg.req))
@@ -286,5 +295,5 @@ class Handlers:
         self.server.status.totals["io_errors"] += 1
         what = f"session {s.id} {job.kind.name.lower()}: {job.message}"
         log.error("%s", what)
-        self.server.status.error(what)
+        self.server.status.error(what, s.uid)
         job.conn.reply(proto.Reply(job.req, job.status, job.block_id, tail=job.message.encode()))

@@ -43,7 +43,7 @@ class Status:
         self.server = server
         self.started = time.time()
         self.totals = collections.Counter[str]()
-        self.errors: deque[str] = deque(maxlen=20)
+        self.errors: deque[tuple[int, str]] = deque(maxlen=20)  # (uid concerned, text)
         self.status_doc: dict[str, Any] = {}  # the last sample's document, for the metrics thread
         self._samples: deque[tuple[float, int, int]] = deque(maxlen=11)
         self._sampler: asyncio.TimerHandle | None = None
@@ -52,9 +52,10 @@ class Status:
         self._dirs_at = time.monotonic()
         self._probe_since: float | None = None  # when the probe now running started
 
-    def error(self, text: str) -> None:
-        """Keep ``text``, with the time of day, among the recent errors that ``status`` lists."""
-        self.errors.append(f"{time.strftime('%H:%M:%S')} {text}")
+    def error(self, text: str, uid: int) -> None:
+        """Keep ``text``, with the time of day, among the recent errors that ``status`` lists
+        (to ``uid``, the client's whose connection or session it concerns, and the daemon's)."""
+        self.errors.append((uid, f"{time.strftime('%H:%M:%S')} {text}"))
 
     def start(self) -> None:
         """Take the first sample; one follows every second until :meth:`stop`. The first one
@@ -94,8 +95,12 @@ class Status:
         self._dirs_at = time.monotonic()
         self._probe_since = None
 
-    def document(self) -> dict[str, Any]:
-        """Everything ``offloadd status --json`` shows (and the metrics endpoint exports)."""
+    def document(self, only_uid: int | None = None) -> dict[str, Any]:
+        """Everything ``offloadd status --json`` shows (and the metrics endpoint exports).
+
+        ``only_uid``: the view of a client that does not administer the daemon (see
+        offloadd/daemon/trust.py [who trusts whom]): the sessions, the bytes they hold and the
+        recent errors are that uid's alone; the daemon-wide figures stay."""
         server = self.server
         write_bps = read_bps = 0.0
         if len(self._samples) >= 2:
@@ -105,7 +110,9 @@ class Status:
         now = time.monotonic()
         age = round(now - self._dirs_at, 3)
         since = self._probe_since
-        sessions = server.handlers.sessions.values()
+        sessions = [
+            s for s in server.handlers.sessions.values() if only_uid is None or s.uid == only_uid
+        ]
         return {
             "pid": os.getpid(),
             "protocol": proto.VERSION,
@@ -146,7 +153,8 @@ class Status:
             "refused_requests": self.totals["refused_requests"],
             "dropped_connections": self.totals["dropped_connections"],
             "refused_connections": self.totals["refused_connections"],
-            "recent_errors": list(self.errors),
+            "recent_errors": [e for uid, e in self.errors if only_uid in (None, uid)],
+            "only_uid": only_uid,
         }
 
 

@@ -25,7 +25,9 @@ is a deliberate setup, so its clients opt in explicitly, ``daemon.trusted_uids =
 The daemon applies the same directory rule to its own socket's directory, with its own uid as the
 only one trusted, before it binds (so it refuses ``/tmp`` itself, which it would otherwise make
 0700), and then sets the directory's mode. Whom it accepts is checked at each connection: its own
-uid and ``allowed_uids`` (SO_PEERCRED again).
+uid and ``allowed_uids`` (SO_PEERCRED again). Of those, only its own uid and root administer it
+(:func:`administers`): STOP from any other is refused with EPERM, and STATS shows any other only
+its own sessions and the errors of its own connections.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import stat
 import struct
 from collections.abc import Collection
 
-__all__ = ["own_uid", "peer_credentials", "socket_dir_problem"]
+__all__ = ["administers", "own_uid", "peer_credentials", "socket_dir_problem"]
 
 _UCRED = struct.Struct("3i")
 
@@ -44,6 +46,12 @@ _UCRED = struct.Struct("3i")
 def own_uid() -> int:
     """This process's uid, as a peer sees it (SO_PEERCRED reports the effective uid)."""
     return os.geteuid()
+
+
+def administers(uid: int) -> bool:
+    """Whether a client of ``uid`` may stop the daemon and see every session: the daemon's own
+    uid and root (see [who trusts whom])."""
+    return uid in (own_uid(), 0)
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:

@@ -9,6 +9,7 @@ an asynchronous device orders its copies). See docs/architecture.md.
 
 from offloadd.backend import Backend
 from offloadd.config import Config, DaemonConfig
+from offloadd.config.renamed import old_class_name
 from offloadd.io import Engine, Op, Request
 from offloadd.memsave import memsave
 from offloadd.runtime import Offloader, Ordering, Stats
@@ -28,3 +29,8 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    """The first release's names, read until 0.3.0 (see [renamed keys] in config/renamed.py)."""
+    return old_class_name(__name__, name)

@@ -149,3 +149,16 @@ def test_deprecated_names_are_documented() -> None:
         for old, new in RENAMED.items():
             row = next((line for line in text.splitlines() if f"`{old}`" in line), "")
             assert f"`{new}`" in row and REMOVED_IN in row, (doc, old, row)
+
+
+def test_first_release_class_name() -> None:
+    """``offloadd.OffloadConfig`` (the first release's name of Config) still imports, warning."""
+    import offloadd
+    import offloadd.config
+
+    for module in (offloadd, offloadd.config):
+        with pytest.warns(DeprecationWarning, match=r"OffloadConfig is deprecated: it is .*Config"):
+            cls = module.OffloadConfig
+        assert cls is Config
+        with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
+            _ = module.NoSuchName

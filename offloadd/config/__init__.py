@@ -9,6 +9,7 @@ the value and where it came from.
 from offloadd.config.daemon import DaemonConfig, default_socket_path
 from offloadd.config.kinds import parse_size
 from offloadd.config.loader import DAEMON_ENV_PREFIX, ENV_PREFIX, RESERVED_ENV, env_var, load_daemon
+from offloadd.config.renamed import old_class_name
 from offloadd.config.schema import Config
 
 __all__ = [
@@ -22,3 +23,8 @@ __all__ = [
     "load_daemon",
     "parse_size",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """The first release's names, read until 0.3.0 (see [renamed keys] in config/renamed.py)."""
+    return old_class_name(__name__, name)

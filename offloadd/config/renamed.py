@@ -35,7 +35,7 @@ from offloadd.config.daemon import KINDS as DAEMON_KINDS
 from offloadd.config.daemon import SECTION, DaemonConfig
 from offloadd.config.kinds import check, invalid
 
-__all__ = ["REMOVED_IN", "RENAMED", "Form", "move_renamed", "warn_renamed"]
+__all__ = ["REMOVED_IN", "RENAMED", "Form", "move_renamed", "old_class_name", "warn_renamed"]
 
 RENAMED: dict[str, str] = {"daemon_socket": f"{SECTION}.socket"}
 """Old key -> the dotted key it became (see [renamed keys])."""
@@ -84,6 +84,23 @@ def move_renamed(values: Mapping[str, Any], source: str, form: Form) -> dict[str
         else:
             out[SECTION] = {**(section or {}), name: value}
     return out
+
+
+def old_class_name(module: str, name: str) -> Any:
+    """A module ``__getattr__``'s answer for the first release's ``OffloadConfig`` (now
+    :class:`~offloadd.Config`, the same keys), with a DeprecationWarning; AttributeError for
+    any other missing name."""
+    if name != "OffloadConfig":
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    from offloadd.config.schema import Config
+
+    warnings.warn(
+        f"{module}.OffloadConfig is deprecated: it is {module}.Config now, with the same keys; "
+        f"offloadd {REMOVED_IN} no longer has OffloadConfig",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return Config
 
 
 def warn_renamed(old: str, new: str, source: str, spelling: str) -> None:

@@ -16,6 +16,18 @@ nothing more. Stochastic rounding draws from one generator per device, seeded at
 first forward from ``codec_seed`` and the step number, so two runs with the same seed round the
 same way.
 
+Note: [the exact-save table] :meth:`Codec.note_exact` remembers the storages saved exactly, one
+entry per storage holding the version it was last saved at: versions only grow, so a later save
+is never at an older one, and a save at another version than the entry's is not of the bytes
+held. Parameters and their views are never noted (the codec never encodes them anyway). Keyed on
+the version, as it was, every weight whose view linear saves (``weight.t()``) added an entry at
+each step, as ``optimizer.step()`` bumps its version; its storage lives on, so begin_step's
+prune never dropped one and walked them all (a two-layer MLP: 200 entries, 53 KB after 200
+steps; a real model, an entry per weight per step). Now there is at most one entry per live
+storage, pruned at the next step once the storage or its root is gone. ``_saved``, the coded
+handles shared by [codes through the tiers], keeps an entry only while its handle lives (the
+graph holds it), so it is bounded by what one step saves.
+
 Note: [non-finite values] A tensor that holds an infinity or a NaN (or a magnitude past the edge
 of [the codes] in quant.py, where a decoded value could overflow) is saved exactly: pack encodes
 it, sees from :attr:`~offloadd.codec.quant.Encoded.finite` that a group's range is not finite,
@@ -41,6 +53,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from offloadd.codec.ops import DEFAULT_OPS, OpScope, kept_exact, saved_shapes, unknown_ops
 from offloadd.codec.quant import Encoded, Scheme, coded_nbytes, decode, encode, group_size
+from offloadd.runtime.dedup import is_parameter
 from offloadd.runtime.handles import describe, inplace_error, storage_of, version_handle
 
 if TYPE_CHECKING:
@@ -135,7 +148,8 @@ class Codec:
         self.step = 0
         self._generators: dict[torch.device, torch.Generator] = {}
         self._saved: dict[tuple[Any, ...], tuple[StorageWeakRef, Any, Any]] = {}
-        self._exact: dict[tuple[Any, ...], tuple[StorageWeakRef, Any]] = {}
+        # (device, StorageImpl address) -> (its weak ref, the root's, version last saved at)
+        self._exact: dict[tuple[Any, ...], tuple[StorageWeakRef, Any, int]] = {}
         self.coded_tensors = 0
         self.coded_in_bytes = 0
         self.coded_out_bytes = 0
@@ -155,7 +169,9 @@ class Codec:
         for gen in self._generators.values():
             gen.manual_seed(self._seed())
         self._saved = {k: v for k, v in self._saved.items() if v[2]() is not None}
-        self._exact = {k: v for k, v in self._exact.items() if not v[0].expired()}
+        self._exact = {
+            k: v for k, v in self._exact.items() if not v[0].expired() and v[1]() is not None
+        }
 
     def _seed(self) -> int:
         return (self.seed * 1_000_003 + self.step) & ((1 << 63) - 1)
@@ -190,18 +206,20 @@ class Codec:
 
     def note_exact(self, t: torch.Tensor) -> None:
         """``t`` was just saved exactly: a later save of its storage by an allowed op is not
-        encoded (that would add a copy and an error to bytes already held)."""
+        encoded (that would add a copy and an error to bytes already held). One entry per
+        storage, at the version it was last saved at (see [the exact-save table])."""
         if (
             type(t) is torch.Tensor
             and t.dtype in _FLOATING
             and t.layout is torch.strided
             and t.nbytes >= self.min_bytes
+            and not is_parameter(t)
         ):
             storage = storage_of(t)
             if storage is not None:
                 root = t._base if t._base is not None else t
-                key = (t.device, storage._cdata, t._version)
-                self._exact[key] = (StorageWeakRef(storage), weakref.ref(root))
+                entry = (StorageWeakRef(storage), weakref.ref(root), t._version)
+                self._exact[t.device, storage._cdata] = entry
 
     def saved_exactly(self, t: torch.Tensor) -> bool:
         """Whether ``t``'s storage, at its version, was saved exactly (see :meth:`note_exact`)."""
@@ -210,8 +228,8 @@ class Codec:
         storage = storage_of(t)
         if storage is None:
             return False
-        hit = self._exact.get((t.device, storage._cdata, t._version))
-        return hit is not None and _same_storage(hit, t)
+        hit = self._exact.get((t.device, storage._cdata))
+        return hit is not None and hit[2] == t._version and _same_storage(hit, t)
 
     def pack(
         self,

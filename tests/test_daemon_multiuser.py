@@ -254,3 +254,11 @@ def test_only_the_daemons_uid_or_root_may_stop_it(shared: Shared) -> None:
     assert d.proc is not None and d.proc.poll() is None, "the daemon stopped"
     r, got = shared.mine.read(shared.block)
     assert r.status == 0 and got == shared.data  # root's session kept its block throughout
+
+
+def test_the_quota_is_per_user(shared: Shared) -> None:
+    """Two sessions of the allowed user together hold at most the quota (four big chunks); root's
+    block does not count against it."""
+    q = shared.part("quota")
+    assert q["a"] == [0, 0, 0] and q["b"] == [0, errno.EDQUOT], q
+    assert "per user" in q["b_why"] and f"uid {USER}" in q["b_why"], q

@@ -58,8 +58,9 @@ class DaemonConfig:
     directory of the embedded engine. (The training side's ``ssd_dirs`` do not apply here.)"""
 
     quota_bytes: int = 0
-    """Disk bytes one session may hold at once; a write past it is refused and the client keeps
-    that chunk in memory. 0: no quota."""
+    """Disk bytes per user: what all the sessions of one uid may hold at once, together (a
+    client may open many sessions). A write past it is refused and the client keeps that chunk
+    in memory. 0: no quota."""
 
     checksum: Checksum = "xxh3"
     """Per-chunk checksum computed on write and verified on read: ``xxh3`` (the xxhash package, a

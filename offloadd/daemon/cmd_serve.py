@@ -34,7 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="offload directory (repeatable), created (mode 0700) if missing",
     )
-    p.add_argument("--quota-bytes", help="disk bytes one session may hold (e.g. 8GiB; 0: none)")
+    p.add_argument(
+        "--quota-bytes",
+        help="disk bytes the sessions of one user may hold together (e.g. 8GiB; 0: none)",
+    )
     p.add_argument("--checksum", choices=["xxh3", "crc32", "none"], help="per-chunk checksum")
     p.add_argument("--io-threads", type=int, help="requests in flight at once")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")

@@ -29,7 +29,14 @@ from typing import TYPE_CHECKING
 from offloadd.daemon import protocol as proto
 from offloadd.daemon.connection import Connection
 from offloadd.daemon.scheduler import Job
-from offloadd.daemon.session import Block, Session, SessionError, check_memfd, create_memfd
+from offloadd.daemon.session import (
+    Account,
+    Block,
+    Session,
+    SessionError,
+    check_memfd,
+    create_memfd,
+)
 from offloadd.daemon.trust import administers, own_uid
 from offloadd.io.buffers import ALIGN
 from offloadd.io.files import SlotFile
@@ -54,6 +61,8 @@ class Handlers:
         self.server = server
         self.sessions: dict[int, Session] = {}
         self.block_owner: dict[int, int] = {}  # block id -> session id
+        # uid -> the disk bytes of its sessions (see session.py [quota per user])
+        self.accounts: dict[int, Account] = {}
         self._session_ids = itertools.count(1)
         self._block_ids = itertools.count(1)
 
@@ -149,6 +158,7 @@ class Handlers:
         else:
             shm_fd = create_memfd(shm_bytes, f"offloadd-session-{sid}")
         files: list[SlotFile] = []
+        account = self.accounts.get(conn.uid) or Account(conn.uid, cfg.quota_bytes)
         try:
             for d in self.server.dirs:
                 files.append(SlotFile(d, chunk, cfg.direct_io))
@@ -161,7 +171,7 @@ class Handlers:
                 shm_fd=shm_fd,
                 shm_bytes=shm_bytes,
                 files=files,
-                quota_bytes=cfg.quota_bytes,
+                account=account,
             )
             s.map()
         except (OSError, ValueError) as e:
@@ -172,6 +182,8 @@ class Handlers:
             return
         conn.session = s
         self.sessions[sid] = s
+        account.sessions += 1
+        self.accounts[conn.uid] = account
         self.server.scheduler.add(sid)
         info = {
             "session": sid,
@@ -180,7 +192,7 @@ class Handlers:
             "files": [f.directory for f in files],
             "buffered": [not f.direct for f in files],
             "checksum": cfg.checksum,
-            "quota_bytes": cfg.quota_bytes,
+            "quota_bytes": cfg.quota_bytes,  # per user: see session [quota per user]
         }
         doc = json.dumps(info).encode()
         conn.send(
@@ -204,6 +216,9 @@ class Handlers:
             self.block_owner.pop(bid, None)
         held = s.used_bytes
         s.close()
+        s.account.sessions -= 1
+        if s.account.sessions == 0:
+            del self.accounts[s.uid]
         log.info("session %d ended; freed %d bytes", s.id, held)
 
     # -- commands --------------------------------------------------------------------------

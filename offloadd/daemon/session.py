@@ -7,6 +7,11 @@ and when the daemon dies the client still holds its files and reads its blocks b
 embedded fallback). When the client dies, the daemon closes the session's files and the kernel
 frees the space at once: no name exists to leave behind.
 
+Note: [quota per user] ``quota_bytes`` bounds the disk bytes held by all sessions of one uid
+together, not by each session: a client may open up to ``max_sessions`` sessions, so a bound per
+session would bound nothing. The sessions of a uid share one :class:`Account`, charged when a
+write gets its slot and credited when the slot is given back or the session's files are closed.
+
 Note: [sealed memory] The daemon creates the shared memory as a memfd sealed against shrinking
 and growing, so a client cannot truncate it under the daemon's mapping (which would kill the
 daemon with SIGBUS). A reconnecting client may offer the memfd of its previous session instead
@@ -26,7 +31,7 @@ from dataclasses import dataclass, field
 from offloadd.io.buffers import ALIGN
 from offloadd.io.files import SlotFile
 
-__all__ = ["Block", "Session", "SessionError", "create_memfd", "check_memfd"]
+__all__ = ["Account", "Block", "Session", "SessionError", "check_memfd", "create_memfd"]
 
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
@@ -80,6 +85,16 @@ class Block:
 
 
 @dataclass(slots=True)
+class Account:
+    """The disk bytes all sessions of one uid hold, against the quota (see [quota per user])."""
+
+    uid: int
+    quota_bytes: int  # 0: none
+    used_bytes: int = 0
+    sessions: int = 0
+
+
+@dataclass(slots=True)
 class Session:
     """A connected client's session. All fields are touched on the event loop only."""
 
@@ -91,7 +106,7 @@ class Session:
     shm_fd: int
     shm_bytes: int
     files: list[SlotFile]
-    quota_bytes: int
+    account: Account  # shared by the sessions of this uid
     blocks: dict[int, Block] = field(default_factory=dict)
     used_bytes: int = 0
     inflight: int = 0  # requests in the engine
@@ -132,27 +147,35 @@ class Session:
             )
 
     def alloc(self) -> tuple[int, int]:
-        """A disk slot (file index, offset), striping over the files, honouring the quota."""
-        if self.quota_bytes and self.used_bytes + self.chunk_bytes > self.quota_bytes:
+        """A disk slot (file index, offset), striping over the files, within the quota of the
+        session's uid (see [quota per user])."""
+        acct = self.account
+        if acct.quota_bytes and acct.used_bytes + self.chunk_bytes > acct.quota_bytes:
             raise SessionError(
                 errno.EDQUOT,
-                f"session quota of {self.quota_bytes} bytes exceeded (holding {self.used_bytes})",
+                f"quota of {acct.quota_bytes} bytes per user exceeded: the {acct.sessions} "
+                f"session(s) of uid {acct.uid} hold {acct.used_bytes} bytes (this one "
+                f"{self.used_bytes}), a chunk is {self.chunk_bytes}",
             )
         i = self.next_file
         self.next_file = (i + 1) % len(self.files)
         self.used_bytes += self.chunk_bytes
+        acct.used_bytes += self.chunk_bytes
         return i, self.files[i].alloc()
 
     def release(self, file: int, offset: int) -> None:
         self.files[file].free(offset)
         self.used_bytes -= self.chunk_bytes
+        self.account.used_bytes -= self.chunk_bytes
 
     def close(self) -> None:
-        """Close the files (the kernel frees their space) and the shared memory."""
+        """Close the files (the kernel frees their space) and the shared memory; the bytes
+        they held are credited back to the account."""
         for f in self.files:
             f.close()
         self.files = []
         self.blocks.clear()
+        self.account.used_bytes -= self.used_bytes
         self.used_bytes = 0
         self._window = None
         if self._mmap is not None:

@@ -129,7 +129,8 @@ class Status:
                     "uid": s.uid,
                     "bytes_held": s.used_bytes,
                     "blocks": len(s.blocks),
-                    "quota_bytes": s.quota_bytes,
+                    "quota_bytes": s.account.quota_bytes,  # per user
+                    "user_bytes_held": s.account.used_bytes,  # by all sessions of its uid
                     "shm_bytes": s.shm_bytes,
                     "bytes_written": s.bytes_written,
                     "bytes_read": s.bytes_read,

@@ -262,3 +262,16 @@ def test_the_quota_is_per_user(shared: Shared) -> None:
     q = shared.part("quota")
     assert q["a"] == [0, 0, 0] and q["b"] == [0, errno.EDQUOT], q
     assert "per user" in q["b_why"] and f"uid {USER}" in q["b_why"], q
+
+
+def test_clients_get_read_only_descriptors(shared: Shared) -> None:
+    """The session's files reach the client open for reading only (a write fails with EBADF:
+    no writing past the quota through them), with O_DIRECT where the daemon's own descriptor
+    has it, and a block the daemon wrote reads back through them (the path after a daemon
+    loss)."""
+    got = shared.part("descriptors")
+    assert got["files"], got
+    for f in got["files"]:
+        assert f["write_errno"] == errno.EBADF and f["read_only"], got
+        assert f["direct"] == (not f["buffered"]), got
+    assert got["read_back"], got

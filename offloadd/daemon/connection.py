@@ -35,17 +35,23 @@ class Connection:
         self.pid = pid
         self.identity = ""
         self.inbuf = bytearray()
-        self.out: deque[tuple[bytes, list[int]]] = deque()
+        # (bytes, descriptors to pass with them, those of them to close once sent)
+        self.out: deque[tuple[bytes, list[int], list[int]]] = deque()
         self.out_bytes = 0
         self.writing = False
         self.hello = False
         self.session: Session | None = None
         self.closed = False
 
-    def send(self, data: bytes, fds: list[int] | None = None) -> None:
+    def send(
+        self, data: bytes, fds: list[int] | None = None, *, then_close: list[int] | None = None
+    ) -> None:
+        """Send ``data`` with ``fds`` (SCM_RIGHTS). ``then_close``: those of ``fds`` opened for
+        this message alone, closed once sent, or when the connection is dropped."""
         if self.closed:
+            close_all(list(then_close or []))
             return
-        self.out.append((data, fds or []))
+        self.out.append((data, fds or [], list(then_close or [])))
         self.out_bytes += len(data)
         if self.out_bytes > MAX_OUTBUF:
             self.server.drop(self, f"{self.out_bytes} bytes of replies not read; dropping")
@@ -57,7 +63,7 @@ class Connection:
 
     def flush(self) -> None:
         while self.out and not self.closed:
-            data, fds = self.out[0]
+            data, fds, then_close = self.out[0]
             try:
                 if fds:
                     anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
@@ -72,8 +78,9 @@ class Connection:
             if n == 0:
                 break
             self.out_bytes -= n
+            close_all(then_close)  # went with the first byte: the receiver has its copies
             if n < len(data):
-                self.out[0] = (data[n:], [])  # descriptors went with the first byte
+                self.out[0] = (data[n:], [], [])  # descriptors went with the first byte
                 break
             self.out.popleft()
         want = bool(self.out) and not self.closed
@@ -84,6 +91,13 @@ class Connection:
             else:
                 loop.remove_writer(self.sock.fileno())
             self.writing = want
+
+    def discard(self) -> None:
+        """The connection is dropped: forget what was not sent, closing descriptors of ours."""
+        for _data, _fds, then_close in self.out:
+            close_all(then_close)
+        self.out.clear()
+        self.out_bytes = 0
 
 
 def fds_of(anc: list[tuple[int, int, bytes]]) -> list[int]:

@@ -223,6 +223,7 @@ class Server:
         if conn.writing:
             self.loop.remove_writer(fd)
         conn.sock.close()
+        conn.discard()
         self.conns.discard(conn)
         if conn.session is not None:
             self.handlers.end_session(conn.session)

@@ -27,7 +27,7 @@ import os
 from typing import TYPE_CHECKING
 
 from offloadd.daemon import protocol as proto
-from offloadd.daemon.connection import Connection
+from offloadd.daemon.connection import Connection, close_all
 from offloadd.daemon.scheduler import Job
 from offloadd.daemon.session import (
     Account,
@@ -36,6 +36,7 @@ from offloadd.daemon.session import (
     SessionError,
     check_memfd,
     create_memfd,
+    read_only_descriptor,
 )
 from offloadd.daemon.trust import administers, own_uid
 from offloadd.io.buffers import ALIGN
@@ -158,10 +159,12 @@ class Handlers:
         else:
             shm_fd = create_memfd(shm_bytes, f"offloadd-session-{sid}")
         files: list[SlotFile] = []
+        theirs: list[int] = []  # the client's read-only descriptors of them
         account = self.accounts.get(conn.uid) or Account(conn.uid, cfg.quota_bytes)
         try:
             for d in self.server.dirs:
                 files.append(SlotFile(d, chunk, cfg.direct_io))
+                theirs.append(read_only_descriptor(files[-1]))  # session [per-session files]
             s = Session(
                 id=sid,
                 identity=conn.identity,
@@ -177,6 +180,7 @@ class Handlers:
         except (OSError, ValueError) as e:
             for f in files:
                 f.close()
+            close_all(theirs)
             os.close(shm_fd)
             conn.reply(proto.Reply(msg.req, errno.EIO, tail=f"cannot open a session: {e}".encode()))
             return
@@ -197,7 +201,8 @@ class Handlers:
         doc = json.dumps(info).encode()
         conn.send(
             proto.encode_reply(proto.Reply(msg.req, value=sid, tail=doc)),
-            [shm_fd] + [f.fd for f in files],
+            [shm_fd, *theirs],
+            then_close=theirs,
         )
         log.info("session %d opened by pid %d %r", sid, conn.pid, conn.identity)
 

@@ -1,11 +1,20 @@
 """One client's state in the daemon: its shared memory, its offload files and its blocks.
 
-Note: [per-session files] Each session gets its own unnamed file per offload directory, and its
-descriptors are passed to the client with the shared memory. A session therefore never shares a
-file with another one: it cannot reach another session's bytes even with its own descriptors,
-and when the daemon dies the client still holds its files and reads its blocks back itself (the
-embedded fallback). When the client dies, the daemon closes the session's files and the kernel
-frees the space at once: no name exists to leave behind.
+Note: [per-session files] Each session gets its own unnamed file per offload directory, and
+descriptors of them are passed to the client with the shared memory. A session therefore never
+shares a file with another one: it cannot reach another session's bytes even with its own
+descriptors, and when the daemon dies the client still holds its files and reads its blocks back
+itself (the embedded fallback). When the client dies, the daemon closes the session's files and
+the kernel frees the space at once: no name exists to leave behind.
+
+The client's descriptors are open for reading only (:func:`read_only_descriptor`): the loss path
+only reads, and a writable one would let a client write past its quota (see [quota per user]),
+or over its blocks behind their checksums. They are new opens of the same files through
+``/proc/self/fd`` (which works for unnamed O_TMPFILE files too), with O_DIRECT where the daemon's
+own descriptor has it, so the client reads with the same alignment rules as before; and as
+separate open file descriptions, a change of flags by the client (``fcntl(F_SETFL)``) no longer
+reaches the daemon's. A client of the daemon's own uid could still reopen ``/proc/self/fd/N``
+for writing (the files are 0600, the daemon's uid's); one of another uid cannot.
 
 Note: [quota per user] ``quota_bytes`` bounds the disk bytes held by all sessions of one uid
 together, not by each session: a client may open up to ``max_sessions`` sessions, so a bound per
@@ -31,7 +40,15 @@ from dataclasses import dataclass, field
 from offloadd.io.buffers import ALIGN
 from offloadd.io.files import SlotFile
 
-__all__ = ["Account", "Block", "Session", "SessionError", "check_memfd", "create_memfd"]
+__all__ = [
+    "Account",
+    "Block",
+    "Session",
+    "SessionError",
+    "check_memfd",
+    "create_memfd",
+    "read_only_descriptor",
+]
 
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
@@ -54,6 +71,13 @@ def create_memfd(nbytes: int, name: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def read_only_descriptor(f: SlotFile) -> int:
+    """A new descriptor of ``f``'s file, open for reading only, with O_DIRECT as ``f`` has it,
+    for the client (see [per-session files]). Raises OSError (no /proc, say)."""
+    flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if f.direct else 0)
+    return os.open(f"/proc/self/fd/{f.fd}", flags)
 
 
 def check_memfd(fd: int, low: int, high: int) -> int:

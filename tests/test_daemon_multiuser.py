@@ -238,8 +238,8 @@ def test_allowed_uids_open_the_socket_to_them_alone(shared: Shared) -> None:
 
 
 def test_stats_shows_another_user_its_own_sessions_only(shared: Shared) -> None:
-    """The allowed user's STATS lists its own sessions and errors, not root's; root's lists
-    everything."""
+    """The allowed user's STATS lists its own sessions only, and none of the recent errors
+    (they name other clients); root's lists everything."""
     stats = shared.part("stats")
     assert stats["uids"] == [USER] and stats["errors"] == [], stats
     doc = shared.daemon.status()  # root's view

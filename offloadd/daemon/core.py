@@ -215,7 +215,7 @@ class Server:
         if error:
             log.error("dropping connection of %s: %s", who, why)
             self.status.totals["dropped_connections"] += 1
-            self.status.error(f"{who}: {why}", conn.uid)
+            self.status.error(f"{who}: {why}")
         else:
             log.info("connection of %s closed: %s", who, why)
         fd = conn.sock.fileno()

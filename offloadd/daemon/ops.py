@@ -315,5 +315,5 @@ class Handlers:
         self.server.status.totals["io_errors"] += 1
         what = f"session {s.id} {job.kind.name.lower()}: {job.message}"
         log.error("%s", what)
-        self.server.status.error(what, s.uid)
+        self.server.status.error(what)
         job.conn.reply(proto.Reply(job.req, job.status, job.block_id, tail=job.message.encode()))

@@ -43,7 +43,7 @@ class Status:
         self.server = server
         self.started = time.time()
         self.totals = collections.Counter[str]()
-        self.errors: deque[tuple[int, str]] = deque(maxlen=20)  # (uid concerned, text)
+        self.errors: deque[str] = deque(maxlen=20)
         self.status_doc: dict[str, Any] = {}  # the last sample's document, for the metrics thread
         self._samples: deque[tuple[float, int, int]] = deque(maxlen=11)
         self._sampler: asyncio.TimerHandle | None = None
@@ -52,10 +52,9 @@ class Status:
         self._dirs_at = time.monotonic()
         self._probe_since: float | None = None  # when the probe now running started
 
-    def error(self, text: str, uid: int) -> None:
-        """Keep ``text``, with the time of day, among the recent errors that ``status`` lists
-        (to ``uid``, the client's whose connection or session it concerns, and the daemon's)."""
-        self.errors.append((uid, f"{time.strftime('%H:%M:%S')} {text}"))
+    def error(self, text: str) -> None:
+        """Keep ``text``, with the time of day, among the recent errors that ``status`` lists."""
+        self.errors.append(f"{time.strftime('%H:%M:%S')} {text}")
 
     def start(self) -> None:
         """Take the first sample; one follows every second until :meth:`stop`. The first one
@@ -99,8 +98,9 @@ class Status:
         """Everything ``offloadd status --json`` shows (and the metrics endpoint exports).
 
         ``only_uid``: the view of a client that does not administer the daemon (see
-        offloadd/daemon/trust.py [who trusts whom]): the sessions, the bytes they hold and the
-        recent errors are that uid's alone; the daemon-wide figures stay."""
+        offloadd/daemon/trust.py [who trusts whom]): the sessions and the bytes they hold are
+        that uid's alone, and the recent errors, which name other clients' pids and
+        identities, are left out; the daemon-wide figures stay."""
         server = self.server
         write_bps = read_bps = 0.0
         if len(self._samples) >= 2:
@@ -154,7 +154,7 @@ class Status:
             "refused_requests": self.totals["refused_requests"],
             "dropped_connections": self.totals["dropped_connections"],
             "refused_connections": self.totals["refused_connections"],
-            "recent_errors": [e for uid, e in self.errors if only_uid in (None, uid)],
+            "recent_errors": list(self.errors) if only_uid is None else [],
             "only_uid": only_uid,
         }
 

@@ -27,7 +27,8 @@ only one trusted, before it binds (so it refuses ``/tmp`` itself, which it would
 0700), and then sets the directory's mode. Whom it accepts is checked at each connection: its own
 uid and ``allowed_uids`` (SO_PEERCRED again). Of those, only its own uid and root administer it
 (:func:`administers`): STOP from any other is refused with EPERM, and STATS shows any other only
-its own sessions and the errors of its own connections.
+its own sessions, without the recent errors (they name other clients' pids and identities; its
+own errors come back to it in the replies).
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@
 #
 # Run it as the training jobs' user (--user): the daemon accepts only its own uid (SO_PEERCRED)
 # unless allowed_uids says otherwise, and the socket directory (first volume) must be that
-# user's, mode 0700. Ranks receive their shared memory and file descriptors over the socket, so
+# user's and not writable by group or others (the daemon makes it 0700, or 0711 with
+# allowed_uids, whose clients then set trusted_uids to this user's uid). Ranks receive their shared memory and file descriptors over the socket, so
 # no --ipc or /dev/shm sharing is needed. The I/O engine is a thread pool (no io_uring, which
 # Docker's default seccomp profile blocks).
 FROM python:3.11-slim

@@ -142,7 +142,7 @@ def test_config_files_document_every_key() -> None:
     with (ROOT / "configs" / "daemon.toml").open("rb") as f:
         daemon = tomllib.load(f)
     assert set(default["offload"]) == {f.name for f in fields(Config)} - {"daemon"}
-    assert set(default["daemon"]) == {"socket"}  # the one key the training side reads
+    assert set(default["daemon"]) == {"socket", "trusted_uids"}  # what the training side reads
     assert set(daemon) == {"daemon"}
     assert set(daemon["daemon"]) == {f.name for f in fields(DaemonConfig)}
     assert Config.from_toml(ROOT / "configs" / "daemon.toml") == Config()

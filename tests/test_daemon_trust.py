@@ -172,6 +172,26 @@ def test_trusted_uids_opt_in(
     assert len(got) == 1 and bytes.fromhex(got[0])[5:9] == b"OFLD", got
 
 
+def test_trusted_uids_from_the_offloader_s_own_config(
+    place: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Offloader(daemon={"trusted_uids": [...]})`` is what the Offloader trusts, not only the
+    environment's ``OFFLOADD_DAEMON_TRUSTED_UIDS``."""
+    path = str(place / "daemon.sock")
+    monkeypatch.delenv("OFFLOADD_DAEMON_TRUSTED_UIDS", raising=False)
+    listener = Listener(path, OTHER_UID)
+    try:
+        with pytest.raises(DaemonError, match="closed the connection"):
+            Offloader(
+                tier="ssd",
+                ssd_dirs=[str(tmp_path)],
+                daemon={"socket": path, "trusted_uids": [OTHER_UID]},
+            )
+    finally:
+        got = listener.received()
+    assert len(got) == 1 and bytes.fromhex(got[0])[5:9] == b"OFLD", got
+
+
 def test_the_daemon_refuses_a_directory_others_may_write(tmp_path: Path) -> None:
     """The daemon applies the same rule to its socket's directory (it once made /tmp 0700)."""
     run = tmp_path / "run"

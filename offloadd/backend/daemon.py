@@ -60,6 +60,7 @@ class DaemonBackend(Ending):
 
     def __init__(self, config: Config, warn: Callable[[str, str], None]) -> None:
         self.socket_path = config.daemon.socket
+        self.trusted_uids = config.daemon.trusted_uids  # see [who trusts whom] in daemon/trust.py
         self._path = f"daemon:{self.socket_path}"
         self.chunk_bytes = config.chunk_bytes
         slots = max(1, config.staging_bytes // config.chunk_bytes)
@@ -109,7 +110,12 @@ class DaemonBackend(Ending):
 
     def _connect(self) -> Generation:
         sock, info, fds, self._buffer = open_session(
-            self.socket_path, self.chunk_bytes, self.staging_bytes, self.read_bytes, self._buffer
+            self.socket_path,
+            self.chunk_bytes,
+            self.staging_bytes,
+            self.read_bytes,
+            self._buffer,
+            self.trusted_uids,
         )
         self.buffered = any(info["buffered"])
         sock.settimeout(None)

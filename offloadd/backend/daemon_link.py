@@ -12,7 +12,6 @@ import json
 import os
 import queue
 import socket
-import struct
 import sys
 import threading
 from collections.abc import Callable, Collection
@@ -83,8 +82,7 @@ def peer_state(sock: socket.socket) -> str:
     """``pid N, <state>`` of the process at the other end of a Unix socket (its credentials,
     SO_PEERCRED; the state as psutil reads it: running, sleeping, stopped...), or why not."""
     try:
-        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        pid = struct.unpack("3i", raw)[0]
+        pid = peer_credentials(sock)[0]
         return f"pid {pid}, {psutil.Process(pid).status()}"
     except (OSError, AttributeError, psutil.Error) as e:  # no SO_PEERCRED off Linux; gone
         return f"its process not known: {e}"
@@ -205,12 +203,18 @@ class Placed:
 
 
 def open_session(
-    path: str, chunk_bytes: int, staging_bytes: int, read_bytes: int, buffer: AlignedBuffer | None
+    path: str,
+    chunk_bytes: int,
+    staging_bytes: int,
+    read_bytes: int,
+    buffer: AlignedBuffer | None,
+    trusted_uids: Collection[int],
 ) -> tuple[socket.socket, dict[str, Any], list[int], AlignedBuffer]:
     """Open a session: (socket, the daemon's session info, its files' descriptors, the shared
     memory). ``buffer``: the shared memory of an earlier session, offered again after a
-    reconnect (None: the daemon creates it)."""
-    sock = connect_control(path)
+    reconnect (None: the daemon creates it). ``trusted_uids``: the configuration's
+    ``daemon.trusted_uids`` (see [who trusts whom] in offloadd/daemon/trust.py)."""
+    sock = connect_control(path, trusted_uids=trusted_uids)
     fds: list[int] = []
     try:
         attach = buffer is not None

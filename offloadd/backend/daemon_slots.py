@@ -18,14 +18,13 @@ A daemon whose process cannot be identified (another pid namespace) keeps its sl
 from __future__ import annotations
 
 import socket
-import struct
 from dataclasses import dataclass
 
 import psutil
 
-__all__ = ["DaemonProcess", "ReadSlots"]
+from offloadd.daemon.trust import peer_credentials
 
-_UCRED = struct.Struct("3i")
+__all__ = ["DaemonProcess", "ReadSlots"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,8 +38,7 @@ class DaemonProcess:
     def of(cls, sock: socket.socket) -> DaemonProcess | None:
         """The peer of ``sock`` (SO_PEERCRED), or None where it cannot be identified."""
         try:
-            raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-            pid = _UCRED.unpack(raw)[0]
+            pid = peer_credentials(sock)[0]
             if pid <= 0:  # a peer in a pid namespace we cannot see
                 return None
             return cls(pid, psutil.Process(pid).create_time())

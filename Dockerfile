@@ -1,6 +1,7 @@
 # offloadd daemon: one I/O service per node, shared by every training rank on it.
 #
 #   docker build -t offloadd .
+#   mkdir -p -m 0700 /run/user/$(id -u)/offloadd   # the socket's directory: yours, 0700
 #   docker run -d --name offloadd --user "$(id -u):$(id -g)" \
 #       -v /run/user/$(id -u)/offloadd:/run/offloadd \
 #       -v /mnt/nvme0/offloadd:/nvme0 -v /mnt/nvme1/offloadd:/nvme1 \
@@ -12,11 +13,13 @@
 # variables (docker run -e), then the options given after the image name.
 #
 # Run it as the training jobs' user (--user): the daemon accepts only its own uid (SO_PEERCRED)
-# unless allowed_uids says otherwise, and the socket directory (first volume) must be that
-# user's and not writable by group or others (the daemon makes it 0700, or 0711 with
-# allowed_uids, whose clients then set trusted_uids to this user's uid). Ranks receive their shared memory and file descriptors over the socket, so
-# no --ipc or /dev/shm sharing is needed. The I/O engine is a thread pool (no io_uring, which
-# Docker's default seccomp profile blocks).
+# unless allowed_uids says otherwise (whose clients then set trusted_uids to this user's uid).
+# The socket directory (first volume) must be that user's, not writable by group or others and
+# not a symbolic link; it exists (a volume), so the daemon leaves its mode as it is: make it
+# 0700, or 0711 for allowed_uids to reach the socket (0600, or 0666 with allowed_uids). Ranks
+# receive their shared memory and file descriptors over the socket, so no --ipc or /dev/shm
+# sharing is needed. The I/O engine is a thread pool (no io_uring, which Docker's default seccomp
+# profile blocks).
 FROM python:3.11-slim
 
 # The daemon needs torch only as a host-memory library: the CPU wheel is enough.

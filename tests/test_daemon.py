@@ -41,6 +41,30 @@ def test_socket_and_directory_permissions(daemon: DaemonProc) -> None:
     assert stat.S_IMODE(os.stat(os.path.dirname(daemon.socket)).st_mode) == 0o700
 
 
+def test_an_existing_socket_directory_keeps_its_mode(
+    own_daemon: Callable[..., DaemonProc],
+) -> None:
+    """The daemon sets the mode only of a socket directory it creates. One that exists (a home
+    directory: ``--socket ~/d.sock``) and passes the trust rule is used as it is: the socket's
+    own mode and the uid check at accept keep the others out. With allowed_uids, a directory
+    they cannot pass through is logged as such."""
+    d = own_daemon()
+    run = Path(d.socket).parent
+    run.mkdir()
+    os.chmod(run, 0o755)
+    d.start()
+    assert stat.S_IMODE(os.stat(run).st_mode) == 0o755
+    assert stat.S_IMODE(os.stat(d.socket).st_mode) == 0o600
+    assert d.stop() == 0
+    os.chmod(run, 0o700)
+    allowed = own_daemon("--config", str(_toml(d.root, "[daemon]\nallowed_uids = [65534]")))
+    allowed.start()
+    assert stat.S_IMODE(os.stat(run).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(allowed.socket).st_mode) == 0o666
+    log = allowed.log_text()
+    assert "allowed_uids cannot reach" in log and f"{str(run)!r} (mode 0700)" in log, log
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another user")
 def test_peer_uid_is_checked(own_daemon: Callable[..., DaemonProc]) -> None:
     """SO_PEERCRED: a foreign uid is refused even when file permissions would let it in."""

@@ -16,6 +16,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -206,6 +207,74 @@ def test_the_daemon_refuses_a_directory_others_may_write(tmp_path: Path) -> None
             d.stop()
     assert stat.S_IMODE(os.stat(run).st_mode) == 0o1777  # left as it was
     assert not os.path.exists(d.socket)
+
+
+def _link_to_a_directory_of_ours(where: Path) -> tuple[Path, Path]:
+    """``where/run``: a symbolic link, another user's, to ``where/victim``, a directory of this
+    uid's (mode 0755, as /etc is), made before the daemon starts: the default socket directory
+    ``/tmp/offloadd-run-$UID`` lies where any local user may create it first."""
+    victim = where / "victim"
+    victim.mkdir()
+    os.chmod(victim, 0o755)
+    link = where / "run"
+    link.symlink_to(victim)
+    os.lchown(link, OTHER_UID, OTHER_UID)
+    return link, victim
+
+
+@pytest.mark.parametrize("named_by", ["option", "setting"])
+def test_the_daemon_refuses_a_socket_directory_that_is_a_symbolic_link(
+    tmp_path: Path, named_by: str
+) -> None:
+    """The daemon neither follows the link nor changes the directory it points to (it once made
+    it 0700 and bound its socket there), whether ``--socket`` or ``daemon.socket`` names it."""
+    link, victim = _link_to_a_directory_of_ours(tmp_path)
+    data = tmp_path / "data"
+    data.mkdir()
+    sock = str(link / "daemon.sock")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OFFLOADD")}
+    args = ["--dir", str(data)]
+    if named_by == "option":
+        args += ["--socket", sock]
+    else:
+        env["OFFLOADD_DAEMON_SOCKET"] = sock
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "offloadd", "serve", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and not any(victim.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if proc.poll() is None:
+        proc.kill()  # it serves (or hangs): the checks below say what it did
+    out, _ = proc.communicate(timeout=30)
+    assert stat.S_IMODE(os.stat(victim).st_mode) == 0o755, out  # left as it was
+    assert not list(victim.iterdir()), out  # no socket bound in it
+    assert proc.returncode == 2, out
+    assert f"{str(link)!r} is a symbolic link" in out, out
+
+
+def test_a_socket_directory_that_is_a_symbolic_link_is_refused(
+    place: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Clients refuse it too, before connecting, even where it points to a directory they would
+    trust: whoever made the link may point it elsewhere."""
+    real = place / "real"
+    real.mkdir(mode=0o700)
+    link = place / "link"
+    link.symlink_to(real)
+    os.lchown(link, OTHER_UID, OTHER_UID)
+    listener = Listener(str(real / "daemon.sock"), os.geteuid())
+    try:
+        errors = _clients(str(link / "daemon.sock"), tmp_path, capsys)
+    finally:
+        got = listener.received()
+    assert not any(got), f"the listener received {got}"
+    for e in errors:
+        assert f"{str(link)!r} is a symbolic link" in e, e
 
 
 def test_a_relative_socket_path_is_checked_in_the_current_directory(tmp_path: Path) -> None:

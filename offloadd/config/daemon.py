@@ -44,9 +44,10 @@ class DaemonConfig:
     """How ``offloadd serve`` runs and where clients find it. Every field has a working default."""
 
     socket: str = ""
-    """Unix socket path. The daemon listens on it (its directory is made 0700 and the socket
-    0600; 0711 and 0666 with ``allowed_uids``); the training side, when it is set and the tier
-    is ``ssd``, has the daemon there do its I/O: staging memory is shared with it, and
+    """Unix socket path. The daemon listens on it (the socket 0600, 0666 with ``allowed_uids``;
+    a missing directory is created 0700, 0711 with ``allowed_uids``, an existing one is used as
+    it is, and one that is a symbolic link is refused); the training side, when it is set and
+    the tier is ``ssd``, has the daemon there do its I/O: staging memory is shared with it, and
     ``ssd_dirs``/``engine``/``io_threads``/``direct_io`` are the daemon's business (an
     unreachable or untrusted daemon raises at the Offloader's construction; see
     ``trusted_uids``).
@@ -68,7 +69,8 @@ class DaemonConfig:
 
     allowed_uids: tuple[int, ...] = ()
     """User ids besides the daemon's own that may connect (checked with SO_PEERCRED). When set,
-    the socket's directory is made 0711 and the socket 0666, and the SO_PEERCRED check alone
+    the socket is 0666 and a socket directory the daemon creates is 0711 (an existing one keeps
+    its mode, with a warning if others may not pass through it), and the SO_PEERCRED check alone
     keeps other users out (see offloadd/daemon/core.py [socket modes])."""
 
     trusted_uids: tuple[int, ...] = ()

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from pathlib import Path
 
 from offloadd.cli_dirs import ready_dir, ready_parent
 from offloadd.config import DaemonConfig, load_daemon, parse_size
@@ -24,8 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--socket",
-        help="Unix socket path, its directory created (mode 0700) if missing (default: "
-        "$OFFLOADD_DAEMON_SOCKET, else per-user runtime directory)",
+        help="Unix socket path, its directory created (mode 0700, 0711 with allowed_uids) if "
+        "missing, else used as it is (default: $OFFLOADD_DAEMON_SOCKET, else per-user runtime "
+        "directory)",
     )
     p.add_argument(
         "--dir",
@@ -69,11 +72,14 @@ def main(ns: argparse.Namespace) -> int:
         # line] in cli_dirs.py); the settings file's dirs are checked by the daemon, not made.
         for d in ns.dirs or ():
             ready_dir("--dir", d)
+        made = None  # the socket's directory, if made here: the daemon sets its mode
         if ns.socket:
+            parent = Path(ns.socket).expanduser().parent
+            made = None if os.path.lexists(parent) else str(parent)
             ready_parent("--socket", ns.socket)
         from offloadd.daemon.core import serve
 
-        return serve(cfg)
+        return serve(cfg, made_socket_dir=made)
     except ValueError as e:
         print(f"offloadd serve: {e}", file=sys.stderr)
         return 2

@@ -11,14 +11,22 @@ bounded buffer), and the engine's threads never wait on a client. A client that 
 gets its replies buffered up to a limit and is then dropped; a client that dies is seen as end
 of file. Neither delays any other session.
 
-Note: [socket modes] Without ``allowed_uids`` the socket's directory is made 0700 and the socket
-0600: no other user reaches it. With ``allowed_uids`` the directory is 0711 (other users may pass
-through it, not list it) and the socket 0666: any local user may connect, and the SO_PEERCRED
-check at accept (the daemon's own uid, or one of ``allowed_uids``) keeps the others out before
-a byte of theirs is read; they are logged and counted (``refused_connections``). The
+Note: [socket modes] The socket is 0600 without ``allowed_uids``: no other user reaches it.
+With ``allowed_uids`` it is 0666: any local user may connect, and the SO_PEERCRED check at
+accept (the daemon's own uid, or one of ``allowed_uids``) keeps the others out before a byte of
+theirs is read; they are logged and counted (``refused_connections``). The socket's directory
+must pass the rule of offloadd/daemon/trust.py [who trusts whom] (the daemon's own, not a
+symbolic link, not writable by group or others). Its mode is set only when the daemon created it
+(at this start, or ``offloadd serve --socket`` just before it): 0700, or 0711 with
+``allowed_uids`` (other users may pass through it, not list it). A directory that already
+exists is used as it is, mode included: changing it is not the daemon's business (``--socket
+~/d.sock`` once made a home directory 0700), and the socket's own mode and the uid check are
+what keep others out. With ``allowed_uids``, an existing directory that others may not pass
+through (no o+x) is logged as a warning: the allowed users cannot reach the socket. The
 directories above the socket's must let those users pass too; the daemon leaves them as they
-are. The modes are set at each start, on a directory that passes the rule of
-offloadd/daemon/trust.py [who trusts whom].
+are. Having checked the directory through a descriptor opened without following a link, the
+daemon binds and unlinks its socket through that descriptor (``/proc/self/fd/N/<name>``), so a
+directory swapped in after the check is never used.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ from offloadd.daemon.ops import Handlers
 from offloadd.daemon.scheduler import Scheduler
 from offloadd.daemon.session import SessionError
 from offloadd.daemon.status import Status
-from offloadd.daemon.trust import own_uid, peer_credentials, socket_dir_problem
+from offloadd.daemon.trust import open_socket_dir, own_uid, peer_credentials
 from offloadd.io.buffers import ALIGN
 from offloadd.io.files import SlotFile, default_offload_dir
 from offloadd.io.request import Engine
@@ -63,9 +71,13 @@ def make_engine(config: DaemonConfig) -> Engine:
 class Server:
     """The daemon: its listening socket, its connections, and the parts that answer them."""
 
-    def __init__(self, config: DaemonConfig) -> None:
+    def __init__(self, config: DaemonConfig, made_socket_dir: str | None = None) -> None:
+        """``made_socket_dir``: the socket's directory, when ``offloadd serve --socket`` has just
+        created it (see [socket modes])."""
         self.config = config
         self.socket_path = config.socket_path
+        self._made_dir = made_socket_dir
+        self._dir_fd = -1  # the socket's directory (see [socket modes])
         self.dirs = list(config.dirs) or [default_offload_dir()]
         for d in self.dirs:  # the same checks as the client's ssd_dirs, before binding
             SlotFile(d, ALIGN, config.direct_io).close()
@@ -86,20 +98,37 @@ class Server:
     def listen(self) -> None:
         path = self.socket_path
         directory = os.path.dirname(path) or "."
+        name = os.path.basename(path)
         dir_mode, sock_mode = socket_modes(self.config.allowed_uids)
-        os.makedirs(directory, mode=0o700, exist_ok=True)
+        made = self._make_socket_dir(directory)
         me = own_uid()  # see trust [who trusts whom]: the clients' rule, this uid alone trusted
-        problem = socket_dir_problem(directory, {me}, f"uid {me} (this daemon's)")
-        if problem is not None:
-            raise ValueError(f"socket: {problem}")
-        if stat.S_IMODE(os.stat(directory).st_mode) != dir_mode:
-            os.chmod(directory, dir_mode)
-        if os.path.exists(path):
+        try:
+            fd, st = open_socket_dir(directory, {me}, f"uid {me} (this daemon's)")
+        except ValueError as e:
+            raise ValueError(f"socket: {e}") from None
+        self._dir_fd = fd
+        if made:
+            os.fchmod(fd, dir_mode)
+        elif self.config.allowed_uids and not st.st_mode & stat.S_IXOTH:
+            log.warning(
+                "allowed_uids cannot reach the socket %s: its directory %r (mode %04o) lets no "
+                "other user pass through (o+x); the daemon leaves an existing directory as it "
+                "is: chmod o+x it, or name a socket directory for the daemon to create",
+                path,
+                directory,
+                stat.S_IMODE(st.st_mode),
+            )
+        where = f"/proc/self/fd/{fd}/{name}"  # see [socket modes]: through the checked directory
+        try:
+            os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            pass
+        else:
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                probe.connect(path)
+                probe.connect(where)
             except OSError:
-                os.unlink(path)  # left by a daemon that was killed
+                os.unlink(name, dir_fd=fd)  # left by a daemon that was killed
             else:
                 raise ValueError(f"socket: another daemon is serving {path!r}")
             finally:
@@ -107,10 +136,10 @@ class Server:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
         try:
-            sock.bind(path)
+            sock.bind(where)
         finally:
             os.umask(old)
-        os.chmod(path, sock_mode)
+        os.chmod(where, sock_mode)
         sock.listen(128)
         sock.setblocking(False)
         self._listener = sock
@@ -119,10 +148,26 @@ class Server:
             "serving %s (mode %04o, in a directory of mode %04o) as pid %d, dirs %s",
             path,
             sock_mode,
-            dir_mode,
+            stat.S_IMODE(os.fstat(fd).st_mode),
             os.getpid(),
             ", ".join(self.dirs),
         )
+
+    def _make_socket_dir(self, directory: str) -> bool:
+        """Create the socket's directory if it is missing (those above it as ``mkdir -p`` does,
+        with the umask's mode); whether this daemon created it, here or in ``offloadd serve``
+        (see [socket modes])."""
+        made = self._made_dir
+        if made is not None and os.path.abspath(made) == os.path.abspath(directory):
+            return True
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(directory)), exist_ok=True)
+            os.mkdir(directory, 0o700)
+        except FileExistsError:
+            return False  # a link among them, too: open_socket_dir refuses it
+        except OSError as e:
+            raise ValueError(f"socket: cannot create directory {directory!r}: {e}") from None
+        return True
 
     async def run(self) -> None:
         self.listen()
@@ -143,7 +188,10 @@ class Server:
             self._listener.close()
             self._listener = None
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.socket_path)
+                os.unlink(os.path.basename(self.socket_path), dir_fd=self._dir_fd)
+        if self._dir_fd >= 0:
+            os.close(self._dir_fd)
+            self._dir_fd = -1
         for conn in list(self.conns):
             self.drop(conn, "daemon stopping", error=False)
         sessions = self.handlers.sessions  # see ops [a session ends after its I/O]
@@ -247,11 +295,12 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
     return uvloop.new_event_loop
 
 
-def serve(config: DaemonConfig) -> int:
-    """Run the daemon in the foreground until SIGTERM/SIGINT or ``offloadd stop``."""
+def serve(config: DaemonConfig, made_socket_dir: str | None = None) -> int:
+    """Run the daemon in the foreground until SIGTERM/SIGINT or ``offloadd stop``.
+    ``made_socket_dir``: see :class:`Server`."""
 
     async def main() -> None:
-        server = Server(config)
+        server = Server(config, made_socket_dir)
         metrics = None
         if config.metrics_port:
             from offloadd.daemon.metrics import start_metrics

@@ -12,7 +12,8 @@ client requires:
 
 - the process listening at the socket (SO_PEERCRED: the uid that called ``listen()``) to run as
   the client's own uid, as root, or as a uid of the client's ``daemon.trusted_uids``;
-- the socket's directory to belong to one of those uids and not to be writable by group or
+- the socket's directory to be a directory, not a symbolic link to one (whoever made the link
+  may point it anywhere), to belong to one of those uids and not to be writable by group or
   others: whoever may write there can put a socket of their own in its place
   (:func:`socket_dir_problem`).
 
@@ -23,12 +24,16 @@ is a deliberate setup, so its clients opt in explicitly, ``daemon.trusted_uids =
 [<the service uid>]`` (``OFFLOADD_DAEMON_TRUSTED_UIDS``): nothing about a path proves who made it.
 
 The daemon applies the same directory rule to its own socket's directory, with its own uid as the
-only one trusted, before it binds (so it refuses ``/tmp`` itself, which it would otherwise make
-0700), and then sets the directory's mode. Whom it accepts is checked at each connection: its own
-uid and ``allowed_uids`` (SO_PEERCRED again). Of those, only its own uid and root administer it
-(:func:`administers`): STOP from any other is refused with EPERM, and STATS shows any other only
-its own sessions, without the recent errors (they name other clients' pids and identities; its
-own errors come back to it in the replies).
+only one trusted, before it binds (so it refuses ``/tmp`` itself, and a link another user made
+at ``/tmp/offloadd-run-$UID`` to a directory of the daemon's uid, ``/etc`` for a root daemon). It
+opens the directory without following a link (:func:`open_socket_dir`) and does the rest through
+that descriptor, so what it checked is what it uses. It sets the mode only of a directory it
+created (see offloadd/daemon/core.py [socket modes]): one that exists (a home directory) is used
+as it is. Whom it accepts is checked at each connection: its own uid and ``allowed_uids``
+(SO_PEERCRED again). Of those, only its own uid and root administer it (:func:`administers`):
+STOP from any other is refused with EPERM, and STATS shows any other only its own sessions,
+without the recent errors (they name other clients' pids and identities; its own errors come
+back to it in the replies).
 """
 
 from __future__ import annotations
@@ -39,7 +44,13 @@ import stat
 import struct
 from collections.abc import Collection
 
-__all__ = ["administers", "own_uid", "peer_credentials", "socket_dir_problem"]
+__all__ = [
+    "administers",
+    "open_socket_dir",
+    "own_uid",
+    "peer_credentials",
+    "socket_dir_problem",
+]
 
 _UCRED = struct.Struct("3i")
 
@@ -63,12 +74,29 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     return pid, uid, gid
 
 
-def socket_dir_problem(directory: str, trusted: Collection[int], expected: str) -> str | None:
+def socket_dir_problem(
+    directory: str,
+    trusted: Collection[int],
+    expected: str,
+    st: os.stat_result | None = None,
+) -> str | None:
     """Why ``directory`` may not hold a trusted socket, or None (see [who trusts whom]): it must
-    belong to a uid of ``trusted`` (``expected`` says which, in words) and not be writable by
-    group or others. Raises OSError if it cannot be examined."""
-    st = os.stat(directory)
+    be a directory, not a symbolic link, belong to a uid of ``trusted`` (``expected`` says which,
+    in words) and not be writable by group or others. ``st``: its status as the caller already
+    took it (``fstat`` of a descriptor opened without following a link); else the path itself is
+    examined (``lstat``). Raises OSError if it cannot be examined."""
+    if st is None:
+        st = os.lstat(directory)
     mode = stat.S_IMODE(st.st_mode)
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            target = f" (to {os.readlink(directory)!r})"
+        except OSError:
+            target = ""
+        return (
+            f"directory {directory!r} is a symbolic link{target}: whoever made it may point it "
+            "anywhere; name the directory itself"
+        )
     if not stat.S_ISDIR(st.st_mode):
         return f"{directory!r} is not a directory"
     if st.st_uid not in trusted:
@@ -80,3 +108,29 @@ def socket_dir_problem(directory: str, trusted: Collection[int], expected: str) 
             "its own"
         )
     return None
+
+
+def open_socket_dir(
+    directory: str, trusted: Collection[int], expected: str
+) -> tuple[int, os.stat_result]:
+    """A descriptor of ``directory`` opened without following a symbolic link, and its status,
+    if it passes :func:`socket_dir_problem`; ValueError saying why not (see [who trusts
+    whom])."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        try:  # a link, or no directory: say which
+            problem = socket_dir_problem(directory, trusted, expected)
+        except OSError:
+            problem = None
+        raise ValueError(problem or f"cannot open directory {directory!r}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        problem = socket_dir_problem(directory, trusted, expected, st)
+    except BaseException:
+        os.close(fd)
+        raise
+    if problem is not None:
+        os.close(fd)
+        raise ValueError(problem)
+    return fd, st

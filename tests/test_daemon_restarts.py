@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from offloadd import Offloader
+from offloadd.backend.daemon_slots import DaemonProcess, ReadSlots
 from offloadd.io.request import Op
 
 from .daemon_proc import DaemonProc, held_descriptors
@@ -167,26 +168,41 @@ def _lose_during_reads(off: Offloader, daemon: DaemonProc) -> list[int]:
 
 
 @pytest.mark.filterwarnings("ignore:offloadd. lost the daemon:RuntimeWarning")
+@pytest.mark.parametrize("until", ["daemon-exits", "session-ends"])
 def test_read_slots_of_a_live_lost_daemon_are_never_reused(
-    own_daemon: Callable[..., DaemonProc],
+    until: str, own_daemon: Callable[..., DaemonProc], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The client drops the connection while its reads are queued in a (paused) daemon, which
     then goes on and completes them into the shared memory, whenever it likes; the client
     reconnects to the same daemon (same memfd). The slots of those reads stay out of use until
-    that daemon process has exited (Note [read slots after a loss]), so backward never copies
-    out bytes the lost session wrote: gradients stay bit-identical."""
-    steps = 5
+    that daemon process has exited, or has ended the lost session (Note [read slots after a
+    loss]), so backward never copies out bytes the lost session wrote: gradients stay
+    bit-identical. Then each slot is back, once."""
+    steps = 6
     reference = train(*MODELS["gpt"], None, steps=steps)
     d = own_daemon().start()
-    off = small_offloader(d.dirs[0], daemon={"socket": d.socket})
+    off = small_offloader(d.dirs[0], daemon={"socket": d.socket}, prefetch_bytes=1 << 20)
     backend = off._backend
     assert backend is not None
     lost_slots: list[int] = []
     loser: list[threading.Thread] = []
     late: list[_LateDaemon] = []
+    # The real daemon ends the lost session as soon as its reads are done (it was continued at
+    # once); the late writer plays one still busy: its session stays listed while it writes.
+    lost_session: list[int] = []
+    real_sessions = backend._daemon_sessions  # type: ignore[attr-defined]
+
+    def sessions() -> set[int] | None:
+        now = real_sessions()
+        if now is not None and late and not late[0].stop.is_set():
+            now |= set(lost_session)
+        return now
+
+    monkeypatch.setattr(backend, "_daemon_sessions", sessions)
 
     def before_backward(step: int) -> None:
         if step == 1:
+            lost_session.append(backend._current.session)  # type: ignore[attr-defined]
             d.pause()
             loser.append(
                 threading.Thread(target=lambda: lost_slots.extend(_lose_during_reads(off, d)))
@@ -194,21 +210,25 @@ def test_read_slots_of_a_live_lost_daemon_are_never_reused(
             loser[0].start()
 
     def between(step: int) -> None:
+        slots = backend._read_slots  # type: ignore[attr-defined]
         if step == 1:
             loser[0].join()
             _wait_lost(off)
             late.append(_LateDaemon(off, lost_slots))
         elif step == 3:
-            # Still the same daemon process: its slots are still out of use.
-            assert backend._read_slots.quarantined == len(lost_slots)  # type: ignore[attr-defined]
+            assert backend.connected  # to the same daemon process again
+            assert slots.quarantined == len(lost_slots)  # it is still writing
             late[0].end()
-            assert d.stop() == 0  # it has exited: the next reconnect brings them back
-            own_daemon(dirs=d.dirs).start()
+            if until == "daemon-exits":
+                assert d.stop() == 0
+                own_daemon(dirs=d.dirs).start()
+        elif step == 4:  # the reconnect or the session's end brought them back
+            assert slots.quarantined == 0
+            assert sorted(slots.free) == list(range(slots.num_slots)), slots.free
 
     try:
         got = _train(off, steps, between, before_backward)
         st = off.stats()
-        quarantined = backend._read_slots.quarantined  # type: ignore[attr-defined]
     finally:
         for x in late:
             x.end()
@@ -216,4 +236,99 @@ def test_read_slots_of_a_live_lost_daemon_are_never_reused(
     assert lost_slots, "no read was in flight at the loss"
     assert_bitwise_equal(reference, got)
     assert st.bytes_read > 0
-    assert quarantined == 0
+
+
+def test_the_daemon_s_process_is_told_apart() -> None:
+    """A quarantine ends when its daemon's process has exited: gone, a zombie, or its pid now
+    another process's (compared by start time since boot, not by the wall clock)."""
+    import subprocess
+
+    a, b = socket.socketpair()
+    with a, b:
+        me = DaemonProcess.of(a)  # a socketpair's peer is this very process
+    assert me is not None and me.pid == os.getpid() and not me.exited()
+    assert DaemonProcess(os.getpid(), me.started + 1).exited()  # a reused pid
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        with open(f"/proc/{child.pid}/stat") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19])
+        proc = DaemonProcess(child.pid, started)
+        assert not proc.exited()
+        child.kill()
+        deadline = time.monotonic() + 10
+        while not proc.exited():  # a zombie until reaped: exited already
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        child.kill()
+        child.wait()
+    assert proc.exited()
+
+
+def test_each_reclaimed_slot_comes_back_once() -> None:
+    slots = ReadSlots(4)
+    taken = [slots.take() for _ in range(4)]
+    assert slots.take() is None
+    slots.quarantine(None, 7, [taken[0], taken[1]])
+    slots.give_back(taken[2])
+    assert slots.circulating == 2 and slots.quarantined == 2
+    assert slots.reclaim(lambda owner, session: False) == []
+    back = slots.reclaim(lambda owner, session: session == 7)
+    assert sorted(back) == sorted(taken[:2])
+    assert slots.free == [taken[2]]  # the caller gives the reclaimed ones back, each once
+
+
+@pytest.mark.filterwarnings("ignore:offloadd. lost the daemon:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:offloadd. write failed:RuntimeWarning")
+def test_a_daemon_lost_right_after_the_handshake_is_not_made_current(
+    own_daemon: Callable[..., DaemonProc], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reconnect whose daemon dies between the handshake and the step: that connection is
+    not made the current one (its sender has ended: writes queued to it would wait forever for
+    their slots); the step goes on without a daemon and the next one reconnects."""
+    steps = 4
+    reference = train(*MODELS["gpt"], None, steps=steps)
+    d = own_daemon().start()
+    off = small_offloader(d.dirs[0], daemon={"socket": d.socket})
+    backend = off._backend
+    assert backend is not None
+    real_connect = backend._connect  # type: ignore[attr-defined]
+    died: list[object] = []
+
+    def connect_then_die() -> object:
+        gen = real_connect()
+        doomed.kill()
+        deadline = time.monotonic() + 10
+        while not gen.dead:
+            assert time.monotonic() < deadline, "the client did not notice the loss"
+            time.sleep(0.01)
+        died.append(gen)
+        monkeypatch.setattr(backend, "_connect", real_connect)
+        own_daemon(dirs=d.dirs).start()  # for the step after
+        return gen
+
+    def between(step: int) -> None:
+        nonlocal doomed
+        if step == 0:
+            d.kill()
+            _wait_lost(off)
+            doomed = own_daemon(dirs=d.dirs).start()
+            monkeypatch.setattr(backend, "_connect", connect_then_die)
+        elif step == 1:
+            assert died and backend._current is not died[0]  # type: ignore[attr-defined]
+        elif step == 2:
+            assert backend.connected  # type: ignore[attr-defined]
+
+    doomed = d
+    result: list[list[list[torch.Tensor]]] = []
+    worker = threading.Thread(
+        target=lambda: result.append(_train(off, steps, between)), daemon=True
+    )
+    worker.start()
+    worker.join(timeout=120)
+    assert not worker.is_alive(), "training hung on a connection lost after its handshake"
+    st = off.stats()
+    off.close()
+    assert result, "training raised (see the thread's exception above)"
+    assert_bitwise_equal(reference, result[0])
+    assert st.bytes_written > 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import itertools
+import json
 import logging
 import os
 import queue
@@ -77,6 +78,7 @@ class DaemonBackend(Ending):
         self._ids = itertools.count(1)
         self._records: dict[int, Placed] = {}  # virtual offset -> placement
         self._read_slots = ReadSlots(num_read)  # see [read slots after a loss]
+        self._all_quarantined_said = False
         self._read_wait: deque[Request] = deque()
         self._local: PythonEngine | None = None  # reads after a daemon loss
         self._gens: list[Generation] = []
@@ -104,7 +106,7 @@ class DaemonBackend(Ending):
             t.start()
         assert self._buffer is not None
         self._staging: SlotPool = StagingPool(self._buffer, self.staging_bytes, config.chunk_bytes)
-        self._current = gen
+        self._install(gen)
 
     # -- connection ------------------------------------------------------------------------
 
@@ -128,13 +130,15 @@ class DaemonBackend(Ending):
             number=next(self._numbers),
             daemon=DaemonProcess.of(sock),
         )
+        with self._lock:  # listed before its threads run: a loss retires it from the list
+            self._gens.append(gen)
         for target, name in ((self._send_loop, "send"), (self._recv_loop, "recv")):
             t = threading.Thread(
                 target=target, args=(gen,), name=f"offloadd-daemon-{name}", daemon=True
             )
             gen.threads.append(t)
+        for t in gen.threads:
             t.start()
-        self._gens.append(gen)
         log.info("offloadd: session %d with the daemon at %s", gen.session, self.socket_path)
         return gen
 
@@ -143,23 +147,74 @@ class DaemonBackend(Ending):
         return self._current is not None
 
     def begin_step(self) -> None:
-        """Called at each ``with offloader:``; reconnects after a daemon loss."""
+        """Called at each ``with offloader:``; reconnects after a daemon loss, and ends the
+        quarantines of read slots that are over (see [read slots after a loss])."""
         with self._lock:
-            if self._read_slots.quarantined:
-                for slot in self._read_slots.reclaim():
-                    self._release_read_slot(slot, locked=True)
-            if self._current is not None or self._closing:
-                return
-        try:
-            gen = self._connect()
-        except DaemonError as e:
-            log.info("offloadd: daemon still unreachable: %s", e)
-            return
+            reconnect = self._current is None and not self._closing
+        if reconnect:
+            try:
+                gen = self._connect()
+            except DaemonError as e:
+                log.info("offloadd: daemon still unreachable: %s", e)
+            else:
+                if self._install(gen):
+                    log.warning(
+                        "offloadd: reconnected to the daemon at %s (session %d)",
+                        self.socket_path,
+                        gen.session,
+                    )
         with self._lock:
+            quarantined = self._read_slots.quarantined
+        if quarantined:
+            self._reclaim_read_slots()
+
+    def _install(self, gen: Generation) -> bool:
+        """Make a new connection the current one, unless it was lost already (the daemon
+        dropped it, or died, right after the handshake: the next step tries again)."""
+        with self._lock:
+            if gen.dead:
+                return False
             self._current = gen
-        log.warning(
-            "offloadd: reconnected to the daemon at %s (session %d)", self.socket_path, gen.session
-        )
+            return True
+
+    def _reclaim_read_slots(self) -> None:
+        """Give back quarantined read slots whose lost daemon has exited, or whose lost session
+        the daemon we are connected to again has ended (see [read slots after a loss])."""
+        with self._lock:
+            gen = self._current
+            owners = self._read_slots.owners()
+        here = gen.daemon if gen is not None else None
+        sessions: set[int] | None = None
+        if here is not None and any(owner == here for owner, _session in owners):
+            sessions = self._daemon_sessions()
+        with self._lock:
+
+            def done(owner: DaemonProcess | None, session: int) -> bool:
+                if owner is None:
+                    return False  # not identified: it may write for good
+                if owner == here:
+                    return sessions is not None and session not in sessions
+                return owner.exited()
+
+            for slot in self._read_slots.reclaim(done):
+                self._release_read_slot(slot, locked=True)
+
+    def _daemon_sessions(self) -> set[int] | None:
+        """The numbers of this user's sessions the daemon has now (STATS), or None."""
+        try:
+            sock = connect_control(self.socket_path, trusted_uids=self.trusted_uids)
+        except DaemonError:
+            return None
+        try:
+            sock.sendall(proto.encode_request(proto.Command(proto.Msg.STATS, 1)))
+            r = proto.decode_reply(recv_frame(sock, bytearray()))
+            if r.status:
+                return None
+            return {int(s["id"]) for s in json.loads(r.tail)["sessions"]}
+        except (OSError, proto.ProtocolError, ValueError, KeyError, TypeError):
+            return None
+        finally:
+            sock.close()
 
     # -- the Backend -----------------------------------------------------------------------
 
@@ -224,6 +279,14 @@ class DaemonBackend(Ending):
             elif (slot := self._read_slots.take()) is not None:
                 rec.gen.sendq.put((req, slot))
             elif not self._read_slots.circulating:  # see [read slots after a loss]
+                if not self._all_quarantined_said:
+                    self._all_quarantined_said = True
+                    log.warning(
+                        "offloadd: every read slot is held back from the daemon at %s, which "
+                        "may still write into it for a lost session; reading from the "
+                        "session's files until that session has ended",
+                        self.socket_path,
+                    )
                 self._read_locally(req, rec)
             else:
                 self._read_wait.append(req)

@@ -115,12 +115,13 @@ class Ending:
         with self._lock:
             gens = list(self._gens)
         for g in gens:
-            with contextlib.suppress(OSError):  # wakes our threads blocked on the socket
-                g.sock.shutdown(socket.SHUT_RDWR)
+            with self._lock:
+                self._shutdown(g)  # wakes our threads blocked on the socket
             g.sendq.put(None)
             for t in g.threads:
                 self._join(t, until)
-            g.sock.close()
+            with self._lock:
+                g.sock.close()
         for _ in self._copiers:
             self._copyq.put(None)
         for t in self._copiers:
@@ -132,8 +133,9 @@ class Ending:
             max(_LAST_GRACE_S, until - time.monotonic())
         )
         if local_done:
-            for g in gens:
-                self._close_files(g)
+            with self._lock:
+                for g in gens:
+                    self._close_files(g)
         else:
             log.warning(
                 "offloadd: closing the session with the daemon at %s: a read from the session's "
@@ -173,9 +175,7 @@ class Ending:
             unsent,
         )
         err = TimeoutError(f"no answer within {CLOSE_TIMEOUT_S:.0f} s of close()")
-        self._lost(gen, err, announce=False)
-        with contextlib.suppress(OSError):  # our sender may be blocked in sendall
-            gen.sock.shutdown(socket.SHUT_RDWR)
+        self._lost(gen, err, announce=False)  # shuts the socket down: our sender may be in sendall
 
     @staticmethod
     def _join(t: threading.Thread, until: float) -> None:
@@ -272,13 +272,12 @@ class Ending:
                     failed.append(req)
                 else:
                     self._read_locally(req, rec)
-            self._read_slots.quarantine(gen.daemon, quarantined)
+            self._read_slots.quarantine(gen.daemon, gen.session, quarantined)
             if gen.live == 0:
                 self._close_files(gen)  # no block lives there: nothing will read them
             closing = self._closing
             gen.sendq.put(None)
-        with contextlib.suppress(OSError):  # wakes the receiving thread, which closes it
-            gen.sock.shutdown(socket.SHUT_RDWR)
+            self._shutdown(gen)  # wakes the receiving thread, which closes the socket
         gen.closed_event.set()
         warn = self._warn_ref()
         if announce and closing:
@@ -300,10 +299,19 @@ class Ending:
             self._complete(req, OSError(errno.EPIPE, f"the daemon is gone: {err}", req.path))
 
     def _close_files(self, gen: Generation) -> None:
-        for fd in gen.file_fds:
+        """Close a generation's files (lock held: each number is closed once, never after it
+        was reused)."""
+        fds, gen.file_fds = gen.file_fds, []
+        for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        gen.file_fds = []
+
+    @staticmethod
+    def _shutdown(gen: Generation) -> None:
+        """Shut a generation's socket down (lock held, as for its close: a shutdown racing the
+        close could reach a descriptor number already reused)."""
+        with contextlib.suppress(OSError):
+            gen.sock.shutdown(socket.SHUT_RDWR)
 
     def _retire(self, gen: Generation) -> None:
         """A lost generation's receiving thread, at its end: wait for the sender, close the
@@ -314,8 +322,8 @@ class Ending:
                 if t.is_alive():  # stuck in a write's wait for its copy: leave it to close()
                     log.warning("offloadd: thread %s did not finish; keeping its socket", t.name)
                     return
-        gen.sock.close()
         with self._lock:
+            gen.sock.close()
             gen.retired = True
             self._retired(gen)
 

@@ -124,13 +124,14 @@ class Writer:
             with lock:
                 chunk.slot = self._acquire_slot(pool)
                 self.ledger.add_resident(chunk.nbytes)
-                if chunk.slot is not None:
+                if chunk.slot is None:  # nothing can free a slot: keep this chunk in memory
+                    chunk.mem = torch.zeros(chunk.nbytes, dtype=torch.uint8)
+                else:
                     chunk.filling = True  # see [a slot being filled]
                     self.filling += 1
-            if chunk.slot is None:  # nothing can free a slot: keep this chunk in memory
-                mem = torch.zeros(chunk.nbytes, dtype=torch.uint8)
-                mem[:n].copy_(src[pos : pos + n])
-                chunk.mem = mem
+            if chunk.slot is None:
+                assert chunk.mem is not None
+                chunk.mem[:n].copy_(src[pos : pos + n])
                 pos += n
                 continue
             try:
@@ -388,6 +389,8 @@ class Writer:
             return
         ledger = self.ledger
         for chunk in block.chunks:
+            if chunk.filling:  # an interrupt between its marking and write_out's handler
+                self._filled(chunk)
             if not block.direct:  # GDS writes finish; their callback frees the place
                 self.cancel_write(chunk)
             if chunk.request is None and chunk.slot is not None and self.pool is not None:

@@ -6,6 +6,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shutil
 import socket
 import stat
@@ -392,6 +393,31 @@ def test_status_json_and_metrics(
     capsys.readouterr()
     assert cli(["status", "--socket", d.socket]) == 1
     assert "cannot reach a daemon" in capsys.readouterr().err
+
+
+def test_metrics_name_sessions_by_number_only(own_daemon: Callable[..., DaemonProc]) -> None:
+    """The metrics port is readable by every local user, so it shows daemon-wide figures and
+    each session's bytes under its number alone: no identity, pid or uid (``offloadd status``,
+    which shows other users only their own sessions, is where those are seen)."""
+    with socket.socket() as s:  # a free port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = own_daemon("--metrics-port", str(port)).start()
+    raw = RawSession(d.socket)
+    try:
+        assert raw.write(os.urandom(4096)).status == 0
+        (sess,) = d.status()["sessions"]
+        time.sleep(1.2)  # the metrics document is refreshed every second
+        url = f"http://127.0.0.1:{port}/metrics"
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+    finally:
+        raw.close()
+    assert f'offloadd_session_bytes_held{{session="{raw.session}"}} 4096.0' in text, text
+    assert sess["identity"] not in text, text
+    for labels in re.findall(r"\{([^}]*)\}", text):
+        for name, value in re.findall(r'(\w+)="([^"]*)"', labels):
+            assert name in ("session", "queue", "dir"), labels
+            assert value != str(os.getpid()) and f"pid {os.getpid()}" not in value, labels
 
 
 def test_a_client_that_does_not_read_never_stalls_others(daemon: DaemonProc) -> None:

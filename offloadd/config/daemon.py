@@ -99,7 +99,9 @@ class DaemonConfig:
 
     metrics_port: int = 0
     """Serve Prometheus metrics on 127.0.0.1:PORT (needs prometheus-client, the ``daemon``
-    extra). 0: off."""
+    extra). Every local user can read them: daemon-wide figures and each session's bytes by
+    session number, with no identity, pid or uid (see offloadd/daemon/metrics.py [what the
+    metrics show]). 0: off."""
 
     def __post_init__(self) -> None:
         for name, kind in KINDS.items():

@@ -1,8 +1,15 @@
-"""Optional Prometheus endpoint (``--metrics-port``): the figures of ``offloadd status``.
+"""Optional Prometheus endpoint (``--metrics-port``): daemon-wide figures of ``offloadd status``.
 
 prometheus-client is an optional extra (``offloadd[daemon]``), imported only when asked for.
 The collector reads the status document that the daemon refreshes every second on its loop, so
 the HTTP thread never touches live daemon state.
+
+Note: [what the metrics show] The endpoint listens on 127.0.0.1 without any check of who asks,
+so every local user can read it, whatever ``allowed_uids`` says. It therefore shows only
+daemon-wide figures, and each session's bytes under its session number alone: no identity
+(program, pid, rank), pid or uid, which STATS shows only to the daemon's uid, root and the
+session's own user (offloadd/daemon/trust.py [who trusts whom]). ``offloadd status`` is where
+they are seen.
 """
 
 from __future__ import annotations
@@ -67,13 +74,13 @@ def start_metrics(status: _HasStatus, port: int) -> _Handle:
             for name, v in doc.get("queue", {}).items():
                 q.add_metric([name], v)
             yield q
-            held = GaugeMetricFamily(
+            held = GaugeMetricFamily(  # by number alone: see [what the metrics show]
                 "offloadd_session_bytes_held",
-                "Disk bytes held per session",
-                labels=["session", "identity"],
+                "Disk bytes held per session, by session number",
+                labels=["session"],
             )
             for s in doc.get("sessions", []):
-                held.add_metric([str(s["id"]), s["identity"]], s["bytes_held"])
+                held.add_metric([str(s["id"])], s["bytes_held"])
             yield held
             free = GaugeMetricFamily(
                 "offloadd_dir_free_bytes", "Free bytes per offload directory", labels=["dir"]

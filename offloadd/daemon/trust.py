@@ -33,7 +33,9 @@ as it is. Whom it accepts is checked at each connection: its own uid and ``allow
 (SO_PEERCRED again). Of those, only its own uid and root administer it (:func:`administers`):
 STOP from any other is refused with EPERM, and STATS shows any other only its own sessions,
 without the recent errors (they name other clients' pids and identities; its own errors come
-back to it in the replies).
+back to it in the replies). The metrics port (``--metrics-port``, on 127.0.0.1) answers every
+local user, so it shows no identity, pid or uid: daemon-wide figures, and each session's bytes
+under its number alone (offloadd/daemon/metrics.py [what the metrics show]).
 """
 
 from __future__ import annotations

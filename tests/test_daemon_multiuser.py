@@ -24,6 +24,9 @@ from typing import Any
 
 import pytest
 
+from offloadd.backend.daemon_link import connect_control, recv_frame
+from offloadd.daemon import protocol as proto
+
 from .daemon_proc import DaemonProc, RawSession
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,6 +34,7 @@ USER = 65534  # nobody: the allowed user
 STRANGER = 65533  # not allowed
 QUOTA = 9 << 20
 BIG_CHUNK = 2 << 20  # the quota holds four of them, and what is left of other sessions
+CAP = 2  # max_sessions of the session cap's daemon
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as other uids")
 
@@ -277,3 +281,73 @@ def test_clients_get_read_only_descriptors(shared: Shared) -> None:
         assert f["write_errno"] == errno.EBADF and f["read_only"], got
         assert f["direct"] == (not f["buffered"]), got
     assert got["read_back"], got
+
+
+def _open(path: str) -> tuple[int, str, socket.socket]:
+    """OPEN a small session: (status, reason, the connection, kept open with its session)."""
+    sock = connect_control(path)
+    sock.sendall(proto.encode_open(1, 4096, 4096, 4096, False))
+    fds: list[int] = []
+    r = proto.decode_reply(recv_frame(sock, bytearray(), fds))
+    for fd in fds:
+        os.close(fd)
+    return r.status, r.tail.decode(errors="replace"), sock
+
+
+# argv: socket path, clone, uid, sessions to open. Imports as root, opens them as uid (each kept
+# open until it exits), prints [[status, reason], ...].
+_OPEN_AS = r"""
+import json, os, sys
+sock_path, root, uid, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+sys.path.insert(0, root)
+import offloadd.config
+from offloadd.backend.daemon_link import connect_control, recv_frame
+from offloadd.daemon import protocol as proto
+os.setgroups([])
+os.setgid(uid)
+os.setuid(uid)
+kept, got = [], []
+for _ in range(n):
+    sock = connect_control(sock_path)
+    sock.sendall(proto.encode_open(1, 4096, 4096, 4096, False))
+    fds = []
+    r = proto.decode_reply(recv_frame(sock, bytearray(), fds))
+    for fd in fds:
+        os.close(fd)
+    kept.append(sock)
+    got.append([r.status, r.tail.decode(errors="replace")])
+print(json.dumps(got))
+"""
+
+
+def test_the_session_cap_is_per_user(tmp_path: Path) -> None:
+    """``max_sessions`` bounds the sessions of each uid, not of everyone together: root at its
+    cap is refused (EUSERS), and the allowed user still opens as many of its own, no more."""
+    base = Path(tempfile.mkdtemp(prefix="offloadd-cap-", dir=_searchable_tmp()))
+    os.chmod(base, 0o711)
+    config = base / "daemon.toml"
+    config.write_text(f"[daemon]\nallowed_uids = [{USER}]\nmax_sessions = {CAP}\n")
+    d = DaemonProc(base, "--config", str(config), dirs=[tmp_path / "data"])
+    mine: list[tuple[int, str, socket.socket]] = []
+    try:
+        d.start()
+        mine = [_open(d.socket) for _ in range(CAP + 1)]
+        child = subprocess.run(
+            [sys.executable, "-c", _OPEN_AS, d.socket, str(ROOT), str(USER), str(CAP + 1)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={k: v for k, v in os.environ.items() if not k.startswith("OFFLOADD")},
+        )
+        assert child.returncode == 0, child.stderr
+        theirs = json.loads(child.stdout.strip().splitlines()[-1])
+    finally:
+        for _status, _why, sock in mine:
+            sock.close()
+        if d.proc is not None:
+            d.stop()
+        shutil.rmtree(base, ignore_errors=True)
+    assert [status for status, _why, _sock in mine] == [0] * CAP + [errno.EUSERS], mine
+    assert [status for status, _why in theirs] == [0] * CAP + [errno.EUSERS], theirs
+    assert "uid 0" in mine[-1][1] and "per user" in mine[-1][1], mine
+    assert f"uid {USER}" in theirs[-1][1] and "per user" in theirs[-1][1], theirs

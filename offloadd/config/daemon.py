@@ -89,7 +89,10 @@ class DaemonConfig:
     ``direct_io``, which applies only to the embedded engine's files."""
 
     max_sessions: int = 64
-    """Sessions open at once; more are refused."""
+    """Sessions one user (uid) may have open at once; more of that uid's are refused (EUSERS),
+    and other users' sessions are not counted against it. With ``max_shm_bytes`` it bounds the
+    shared memory the daemon creates for each uid it accepts (see offloadd/daemon/session.py
+    [sessions per user])."""
 
     max_shm_bytes: int = 1 << 30
     """Largest shared memory (staging plus read slots) one session may ask for."""

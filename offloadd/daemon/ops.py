@@ -62,7 +62,8 @@ class Handlers:
         self.server = server
         self.sessions: dict[int, Session] = {}
         self.block_owner: dict[int, int] = {}  # block id -> session id
-        # uid -> the disk bytes of its sessions (see session.py [quota per user])
+        # uid -> its sessions and their disk bytes (see session.py [sessions per user] and
+        # [quota per user])
         self.accounts: dict[int, Account] = {}
         self._session_ids = itertools.count(1)
         self._block_ids = itertools.count(1)
@@ -125,8 +126,13 @@ class Handlers:
         cfg = self.server.config
         if conn.session is not None:
             raise proto.ProtocolError("OPEN sent twice")
-        if len(self.sessions) >= cfg.max_sessions:
-            conn.reply(proto.Reply(msg.req, errno.EUSERS, tail=b"too many sessions"))
+        mine = self.accounts.get(conn.uid)  # see session.py [sessions per user]
+        if mine is not None and mine.sessions >= cfg.max_sessions:
+            why = (
+                f"too many sessions: uid {conn.uid} has {mine.sessions} open, max_sessions is "
+                f"{cfg.max_sessions} per user"
+            )
+            conn.reply(proto.Reply(msg.req, errno.EUSERS, tail=why.encode()))
             return
         chunk = msg.chunk_bytes
         if not ALIGN <= chunk <= cfg.max_chunk_bytes or chunk % ALIGN:
@@ -160,7 +166,7 @@ class Handlers:
             shm_fd = create_memfd(shm_bytes, f"offloadd-session-{sid}")
         files: list[SlotFile] = []
         theirs: list[int] = []  # the client's read-only descriptors of them
-        account = self.accounts.get(conn.uid) or Account(conn.uid, cfg.quota_bytes)
+        account = mine or Account(conn.uid, cfg.quota_bytes)
         try:
             for d in self.server.dirs:
                 files.append(SlotFile(d, chunk, cfg.direct_io))

@@ -21,6 +21,13 @@ together, not by each session: a client may open up to ``max_sessions`` sessions
 session would bound nothing. The sessions of a uid share one :class:`Account`, charged when a
 write gets its slot and credited when the slot is given back or the session's files are closed.
 
+Note: [sessions per user] ``max_sessions`` bounds the sessions of one uid, counted in its
+:class:`Account` (one more at OPEN, one less once the session is finished, its I/O done), not
+the sessions of everyone together: a global cap let one allowed user open them all and lock
+every other user out (EUSERS). Each session may have the daemon create up to ``max_shm_bytes``
+of shared memory, so that memory is bounded per user as well: at most ``max_sessions`` times
+``max_shm_bytes`` for each uid the daemon accepts (its own and ``allowed_uids``).
+
 Note: [sealed memory] The daemon creates the shared memory as a memfd sealed against shrinking
 and growing, so a client cannot truncate it under the daemon's mapping (which would kill the
 daemon with SIGBUS). A reconnecting client may offer the memfd of its previous session instead
@@ -110,7 +117,8 @@ class Block:
 
 @dataclass(slots=True)
 class Account:
-    """The disk bytes all sessions of one uid hold, against the quota (see [quota per user])."""
+    """The sessions of one uid and the disk bytes they hold, against ``max_sessions`` and the
+    quota (see [sessions per user], [quota per user])."""
 
     uid: int
     quota_bytes: int  # 0: none

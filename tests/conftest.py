@@ -3,6 +3,7 @@ from __future__ import annotations
 import gc
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -171,3 +172,22 @@ def backend(request: pytest.FixtureRequest) -> Iterator[str]:
     assert not doc["sessions"], f"sessions left open: {doc['sessions']}"
     assert proc.held() == {"files": 0, "memfds": 0, "mappings": 0}
     assert held_descriptors(os.getpid(), [])["memfds"] == 0, "client kept a memfd"
+
+
+@pytest.fixture
+def fast_switching() -> Iterator[None]:
+    """Let the interpreter switch threads after (almost) every bytecode."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(old)
+
+
+@pytest.fixture(scope="module")
+def one_intra_op_thread() -> Iterator[None]:
+    """One intra-op thread for a module (``pytestmark = usefixtures(...)``): tiny tensors run
+    fastest so, and immune to a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -13,7 +13,7 @@ import contextlib
 import functools
 import itertools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,9 @@ from offloadd.codec.quant import group_size, native_available
 from offloadd.tools.models.gpt import GPT, GPTConfig
 
 from .helpers import assert_bitwise_equal, small_offloader, train
+
+# Tiny tensors: one intra-op thread is fastest, and immune to a busy machine.
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 ENGINE_PARAMS = ("default",)  # codes take the exact path: one engine (and the daemon) is enough
 
@@ -65,15 +68,6 @@ TOLERANCE = {
 def scheme(label: str, *, stochastic: bool = False) -> Scheme:
     kw = CODEC_KW[label]
     return Scheme(kw["codec"], symmetric=kw.get("codec_symmetric", True), stochastic=stochastic)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny tensors: one intra-op thread is fastest, and immune to a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # -- the codes ---------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import contextlib
 import gc
 import sys
 import tracemalloc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,17 +25,11 @@ import offloadd
 from offloadd import Offloader
 from offloadd.codec import Codec, Scheme, encode
 
+# Tiny tensors: one intra-op thread is fastest, and immune to a busy machine.
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
 CODECS = ["int8", "fp8-e4m3", "fp8-e5m2", "int4", "int2"]
 TOLERANCE = {"int8": 0.02, "fp8-e4m3": 0.08, "fp8-e5m2": 0.15, "int4": 0.3, "int2": 1.0}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny tensors: one intra-op thread is fastest, and immune to a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def coded_offloader(codec: str) -> Offloader:

@@ -4,10 +4,8 @@ and a shutdown before the copy streams drained."""
 from __future__ import annotations
 
 import gc
-import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,15 +21,6 @@ from .helpers import SavePayload, small_offloader
 
 # Engine-independent: one embedded engine (tests/test_shutdown.py runs every engine).
 ENGINE_PARAMS = ("native-threads",)
-
-
-@pytest.fixture
-def fast_switching() -> Iterator[None]:
-    """Let the interpreter switch threads after (almost) every bytecode."""
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    yield
-    sys.setswitchinterval(old)
 
 
 @pytest.mark.usefixtures("fast_switching")

@@ -9,10 +9,9 @@ writes a slot that holds stale bytes, and the gradients differ from the run with
 
 from __future__ import annotations
 
-import sys
 import threading
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,15 +29,6 @@ ENGINE_PARAMS = ("native-threads",)
 
 _THREADS = 3
 _STEPS = 6
-
-
-@pytest.fixture
-def fast_switching() -> Iterator[None]:
-    """Let the interpreter switch threads after (almost) every bytecode."""
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    yield
-    sys.setswitchinterval(old)
 
 
 def _model(seed: int, device: str = "cpu") -> nn.Module:

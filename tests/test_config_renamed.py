@@ -2,8 +2,8 @@
 
 ``daemon_socket`` (the first release's key of the daemon's socket) became ``daemon.socket`` when
 the daemon's settings became a section. Each entry point reads the old name: keyword arguments
-(``Offloader``, ``Config``, ``Config.replace``), a mapping, a TOML file (top level and
-``[offload]``) and the environment. Each warns (DeprecationWarning) naming the old key, the new
+(``Offloader``, ``Config``, ``Config.replace``), a mapping and a TOML file (top level and
+``[offload]``); its variable kept its spelling. Each warns (DeprecationWarning) naming the old key, the new
 one and where the value came from; old and new given in one place with different values is a
 ValueError naming both.
 """
@@ -124,20 +124,6 @@ def test_old_and_new_key_in_one_file(tmp_path: Path) -> None:
     p.write_text(f'[offload]\ndaemon_socket = "{SOCK}"\n[daemon]\nsocket = "{SOCK}"\n')
     with one_deprecation("daemon_socket"):
         assert Config.from_toml(p).daemon.socket == SOCK
-
-
-def test_a_renamed_variable_is_read_and_warns(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The environment's half of the mechanism, with a made-up old name: no key renamed so far
-    changed its variable's spelling, but the next one to do so is read through the same table."""
-    from offloadd.config import renamed
-
-    monkeypatch.setitem(renamed.RENAMED, "daemon_quota", "daemon.quota_bytes")
-    with one_deprecation("OFFLOADD_DAEMON_QUOTA", "OFFLOADD_DAEMON_QUOTA_BYTES"):
-        assert Config.from_env({"OFFLOADD_DAEMON_QUOTA": "1MiB"}).daemon.quota_bytes == 1 << 20
-    with pytest.raises(
-        ValueError, match=r"OFFLOADD_DAEMON_QUOTA, OFFLOADD_DAEMON_QUOTA_BYTES: both set"
-    ):
-        Config.from_env({"OFFLOADD_DAEMON_QUOTA": "1MiB", "OFFLOADD_DAEMON_QUOTA_BYTES": "2MiB"})
 
 
 def test_deprecated_names_are_documented() -> None:

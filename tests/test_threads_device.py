@@ -76,9 +76,11 @@ def _run(
 
     threads = [threading.Thread(target=replica, args=(i,)) for i in range(_THREADS)]
     for t in threads:
+        t.daemon = True  # a hung replica fails the test below instead of hanging the run
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout=120)
+        assert not t.is_alive(), "a replica hung (waiting for a slot?)"
     if errors:
         raise errors[0]
     return results
@@ -187,3 +189,33 @@ def test_data_parallel_cpu_tier(disk_dir: Path) -> None:
         off.close()
     assert st.bytes_written > 0, st.summary()
     assert_bitwise_equal(reference, got)
+
+
+def test_a_copy_that_fails_leaves_no_chunk_marked_filling(disk_dir: Path) -> None:
+    """A copy into a slot that raises: the tensor is kept (a warning), the chunk's mark is
+    cleared by the capture's handler, and later forwards take slots without waiting on it."""
+    sim = SimulatedOrdering(seed=3)
+    off = small_offloader(
+        disk_dir, tier="cpu", ordering=sim, chunk_bytes=16 << 10, host_budget_bytes=64 << 10
+    )
+    real_copy, calls = sim.copy, [0]
+
+    def copy_fails_once(stream: object, dst: torch.Tensor, src: torch.Tensor) -> None:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("copy failed")
+        real_copy(stream, dst, src)
+
+    sim.copy = copy_fails_once  # type: ignore[method-assign]
+    reference = _run(None, None)
+    try:
+        with pytest.warns(RuntimeWarning, match="offloading failed"):
+            got = _run(off, None)
+        assert off._writer.filling == 0
+        st = off.stats()
+    finally:
+        off.close()
+        sim.close()
+    assert st.fallbacks >= 1
+    for i in range(_THREADS):
+        assert_bitwise_equal(reference[i], got[i])

@@ -36,6 +36,7 @@ from offloadd.backend.daemon_link import (
     connect_control,
     open_session,
     peer_state,
+    query,
     recv_frame,
 )
 from offloadd.backend.daemon_slots import DaemonProcess, ReadSlots
@@ -202,19 +203,10 @@ class DaemonBackend(Ending):
     def _daemon_sessions(self) -> set[int] | None:
         """The numbers of this user's sessions the daemon has now (STATS), or None."""
         try:
-            sock = connect_control(self.socket_path, trusted_uids=self.trusted_uids)
-        except DaemonError:
+            r = query(self.socket_path, trusted_uids=self.trusted_uids)
+            return None if r.status else {int(s["id"]) for s in json.loads(r.tail)["sessions"]}
+        except (DaemonError, ValueError, KeyError, TypeError):
             return None
-        try:
-            sock.sendall(proto.encode_request(proto.Command(proto.Msg.STATS, 1)))
-            r = proto.decode_reply(recv_frame(sock, bytearray()))
-            if r.status:
-                return None
-            return {int(s["id"]) for s in json.loads(r.tail)["sessions"]}
-        except (OSError, proto.ProtocolError, ValueError, KeyError, TypeError):
-            return None
-        finally:
-            sock.close()
 
     # -- the Backend -----------------------------------------------------------------------
 

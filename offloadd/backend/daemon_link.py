@@ -35,6 +35,7 @@ __all__ = [
     "identity",
     "open_session",
     "peer_state",
+    "query",
     "recv_frame",
 ]
 
@@ -153,6 +154,21 @@ def _check_peer(sock: socket.socket, path: str, extra: tuple[int, ...]) -> None:
             f"daemon.socket {path!r}: refusing the process listening there (pid {pid}): it "
             f"runs as uid {uid}, expected {_expected(extra)}; nothing was sent to it"
         )
+
+
+def query(
+    path: str, kind: proto.Msg = proto.Msg.STATS, *, trusted_uids: Collection[int] | None = None
+) -> proto.Reply:
+    """Send one STATS or STOP request to the daemon at ``path``; return its reply.
+    ``trusted_uids``: as :func:`connect_control` takes them."""
+    sock = connect_control(path, trusted_uids=trusted_uids)
+    try:
+        sock.sendall(proto.encode_request(proto.Command(kind, 1)))
+        return proto.decode_reply(recv_frame(sock, bytearray()))
+    except (OSError, proto.ProtocolError) as e:
+        raise DaemonError(f"daemon at {path!r} did not answer: {e}") from e
+    finally:
+        sock.close()
 
 
 class StagingPool(SlotPool):

@@ -24,7 +24,7 @@ from typing import Any
 from offloadd.config.daemon import KINDS as DAEMON_KINDS
 from offloadd.config.daemon import SECTION, DaemonConfig
 from offloadd.config.kinds import check, invalid
-from offloadd.config.renamed import RENAMED, move_renamed, warn_renamed
+from offloadd.config.renamed import move_renamed
 from offloadd.config.schema import KINDS, Config
 
 __all__ = [
@@ -150,9 +150,7 @@ def flatten(values: Mapping[str, Any], source: str | None) -> Flat:
 
 def from_environ(environ: Mapping[str, str]) -> Flat:
     """The ``OFFLOADD_<KEY>`` and ``OFFLOADD_DAEMON_<KEY>`` variables of ``environ``, each with
-    its name as the source; the variable of a renamed key is read as its new key's, with a
-    warning ([renamed keys] in config/renamed.py); any other ``OFFLOADD_*`` variable not in
-    RESERVED_ENV raises."""
+    its name as the source; any other ``OFFLOADD_*`` variable not in RESERVED_ENV raises."""
     flat: Flat = {}
     for var, value in environ.items():
         if not var.startswith(ENV_PREFIX) or var in RESERVED_ENV:
@@ -163,8 +161,6 @@ def from_environ(environ: Mapping[str, str]) -> Flat:
             flat[f"{SECTION}.{in_section}"] = (value, var)
         elif name in KINDS:
             flat[name] = (value, var)
-        elif name in RENAMED:
-            flat[RENAMED[name]] = (_renamed_variable(environ, var, RENAMED[name]), var)
         elif name.startswith(SECTION):
             known = ", ".join(env_var(f"{SECTION}.{k}") for k in DAEMON_KINDS)
             raise ValueError(f"unknown environment variable {var}={value!r}; known: {known}")
@@ -175,22 +171,6 @@ def from_environ(environ: Mapping[str, str]) -> Flat:
                 f"{DAEMON_ENV_PREFIX}<KEY> for the keys of the [{SECTION}] section"
             )
     return flat
-
-
-def _renamed_variable(environ: Mapping[str, str], var: str, key: str) -> str:
-    """The value of ``var``, an old key's variable, for ``key``: warns, and raises if the new
-    key's variable is set too with another value."""
-    new_var = env_var(key)
-    value = environ[var]
-    other = environ.get(new_var)
-    kind = DAEMON_KINDS[key.removeprefix(f"{SECTION}.")]  # every rename so far is into it
-    if other is not None and check(key, kind, other, new_var) != check(key, kind, value, var):
-        raise ValueError(
-            f"{var}, {new_var}: both set, to {value!r} and {other!r}; {var} is the deprecated "
-            f"variable of {key} ({new_var}): set {new_var} alone"
-        )
-    warn_renamed(var, key, "the environment", new_var)
-    return value
 
 
 def env_var(key: str) -> str:

@@ -8,17 +8,16 @@ daemon's settings became the ``daemon`` section (eefab01); no other key of the f
 was renamed or moved. Every place a user gives keys reads the old name: keyword arguments
 (``Offloader(**kw)`` and ``Config.replace`` through :func:`move_renamed`, ``Config(...)``
 through its ``daemon_socket`` InitVar), a mapping or TOML file (its top level or ``[offload]``
-table, through :func:`move_renamed` in the loader's ``flatten``) and the environment (the loader's
-``from_environ``). Each old name read is a :class:`DeprecationWarning` naming it, its new key
+table, through :func:`move_renamed` in the loader's ``flatten``). Each old name read is a :class:`DeprecationWarning` naming it, its new key
 and where it came from, attributed to the first caller outside offloadd so that Python's
 default filters show it for a script's own lines.
 
 Within one place (one call, one file, one environment) an old key and its new key with
 different values are a :class:`ValueError` naming both: neither can be said to win. Across
 places the usual order holds (the environment over the file over the base), because each place
-is read on its own first. An old key whose variable is spelled as its new key's
-(``OFFLOADD_DAEMON_SOCKET`` for both ``daemon_socket`` and ``daemon.socket``) has nothing to
-deprecate in the environment: that variable is the new key's.
+is read on its own first. The environment has nothing to deprecate: ``daemon_socket``'s
+variable, ``OFFLOADD_DAEMON_SOCKET``, is spelled as ``daemon.socket``'s. A later rename that
+changes a variable's spelling would add its old variable to the loader's ``from_environ``.
 
 Only moves into the daemon's section have happened, so an entry's new key is ``daemon.<name>``;
 a rename of another shape would extend :func:`move_renamed`.

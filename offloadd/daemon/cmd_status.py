@@ -6,10 +6,9 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Collection
 from typing import Any
 
-from offloadd.backend.daemon_link import DaemonError, connect_control, recv_frame
+from offloadd.backend.daemon_link import DaemonError, query
 from offloadd.config import load_daemon
 from offloadd.daemon import protocol as proto
 from offloadd.runtime.stats import format_bytes
@@ -26,21 +25,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="daemon socket (default: $OFFLOADD_DAEMON_SOCKET, else the per-user path)",
     )
     p.add_argument("--json", action="store_true", help="print the status document as JSON")
-
-
-def query(
-    path: str, kind: proto.Msg = proto.Msg.STATS, *, trusted_uids: Collection[int] | None = None
-) -> proto.Reply:
-    """Send one STATS or STOP request to the daemon at ``path``; return its reply.
-    ``trusted_uids``: as :func:`~offloadd.backend.daemon_link.connect_control` takes them."""
-    sock = connect_control(path, trusted_uids=trusted_uids)
-    try:
-        sock.sendall(proto.encode_request(proto.Command(kind, 1)))
-        return proto.decode_reply(recv_frame(sock, bytearray()))
-    except (OSError, proto.ProtocolError) as e:
-        raise DaemonError(f"daemon at {path!r} did not answer: {e}") from e
-    finally:
-        sock.close()
 
 
 def refusal(r: proto.Reply) -> str:

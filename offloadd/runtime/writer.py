@@ -17,7 +17,9 @@ then writes out host-held chunks, and it skips filling ones, whose write would s
 bytes to disk and whose completion would free the slot under the late copy. A thread that finds
 no slot and nothing to spill waits while any chunk is being filled, since each will become
 spillable (cpu tier) or be written (ssd). The filling thread itself holds none while it waits:
-it marks a chunk only after its slot was acquired and clears it before acquiring the next.
+it marks a chunk only after its slot was acquired and clears it before acquiring the next. If
+the copy fails, the capture's handler gives the block's chunks back (``release_chunks``), which
+clears the mark.
 
 Note: [never fail the step] A write that fails (disk full, the daemon gone) keeps that chunk's
 bytes in memory, with one warning; a slot that cannot be had because nothing could ever free one
@@ -134,16 +136,12 @@ class Writer:
                 chunk.mem[:n].copy_(src[pos : pos + n])
                 pos += n
                 continue
-            try:
-                dst = pool.tensor(chunk.slot, n)
-                if copy is not None:
-                    chunk.ready = copy.chunk(dst, src[pos : pos + n])
-                else:
-                    dst.copy_(src[pos : pos + n])
-            except BaseException:
-                with lock:
-                    self._filled(chunk)
-                raise
+            # A failure here reaches capture's handler, whose release_chunks clears the mark.
+            dst = pool.tensor(chunk.slot, n)
+            if copy is not None:
+                chunk.ready = copy.chunk(dst, src[pos : pos + n])
+            else:
+                dst.copy_(src[pos : pos + n])
             pos += n
             with lock:
                 self._filled(chunk)
@@ -389,7 +387,7 @@ class Writer:
             return
         ledger = self.ledger
         for chunk in block.chunks:
-            if chunk.filling:  # an interrupt between its marking and write_out's handler
+            if chunk.filling:  # write_out failed between the mark and the copy's enqueueing
                 self._filled(chunk)
             if not block.direct:  # GDS writes finish; their callback frees the place
                 self.cancel_write(chunk)

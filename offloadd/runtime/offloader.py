@@ -34,8 +34,9 @@ from offloadd.codec.coder import Codec, Coded
 from offloadd.config import Config
 from offloadd.io.pools import Pool
 from offloadd.io.request import Engine, on_engine_thread
-from offloadd.runtime import host_allocator
+from offloadd.runtime import compiled, host_allocator
 from offloadd.runtime.blocks import PENDING, BlockMap
+from offloadd.runtime.compiled import is_traced, split_regions, unseen
 from offloadd.runtime.dedup import StorageIndex, is_parameter
 from offloadd.runtime.handles import (
     Kept,
@@ -87,7 +88,6 @@ class Offloader:
         self._index = StorageIndex(cfg.dedup)
         self._tls = threading.local()
         self._active_scopes = 0
-        self._module_hook: Any = None
         self._ordering: Ordering = ordering if ordering is not None else CudaOrdering()
         self._backend: Backend | None = open_backend(cfg, io_engine, ledger.warn_once)
         backend = self._backend
@@ -108,6 +108,12 @@ class Offloader:
         )
         # Lossy codes of some saved activations, opt-in (see [codes through the tiers]).
         self._codec = Codec(cfg) if cfg.codec != "none" else None
+        # What torch calls; dynamo never traces them (see [invisible to dynamo] in compiled.py).
+        self._hooks = (
+            (unseen(self._pack), unseen(self._unpack))
+            if self._codec is None
+            else (unseen(self._pack_coded), unseen(self._unpack_coded))
+        )
         if self._codec is not None:
             self._stats.codec = cfg.codec
         # Last before the finalizer that releases it: a part refusing the config (the backend,
@@ -143,23 +149,19 @@ class Offloader:
             self._backend.begin_step()  # the daemon client reconnects after a loss
         codec = self._codec
         if codec is None:
-            hooks: Any = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            hooks: Any = torch.autograd.graph.saved_tensors_hooks(*self._hooks)
         else:
             if not stack:
                 codec.begin_step()
             hooks = contextlib.ExitStack()
-            hooks.enter_context(
-                torch.autograd.graph.saved_tensors_hooks(self._pack_coded, self._unpack_coded)
-            )
+            hooks.enter_context(torch.autograd.graph.saved_tensors_hooks(*self._hooks))
             hooks.enter_context(codec.scope())
         hooks.__enter__()
         stack.append(hooks)
         with self._lock:
             self._active_scopes += 1
-            if self._module_hook is None:
-                self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(
-                    self._note_module
-                )
+            if self._active_scopes == 1:
+                compiled.scope_opened(self)  # modules called now are noted (see [one module hook])
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -169,9 +171,8 @@ class Offloader:
         self._life.capture_all()  # between ops: everything this thread packed has returned
         with self._lock:
             self._active_scopes -= 1
-            if self._active_scopes == 0 and self._module_hook is not None:
-                self._module_hook.remove()
-                self._module_hook = None
+            if self._active_scopes == 0:
+                compiled.scopes_closed(self)
                 self._index.clear_parameters()
             self._drain()
             self._writer.poll_copies()
@@ -196,7 +197,15 @@ class Offloader:
         self._auto.settle()
         return self._auto.last_plan
 
-    def _note_module(self, module: torch.nn.Module, args: Any) -> None:
+    def _note_module(self, module: torch.nn.Module) -> None:
+        if type(module).__name__ == "OptimizedModule" and split_regions(module) is False:
+            self._ledger.warn_once(
+                "fullgraph",
+                "offloadd: a model compiled with fullgraph=True (or error_on_graph_break) is "
+                "one region: its saved tensors reach offloadd only when its forward returns, "
+                "so little is moved while it computes; compile without fullgraph, or each "
+                "block on its own, to stream (see [regions under compile])",
+            )
         self.note_module(module)
 
     def stats(self) -> Stats:
@@ -240,6 +249,7 @@ class Offloader:
         if self._life.closed:
             return
         self._life.closed = True
+        compiled.closed(self)
         if self._auto is not None:
             self._auto.detach()
         self._ordering.synchronize_all()  # no copy may still target the slot pools
@@ -290,12 +300,14 @@ class Offloader:
         if self._captures.num_pending:
             self._life.capture_due()
         storage = None
-        if type(t) is torch.Tensor and t.layout is torch.strided:
+        if type(t) is torch.Tensor and t.layout is torch.strided and not t.is_meta:
             nbytes = t.nbytes
             if nbytes >= min_bytes and nbytes:
                 host_to_host = self.config.tier == "cpu" and not self._ordering.is_async(t.device)
                 storage = movable_storage(t, host_to_host)
-        else:  # subclasses (fake, DTensor…), sparse, nested: passed through untouched
+        else:  # subclasses (DTensor…), sparse, nested: kept as they are
+            if is_traced(t):
+                return t  # fake, functional, meta: untouched (see [invisible to dynamo])
             nbytes = nbytes_of(t)
         if storage is None:
             # The hot path (most saved tensors are small): no lock. The save is queued as an
@@ -399,6 +411,8 @@ class Offloader:
             if t._version != packed.version:
                 raise inplace_error(describe(t), packed.version, t._version)
             return t
+        if type(packed) is not Ref:
+            return packed  # a traced tensor pack passed through (see [invisible to dynamo])
         ref: Ref = packed
         if ref.tensor is not None:  # tier keep
             t = ref.tensor

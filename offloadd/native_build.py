@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["NativeBuildError", "build", "cache_dir", "source_path"]
+__all__ = ["NativeBuildError", "build", "cache_dir", "library_path", "source_path"]
 
 log = logging.getLogger("offloadd")
 
@@ -51,6 +51,37 @@ def cache_dir() -> Path:
     return Path(root) / "offloadd"
 
 
+def library_path(
+    name: str,
+    *,
+    also: Sequence[str] = (),
+    flags: Sequence[str] = (),
+    libs: Sequence[str] = ("c10",),
+    directory: Path | None = None,
+) -> Path:
+    """Where :func:`build` keeps the library of csrc/``name`` for this torch (built or not yet;
+    nothing is compiled or created). Its name holds the cache key: the sources, torch's version,
+    directory and ABI, the compiler and the flags."""
+    src = source_path(name)
+    others = [source_path(other) for other in also]
+    torch_dir = Path(torch.__file__).resolve().parent
+    key = hashlib.sha256(
+        b"\0".join(
+            [
+                src.read_bytes(),
+                *(p.read_bytes() for p in others),
+                torch.__version__.encode(),
+                str(torch_dir).encode(),
+                b"%d" % int(torch._C._GLIBCXX_USE_CXX11_ABI),
+                (os.environ.get("CXX") or "c++").encode(),
+                " ".join([*flags, *libs]).encode(),
+            ]
+        )
+    ).hexdigest()[:16]
+    directory = directory if directory is not None else cache_dir()
+    return directory / f"{Path(name).stem}-{key}.so"
+
+
 def build(
     name: str,
     *,
@@ -66,28 +97,15 @@ def build(
     headers only read by them (both part of the cache key). ``flags`` go to the compiler before
     the sources (a ``-std=`` there overrides the default C++17), ``libs`` are torch's libraries
     to link; ``what`` names the library in the log line."""
+    target = library_path(name, also=also, flags=flags, libs=libs, directory=directory)
+    directory = target.parent
     src = source_path(name)
     others = [source_path(other) for other in also]
     compiled = [str(src), *(str(p) for p in others if p.suffix == ".cpp")]
     torch_dir = Path(torch.__file__).resolve().parent
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     cxx = os.environ.get("CXX") or "c++"
-    key = hashlib.sha256(
-        b"\0".join(
-            [
-                src.read_bytes(),
-                *(p.read_bytes() for p in others),
-                torch.__version__.encode(),
-                str(torch_dir).encode(),
-                b"%d" % abi,
-                cxx.encode(),
-                " ".join([*flags, *libs]).encode(),
-            ]
-        )
-    ).hexdigest()[:16]
     stem = Path(name).stem
-    directory = directory if directory is not None else cache_dir()
-    target = directory / f"{stem}-{key}.so"
     if target.is_file():
         return target
     compiler = shutil.which(cxx)

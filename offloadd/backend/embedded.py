@@ -10,7 +10,7 @@ from offloadd.io.buffers import SlotPool
 from offloadd.io.files import DiskStore, default_offload_dir
 from offloadd.io.hugepages import advise_huge_pages
 from offloadd.io.request import Engine, Request
-from offloadd.io.select import open_host_engine
+from offloadd.io.select import choose_device_engine, open_host_engine, wants_gds
 
 __all__ = ["EmbeddedBackend"]
 
@@ -39,7 +39,7 @@ class EmbeddedBackend:
         self._staging: SlotPool | None = None
         self._lock = threading.Lock()
         self._gds: Engine | None = None
-        self._gds_checked = config.engine not in ("auto", "kvikio") or config.tier != "ssd"
+        self._gds_checked = not wants_gds(config)
         if config.engine == "kvikio" and config.tier == "ssd":
             self.open_direct()  # named explicitly: fail now, not at the first CUDA tensor
 
@@ -104,7 +104,8 @@ class EmbeddedBackend:
             if self._gds_checked:
                 return self._gds is not None
             self._gds_checked = True  # whatever happens below: probe once
-            ok, why = gds.probe()
+            choice = choose_device_engine(self._config)  # raises for engine = kvikio without GDS
+            ok, why = choice.name == "kvikio", choice.reason
             if ok:
                 try:
                     self._gds = gds.KvikioEngine(self._config.io_threads)

@@ -22,11 +22,18 @@ import psutil
 
 from offloadd.io.buffers import ALIGN, AlignedBuffer, address_view
 
-__all__ = ["DiskStore", "SlotFile", "default_offload_dir", "filesystem_type"]
+__all__ = [
+    "MEMORY_FS",
+    "DiskStore",
+    "SlotFile",
+    "default_offload_dir",
+    "filesystem_type",
+]
 
 log = logging.getLogger("offloadd")
 
-_MEMORY_FS = frozenset({"tmpfs", "ramfs", "devtmpfs", "shm", "overlay-tmpfs"})
+MEMORY_FS = frozenset({"tmpfs", "ramfs", "devtmpfs", "shm", "overlay-tmpfs"})
+"""File systems in memory: offloading there saves no memory, so no default directory is one."""
 
 
 def filesystem_type(path: str | os.PathLike[str]) -> str:
@@ -40,8 +47,10 @@ def filesystem_type(path: str | os.PathLike[str]) -> str:
     return kind
 
 
-def default_offload_dir() -> str:
-    """A per-user directory on local disk (never tmpfs), created if needed."""
+def default_offload_dir(*, create: bool = True) -> str:
+    """A per-user directory on local disk (never tmpfs), created if needed. ``create=False``:
+    the one that would be chosen, nothing created (a missing candidate counts if the nearest
+    directory above it that exists is writable)."""
     uid = os.getuid()
     xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     candidates = [
@@ -50,12 +59,20 @@ def default_offload_dir() -> str:
         f"/tmp/offloadd-{uid}",
     ]
     for cand in candidates:
+        probe = cand
         try:
-            os.makedirs(cand, mode=0o700, exist_ok=True)
+            if create:
+                os.makedirs(cand, mode=0o700, exist_ok=True)
+            elif os.path.lexists(cand) and not os.path.isdir(cand):
+                continue  # makedirs would refuse it
+            else:
+                while not os.path.lexists(probe) and probe != os.path.dirname(probe):
+                    probe = os.path.dirname(probe)
         except OSError:
             continue
-        if os.access(cand, os.W_OK) and filesystem_type(cand) not in _MEMORY_FS:
-            log.info("offloadd: no ssd_dirs given; offloading to %s", cand)
+        if os.access(probe, os.W_OK) and filesystem_type(probe) not in MEMORY_FS:
+            if create:
+                log.info("offloadd: no ssd_dirs given; offloading to %s", cand)
             return cand
     raise ValueError(
         "ssd_dirs: no directory given and none of "

@@ -35,6 +35,8 @@ __all__ = [
     "HostCacheCounters",
     "acquire",
     "build",
+    "built_library",
+    "choose",
     "current",
     "note_stats",
     "open_for",
@@ -56,6 +58,8 @@ docs/benchmarks/ the built-in GPT's ssd step ran 3 % faster from the second step
 which faults the blocks in, 8 % slower), at the same RSS."""
 
 _SOURCE = "host_allocator.cpp"
+_FLAGS = ("-O2",)
+_LIBS = ("c10",)
 
 
 class HostAllocatorError(RuntimeError):
@@ -85,10 +89,20 @@ def build(directory: Path | None = None) -> Path:
     """The host cache library for this torch, compiled now unless already cached."""
     try:
         return native_build.build(
-            _SOURCE, flags=["-O2"], libs=["c10"], what="the host cache", directory=directory
+            _SOURCE, flags=_FLAGS, libs=_LIBS, what="the host cache", directory=directory
         )
     except native_build.NativeBuildError as e:
         raise HostAllocatorError(str(e)) from e
+
+
+def built_library(directory: Path | None = None) -> Path | None:
+    """The host cache library for this torch if :func:`build` has made it already, else None;
+    nothing is compiled (HostAllocatorError if its source is missing)."""
+    try:
+        path = native_build.library_path(_SOURCE, flags=_FLAGS, libs=_LIBS, directory=directory)
+    except native_build.NativeBuildError as e:
+        raise HostAllocatorError(str(e)) from e
+    return path if path.is_file() else None
 
 
 class HostCache:
@@ -185,9 +199,7 @@ def open_for(cfg: Config, warn: Callable[[str, str], None]) -> bool:
     ``"auto"`` wants it for tier ssd where CUDA is absent (training on CPU) and warns through
     ``warn(key, message)`` when it cannot have it; ``"caching"`` raises instead."""
     mode = cfg.host_allocator
-    if mode == "system":
-        return False
-    if mode == "auto" and (cfg.tier != "ssd" or _has_cuda()):
+    if not choose(cfg)[0]:
         return False
     try:
         acquire()
@@ -201,6 +213,21 @@ def open_for(cfg: Config, warn: Callable[[str, str], None]) -> bool:
         )
         return False
     return True
+
+
+def choose(cfg: Config) -> tuple[bool, str]:
+    """Whether ``cfg`` wants the host cache, and why: the decision of :func:`open_for`, which then
+    acquires it (nothing is built, loaded or installed here)."""
+    mode = cfg.host_allocator
+    if mode == "system":
+        return False, "host_allocator = 'system'"
+    if mode == "caching":
+        return True, "host_allocator = 'caching'"
+    if cfg.tier != "ssd":
+        return False, f"host_allocator = 'auto' and tier {cfg.tier}: the host cache is for tier ssd"
+    if _has_cuda():
+        return False, "host_allocator = 'auto' and CUDA is available: activations are on the GPU"
+    return True, "host_allocator = 'auto', tier ssd and no CUDA: training on CPU"
 
 
 def note_stats(stats: Stats) -> None:

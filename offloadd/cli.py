@@ -27,6 +27,7 @@ _COMMANDS: dict[str, str] = {
     "stop": "offloadd.daemon.cmd_stop",
     "rok": "offloadd.tools.rok",
     "plan": "offloadd.tools.plan",
+    "doctor": "offloadd.tools.doctor",
 }
 
 _HELP: dict[str, str] = {
@@ -39,6 +40,8 @@ _HELP: dict[str, str] = {
     "stop": "stop a running daemon cleanly",
     "rok": "measure and plot recompute-offload-keep curves (memory vs throughput)",
     "plan": "print the keep / offload / recompute plan a memory budget gives a model",
+    "doctor": "check that offloadd, as configured, can work here (directories, O_DIRECT, "
+    "io_uring, GDS, memory, daemon) and say why not",
 }
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch.nn.parameter import is_lazy
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from offloadd.runtime.blocks import Block
 
@@ -166,7 +167,19 @@ def movable_storage(t: torch.Tensor, host_to_host: bool) -> torch.UntypedStorage
 
 
 def nbytes_of(t: torch.Tensor) -> int:
-    """Bytes of a tensor offloadd does not move, for the stats; 0 where it has no such size."""
+    """Bytes of a tensor offloadd does not move, for the stats; 0 where it has no such size.
+
+    A wrapper subclass counts the tensors it wraps, which are what this process holds: a
+    DTensor its local shard (its own ``nbytes`` is the global size, world-size times the shard
+    of a sharded one), a TwoTensor both halves."""
+    if is_traceable_wrapper_subclass(t):
+        try:
+            names, _ = t.__tensor_flatten__()
+            inner = [getattr(t, name) for name in names]
+        except Exception:  # a subclass whose flatten needs more than a plain call
+            inner = None
+        if inner is not None:
+            return sum(nbytes_of(x) for x in inner if isinstance(x, torch.Tensor))
     if t.layout is not torch.strided:
         return 0
     try:

@@ -79,7 +79,7 @@ def _nearest(path: str) -> str:
 
 
 def dir_checks(t: Target, min_free: int) -> list[Check]:
-    """Access and mode, file system, an O_DIRECT write and read, free space: for ``t``."""
+    """Access and mode, file system, free space, an O_DIRECT write and read: for ``t``."""
     where = f"{t.role} {t.path}" if t.role != "default" else f"{t.path} (default: ssd_dirs empty)"
     facts: dict[str, Any] = {"path": t.path, "role": t.role}
     at = t.path
@@ -102,9 +102,9 @@ def dir_checks(t: Target, min_free: int) -> list[Check]:
             return _finish(out, t, where)
     fs = filesystem_type(at)
     out.append(_fs_check(fs, facts))
-    out.append(_direct_check(at, t.direct_io, facts))
     st = os.statvfs(at)
     out.append(free_check(t.path, st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize, min_free))
+    out.append(_direct_check(at, t.direct_io, facts))
     return _finish(out, t, where)
 
 

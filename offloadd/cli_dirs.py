@@ -25,7 +25,8 @@ This applies to options only. The configuration's directories (``ssd_dirs``,
 ``OFFLOADD_SSD_DIRS``, the ``[daemon]`` table's ``dirs``) are never created: a missing one
 raises when the Offloader is constructed or the daemon starts. ``offloadd status`` and ``stop``
 only connect to ``--socket``. A ``run --report`` path whose directory holds ``{rank}`` is left
-to each rank's own check at activation.
+to each rank's own check at activation. ``offloadd doctor --ssd-dir`` and ``--socket`` are
+examined, never made: a missing directory is what the doctor is there to report.
 """
 
 from __future__ import annotations

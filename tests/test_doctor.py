@@ -350,3 +350,26 @@ def test_diagnose_is_callable_without_the_command() -> None:
     doc = diagnose(Config(tier="keep", ssd_dirs=("/nonexistent-offloadd",)), 1 << 20)
     access = one(doc, "directories", "dir.access")
     assert access["status"] == "warn" and "not used now: tier keep" in access["message"]
+
+
+def test_host_cache_without_compiler(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No library built (a fresh cache home) and no compiler (CXX names none): ``auto`` keeps
+    torch's allocator with a WARN (on CPU, where it wants the host cache), ``caching`` FAILs."""
+    import torch
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    rc, doc = doctor_json(capsys, "--ssd-dir", str(tmp_path))
+    cache = one(doc, "memory", "host_cache")
+    assert cache["status"] == "warn" and cache["facts"]["state"] == "unavailable"
+    assert "no C++ compiler" in cache["message"] and rc == 0
+    if not torch.cuda.is_available():
+        pick = one(doc, "choices", "host_allocator")
+        assert pick["status"] == "warn" and "-> system" in pick["message"]
+    monkeypatch.setenv("OFFLOADD_HOST_ALLOCATOR", "caching")
+    rc, doc = doctor_json(capsys, "--ssd-dir", str(tmp_path))
+    pick = one(doc, "choices", "host_allocator")
+    assert rc == 1 and pick["status"] == "fail" and "no C++ compiler" in pick["message"]
+    assert doc["reason"] == pick["message"]

@@ -311,13 +311,13 @@ def choice_checks(cfg: Config, host_cache: Check, daemon_does_io: bool) -> list[
     wanted, why = host_allocator.choose(cfg)
     state = host_cache.facts["state"]
     facts: dict[str, Any] = {"wanted": wanted, "reason": why, "host_cache": state}
-    label = f"host_allocator = {cfg.host_allocator}"
+    label = "host_allocator"  # the reason names the setting
     if not wanted:
         out.append(Check("host_allocator", "ok", f"{label} -> system ({why})", facts))
     elif state != "unavailable":
         out.append(Check("host_allocator", "ok", f"{label} -> caching ({why})", facts))
     elif cfg.host_allocator == "caching":
-        out.append(Check("host_allocator", "fail", f"{label}, but {host_cache.message}", facts))
+        out.append(Check("host_allocator", "fail", f"{why}, but {host_cache.message}", facts))
     else:
         out.append(
             Check(

@@ -88,12 +88,9 @@ def dir_checks(t: Target, min_free: int) -> list[Check]:
         text = f"does not exist yet: made (mode 0700) at first use; examined at {at}"
         out = [Check("dir.access", "info", text, facts)]
     elif not os.path.isdir(t.path):
-        missing = not os.path.lexists(t.path)
-        what = (
-            "does not exist (configured directories are never created)"
-            if missing
-            else ("is not a directory")
-        )
+        what = "is not a directory"
+        if not os.path.lexists(t.path):
+            what = "does not exist (configured directories are never created)"
         out = [Check("dir.access", "fail", f"{t.role}: {t.path!r} {what}", facts)]
         return _finish(out, t, where)
     else:

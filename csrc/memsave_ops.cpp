@@ -48,6 +48,7 @@ using at::Tensor;
 using torch::autograd::Node;
 using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
+using torch::dynamo::autograd::CompiledNodeArgs;
 
 constexpr int kFloat32 = 0; /* the dtype codes of memsave_kernels.cpp */
 constexpr int kBFloat16 = 1;
@@ -87,10 +88,22 @@ Tensor expand_bits(const Tensor& bits, at::IntArrayRef sizes, at::ScalarType dty
 
 /* ---- ReLU keeping bits ------------------------------------------------------------------ */
 
+/* Compiled autograd asks every node to describe itself; these nodes cannot (their saved state is
+ * not traceable), so they refuse by name and say what works: Note [compiled autograd] in
+ * offloadd/memsave/kernels.py. */
+[[noreturn]] static void refuse_compiled(const std::string& node) {
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      false, "offloadd memsave: compiled autograd cannot trace the native backward ", node,
+      ". memsave uses its Python functions, which it traces, for a forward run while "
+      "torch._dynamo.config.compiled_autograd is set; enable compiled autograd that way "
+      "(not only around backward), or set OFFLOADD_MEMSAVE_KERNELS=0");
+}
+
 struct ReluBitsBackward : public Node {
   SavedVariable bits_;
 
   std::string name() const override { return "ReluBitsBackward"; }
+  void compiled_args(CompiledNodeArgs&) const override { refuse_compiled(name()); }
 
   void release_variables() override {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -179,6 +192,7 @@ struct ConvSelectiveBackward : public Node {
   int64_t groups = 1;
 
   std::string name() const override { return "ConvSelectiveBackward"; }
+  void compiled_args(CompiledNodeArgs&) const override { refuse_compiled(name()); }
 
   void release_variables() override {
     std::lock_guard<std::mutex> lock(mutex_);

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from offloadd.memsave.kernels import native
+from offloadd.memsave.kernels import node_kernels
 from offloadd.memsave.once import once_differentiable
 from offloadd.memsave.placeholder import uninitialised
 
@@ -108,7 +108,7 @@ def conv_selective(
 ) -> torch.Tensor:
     """``aten.convolution(x, weight, bias, *params)`` saving only what the gradients that will be
     computed read. ``x`` must be batched and contiguous unless ``weight`` requires grad."""
-    k = native()
+    k = node_kernels()
     if k is not None:  # the same function in C++: Note [C++ functions] in kernels.py
         out: torch.Tensor = k.conv_selective(x, weight, bias, *params)
         return out

@@ -30,6 +30,18 @@ call them when :func:`native` serves and their Python functions otherwise, so th
 both paths with plain PyTorch. The rest (LeakyReLU, Dropout, MaxPool, BatchNorm and the norms)
 stay Python: one call per model, or absent from the models where the step time counts.
 Forward-mode AD through them is refused by name, as a Python function without ``jvp`` refuses it.
+
+Note: [compiled autograd]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+Compiled autograd (``torch._dynamo.config.compiled_autograd``) traces backward node by node and
+needs each node's ``compiled_args``; the C++ nodes above have none it could use, while the Python
+functions trace like any ``autograd.Function``. So :func:`node_kernels`, which the two ops
+above ask, gives ``None`` (the Python functions) while that setting is on at forward, and the
+C++ nodes' ``compiled_args`` raise an error naming the node and this remedy for the one case
+left: compiled autograd switched on around backward only, after a forward that built C++ nodes.
+Under ``torch.compile`` the kernels are never called (:func:`native` is ``None`` while dynamo
+traces: they read raw pointers, which fake tensors have not): the compiled region runs memsave's
+Python functions, which dynamo traces into the graph.
 """
 
 from __future__ import annotations
@@ -39,6 +51,7 @@ import logging
 import math
 import os
 import platform
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -48,7 +61,7 @@ import torch
 from offloadd import native_build
 from offloadd.memsave.bits import packed_bytes
 
-__all__ = ["DTYPES", "ENV", "Kernels", "native", "serves", "torch_ops_only"]
+__all__ = ["DTYPES", "ENV", "Kernels", "native", "node_kernels", "serves", "torch_ops_only"]
 
 log = logging.getLogger("offloadd")
 
@@ -211,14 +224,24 @@ def _load() -> Kernels | None:
 
 
 def native() -> Kernels | None:
-    """The kernels, built and loaded at the first call; ``None`` where they cannot serve."""
-    if _torch_ops_only:
+    """The kernels, built and loaded at the first call; ``None`` where they cannot serve, and
+    while dynamo traces (Note [compiled autograd])."""
+    if _torch_ops_only or torch.compiler.is_compiling():
         return None
     if not _state:
         with _lock:
             if not _state:
                 _state.append(_load())
     return _state[0]
+
+
+def node_kernels() -> Kernels | None:
+    """:func:`native`, for the ops whose backward is a C++ node: ``None`` while compiled autograd
+    is configured (Note [compiled autograd])."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None and dynamo.config.compiled_autograd:
+        return None
+    return native()
 
 
 def serves(t: torch.Tensor) -> bool:

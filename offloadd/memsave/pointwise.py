@@ -72,7 +72,7 @@ from torch import nn
 
 from offloadd.memsave.bits import pack_bits, unpack_bits, unpack_flags
 from offloadd.memsave.gate import gated_off
-from offloadd.memsave.kernels import DTYPES, native, serves
+from offloadd.memsave.kernels import DTYPES, native, node_kernels, serves
 from offloadd.memsave.once import once_differentiable
 
 __all__ = [
@@ -194,7 +194,7 @@ def relu_bits(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     """``F.relu(x, inplace)`` saving one bit per element for backward."""
     if not _wants_graph(x, inplace):
         return F.relu(x, inplace)
-    k = native() if serves(x) else None
+    k = node_kernels() if serves(x) else None
     if k is not None:  # the same function in C++: Note [C++ functions] in kernels.py
         out: torch.Tensor = k.relu_bits_(x) if inplace else k.relu_bits(x)
         return out

@@ -36,7 +36,7 @@ from offloadd.io.pools import Pool
 from offloadd.io.request import Engine, on_engine_thread
 from offloadd.runtime import compiled, host_allocator
 from offloadd.runtime.blocks import PENDING, BlockMap
-from offloadd.runtime.compiled import is_traced, split_regions, unseen
+from offloadd.runtime.compiled import is_traced, unseen
 from offloadd.runtime.dedup import StorageIndex, is_parameter
 from offloadd.runtime.handles import (
     Kept,
@@ -198,13 +198,12 @@ class Offloader:
         return self._auto.last_plan
 
     def _note_module(self, module: torch.nn.Module) -> None:
-        if type(module).__name__ == "OptimizedModule" and split_regions(module) is False:
-            self._ledger.warn_once(
-                "fullgraph",
-                "offloadd: a model compiled with fullgraph=True (or error_on_graph_break) is "
-                "one region: its saved tensors reach offloadd only when its forward returns, "
-                "so little is moved while it computes; compile without fullgraph, or each "
-                "block on its own, to stream (see [regions under compile])",
+        if type(module).__name__ == "OptimizedModule" and self._codec is not None:
+            raise RuntimeError(
+                f"offloadd: codec={self.config.codec!r} does not run under torch.compile: a "
+                "compiled region's saved tensors reach offloadd without the op that saved "
+                "them, which the codec needs to choose what it may code; set codec='none' "
+                "(OFFLOADD_CODEC=none) or run this model eagerly"
             )
         self.note_module(module)
 

@@ -111,6 +111,7 @@ def test_first_contact(order: str, disk_dir: Path) -> None:
     off = _offloader(disk_dir)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # Kept.__del__ errors surfaced as unraisable warnings
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there")
         if order == "eager-first":
             other = copy.deepcopy(mine)
             _steps(other, other, xs[:1], off)
@@ -349,3 +350,49 @@ def test_codec_refused_under_compile(disk_dir: Path) -> None:
     with pytest.raises(RuntimeError, match=r"codec=.int8. does not run under torch\.compile"), off:
         run(torch.randn(8, 64))
     off.close()
+
+
+def test_compiled_models_parameters_and_buffers_are_noted(disk_dir: Path) -> None:
+    """Review find: the wrapper has no parameters of its own and the model's modules run inside
+    the region, where no hook notes them; a saved buffer was written out every step."""
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+            self.register_buffer("scale", torch.rand(64, 64))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * self.scale
+
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = Scaled()
+        run = torch.compile(model, backend="aot_eager") if compiled else model
+        off = _offloader(disk_dir, min_bytes=1024)
+        with off:
+            y = run(torch.randn(64, 64))
+        y.sum().backward()
+        st = off.stats()
+        assert st.offloaded_bytes == 64 * 64 * 4, (compiled, st.offloaded_bytes)  # lin's output
+        off.close()
+
+
+def test_module_hook_goes_with_the_last_offloader(disk_dir: Path) -> None:
+    import gc
+
+    from offloadd.runtime import compiled
+
+    gc.collect()
+    hooks = torch.nn.modules.module._global_forward_pre_hooks
+    before = (len(hooks), bool(compiled._hook))
+    offs = [_offloader(disk_dir) for _ in range(2)]
+    for off in offs:
+        with off:
+            pass
+    assert compiled._hook and len(hooks) == before[0] + (not before[1])  # one hook for both
+    offs[0].close()
+    assert compiled._hook
+    del offs[1], off  # collected without close()
+    gc.collect()
+    assert (len(hooks), bool(compiled._hook)) == before

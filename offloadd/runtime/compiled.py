@@ -23,7 +23,7 @@ A pack hook that still sees a fake, functional or meta tensor (tracing by some o
 from __future__ import annotations
 
 import functools
-import warnings
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -108,39 +108,53 @@ def _traced_types() -> tuple[type, ...]:
 # so a hook registered at each scope's entry and removed at its exit has a new key each step:
 # the region was traced again every step until dynamo's recompile limit, then ran in eager. The
 # hook is therefore registered once, when the first Offloader enters a scope, and kept while
-# any Offloader that entered one is open; it notes a module for each Offloader in a scope now.
+# any Offloader that entered one is open (neither closed nor collected); it notes a module for
+# each Offloader in a scope now. torch warns once that ``torch.compile(model)``'s wrapper sees
+# global hooks fire for it too: harmless here (the wrapper is noted as its model, below).
 
+_lock = threading.Lock()
 _in_scope: weakref.WeakSet[Any] = weakref.WeakSet()
-_entered: weakref.WeakSet[Any] = weakref.WeakSet()
+_users = [0]  # Offloaders that entered a scope and are neither closed nor collected
 _hook: list[Any] = []  # its handle, while registered
 
 
 def _note(module: nn.Module, args: Any) -> None:
     if torch.compiler.is_compiling():
         return  # traced by dynamo: adds nothing to the graph (see [invisible to dynamo])
-    for off in tuple(_in_scope):
+    with _lock:
+        offs = tuple(_in_scope)
+    for off in offs:
         off._note_module(module)
+
+
+def _release() -> None:
+    with _lock:
+        _users[0] -= 1
+        if _hook and not _users[0]:
+            _hook.pop().remove()
 
 
 def scope_opened(off: Any) -> None:
     """``off`` has a scope open now: modules called from now on are noted for it."""
-    _entered.add(off)
-    _in_scope.add(off)
-    if not _hook:
-        _hook.append(nn.modules.module.register_module_forward_pre_hook(_note))
-        warnings.filterwarnings(  # the wrapper's own call is noted twice, harmlessly
-            "ignore", message=r"Using `torch.compile\(module\)` when there are global hooks"
-        )
+    with _lock:
+        if getattr(off, "_hook_user", None) is None:
+            _users[0] += 1
+            off._hook_user = weakref.finalize(off, _release)  # at close() or collection
+        _in_scope.add(off)
+        if not _hook:
+            _hook.append(nn.modules.module.register_module_forward_pre_hook(_note))
 
 
 def scopes_closed(off: Any) -> None:
     """``off`` has no scope open any more."""
-    _in_scope.discard(off)
+    with _lock:
+        _in_scope.discard(off)
 
 
 def closed(off: Any) -> None:
     """``off`` is closed: the hook goes when no open Offloader entered a scope."""
-    _in_scope.discard(off)
-    _entered.discard(off)
-    if _hook and not _entered:
-        _hook.pop().remove()
+    with _lock:
+        _in_scope.discard(off)
+    user = getattr(off, "_hook_user", None)
+    if user is not None:
+        user()

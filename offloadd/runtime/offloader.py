@@ -198,14 +198,25 @@ class Offloader:
         return self._auto.last_plan
 
     def _note_module(self, module: torch.nn.Module) -> None:
-        if type(module).__name__ == "OptimizedModule" and self._codec is not None:
+        orig = getattr(module, "_orig_mod", None)
+        if type(module).__name__ != "OptimizedModule" or not isinstance(orig, torch.nn.Module):
+            self.note_module(module)
+            return
+        # torch.compile(model)'s wrapper, called eagerly: the model's modules run inside the
+        # compiled region, where no hook notes them, so all are noted now (the model first).
+        if (
+            self._codec is not None
+            and torch.is_grad_enabled()
+            and getattr(self._tls, "stack", None)
+        ):
             raise RuntimeError(
                 f"offloadd: codec={self.config.codec!r} does not run under torch.compile: a "
                 "compiled region's saved tensors reach offloadd without the op that saved "
                 "them, which the codec needs to choose what it may code; set codec='none' "
                 "(OFFLOADD_CODEC=none) or run this model eagerly"
             )
-        self.note_module(module)
+        for m in orig.modules():
+            self.note_module(m)
 
     def stats(self) -> Stats:
         """A snapshot of the counters (see :class:`~offloadd.Stats`)."""

@@ -377,14 +377,8 @@ def test_func_grad_vjp_jacrev_refused_never_silent(disk_dir: Path) -> None:
         off.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="offloadd/runtime/transforms.py is not wired into Offloader.__enter__/__exit__ yet "
-    "(docs/compose.md, torch.func row): torch's own error says nothing of what to do",
-)
 def test_func_refusal_says_what_to_do(disk_dir: Path) -> None:
-    """Once wired: both refusals are offloadd's TransformRefused, naming the remedy."""
+    """Both refusals are offloadd's TransformRefused, naming the remedy."""
     off = small_offloader(disk_dir)
     try:
         for name, call in _refusing_transforms():
@@ -475,14 +469,8 @@ _PASSING: dict[str, Callable[[nn.Module, torch.Tensor], torch.Tensor]] = {
     "jacfwd": _jacfwd_step,
     "forward_ad": _forward_ad_step,
 }
-# Forward-mode AD saves a zero tensor (a weight's tangent) that pack cannot move; see [zero
-# tangents] in offloadd/runtime/transforms.py for the cause and docs/compose.md for the fix.
-_ZERO_TANGENT = pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="pack moves forward AD's zero tangents: 'Attempted to access the data pointer on an "
-    "invalid python storage.' until transforms.holds_no_bytes is wired into Offloader._pack",
-)
+# Forward-mode AD saves a zero tensor (a weight's tangent) that pack once tried to move; see
+# [zero tangents] in offloadd/runtime/transforms.py.
 
 
 def _train_func(
@@ -507,10 +495,7 @@ def _train_func(
 
 @pytest.mark.parametrize(
     "name",
-    [
-        pytest.param(n, marks=_ZERO_TANGENT if n in ("jvp", "jacfwd", "forward_ad") else ())
-        for n in _PASSING
-    ],
+    [pytest.param(n) for n in _PASSING],
 )
 def test_func_transforms_that_compose(name: str, disk_dir: Path) -> None:
     """vmap, functional_call, functionalize, jvp and jacfwd in the scope (and forward-mode AD

@@ -34,7 +34,7 @@ from offloadd.codec.coder import Codec, Coded
 from offloadd.config import Config
 from offloadd.io.pools import Pool
 from offloadd.io.request import Engine, on_engine_thread
-from offloadd.runtime import compiled, host_allocator
+from offloadd.runtime import compiled, host_allocator, transforms
 from offloadd.runtime.blocks import PENDING, BlockMap
 from offloadd.runtime.compiled import is_traced, unseen
 from offloadd.runtime.dedup import StorageIndex, is_parameter
@@ -135,6 +135,7 @@ class Offloader:
     def __enter__(self) -> Offloader:
         if self._life.closed:
             raise RuntimeError("offloadd: this Offloader is closed")
+        transforms.check_enter()  # inside torch.func.grad & co. (see [torch.func in a scope])
         stack = getattr(self._tls, "stack", None)
         if stack is None:
             stack = self._tls.stack = []
@@ -177,6 +178,8 @@ class Offloader:
             self._drain()
             self._writer.poll_copies()
         self._ledger.flush_warnings()
+        if (refused := transforms.refusal(exc[1])) is not None:
+            raise refused  # torch.func.grad & co. called in the scope, caused by exc[1]
 
     def note_module(self, module: torch.nn.Module) -> None:
         """Treat ``module``'s parameters and buffers as parameters (never moved) from now on.
@@ -312,6 +315,8 @@ class Offloader:
         storage = None
         if type(t) is torch.Tensor and t.layout is torch.strided and not t.is_meta:
             nbytes = t.nbytes
+            if nbytes >= min_bytes and nbytes and transforms.holds_no_bytes(t):
+                nbytes = 0  # forward AD's zero tangent: no storage (see [zero tangents])
             if nbytes >= min_bytes and nbytes:
                 host_to_host = self.config.tier == "cpu" and not self._ordering.is_async(t.device)
                 storage = movable_storage(t, host_to_host)

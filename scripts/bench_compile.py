@@ -21,7 +21,8 @@ import time
 import torch
 from torch import nn
 
-D, H, N, L = 512, 2048, 1024, 8
+D, H = 512, 2048
+N, L = 1024, 8  # set by --rows and --layers
 
 
 class Block(nn.Module):
@@ -95,8 +96,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--one", nargs=2)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--rows", type=int, default=1024)
     ap.add_argument("--out")
     a = ap.parse_args()
+    global N, L
+    N, L = a.rows, a.layers
     if a.one:
         print(json.dumps(one(a.one[0], a.one[1] == "1", a.steps)))
         return
@@ -109,6 +114,10 @@ def main() -> None:
                     __file__,
                     "--steps",
                     str(a.steps),
+                    "--layers",
+                    str(a.layers),
+                    "--rows",
+                    str(a.rows),
                     "--one",
                     mode,
                     str(int(offload)),

@@ -80,24 +80,18 @@ def _traced_types() -> tuple[type, ...]:
 #
 # Note [regions under compile]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A compiled region is one autograd node: the saved tensors of all its ops reach pack together
-# when its forward returns, and its backward unpacks them all before its first op. A model
-# compiled per block (``block.compile()`` for each, as torchtitan does) therefore streams block
-# by block: peak resident 0.48 of a step's saved bytes on an 8-block MLP (eager 0.34); a model
-# compiled whole holds every saved byte at the end of forward (0.75 there) and offloadd can move
-# nothing while it computes. Both are bit-exact against the same compiled model without offloadd.
+# A compiled region is one autograd node: left to saved-tensor hooks, the saved tensors of all
+# its ops reach pack together when its forward returns, and its backward unpacks them all before
+# its first op. A model compiled per block (``block.compile()`` for each, as torchtitan does)
+# therefore streams block by block with offloadd's ordinary hooks. A model compiled whole would
+# hold every saved byte at the end of forward; for it, offload and reload become ops inside its
+# graph (Note [offload ops in the graph] in graph_hooks.py), pushed when ``torch.compile``'s
+# wrapper is called in a scope.
 #
-# Splitting a whole-model compile at its blocks (a graph break after each block, tried) streams
-# like per-block compile but is not lossless: inductor fuses across the block boundaries of the
-# whole graph, so the split model's gradients differ in the last bits from the model compiled
-# whole (head.bias by 9.3e-9 on a 6-block MLP), which is what the user gets without offloadd.
-# What keeps the graph's kernels and streams is offload and reload as ops inside the one graph:
-# AOTAutograd inlines saved-tensor hooks that are ``fx.GraphModule``s (a pack op in the forward
-# epilogue, an unpack op in the backward prologue, guarded by the hooks' ids), and a post-grad
-# pass would move each pack op to right after its tensor's last forward use and each unpack op to
-# right before its first backward use. A prototype of the inlining (stash and fetch custom ops,
-# CPU inductor, 4-block MLP) was bit-identical to the graph without hooks; the placement pass,
-# the lifetime of the tokens under ``retain_graph``, and the measurements are not built yet.
+# Splitting a whole-model compile at its blocks (a graph break after each block) was tried
+# first and removed: inductor fuses across the block boundaries of the whole graph, so the split
+# model's gradients differed in the last bits from the model compiled whole (head.bias by
+# 9.3e-9 on a 6-block MLP), which is what the user gets without offloadd.
 
 # -- the module hook ---------------------------------------------------------------------------
 #

@@ -166,6 +166,10 @@ class Offloader:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        inlined = getattr(self._tls, "graph_hooks", None)
+        if inlined and inlined[1] == len(self._tls.stack):  # pushed inside this scope
+            self._tls.graph_hooks = None
+            inlined[0].__exit__(*exc)
         self._tls.stack.pop().__exit__(*exc)
         if self._auto is not None and not self._tls.stack:
             self._auto.forward_ends()
@@ -220,6 +224,14 @@ class Offloader:
             )
         for m in orig.modules():
             self.note_module(m)
+        stack = getattr(self._tls, "stack", None)
+        if stack and torch.is_grad_enabled() and not getattr(self._tls, "graph_hooks", None):
+            # Offload and reload as ops in its graph (see [offload ops in the graph]).
+            from offloadd.runtime import graph_hooks
+
+            hooks = graph_hooks.hooks_for(self)
+            hooks.__enter__()
+            self._tls.graph_hooks = [hooks, len(stack)]
 
     def stats(self) -> Stats:
         """A snapshot of the counters (see :class:`~offloadd.Stats`)."""

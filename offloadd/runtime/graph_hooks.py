@@ -1,0 +1,186 @@
+"""Offload and reload as ops inside a compiled graph, so that a model compiled whole streams.
+
+Note [offload ops in the graph]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A compiled region is one autograd node (see [regions under compile] in compiled.py): left to
+saved-tensor hooks, all its saved tensors reach pack when its forward returns and unpack before
+its backward's first op. AOTAutograd has a way in: saved-tensor hooks that are ``fx.GraphModule``s
+are *inlined*: traced into the forward graph's epilogue (pack) and the backward graph's prologue
+(unpack), for the intermediates the region saves (``saved_tensors_hooks_filtering_mode``
+"donated": never an input or a parameter), and dynamo guards the region on the hooks' ids. So
+while a compiled model runs in an Offloader's scope, offloadd pushes two such hooks:
+
+* pack is the op ``offloadd::stash(t)``: ``Offloader._pack`` on a copy of ``t``, the block
+  captured at once (the op that made ``t`` has returned: it ran before this op), and a token
+  (one int64) returned in ``t``'s place. A copy, because inductor reuses a buffer's memory for
+  later buffers once its last reader ran, and its kernels write without bumping versions: bytes
+  still to be written from ``t`` itself could be overwritten;
+* unpack is ``offloadd::fetch(token, size, stride, dtype)``: ``Offloader._unpack`` of the token's
+  handle, copied into a fresh tensor of exactly ``t``'s strides (inductor asserts them, and may
+  again reuse what the op returns).
+
+Then a post-grad pass of inductor (:class:`Placement`, chained before any pass the user set)
+moves each ``stash`` to just after its tensor's last use in forward, and each ``fetch`` to just
+before its first use in backward. A block's activations are thus written while the next block
+computes and read back, with the prefetch running ahead, while the later ones are used: the
+region streams as eager does, and the kernels are the graph's own (bit-identical to the same
+model compiled without offloadd; the tokens add two small ops per saved tensor).
+
+The token's lifetime is the saved tensor's: its bytes are a ``_Holder`` that keeps the handle,
+so when autograd frees the node (after backward, or a graph never backwarded) the holder goes,
+and with it the block; ``retain_graph`` keeps it for the next backward. With ``aot_eager`` (no
+post-grad passes) the ops stay at the ends: exact, but nothing streams, as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from typing import Any
+
+import torch
+import torch.fx
+from torch import Tensor
+
+__all__ = ["Placement", "hooks_for", "live_tokens"]
+
+_lock = threading.Lock()
+_tokens: dict[int, weakref.ref[_Holder]] = {}
+_next = [0]
+_current = threading.local()  # the Offloader whose scope pushed the hooks, on this thread
+
+
+class _Holder(bytearray):
+    """A token's bytes (its key), holding the handle pack returned while any tensor views them."""
+
+    __slots__ = ("__weakref__", "handle", "off")
+    handle: Any
+    off: Any
+
+
+def _forget(key: int, _ref: object) -> None:
+    with _lock:
+        _tokens.pop(key, None)
+
+
+def live_tokens() -> int:
+    """Tokens whose saved tensor is still held (for tests: 0 once every graph is freed)."""
+    with _lock:
+        return len(_tokens)
+
+
+@torch.library.custom_op("offloadd::stash", mutates_args=())
+def stash(t: Tensor) -> Tensor:
+    off = _current.off
+    handle = off._pack(t.clone())
+    off._life.capture_all()  # t's producer has returned: this op runs after it
+    with _lock:
+        _next[0] += 1
+        key = _next[0]
+    holder = _Holder(key.to_bytes(8, "little"))
+    holder.handle = handle
+    holder.off = off
+    with _lock:
+        _tokens[key] = weakref.ref(holder, functools.partial(_forget, key))
+    return torch.frombuffer(holder, dtype=torch.int64)
+
+
+@stash.register_fake
+def _stash_fake(t: Tensor) -> Tensor:
+    return torch.empty(1, dtype=torch.int64)
+
+
+@torch.library.custom_op("offloadd::fetch", mutates_args=())
+def fetch(
+    token: Tensor, size: list[int], stride: list[int], dtype: torch.dtype, device: torch.device
+) -> Tensor:
+    with _lock:
+        holder = _tokens[int(token[0])]()
+    assert holder is not None  # the token's tensor holds it
+    saved = holder.off._unpack(holder.handle)
+    out = torch.empty_strided(size, stride, dtype=dtype, device=device)
+    return out.copy_(saved)
+
+
+@fetch.register_fake
+def _fetch_fake(
+    token: Tensor, size: list[int], stride: list[int], dtype: torch.dtype, device: torch.device
+) -> Tensor:
+    return torch.empty_strided(size, stride, dtype=dtype, device=device)
+
+
+@torch.fx.wrap
+def _pack(t: Tensor) -> Any:
+    return (torch.ops.offloadd.stash(t), list(t.size()), list(t.stride()), t.dtype, t.device)
+
+
+@torch.fx.wrap
+def _unpack(packed: Any) -> Tensor:
+    return torch.ops.offloadd.fetch(*packed)
+
+
+def _pack_hook(t: Tensor) -> Any:
+    return _pack(t)
+
+
+def _unpack_hook(packed: Any) -> Tensor:
+    return _unpack(packed)
+
+
+_HOOKS: list[torch.fx.GraphModule] = []
+
+
+def hooks_for(off: Any) -> Any:
+    """The inlinable hooks, for ``off`` on this thread; a context manager to enter (the same
+    hook objects every time: dynamo guards a region on their ids)."""
+    if not _HOOKS:
+        _HOOKS.extend(
+            (torch.fx.symbolic_trace(_pack_hook), torch.fx.symbolic_trace(_unpack_hook))
+        )
+        _install_placement()
+    _current.off = off
+    return torch.autograd.graph.saved_tensors_hooks(_HOOKS[0], _HOOKS[1])
+
+
+# -- placement -------------------------------------------------------------------------------
+
+from torch._inductor.custom_graph_pass import CustomGraphPass  # noqa: E402
+
+
+class Placement(CustomGraphPass):
+    """Inductor's post-grad pass: each ``stash`` just after its tensor's last use in forward,
+    each ``fetch`` just before its first use in backward (Note [offload ops in the graph]); then
+    the pass the user had set, if any."""
+
+    def __init__(self, then: Any = None) -> None:
+        self.then = then
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        stash_op = torch.ops.offloadd.stash.default
+        fetch_op = torch.ops.offloadd.fetch.default
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        for node in list(graph.nodes):
+            if node.target is stash_op:
+                src = node.args[0]
+                readers = [u for u in src.users if u is not node and u.op != "output"]
+                last = max([src, *readers], key=order.__getitem__)
+                if order[last] + 1 < order[node]:
+                    last.append(node)
+            elif node.target is fetch_op and node.users:
+                first = min(node.users, key=order.__getitem__)
+                first.prepend(node)
+        if self.then is not None:
+            self.then(graph)
+
+    def uuid(self) -> Any:
+        then = self.then.uuid() if hasattr(self.then, "uuid") else None
+        return ("offloadd-placement-1", then)
+
+
+def _install_placement() -> None:
+    from torch._inductor import config
+
+    prior = config.post_grad_custom_post_pass
+    if not isinstance(prior, Placement):
+        config.post_grad_custom_post_pass = Placement(prior)

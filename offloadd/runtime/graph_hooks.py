@@ -135,9 +135,7 @@ def hooks_for(off: Any) -> Any:
     """The inlinable hooks, for ``off`` on this thread; a context manager to enter (the same
     hook objects every time: dynamo guards a region on their ids)."""
     if not _HOOKS:
-        _HOOKS.extend(
-            (torch.fx.symbolic_trace(_pack_hook), torch.fx.symbolic_trace(_unpack_hook))
-        )
+        _HOOKS.extend((torch.fx.symbolic_trace(_pack_hook), torch.fx.symbolic_trace(_unpack_hook)))
         _install_placement()
     _current.off = off
     return torch.autograd.graph.saved_tensors_hooks(_HOOKS[0], _HOOKS[1])

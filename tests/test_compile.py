@@ -220,19 +220,21 @@ def test_regions_stream_per_block_and_hold_whole(disk_dir: Path) -> None:
         ratios[how] = st.peak_resident_bytes / (st.saved_bytes - before.saved_bytes)
         assert_bitwise_equal(want, got)
         off.close()
-    assert ratios["per-block"] < 0.5, ratios
+    # per-block about 0.34 on a quiet machine, whole about 0.88; writes lag under load
+    assert ratios["per-block"] < min(0.7, ratios["whole"] - 0.15), ratios
 
 
 def test_inductor_whole_model_streams_bit_exact(disk_dir: Path) -> None:
-    """CPU inductor, the model compiled whole: offload and reload run as ops placed inside its
-    graph (Note [offload ops in the graph]): bit-exact against the same compiled model without
-    offloadd, a block's activations at a time resident, tokens freed with their graphs."""
+    """CPU inductor, the model compiled whole, ``compile_ops``: offload and reload run as ops
+    placed inside its graph (Note [offload ops in the graph]): bit-exact here (an MLP) against
+    the same compiled model without offloadd, a block's activations at a time resident, tokens
+    freed with their graphs."""
     from offloadd.runtime import graph_hooks
 
     plain, mine = _pair(6)
     xs = _inputs(3, rows=1024)
     want = _steps(torch.compile(plain), plain, xs, None)
-    off = _offloader(disk_dir, prefetch_bytes=1 << 20, chunk_bytes=256 << 10)
+    off = _offloader(disk_dir, prefetch_bytes=1 << 20, chunk_bytes=256 << 10, compile_ops=True)
     run = torch.compile(mine)
     got = _steps(run, mine, xs[:2], off)
     before = off.stats()
@@ -240,7 +242,8 @@ def test_inductor_whole_model_streams_bit_exact(disk_dir: Path) -> None:
     assert_bitwise_equal(want, got)
     st = off.stats()
     assert st.offloaded_bytes > 0
-    assert st.peak_resident_bytes < 0.5 * (st.saved_bytes - before.saved_bytes)
+    # about 0.4 on a quiet machine (1.0 with the ops at the graph's ends); writes lag under load
+    assert st.peak_resident_bytes < 0.65 * (st.saved_bytes - before.saved_bytes)
     assert graph_hooks.live_tokens() == 0
     # a graph never backwarded frees its blocks with its tokens (retain_graph is torch's to
     # refuse here: a compiled backward with donated buffers allows one backward)
@@ -392,10 +395,8 @@ def test_compiled_models_parameters_and_buffers_are_noted(disk_dir: Path) -> Non
             y = run(torch.randn(64, 64))
         y.sum().backward()
         st = off.stats()
-        # eager: x and sigmoid's output; compiled whole, the intermediates its graph saves
-        # (sigmoid's output) go through offloadd's ops, inputs and buffers never do
-        want = 64 * 64 * 4 * (1 if compiled else 2)
-        assert st.offloaded_bytes == want, (compiled, st.offloaded_bytes)  # never the buffer
+        # x and sigmoid's output, never the buffer
+        assert st.offloaded_bytes == 2 * 64 * 64 * 4, (compiled, st.offloaded_bytes)
         off.close()
 
 
@@ -417,3 +418,55 @@ def test_module_hook_goes_with_the_last_offloader(disk_dir: Path) -> None:
     del offs[1], off  # collected without close()
     gc.collect()
     assert (len(hooks), bool(compiled._hook)) == before
+
+
+class _Fused(nn.Module):
+    """A forward whose sum inductor fuses differently once an op reads the saved sin (Note
+    [offload ops in the graph]: why compile_ops is opt-in)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return (h.t().contiguous().t() * h[:, ::2].sin().repeat(1, 2)).cos().sum()
+
+
+def test_default_inductor_is_bit_exact_where_compile_ops_is_not(disk_dir: Path) -> None:
+    torch.manual_seed(0)
+    plain = _Fused()
+    mine = copy.deepcopy(plain)
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+    want = _steps(torch.compile(plain), plain, [x, x], None)
+    off = _offloader(disk_dir, min_bytes=0)
+    got = _steps(torch.compile(mine), mine, [x, x], off)
+    assert_bitwise_equal(want, got)
+    assert off.stats().offloaded_bytes > 0
+    off.close()
+
+
+def test_compile_ops_leave_other_hooks_and_eager_ops_alone(disk_dir: Path) -> None:
+    """Review finds: the graph hooks were pushed for the rest of the scope, so checkpoint's
+    hooks around a compiled call were popped in the wrong order (CheckpointError at backward),
+    and eager ops after the call went through them (a parameter copied and offloaded, an
+    in-place change after the save not detected)."""
+    from torch.utils.checkpoint import checkpoint
+
+    plain, mine = _pair()
+    xs = _inputs(2)
+    want = _steps(lambda x: checkpoint(plain, x, use_reentrant=False), plain, xs, None)
+    off = _offloader(disk_dir, compile_ops=True)
+    run = torch.compile(mine, backend="aot_eager")
+    got = _steps(lambda x: checkpoint(run, x, use_reentrant=False), mine, xs, off)
+    assert_bitwise_equal(want, got)
+    head = nn.Linear(8, 1024)
+    with off:
+        y = run(xs[0])
+        before = off.stats().offloaded_bytes
+        z = head(y)  # saves y (an activation) and head.weight (a parameter: never moved)
+        assert off.stats().offloaded_bytes - before < head.weight.nbytes
+        y.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.sum().backward()
+    off.close()

@@ -167,6 +167,14 @@ class Config:
     """Torch functions whose saved activations the codec may encode (``["linear"]``: only linear
     inputs); empty (the default): the list in codec/ops.py, each entry with its reason."""
 
+    compile_ops: bool = False
+    """A model compiled whole (``torch.compile(model)``) offloads while it computes: offload and
+    reload run as ops inside its graph (see [offload ops in the graph] in runtime/graph_hooks.py).
+    Opt-in: inductor fuses some kernels differently around the ops, so results can differ in the
+    last bits from the same model compiled without offloadd (measured: an MLP's were identical,
+    a ``(h.t().contiguous().t() * h.sin()).cos().sum()`` forward's were not). Off: bit-exact,
+    and such a model's saved tensors are moved when its forward returns."""
+
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     """The daemon's settings: the ``[daemon]`` table, ``OFFLOADD_DAEMON_<KEY>`` in the
     environment (:class:`~offloadd.config.DaemonConfig`). The training side reads only
@@ -281,5 +289,6 @@ KINDS: dict[str, Kind] = {
     "codec_seed": Int(0, (1 << 63) - 1),
     "codec_min_bytes": Size(),
     "codec_ops": Names(),
+    "compile_ops": Bool(),
 }
 """How each field but the ``daemon`` section is read and checked (:mod:`offloadd.config.kinds`)."""

@@ -84,9 +84,9 @@ def _traced_types() -> tuple[type, ...]:
 # its ops reach pack together when its forward returns, and its backward unpacks them all before
 # its first op. A model compiled per block (``block.compile()`` for each, as torchtitan does)
 # therefore streams block by block with offloadd's ordinary hooks. A model compiled whole would
-# hold every saved byte at the end of forward; for it, offload and reload become ops inside its
-# graph (Note [offload ops in the graph] in graph_hooks.py), pushed when ``torch.compile``'s
-# wrapper is called in a scope.
+# hold every saved byte at the end of forward, bit-exact; with ``Config.compile_ops`` offload and
+# reload become ops inside its graph (Note [offload ops in the graph] in graph_hooks.py), which
+# streams, at the price that note measures.
 #
 # Splitting a whole-model compile at its blocks (a graph break after each block) was tried
 # first and removed: inductor fuses across the block boundaries of the whole graph, so the split

@@ -8,7 +8,10 @@ its backward's first op. AOTAutograd has a way in: saved-tensor hooks that are `
 are *inlined*: traced into the forward graph's epilogue (pack) and the backward graph's prologue
 (unpack), for the intermediates the region saves (``saved_tensors_hooks_filtering_mode``
 "donated": never an input or a parameter), and dynamo guards the region on the hooks' ids. So
-while a compiled model runs in an Offloader's scope, offloadd pushes two such hooks:
+with ``Config.compile_ops``, for each call of a compiled model (``torch.compile``'s wrapper) in
+an Offloader's scope, offloadd pushes two such hooks, popped by a global forward hook that runs
+when that call returns or raises (so hooks the user opens around the call, checkpoint's, and
+eager ops after it are untouched):
 
 * pack is the op ``offloadd::stash(t)``: ``Offloader._pack`` on a copy of ``t``, the block
   captured at once (the op that made ``t`` has returned: it ran before this op), and a token
@@ -24,7 +27,15 @@ moves each ``stash`` to just after its tensor's last use in forward, and each ``
 before its first use in backward. A block's activations are thus written while the next block
 computes and read back, with the prefetch running ahead, while the later ones are used: the
 region streams as eager does, and the kernels are the graph's own (bit-identical to the same
-model compiled without offloadd; the tokens add two small ops per saved tensor).
+model compiled without offloadd: the tokens add two small ops per saved tensor).
+
+Why opt-in: inductor schedules a buffer read by an op differently from one returned by the
+graph, and sometimes fuses the loops around it differently. On an 8-block MLP the gradients
+were bit-identical; on ``(h.t().contiguous().t() * h[:, ::2].sin().repeat(1, 2)).cos().sum()``
+the sum's loop was fused with the sin's and no longer vectorised, and the loss moved by one
+ulp. Bit-identity to training without offloadd is the default; this is the choice to stream a
+model compiled whole at that price. If another pass holds inductor's one post-grad setting, the
+ops stay at the graph's ends (exact placement is then impossible; offloadd warns once).
 
 The token's lifetime is the saved tensor's: its bytes are a ``_Holder`` that keeps the handle,
 so when autograd frees the node (after backward, or a graph never backwarded) the holder goes,
@@ -43,7 +54,7 @@ import torch
 import torch.fx
 from torch import Tensor
 
-__all__ = ["Placement", "hooks_for", "live_tokens"]
+__all__ = ["NO_PLACEMENT", "Placement", "enter", "live_tokens"]
 
 _lock = threading.Lock()
 _tokens: dict[int, weakref.ref[_Holder]] = {}
@@ -70,7 +81,7 @@ def live_tokens() -> int:
         return len(_tokens)
 
 
-@torch.library.custom_op("offloadd::stash", mutates_args=())
+@torch.library.custom_op("offloadd::stash", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def stash(t: Tensor) -> Tensor:
     off = _current.off
     handle = off._pack(t.clone())
@@ -129,16 +140,42 @@ def _unpack_hook(packed: Any) -> Tensor:
 
 
 _HOOKS: list[torch.fx.GraphModule] = []
+_calls = threading.local()  # (module, hooks entered, the Offloader before) per call, this thread
+_post_hook: list[Any] = []
+
+NO_PLACEMENT = (
+    "offloadd: compile_ops: torch._inductor.config.post_grad_custom_post_pass is set by someone "
+    "else, so offloadd's ops stay at the ends of compiled graphs (exact, but nothing streams "
+    "while the model computes); see [offload ops in the graph]"
+)
 
 
-def hooks_for(off: Any) -> Any:
-    """The inlinable hooks, for ``off`` on this thread; a context manager to enter (the same
-    hook objects every time: dynamo guards a region on their ids)."""
+def enter(off: Any, module: torch.nn.Module) -> bool:
+    """Push the inlinable hooks for this call of ``module`` (``torch.compile``'s wrapper) by
+    ``off``, popped when the call returns or raises (the same hook objects every time: dynamo
+    guards a region on their ids). False if the placement pass could not be installed."""
     if not _HOOKS:
         _HOOKS.extend((torch.fx.symbolic_trace(_pack_hook), torch.fx.symbolic_trace(_unpack_hook)))
-        _install_placement()
+        _post_hook.append(
+            torch.nn.modules.module.register_module_forward_hook(_call_ended, always_call=True)
+        )
+    placed = _install_placement()
+    hooks = torch.autograd.graph.saved_tensors_hooks(_HOOKS[0], _HOOKS[1])
+    hooks.__enter__()
+    stack = _calls.__dict__.setdefault("stack", [])
+    stack.append((module, hooks, getattr(_current, "off", None)))
     _current.off = off
-    return torch.autograd.graph.saved_tensors_hooks(_HOOKS[0], _HOOKS[1])
+    return placed
+
+
+def _call_ended(module: torch.nn.Module, args: Any, output: Any) -> None:
+    if torch.compiler.is_compiling():
+        return  # traced by dynamo (an inner module): nothing to do
+    stack = getattr(_calls, "stack", None)
+    if stack and stack[-1][0] is module:
+        _, hooks, before = stack.pop()
+        hooks.__exit__(None, None, None)
+        _current.off = before
 
 
 # -- placement -------------------------------------------------------------------------------
@@ -148,11 +185,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass  # noqa: E402
 
 class Placement(CustomGraphPass):
     """Inductor's post-grad pass: each ``stash`` just after its tensor's last use in forward,
-    each ``fetch`` just before its first use in backward (Note [offload ops in the graph]); then
-    the pass the user had set, if any."""
-
-    def __init__(self, then: Any = None) -> None:
-        self.then = then
+    each ``fetch`` just before its first use in backward (Note [offload ops in the graph])."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         stash_op = torch.ops.offloadd.stash.default
@@ -168,17 +201,16 @@ class Placement(CustomGraphPass):
             elif node.target is fetch_op and node.users:
                 first = min(node.users, key=order.__getitem__)
                 first.prepend(node)
-        if self.then is not None:
-            self.then(graph)
 
     def uuid(self) -> Any:
-        then = self.then.uuid() if hasattr(self.then, "uuid") else None
-        return ("offloadd-placement-1", then)
+        return "offloadd-placement-1"
 
 
-def _install_placement() -> None:
+def _install_placement() -> bool:
+    """Placement as inductor's post-grad pass, unless another pass holds that one setting."""
     from torch._inductor import config
 
     prior = config.post_grad_custom_post_pass
-    if not isinstance(prior, Placement):
-        config.post_grad_custom_post_pass = Placement(prior)
+    if prior is None:
+        config.post_grad_custom_post_pass = Placement()
+    return isinstance(config.post_grad_custom_post_pass, Placement)

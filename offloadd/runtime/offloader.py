@@ -108,12 +108,6 @@ class Offloader:
         )
         # Lossy codes of some saved activations, opt-in (see [codes through the tiers]).
         self._codec = Codec(cfg) if cfg.codec != "none" else None
-        # What torch calls; dynamo never traces them (see [invisible to dynamo] in compiled.py).
-        self._hooks = (
-            (unseen(self._pack), unseen(self._unpack))
-            if self._codec is None
-            else (unseen(self._pack_coded), unseen(self._unpack_coded))
-        )
         if self._codec is not None:
             self._stats.codec = cfg.codec
         # Last before the finalizer that releases it: a part refusing the config (the backend,
@@ -150,12 +144,12 @@ class Offloader:
             self._backend.begin_step()  # the daemon client reconnects after a loss
         codec = self._codec
         if codec is None:
-            hooks: Any = torch.autograd.graph.saved_tensors_hooks(*self._hooks)
+            hooks: Any = torch.autograd.graph.saved_tensors_hooks(*self._hook_pair())
         else:
             if not stack:
                 codec.begin_step()
             hooks = contextlib.ExitStack()
-            hooks.enter_context(torch.autograd.graph.saved_tensors_hooks(*self._hooks))
+            hooks.enter_context(torch.autograd.graph.saved_tensors_hooks(*self._hook_pair()))
             hooks.enter_context(codec.scope())
         hooks.__enter__()
         stack.append(hooks)
@@ -165,11 +159,15 @@ class Offloader:
                 compiled.scope_opened(self)  # modules called now are noted (see [one module hook])
         return self
 
+    def _hook_pair(self) -> tuple[Any, Any]:
+        """What torch calls; dynamo never traces them (see [invisible to dynamo] in compiled.py).
+        Made at each entry: kept on the Offloader, they would make a cycle with it, and an
+        Offloader must go when its last reference does (see [shutdown])."""
+        if self._codec is None:
+            return unseen(self._pack), unseen(self._unpack)
+        return unseen(self._pack_coded), unseen(self._unpack_coded)
+
     def __exit__(self, *exc: object) -> None:
-        inlined = getattr(self._tls, "graph_hooks", None)
-        if inlined and inlined[1] == len(self._tls.stack):  # pushed inside this scope
-            self._tls.graph_hooks = None
-            inlined[0].__exit__(*exc)
         self._tls.stack.pop().__exit__(*exc)
         if self._auto is not None and not self._tls.stack:
             self._auto.forward_ends()
@@ -224,14 +222,17 @@ class Offloader:
             )
         for m in orig.modules():
             self.note_module(m)
-        stack = getattr(self._tls, "stack", None)
-        if stack and torch.is_grad_enabled() and not getattr(self._tls, "graph_hooks", None):
-            # Offload and reload as ops in its graph (see [offload ops in the graph]).
+        if (
+            self.config.compile_ops
+            and getattr(self._tls, "stack", None)
+            and torch.is_grad_enabled()
+        ):
+            # Offload and reload as ops in its graph, for this call (see [offload ops in the
+            # graph]); without compile_ops its saved tensors come when its forward returns.
             from offloadd.runtime import graph_hooks
 
-            hooks = graph_hooks.hooks_for(self)
-            hooks.__enter__()
-            self._tls.graph_hooks = [hooks, len(stack)]
+            if not graph_hooks.enter(self, module):
+                self._ledger.warn_once("placement", graph_hooks.NO_PLACEMENT)
 
     def stats(self) -> Stats:
         """A snapshot of the counters (see :class:`~offloadd.Stats`)."""

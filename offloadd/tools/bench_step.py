@@ -67,6 +67,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-hook-cost", action="store_true", help="skip the hook cost measurement")
     p.add_argument(
+        "--compile",
+        action="store_true",
+        help="every strategy runs the model compiled whole (torch.compile, inductor)",
+    )
+    p.add_argument(
         "--codec",
         default="none",
         help="offloadd's codec for keep, ssd and cpu (Config.codec; lossy unless none)",
@@ -152,7 +157,7 @@ def _options(ns: argparse.Namespace) -> dict[str, Any]:
         ready_dir("--ssd-dir", ns.ssd_dir)
     if ns.out:
         ready_parent("--out", ns.out)
-    return {**common, "model": ns.model}
+    return {**common, "model": ns.model, "compile": ns.compile}
 
 
 def hook_cost_us(ops: int = 5000, pairs: int = 15) -> dict[str, float]:

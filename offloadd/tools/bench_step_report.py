@@ -68,7 +68,10 @@ def format_report(
         "- MALLOC_MMAP_THRESHOLD_: "
         + os.environ.get("MALLOC_MMAP_THRESHOLD_", "unset (glibc default)"),
         f"- model: {model}, {ns.layers} layers, d={ns.d_model}, {ns.heads} heads, seq {ns.seq}, "
-        f"batch {ns.batch}; {_count(ns.steps, 'timed step')} after 1 warm-up, "
+        f"batch {ns.batch}"
+        f"{', compiled whole (torch.compile, inductor)' if getattr(ns, 'compile', False) else ''}"
+        f"; {_count(ns.steps, 'timed step')} after "
+        f"{'2 warm-ups' if getattr(ns, 'compile', False) else '1 warm-up'}, "
         f"{_count(ns.rounds, 'round')} interleaved, one process per run; medians over rounds\n",
         *_strategy_table(results),
         "",

@@ -101,6 +101,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--point-timeout", type=float, default=None, help="seconds before a point is abandoned"
     )
     p.add_argument("--no-plot", action="store_true", help="skip rok.png (no matplotlib needed)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="every point runs the model compiled whole (torch.compile, inductor)",
+    )
 
 
 class _Progress:

@@ -12,6 +12,7 @@ import math
 import os
 import signal
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from offloadd.tools.train import RunFailed, RunSpec, run_in_subprocess, split_la
 
 __all__ = ["FIELDS", "auto_budget", "measure", "point_line", "read_points", "write_points"]
 
-FIELDS: dict[str, type] = {
+FIELDS: dict[str, Callable[[str], Any]] = {
     "model": str,
     "layers": int,
     "hidden": int,
@@ -32,6 +33,7 @@ FIELDS: dict[str, type] = {
     "device": str,
     "steps": int,
     "codec": str,  # offloadd's codec for the strategies with hooks (none: exact)
+    "compile": lambda text: text == "True",  # the model compiled whole (rok --compile)
     "strategy": str,
     "batch_size": int,
     "round": int,  # 1..--repeats
@@ -73,10 +75,11 @@ def read_points(path: Path) -> list[dict[str, Any]]:
     with path.open(newline="") as f:
         reader = csv.DictReader(f)
         names = list(reader.fieldnames or ())
-        if names != list(FIELDS) and names != [k for k in FIELDS if k != "codec"]:
+        older = ({"compile"}, {"codec", "compile"})  # sweeps from before --compile, --codec
+        if names != list(FIELDS) and all(names != [k for k in FIELDS if k not in o] for o in older):
             raise ValueError(f"{path} does not have the columns of this offloadd version")
-        # sweeps from before --codec: exact
-        return [{"codec": "none"} | {k: _parse(k, v) for k, v in row.items()} for row in reader]
+        before = {"codec": "none", "compile": False}  # what such sweeps ran: exact, eager
+        return [before | {k: _parse(k, v) for k, v in row.items()} for row in reader]
 
 
 def write_points(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -117,6 +120,7 @@ def measure(
         device=sw.device,
         ssd_dir=sw.ssd_dir,
         memory_limit_bytes=sw.memory_limit,
+        compile=sw.compile,
     )
     out = {**row, **_run(sw, spec)}
     axis = row.get("budget_bytes")

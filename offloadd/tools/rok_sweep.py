@@ -75,7 +75,7 @@ def _budgets(text: str) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-KEY = ("model", "layers", "hidden", "heads", "seq", "vocab", "device", "steps", "codec")
+KEY = ("model", "layers", "hidden", "heads", "seq", "vocab", "device", "steps", "codec", "compile")
 """The fields that tell sweeps apart; ``--resume`` continues only a rok.csv whose rows match."""
 
 _SIZES: dict[str, dict[str, int]] = {
@@ -104,6 +104,7 @@ class Sweep:
     device: str
     steps: int
     codec: str
+    compile: bool
     repeats: int
     out: Path
     ssd_dir: str | None
@@ -130,6 +131,7 @@ class Sweep:
             f"{self.model}: {self.layers} layers, hidden {self.hidden}, {self.heads} heads, "
             f"seq {self.seq}, vocab {self.vocab}; {self.steps} timed steps on {self.device}"
             + (f"; codec {self.codec}" if self.codec != "none" else "")
+            + ("; compiled whole (torch.compile)" if self.compile else "")
         )
 
 
@@ -276,6 +278,7 @@ def resolve(ns: argparse.Namespace) -> Sweep:
         device=device,
         steps=steps,
         codec=codec,
+        compile=getattr(ns, "compile", False),
         repeats=ns.repeats,
         out=out,
         ssd_dir=ns.ssd_dir,

@@ -67,6 +67,8 @@ class RunSpec:
     """Strategies with offloadd's hooks: ``Config.codec`` (lossy compression of what is saved)."""
     budget: str | None = None
     """auto: the budget (``Config.budget``: a size or a fraction of keep's, ``0.3x``)."""
+    compile: bool = False
+    """The model compiled whole (``torch.compile(model)``, inductor) for every strategy."""
     memory_limit_bytes: int = 0
     """Simulates a smaller machine: memory allowed above what the built model holds (0: no
     limit). CPU: an RLIMIT_AS on address space, so approximate; CUDA: a per-process fraction."""
@@ -174,13 +176,14 @@ def run(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
         seq_len=spec.seq_len,
         vocab_size=spec.vocab_size,
         recompute=spec.strategy == "recompute",
+        compile=spec.compile,
     )
     model = built.module.to(device)
     vocab = spec.vocab_size or default_vocab(spec.model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(spec.seed + 1)
     # auto: a warm-up step, the profile step and the first planned step go untimed
-    warmup = 3 if spec.strategy == "auto" else 1
+    warmup = 3 if spec.strategy == "auto" else 2 if spec.compile else 1  # compiled: twice
     batches = [
         torch.randint(0, vocab, (spec.batch_size, spec.seq_len + 1), generator=gen)
         for _ in range(spec.steps + warmup)

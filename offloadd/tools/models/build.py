@@ -49,8 +49,10 @@ def build_model(
     seq_len: int,
     vocab_size: int | None = None,
     recompute: bool = False,
+    compile: bool = False,
 ) -> TrainModel:
-    """Build ``name`` (one of MODELS) with random weights from the current torch seed."""
+    """Build ``name`` (one of MODELS) with random weights from the current torch seed;
+    ``compile``: its loss runs ``torch.compile(module)``, the model compiled whole."""
     if name not in MODELS:
         raise ValueError(f"model must be one of {', '.join(MODELS)}, got {name!r}")
     # The same shape for the built-in GPT and for the transformers families.
@@ -65,19 +67,21 @@ def build_model(
     if name == "mini-gpt":
         cfg = GPTConfig(**shape)
         gpt = GPT(cfg)
+        run: Any = torch.compile(gpt) if compile else gpt
         return TrainModel(
             module=gpt,
-            loss=lambda x, y: gpt(x, y),
+            loss=lambda x, y: run(x, y),
             num_params=cfg.num_params(),
             attention_layers=num_layers,
             d_model=d_model,
         )
     module = build_hf(name, **shape)
+    runner: Any = torch.compile(module) if compile else module
 
     def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         # GPT-2 shifts its labels itself; BERT (every position masked-LM) and T5 take them as is.
         x, y = x.contiguous(), y.contiguous()
-        out = module(input_ids=x, labels=x if name == "gpt" else y)
+        out = runner(input_ids=x, labels=x if name == "gpt" else y)
         loss: torch.Tensor = out.loss
         return loss
 

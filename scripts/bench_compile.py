@@ -21,6 +21,7 @@ import time
 import torch
 from torch import nn
 
+MODES = ("eager", "per-block", "whole", "whole+compile_ops")
 D, H = 512, 2048
 N, L = 1024, 8  # set by --rows and --layers
 
@@ -53,14 +54,18 @@ def one(mode: str, offload: bool, steps: int) -> dict[str, object]:
     torch.manual_seed(0)
     model = Model()
     run: nn.Module = model
-    if mode == "whole":
+    if mode in ("whole", "whole+compile_ops"):
         run = torch.compile(model)  # type: ignore[assignment]
     elif mode == "per-block":
         for b in model.blocks:
             b.compile()
     x = torch.randn(N, D)
     off = (
-        offloadd.Offloader(offloadd.Config(ssd_dirs=[tempfile.mkdtemp(dir=".")]))
+        offloadd.Offloader(
+            offloadd.Config(
+                ssd_dirs=[tempfile.mkdtemp(dir=".")], compile_ops=mode == "whole+compile_ops"
+            )
+        )
         if offload
         else None
     )
@@ -107,7 +112,7 @@ def main() -> None:
         return
     rows: dict[tuple[str, bool], list[dict[str, object]]] = {}
     for _ in range(a.rounds):
-        for mode in ("eager", "per-block", "whole"):
+        for mode in MODES:
             for offload in (False, True):
                 cmd = [
                     sys.executable,
@@ -132,7 +137,7 @@ def main() -> None:
         "| mode | step (keep) | step (ssd) | ssd / keep | saved a step | peak resident | peak / saved |",
         "|---|---|---|---|---|---|---|",
     ]
-    for mode in ("eager", "per-block", "whole"):
+    for mode in MODES:
         keep = statistics.median(float(r["step_s"]) for r in rows[(mode, False)])  # type: ignore[arg-type]
         ssd = rows[(mode, True)]
         t = statistics.median(float(r["step_s"]) for r in ssd)  # type: ignore[arg-type]

@@ -400,24 +400,27 @@ def test_compiled_models_parameters_and_buffers_are_noted(disk_dir: Path) -> Non
         off.close()
 
 
-def test_module_hook_goes_with_the_last_offloader(disk_dir: Path) -> None:
-    import gc
+def test_a_new_offloader_per_epoch_recompiles_nothing(disk_dir: Path) -> None:
+    """Review find: the module hook was removed when the last Offloader closed and registered
+    again with a new key by the next: every compiled model recompiled each epoch, and ran in
+    eager after dynamo's eighth."""
+    graphs: list[int] = []
 
-    from offloadd.runtime import compiled
+    def counting(gm: torch.fx.GraphModule, example: Any) -> Any:
+        graphs.append(1)
+        return gm.forward
 
-    gc.collect()
-    hooks = torch.nn.modules.module._global_forward_pre_hooks
-    before = (len(hooks), bool(compiled._hook))
-    offs = [_offloader(disk_dir) for _ in range(2)]
-    for off in offs:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    run = torch.compile(model, backend=counting)
+    x = _inputs(1)[0]
+    for _ in range(10):
+        off = _offloader(disk_dir)
         with off:
-            pass
-    assert compiled._hook and len(hooks) == before[0] + (not before[1])  # one hook for both
-    offs[0].close()
-    assert compiled._hook
-    del offs[1], off  # collected without close()
-    gc.collect()
-    assert (len(hooks), bool(compiled._hook)) == before
+            y = run(x)
+        y.sum().backward()
+        off.close()
+    assert len(graphs) == 1, len(graphs)
 
 
 class _Fused(nn.Module):
@@ -470,3 +473,57 @@ def test_compile_ops_leave_other_hooks_and_eager_ops_alone(disk_dir: Path) -> No
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         z.sum().backward()
     off.close()
+
+
+def test_compile_ops_eager_code_inside_the_call(disk_dir: Path) -> None:
+    """Review find: eager code inside the compiled call (here a disabled submodule) went through
+    offloadd's ops: a parameter copied and offloaded, an in-place change after its save not
+    detected. It now gets the Offloader's own pack and unpack."""
+
+    class Inner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.big = nn.Linear(256, 256)
+
+        @torch.compiler.disable
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            out = self.big(h)
+            h.mul_(2)  # h was saved by big: backward must refuse
+            return out
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), Inner())
+    off = _offloader(disk_dir, compile_ops=True)
+    with off:
+        y = torch.compile(model, backend="aot_eager")(torch.randn(32, 64))
+    assert off.stats().offloaded_bytes < model[2].big.weight.nbytes  # the weight never moved
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    off.close()
+
+
+def test_compile_ops_interrupted_and_nested_leave_no_hooks(disk_dir: Path) -> None:
+    """Review finds: a KeyboardInterrupt in the compiled call skips forward hooks, and two
+    Offloaders in scope pushed two entries for one pop; either left hooks installed."""
+    from offloadd.runtime import graph_hooks
+
+    class Stop(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise KeyboardInterrupt
+
+    def top() -> Any:
+        return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+    off = _offloader(disk_dir, compile_ops=True)
+    stopping = torch.compile(nn.Sequential(nn.Linear(8, 8), Stop()), backend="aot_eager")
+    with pytest.raises(KeyboardInterrupt), off:
+        stopping(torch.randn(4, 8, requires_grad=True))
+    assert top() is None
+    other = _offloader(disk_dir, compile_ops=True)
+    run = torch.compile(nn.Sequential(nn.Linear(8, 8), nn.GELU()), backend="aot_eager")
+    with off, other:
+        run(torch.randn(4, 8)).sum().backward()
+    assert top() is None
+    assert not getattr(graph_hooks._calls, "stack", None)
+    off.close()
+    other.close()

@@ -1,7 +1,7 @@
 """The distributed rows of the composition matrix: FSDP2, FSDP2 with CPUOffloadPolicy, DDP, and
 tensor parallel with sequence parallel, on two gloo ranks under one torchrun launch.
 
-tests/clients/matrix_dist.py trains each row without and with an explicit Offloader. Per rank
+tests/ranks/matrix_dist.py trains each row without and with an explicit Offloader. Per rank
 and row: losses, gradients and final weights bitwise equal, bytes moved, no parameter (plain,
 all-gathered, sharded or DTensor) ever handed to the mover, nothing left in the offload dirs.
 """
@@ -16,8 +16,10 @@ from typing import Any
 
 import torch
 
-from tests.envrun import CLIENTS, clean_env, run
+from tests.envrun import clean_env, run
 from tests.helpers import small_offloader
+
+RANKS = Path(__file__).parent / "ranks"  # scripts that use offloadd explicitly (not clients)
 
 ENGINE_PARAMS = ("default",)  # the ranks choose the engine (auto), as users get it
 
@@ -39,7 +41,7 @@ def _launch(out_dir: Path) -> dict[int, dict[str, Any]]:
             "torchrun",
             "--nproc_per_node=2",
             f"--master_port={_port()}",
-            str(CLIENTS / "matrix_dist.py"),
+            str(RANKS / "matrix_dist.py"),
             str(out_dir),
         ]
         try:

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-__all__ = ["closed", "is_traced", "scope_opened", "scopes_closed", "unseen"]
+__all__ = ["is_traced", "scope_opened", "scopes_closed", "unseen"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -101,15 +101,16 @@ def _traced_types() -> tuple[type, ...]:
 # global forward pre-hook. Dynamo guards a compiled region on the keys of the global hook dict,
 # so a hook registered at each scope's entry and removed at its exit has a new key each step:
 # the region was traced again every step until dynamo's recompile limit, then ran in eager. The
-# hook is therefore registered once, when the first Offloader enters a scope, and kept while
-# any Offloader that entered one is open (neither closed nor collected); it notes a module for
-# each Offloader in a scope now. torch warns once that ``torch.compile(model)``'s wrapper sees
-# global hooks fire for it too: harmless here (the wrapper is noted as its model, below).
+# same happened with a hook removed when the last Offloader closed: a new Offloader per epoch
+# recompiled every model each epoch, eager after the eighth. So the hook is registered when the
+# first Offloader enters a scope and stays for the life of the process; it notes a module for
+# each Offloader in a scope now and returns at once otherwise (about 2 us a module call, the
+# cost of any global hook). torch warns once that ``torch.compile(model)``'s wrapper sees global
+# hooks fire for it too: harmless here (the wrapper is noted as its model).
 
 _lock = threading.Lock()
 _in_scope: weakref.WeakSet[Any] = weakref.WeakSet()
-_users = [0]  # Offloaders that entered a scope and are neither closed nor collected
-_hook: list[Any] = []  # its handle, while registered
+_hook: list[Any] = []  # its handle, once registered
 
 
 def _note(module: nn.Module, args: Any) -> None:
@@ -121,34 +122,15 @@ def _note(module: nn.Module, args: Any) -> None:
         off._note_module(module)
 
 
-def _release() -> None:
-    with _lock:
-        _users[0] -= 1
-        if _hook and not _users[0]:
-            _hook.pop().remove()
-
-
 def scope_opened(off: Any) -> None:
     """``off`` has a scope open now: modules called from now on are noted for it."""
     with _lock:
-        if getattr(off, "_hook_user", None) is None:
-            _users[0] += 1
-            off._hook_user = weakref.finalize(off, _release)  # at close() or collection
         _in_scope.add(off)
         if not _hook:
             _hook.append(nn.modules.module.register_module_forward_pre_hook(_note))
 
 
 def scopes_closed(off: Any) -> None:
-    """``off`` has no scope open any more."""
+    """``off`` has no scope open any more (or is closed)."""
     with _lock:
         _in_scope.discard(off)
-
-
-def closed(off: Any) -> None:
-    """``off`` is closed: the hook goes when no open Offloader entered a scope."""
-    with _lock:
-        _in_scope.discard(off)
-    user = getattr(off, "_hook_user", None)
-    if user is not None:
-        user()

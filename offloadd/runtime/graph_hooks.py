@@ -11,7 +11,9 @@ are *inlined*: traced into the forward graph's epilogue (pack) and the backward 
 with ``Config.compile_ops``, for each call of a compiled model (``torch.compile``'s wrapper) in
 an Offloader's scope, offloadd pushes two such hooks, popped by a global forward hook that runs
 when that call returns or raises (so hooks the user opens around the call, checkpoint's, and
-eager ops after it are untouched):
+eager ops after it are untouched; eager code inside the call, at a graph break, gets the
+Offloader's own pack and unpack through them, and a ``BaseException``, which skips forward
+hooks, is unwound at the scope's exit):
 
 * pack is the op ``offloadd::stash(t)``: ``Offloader._pack`` on a copy of ``t``, the block
   captured at once (the op that made ``t`` has returned: it ran before this op), and a token
@@ -54,7 +56,9 @@ import torch
 import torch.fx
 from torch import Tensor
 
-__all__ = ["NO_PLACEMENT", "Placement", "enter", "live_tokens"]
+from offloadd.runtime.compiled import is_traced, unseen
+
+__all__ = ["NO_PLACEMENT", "Placement", "enter", "live_tokens", "unwind"]
 
 _lock = threading.Lock()
 _tokens: dict[int, weakref.ref[_Holder]] = {}
@@ -121,13 +125,27 @@ def _fetch_fake(
     return torch.empty_strided(size, stride, dtype=dtype, device=device)
 
 
+_EAGER = object()  # marks what pack returned when autograd itself called the hook
+
+
 @torch.fx.wrap
+@unseen  # called by autograd itself at a graph break: never traced by dynamo
 def _pack(t: Tensor) -> Any:
+    if not is_traced(t):
+        # Autograd calls the hook itself: eager code inside the compiled call (a graph break, a
+        # disabled submodule). Offloader's own pack, as in eager (parameters kept, versions
+        # checked); the ops are for what AOTAutograd traces.
+        off = _current.off
+        return (_EAGER, off, off._pack(t))
     return (torch.ops.offloadd.stash(t), list(t.size()), list(t.stride()), t.dtype, t.device)
 
 
 @torch.fx.wrap
+@unseen
 def _unpack(packed: Any) -> Tensor:
+    if packed[0] is _EAGER:
+        unpacked: Tensor = packed[1]._unpack(packed[2])
+        return unpacked
     return torch.ops.offloadd.fetch(*packed)
 
 
@@ -163,7 +181,7 @@ def enter(off: Any, module: torch.nn.Module) -> bool:
     hooks = torch.autograd.graph.saved_tensors_hooks(_HOOKS[0], _HOOKS[1])
     hooks.__enter__()
     stack = _calls.__dict__.setdefault("stack", [])
-    stack.append((module, hooks, getattr(_current, "off", None)))
+    stack.append((module, hooks, getattr(_current, "off", None), off))
     _current.off = off
     return placed
 
@@ -172,8 +190,18 @@ def _call_ended(module: torch.nn.Module, args: Any, output: Any) -> None:
     if torch.compiler.is_compiling():
         return  # traced by dynamo (an inner module): nothing to do
     stack = getattr(_calls, "stack", None)
-    if stack and stack[-1][0] is module:
-        _, hooks, before = stack.pop()
+    while stack and stack[-1][0] is module:  # one entry per Offloader in scope
+        _, hooks, before, _off = stack.pop()
+        hooks.__exit__(None, None, None)
+        _current.off = before
+
+
+def unwind(off: Any) -> None:
+    """At ``off``'s scope exit: pop what a call inside it left (a ``BaseException`` skips the
+    forward hooks: a KeyboardInterrupt in the compiled call)."""
+    stack = getattr(_calls, "stack", None)
+    while stack and any(entry[3] is off for entry in stack):
+        _, hooks, before, _off = stack.pop()
         hooks.__exit__(None, None, None)
         _current.off = before
 

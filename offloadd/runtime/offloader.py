@@ -168,6 +168,10 @@ class Offloader:
         return unseen(self._pack_coded), unseen(self._unpack_coded)
 
     def __exit__(self, *exc: object) -> None:
+        if self.config.compile_ops:
+            from offloadd.runtime import graph_hooks
+
+            graph_hooks.unwind(self)  # what a compiled call interrupted left on top
         self._tls.stack.pop().__exit__(*exc)
         if self._auto is not None and not self._tls.stack:
             self._auto.forward_ends()
@@ -275,7 +279,7 @@ class Offloader:
         if self._life.closed:
             return
         self._life.closed = True
-        compiled.closed(self)
+        compiled.scopes_closed(self)
         if self._auto is not None:
             self._auto.detach()
         self._ordering.synchronize_all()  # no copy may still target the slot pools

@@ -90,6 +90,24 @@ def _inputs(n: int = 3, rows: int = 64, d: int = 64) -> list[torch.Tensor]:
     return [torch.randn(rows, d, generator=g) for _ in range(n)]
 
 
+def _compare(
+    plain: nn.Module,
+    mine: nn.Module,
+    xs: list[torch.Tensor],
+    disk_dir: Path,
+    off_kw: dict[str, Any] | None = None,
+    **compile_kw: Any,
+) -> None:
+    """``plain`` without offloadd and ``mine`` with it, each compiled alike: bit-identical, and
+    offloadd moved something."""
+    want = _steps(torch.compile(plain, **compile_kw), plain, xs, None)
+    off = _offloader(disk_dir, **(off_kw or {}))
+    got = _steps(torch.compile(mine, **compile_kw), mine, xs, off)
+    assert_bitwise_equal(want, got)
+    assert off.stats().offloaded_bytes > 0
+    off.close()
+
+
 def _pair(n: int = 4) -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(0)
     model = Stack(n)
@@ -128,12 +146,7 @@ def test_recompiles_and_dynamic_shapes(disk_dir: Path) -> None:
     """New shapes recompile (then go dynamic) under the hooks, bit-exact at each."""
     plain, mine = _pair()
     xs = [x[:rows] for x, rows in zip(_inputs(4, rows=96), (96, 80, 64, 48), strict=True)]
-    want = _steps(torch.compile(plain, backend="aot_eager"), plain, xs, None)
-    off = _offloader(disk_dir)
-    got = _steps(torch.compile(mine, backend="aot_eager"), mine, xs, off)
-    assert_bitwise_equal(want, got)
-    assert off.stats().offloaded_bytes > 0
-    off.close()
+    _compare(plain, mine, xs, disk_dir, backend="aot_eager")
 
 
 def test_marked_dynamic(disk_dir: Path) -> None:
@@ -141,12 +154,7 @@ def test_marked_dynamic(disk_dir: Path) -> None:
     xs = _inputs(2)
     for x in xs:
         torch._dynamo.mark_dynamic(x, 0)
-    run = torch.compile(plain, backend="aot_eager", dynamic=True)
-    want = _steps(run, plain, xs, None)
-    off = _offloader(disk_dir)
-    got = _steps(torch.compile(mine, backend="aot_eager", dynamic=True), mine, xs, off)
-    assert_bitwise_equal(want, got)
-    off.close()
+    _compare(plain, mine, xs, disk_dir, backend="aot_eager", dynamic=True)
 
 
 def test_meta_and_fake_tensors_pass_through(disk_dir: Path) -> None:
@@ -441,12 +449,7 @@ def test_default_inductor_is_bit_exact_where_compile_ops_is_not(disk_dir: Path) 
     plain = _Fused()
     mine = copy.deepcopy(plain)
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
-    want = _steps(torch.compile(plain), plain, [x, x], None)
-    off = _offloader(disk_dir, min_bytes=0)
-    got = _steps(torch.compile(mine), mine, [x, x], off)
-    assert_bitwise_equal(want, got)
-    assert off.stats().offloaded_bytes > 0
-    off.close()
+    _compare(plain, mine, [x, x], disk_dir, {"min_bytes": 0})
 
 
 def test_compile_ops_leave_other_hooks_and_eager_ops_alone(disk_dir: Path) -> None:

@@ -48,6 +48,7 @@ post-grad passes) the ops stay at the ends: exact, but nothing streams, as befor
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 import weakref
 from typing import Any
@@ -62,7 +63,7 @@ __all__ = ["NO_PLACEMENT", "Placement", "enter", "live_tokens", "unwind"]
 
 _lock = threading.Lock()
 _tokens: dict[int, weakref.ref[_Holder]] = {}
-_next = [0]
+_keys = itertools.count(1)
 _current = threading.local()  # the Offloader whose scope pushed the hooks, on this thread
 
 
@@ -90,9 +91,7 @@ def stash(t: Tensor) -> Tensor:
     off = _current.off
     handle = off._pack(t.clone())
     off._life.capture_all()  # t's producer has returned: this op runs after it
-    with _lock:
-        _next[0] += 1
-        key = _next[0]
+    key = next(_keys)  # atomic under the GIL
     holder = _Holder(key.to_bytes(8, "little"))
     holder.handle = handle
     holder.off = off
@@ -158,7 +157,7 @@ def _unpack_hook(packed: Any) -> Tensor:
 
 
 _HOOKS: list[torch.fx.GraphModule] = []
-_calls = threading.local()  # (module, hooks entered, the Offloader before) per call, this thread
+_calls = threading.local()  # per call on this thread: (module, hooks, Offloader before, its own)
 _post_hook: list[Any] = []
 
 NO_PLACEMENT = (
@@ -191,9 +190,7 @@ def _call_ended(module: torch.nn.Module, args: Any, output: Any) -> None:
         return  # traced by dynamo (an inner module): nothing to do
     stack = getattr(_calls, "stack", None)
     while stack and stack[-1][0] is module:  # one entry per Offloader in scope
-        _, hooks, before, _off = stack.pop()
-        hooks.__exit__(None, None, None)
-        _current.off = before
+        _pop(stack)
 
 
 def unwind(off: Any) -> None:
@@ -201,9 +198,13 @@ def unwind(off: Any) -> None:
     forward hooks: a KeyboardInterrupt in the compiled call)."""
     stack = getattr(_calls, "stack", None)
     while stack and any(entry[3] is off for entry in stack):
-        _, hooks, before, _off = stack.pop()
-        hooks.__exit__(None, None, None)
-        _current.off = before
+        _pop(stack)
+
+
+def _pop(stack: list[Any]) -> None:
+    _, hooks, before, _off = stack.pop()
+    hooks.__exit__(None, None, None)
+    _current.off = before
 
 
 # -- placement -------------------------------------------------------------------------------

@@ -213,11 +213,8 @@ class Offloader:
             return
         # torch.compile(model)'s wrapper, called eagerly: the model's modules run inside the
         # compiled region, where no hook notes them, so all are noted now (the model first).
-        if (
-            self._codec is not None
-            and torch.is_grad_enabled()
-            and getattr(self._tls, "stack", None)
-        ):
+        in_scope = bool(getattr(self._tls, "stack", None)) and torch.is_grad_enabled()
+        if in_scope and self._codec is not None:
             raise RuntimeError(
                 f"offloadd: codec={self.config.codec!r} does not run under torch.compile: a "
                 "compiled region's saved tensors reach offloadd without the op that saved "
@@ -226,11 +223,7 @@ class Offloader:
             )
         for m in orig.modules():
             self.note_module(m)
-        if (
-            self.config.compile_ops
-            and getattr(self._tls, "stack", None)
-            and torch.is_grad_enabled()
-        ):
+        if in_scope and self.config.compile_ops:
             # Offload and reload as ops in its graph, for this call (see [offload ops in the
             # graph]); without compile_ops its saved tensors come when its forward returns.
             from offloadd.runtime import graph_hooks
@@ -332,11 +325,14 @@ class Offloader:
         storage = None
         if type(t) is torch.Tensor and t.layout is torch.strided and not t.is_meta:
             nbytes = t.nbytes
-            if nbytes >= min_bytes and nbytes and transforms.holds_no_bytes(t):
-                nbytes = 0  # forward AD's zero tangent: no storage (see [zero tangents])
             if nbytes >= min_bytes and nbytes:
-                host_to_host = self.config.tier == "cpu" and not self._ordering.is_async(t.device)
-                storage = movable_storage(t, host_to_host)
+                if transforms.holds_no_bytes(t):
+                    nbytes = 0  # forward AD's zero tangent: no storage (see [zero tangents])
+                else:
+                    host_to_host = self.config.tier == "cpu" and not self._ordering.is_async(
+                        t.device
+                    )
+                    storage = movable_storage(t, host_to_host)
         else:  # subclasses (DTensor…), sparse, nested: kept as they are
             if is_traced(t):
                 return t  # fake, functional, meta: untouched (see [invisible to dynamo])

@@ -21,9 +21,10 @@ import time
 import torch
 from torch import nn
 
-MODES = ("eager", "per-block", "whole", "whole+compile_ops")
+MODES = ("eager", "per-block", "whole-no-ops", "whole")
 D, H = 512, 2048
 N, L = 1024, 8  # set by --rows and --layers
+STAGING = 128 << 20  # set by --staging-mib
 
 
 class Block(nn.Module):
@@ -54,7 +55,7 @@ def one(mode: str, offload: bool, steps: int) -> dict[str, object]:
     torch.manual_seed(0)
     model = Model()
     run: nn.Module = model
-    if mode in ("whole", "whole+compile_ops"):
+    if mode in ("whole", "whole-no-ops"):
         run = torch.compile(model)  # type: ignore[assignment]
     elif mode == "per-block":
         for b in model.blocks:
@@ -63,7 +64,9 @@ def one(mode: str, offload: bool, steps: int) -> dict[str, object]:
     off = (
         offloadd.Offloader(
             offloadd.Config(
-                ssd_dirs=[tempfile.mkdtemp(dir=".")], compile_ops=mode == "whole+compile_ops"
+                ssd_dirs=[tempfile.mkdtemp(dir=".")],
+                compile_ops=mode != "whole-no-ops",
+                staging_bytes=STAGING,
             )
         )
         if offload
@@ -103,10 +106,11 @@ def main() -> None:
     ap.add_argument("--one", nargs=2)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--rows", type=int, default=1024)
+    ap.add_argument("--staging-mib", type=int, default=128)
     ap.add_argument("--out")
     a = ap.parse_args()
-    global N, L
-    N, L = a.rows, a.layers
+    global N, L, STAGING
+    N, L, STAGING = a.rows, a.layers, a.staging_mib << 20
     if a.one:
         print(json.dumps(one(a.one[0], a.one[1] == "1", a.steps)))
         return
@@ -123,6 +127,8 @@ def main() -> None:
                     str(a.layers),
                     "--rows",
                     str(a.rows),
+                    "--staging-mib",
+                    str(a.staging_mib),
                     "--one",
                     mode,
                     str(int(offload)),

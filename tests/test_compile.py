@@ -210,16 +210,16 @@ def test_regions_stream_per_block_and_hold_whole(disk_dir: Path) -> None:
 
 
 def test_inductor_whole_model_streams_bit_exact(disk_dir: Path) -> None:
-    """CPU inductor, the model compiled whole, ``compile_ops``: offload and reload run as ops
-    placed inside its graph (Note [offload ops in the graph]): bit-exact here (an MLP) against
-    the same compiled model without offloadd, a block's activations at a time resident, tokens
-    freed with their graphs."""
-    from offloadd.runtime import graph_hooks
+    """CPU inductor, the model compiled whole: its graph empties each saved activation once read
+    and its backward reads it back (Note [emptied in the graph] in runtime/graph_ops.py):
+    bit-exact against the same compiled model without offloadd, a few blocks' activations
+    resident at a time, nothing left behind by a graph never backwarded."""
+    from offloadd.runtime import evicted
 
     plain, mine = _pair(6)
     xs = _inputs(3, rows=1024)
     want = _steps(torch.compile(plain), plain, xs, None)
-    off = _offloader(disk_dir, prefetch_bytes=1 << 20, chunk_bytes=256 << 10, compile_ops=True)
+    off = _offloader(disk_dir, prefetch_bytes=1 << 20, chunk_bytes=256 << 10)
     run = torch.compile(mine)
     got = _steps(run, mine, xs[:2], off)
     before = off.stats()
@@ -227,16 +227,13 @@ def test_inductor_whole_model_streams_bit_exact(disk_dir: Path) -> None:
     assert_bitwise_equal(want, got)
     st = off.stats()
     assert st.offloaded_bytes > 0
-    # about 0.4 on a quiet machine (1.0 with the ops at the graph's ends); writes lag under load
+    # about 0.4 on a quiet machine (1.0 without the ops); writes lag under load
     assert st.peak_resident_bytes < 0.65 * (st.saved_bytes - before.saved_bytes)
-    assert graph_hooks.live_tokens() == 0
-    # a graph never backwarded frees its blocks with its tokens (retain_graph is torch's to
-    # refuse here: a compiled backward with donated buffers allows one backward)
+    assert evicted.live() == 0
     with off:
-        y = run(xs[1]).square().mean()
-    assert graph_hooks.live_tokens() > 0
+        y = run(xs[1]).square().mean()  # a graph never backwarded
+    assert evicted.live() == 0  # pack claimed every emptied tensor
     del y
-    assert graph_hooks.live_tokens() == 0
     off.synchronize()
     assert off.stats().resident_bytes == 0
     off.close()
@@ -414,8 +411,8 @@ def test_one_compile_across_scopes(offloaders: str, disk_dir: Path) -> None:
 
 
 class _Fused(nn.Module):
-    """A forward whose sum inductor fuses differently once an op reads the saved sin (Note
-    [offload ops in the graph]: why compile_ops is opt-in)."""
+    """A forward whose sum inductor fused differently once saved-tensor hooks inlined by
+    AOTAutograd changed what the graph returns (one ulp; Note [emptied in the graph])."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -426,31 +423,82 @@ class _Fused(nn.Module):
         return (h.t().contiguous().t() * h[:, ::2].sin().repeat(1, 2)).cos().sum()
 
 
-def test_default_inductor_is_bit_exact_where_compile_ops_is_not(disk_dir: Path) -> None:
+class _Attention(nn.Module):
+    """A boolean attention mask and a causal one: the peers' favourite breakages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+        self.mask = torch.rand(16, 16, generator=torch.Generator().manual_seed(2)) > 0.5
+        self.mask.fill_diagonal_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.layer(x, src_mask=self.mask)
+        return nn.functional.scaled_dot_product_attention(h, h, h, is_causal=True)
+
+
+@pytest.mark.parametrize("shape", ["fused", "attention"])
+def test_inductor_emptied_in_graph_is_bit_exact(shape: str, disk_dir: Path) -> None:
     torch.manual_seed(0)
-    plain = _Fused()
+    plain = _Fused() if shape == "fused" else _Attention()
     mine = copy.deepcopy(plain)
-    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 32, generator=g) if shape == "fused" else torch.randn(4, 16, 64, generator=g)
     _compare(plain, mine, [x, x], disk_dir, {"min_bytes": 0})
 
 
-def test_compile_ops_leave_other_hooks_and_eager_ops_alone(disk_dir: Path) -> None:
-    """Review finds: the graph hooks were pushed for the rest of the scope, so checkpoint's
-    hooks around a compiled call were popped in the wrong order (CheckpointError at backward),
-    and eager ops after the call went through them (a parameter copied and offloaded, an
-    in-place change after the save not detected)."""
+def test_graph_compiled_under_offloadd_runs_without_it(disk_dir: Path) -> None:
+    """The ops stay in the graph: without an Offloader in scope they empty nothing and the
+    backward copies what it reads; with other hooks innermost (as checkpoint's are), the same."""
+    plain, mine = _pair()
+    xs = _inputs(3)
+    want = _steps(torch.compile(plain), plain, xs, None)
+    off = _offloader(disk_dir)
+    run = torch.compile(mine)
+    got = _steps(run, mine, xs[:1], off)  # compiled here, with the ops
+    got += _steps(run, mine, xs[1:2], None)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        got += _steps(run, mine, xs[2:], off)
+    assert_bitwise_equal(want, got)
+    off.close()
+
+
+def test_evict_on_a_forward_that_raised_leaves_nothing(disk_dir: Path) -> None:
+    """What the graph emptied is claimed by pack when its forward returns; a forward that raised
+    in between leaves claims, dropped at the scope's exit (the blocks with them)."""
+    from offloadd.runtime import evicted, graph_ops
+
+    assert graph_ops.Placement().uuid()
+    off = _offloader(disk_dir)
+    t = torch.randn(256, 64)
+    with pytest.raises(KeyError), off:
+        torch.ops.offloadd.evict(t, t)
+        assert evicted.live() == 1
+        raise KeyError("in the graph")
+    assert evicted.live() == 0
+    off.synchronize()
+    assert off.stats().resident_bytes == 0
+    off.close()
+
+
+def test_compiled_call_leaves_other_hooks_and_eager_ops_alone(disk_dir: Path) -> None:
+    """Review finds of the first design (hooks pushed per call): checkpoint's hooks around a
+    compiled call were popped in the wrong order (CheckpointError at backward), and eager ops
+    after the call went through them (a parameter offloaded, an in-place change missed)."""
     from torch.utils.checkpoint import checkpoint
 
     plain, mine = _pair()
     xs = _inputs(2)
-    want = _steps(lambda x: checkpoint(plain, x, use_reentrant=False), plain, xs, None)
-    off = _offloader(disk_dir, compile_ops=True)
-    run = torch.compile(mine, backend="aot_eager")
+    ref = torch.compile(plain)
+    want = _steps(lambda x: checkpoint(ref, x, use_reentrant=False), plain, xs, None)
+    off = _offloader(disk_dir)
+    run = torch.compile(mine)
     got = _steps(lambda x: checkpoint(run, x, use_reentrant=False), mine, xs, off)
     assert_bitwise_equal(want, got)
     head = nn.Linear(8, 1024)
     with off:
         y = run(xs[0])
+        off.synchronize()  # the region's own saves captured
         before = off.stats().offloaded_bytes
         z = head(y)  # saves y (an activation) and head.weight (a parameter: never moved)
         assert off.stats().offloaded_bytes - before < head.weight.nbytes
@@ -460,10 +508,9 @@ def test_compile_ops_leave_other_hooks_and_eager_ops_alone(disk_dir: Path) -> No
     off.close()
 
 
-def test_compile_ops_eager_code_inside_the_call(disk_dir: Path) -> None:
-    """Review find: eager code inside the compiled call (here a disabled submodule) went through
-    offloadd's ops: a parameter copied and offloaded, an in-place change after its save not
-    detected. It now gets the Offloader's own pack and unpack."""
+def test_eager_code_inside_the_compiled_call(disk_dir: Path) -> None:
+    """Review find of the first design: eager code inside the compiled call (here a disabled
+    submodule) went through its ops: a parameter offloaded, an in-place change missed."""
 
     class Inner(nn.Module):
         def __init__(self) -> None:
@@ -478,37 +525,10 @@ def test_compile_ops_eager_code_inside_the_call(disk_dir: Path) -> None:
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), Inner())
-    off = _offloader(disk_dir, compile_ops=True)
+    off = _offloader(disk_dir)
     with off:
-        y = torch.compile(model, backend="aot_eager")(torch.randn(32, 64))
+        y = torch.compile(model)(torch.randn(32, 64))
     assert off.stats().offloaded_bytes < model[2].big.weight.nbytes  # the weight never moved
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
     off.close()
-
-
-def test_compile_ops_interrupted_and_nested_leave_no_hooks(disk_dir: Path) -> None:
-    """Review finds: a KeyboardInterrupt in the compiled call skips forward hooks, and two
-    Offloaders in scope pushed two entries for one pop; either left hooks installed."""
-    from offloadd.runtime import graph_hooks
-
-    class Stop(nn.Module):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            raise KeyboardInterrupt
-
-    def top() -> Any:
-        return torch._C._autograd._top_saved_tensors_default_hooks(False)
-
-    off = _offloader(disk_dir, compile_ops=True)
-    stopping = torch.compile(nn.Sequential(nn.Linear(8, 8), Stop()), backend="aot_eager")
-    with pytest.raises(KeyboardInterrupt), off:
-        stopping(torch.randn(4, 8, requires_grad=True))
-    assert top() is None
-    other = _offloader(disk_dir, compile_ops=True)
-    run = torch.compile(nn.Sequential(nn.Linear(8, 8), nn.GELU()), backend="aot_eager")
-    with off, other:
-        run(torch.randn(4, 8)).sum().backward()
-    assert top() is None
-    assert not getattr(graph_hooks._calls, "stack", None)
-    off.close()
-    other.close()

@@ -167,13 +167,12 @@ class Config:
     """Torch functions whose saved activations the codec may encode (``["linear"]``: only linear
     inputs); empty (the default): the list in codec/ops.py, each entry with its reason."""
 
-    compile_ops: bool = False
-    """A model compiled whole (``torch.compile(model)``) offloads while it computes: offload and
-    reload run as ops inside its graph (see [offload ops in the graph] in runtime/graph_hooks.py).
-    Opt-in: inductor fuses some kernels differently around the ops, so results can differ in the
-    last bits from the same model compiled without offloadd (measured: an MLP's were identical,
-    a ``(h.t().contiguous().t() * h.sin()).cos().sum()`` forward's were not). Off: bit-exact,
-    and such a model's saved tensors are moved when its forward returns."""
+    compile_ops: bool = True
+    """A model compiled whole (``torch.compile(model)``) with inductor streams while it computes:
+    its graph empties each saved activation once read and its backward reads it back before use
+    (see [emptied in the graph] in runtime/graph_ops.py); the kernels are the graph's own, so
+    results stay bit-identical. Off: such a model's saved tensors are moved when its forward
+    returns (exact, but every one of them is resident at that point)."""
 
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     """The daemon's settings: the ``[daemon]`` table, ``OFFLOADD_DAEMON_<KEY>`` in the

@@ -84,9 +84,9 @@ def _traced_types() -> tuple[type, ...]:
 # its ops reach pack together when its forward returns, and its backward unpacks them all before
 # its first op. A model compiled per block (``block.compile()`` for each, as torchtitan does)
 # therefore streams block by block with offloadd's ordinary hooks. A model compiled whole would
-# hold every saved byte at the end of forward, bit-exact; with ``Config.compile_ops`` offload and
-# reload become ops inside its graph (Note [offload ops in the graph] in graph_hooks.py), which
-# streams, at the price that note measures.
+# hold every saved byte at the end of forward; with ``Config.compile_ops`` (the default) an
+# inductor pass empties each saved activation inside the graph once read and its backward reads
+# it back (Note [emptied in the graph] in graph_ops.py), bit-exact.
 #
 # Splitting a whole-model compile at its blocks (a graph break after each block) was tried
 # first and removed: inductor fuses across the block boundaries of the whole graph, so the split

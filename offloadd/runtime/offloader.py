@@ -34,10 +34,11 @@ from offloadd.codec.coder import Codec, Coded
 from offloadd.config import Config
 from offloadd.io.pools import Pool
 from offloadd.io.request import Engine, on_engine_thread
-from offloadd.runtime import compiled, host_allocator, transforms
+from offloadd.runtime import compiled, evicted, host_allocator, transforms
 from offloadd.runtime.blocks import PENDING, BlockMap
 from offloadd.runtime.compiled import is_traced, unseen
 from offloadd.runtime.dedup import StorageIndex, is_parameter
+from offloadd.runtime.evicted import Evicted
 from offloadd.runtime.handles import (
     Kept,
     Ref,
@@ -164,14 +165,13 @@ class Offloader:
         Made at each entry: kept on the Offloader, they would make a cycle with it, and an
         Offloader must go when its last reference does (see [shutdown])."""
         if self._codec is None:
-            return unseen(self._pack), unseen(self._unpack)
+            pack = unseen(self._pack)
+            pack.offloader = self  # type: ignore[attr-defined]  # evict's (graph_ops.py)
+            return pack, unseen(self._unpack)
         return unseen(self._pack_coded), unseen(self._unpack_coded)
 
     def __exit__(self, *exc: object) -> None:
-        if self.config.compile_ops:
-            from offloadd.runtime import graph_hooks
-
-            graph_hooks.unwind(self)  # what a compiled call interrupted left on top
+        evicted.drop_claims(self)  # a compiled forward that raised after emptying a tensor
         self._tls.stack.pop().__exit__(*exc)
         if self._auto is not None and not self._tls.stack:
             self._auto.forward_ends()
@@ -223,13 +223,12 @@ class Offloader:
             )
         for m in orig.modules():
             self.note_module(m)
-        if in_scope and self.config.compile_ops:
-            # Offload and reload as ops in its graph, for this call (see [offload ops in the
-            # graph]); without compile_ops its saved tensors come when its forward returns.
-            from offloadd.runtime import graph_hooks
+        if in_scope and self.config.compile_ops and self.config.tier != "keep":
+            # Before its first call compiles it: its graph empties its saved tensors while it
+            # runs (see [emptied in the graph] in graph_ops.py).
+            from offloadd.runtime import graph_ops
 
-            if not graph_hooks.enter(self, module):
-                self._ledger.warn_once("placement", graph_hooks.NO_PLACEMENT)
+            graph_ops.install()
 
     def stats(self) -> Stats:
         """A snapshot of the counters (see :class:`~offloadd.Stats`)."""
@@ -322,6 +321,10 @@ class Offloader:
             min_bytes = self._min_bytes
         if self._captures.num_pending:
             self._life.capture_due()
+        if evicted.pending() and type(t) is torch.Tensor:
+            claimed = evicted.claim(t)  # packed in a compiled graph (see graph_ops.py)
+            if claimed is not None:
+                return claimed
         storage = None
         if type(t) is torch.Tensor and t.layout is torch.strided and not t.is_meta:
             nbytes = t.nbytes
@@ -440,6 +443,8 @@ class Offloader:
                 raise inplace_error(describe(t), packed.version, t._version)
             return t
         if type(packed) is not Ref:
+            if type(packed) is Evicted:
+                return evicted.placeholder(packed)  # its compiled backward fetches it
             return packed  # a traced tensor pack passed through (see [invisible to dynamo])
         ref: Ref = packed
         if ref.tensor is not None:  # tier keep

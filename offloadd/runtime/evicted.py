@@ -1,0 +1,161 @@
+"""Pack and unpack's side of a compiled graph's saved tensors emptied in the graph (Note
+[emptied in the graph] in graph_ops.py): light, so that eager users never import inductor."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from offloadd.runtime.blocks import CAPTURED
+from offloadd.runtime.handles import Ref, version_handle
+
+__all__ = [
+    "Evicted",
+    "claim",
+    "claims",
+    "drop_claims",
+    "live",
+    "note",
+    "pending",
+    "placeholder",
+    "take_placed",
+]
+
+_tls = threading.local()  # .claims: what evict packed on this thread, until pack claims it
+_lock = threading.Lock()
+_placed: dict[int, Evicted] = {}  # placeholders unpack made, until fetch reads them back
+
+
+class Evicted:
+    """What pack returns for a tensor emptied in a compiled graph: what evict packed, and the
+    tensor's geometry."""
+
+    __slots__ = ("dtype", "off", "offset", "packed", "size", "storage_bytes", "stride")
+
+    def __init__(self, off: Any, packed: Any, t: Tensor, storage_bytes: int) -> None:
+        self.off = off
+        self.packed = packed
+        self.size = t.size()
+        self.stride = t.stride()
+        self.offset = t.storage_offset()
+        self.dtype = t.dtype
+        self.storage_bytes = storage_bytes
+
+
+class _Claim:
+    __slots__ = ("block", "off", "packed", "storage")
+
+    def __init__(self, off: Any, packed: Any, storage: Any, block: Any) -> None:
+        self.off = off
+        self.packed = packed
+        self.storage = storage  # until emptied
+        self.block = block  # while its write from the tensor's own pages runs
+
+
+def claims() -> dict[int, _Claim]:
+    """This thread's claims, by storage (its ``_cdata``)."""
+    d: dict[int, _Claim] | None = getattr(_tls, "claims", None)
+    if d is None:
+        d = _tls.claims = {}
+    return d
+
+
+def note(off: Any, packed: Any, storage: Any, block: Any) -> None:
+    """What evict packed (``block``: the storage can be emptied once it no longer holds it),
+    and empty what can be emptied now."""
+    c = claims()[storage._cdata] = _Claim(off, packed, storage, block)
+    waiting: list[_Claim] = _tls.__dict__.setdefault("waiting", [])
+    if block is None:
+        c.storage = None
+    else:
+        waiting.append(c)
+    _empty(waiting)
+
+
+def _empty(waiting: list[_Claim]) -> None:
+    """Empty the storages whose blocks no longer read them (see [zero-copy] in
+    writer_in_place.py: a write from the tensor's own pages holds it until it completes)."""
+    keep = []
+    for c in waiting:
+        block = c.block
+        if block is None:
+            continue  # claimed while its write still ran
+        if block.direct_source is None and block.state == CAPTURED:
+            nbytes = c.storage.nbytes()
+            if nbytes == block.nbytes and not block.modified:
+                c.storage.resize_(0)
+            c.storage = c.block = None
+        elif c.storage is not None:
+            keep.append(c)
+    waiting[:] = keep
+
+
+def pending() -> bool:
+    """Whether this thread has anything to claim (pack's test: one attribute read)."""
+    return bool(getattr(_tls, "claims", None))
+
+
+def claim(t: Tensor) -> Any:
+    """What evict packed for ``t`` on this thread, or None: an :class:`Evicted` if its block is
+    offloaded (emptied in the graph, or still being written from its own pages: either way its
+    backward's fetch reads it back, when it is due), else what pack returned (kept)."""
+    d = claims()
+    waiting = getattr(_tls, "waiting", None)
+    if waiting:
+        _empty(waiting)
+    c = d.pop(t.untyped_storage()._cdata, None)
+    if c is None:
+        return None
+    if c.storage is not None:  # still written from its own pages: eager's way from here on
+        c.storage = c.block = None
+        if not d:
+            _tls.waiting = []
+    packed = c.packed
+    if type(packed) is Ref and packed.tensor is None:  # offloaded: its fetch reads it back
+        # Versions from here on are those of the tensor autograd saves, which may be another
+        # alias of the buffer evict saw, with a counter of its own (inductor's
+        # reinterpret_tensor): an in-place change after the save is checked against it.
+        with c.off._lock:
+            block = packed.block
+            block.handle = version_handle(t)
+            block.version = packed.version = t._version
+            return Evicted(c.off, packed, t, block.nbytes)
+    return packed
+
+
+def drop_claims(off: Any) -> None:
+    """At ``off``'s scope exit: drop what a forward that raised after evict left unclaimed."""
+    d = getattr(_tls, "claims", None)
+    if d:
+        for key in [k for k, c in d.items() if c.off is off]:
+            del d[key]
+        _tls.waiting = [c for c in getattr(_tls, "waiting", ()) if c.off is not off]
+
+
+def placeholder(ev: Evicted) -> Tensor:
+    """The saved tensor, without bytes, for the compiled backward: its fetch reads it back."""
+    t = torch.empty(0, dtype=ev.dtype)
+    # set_ allocates what the geometry needs, so data_ptr is aligned (inductor checks it)
+    t.set_(torch.UntypedStorage(ev.storage_bytes), ev.offset, ev.size, ev.stride)
+    storage = t.untyped_storage()
+    storage.resize_(0)
+    key = storage._cdata
+    with _lock:
+        _placed[key] = ev
+    weakref.finalize(t, take_placed, key)  # a backward that raised before its fetch
+    return t
+
+
+def take_placed(key: int) -> Evicted | None:
+    with _lock:
+        return _placed.pop(key, None)
+
+
+def live() -> int:
+    """Claims (this thread's) and placeholders not yet taken: 0 once every graph ran."""
+    with _lock:
+        return len(claims()) + len(_placed)

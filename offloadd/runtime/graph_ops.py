@@ -1,0 +1,269 @@
+"""A model compiled whole streams: its saved tensors are emptied inside its graph, read back
+inside its backward's.
+
+Note [emptied in the graph]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A compiled region is one autograd node (see [regions under compile] in compiled.py): left to
+the saved-tensor hooks alone, all its saved tensors reach pack when its forward returns, and
+unpack before its backward's first op. So an inductor post-grad pass (:class:`Placement`, added
+when a compiled model is first called in an Offloader's scope) adds two ops to each training
+graph it compiles, and changes nothing else:
+
+* forward: ``offloadd::evict(t, after)`` for each activation ``t`` the graph returns to be saved
+  (made by the graph, not a view, no view made of it), where ``after`` is a buffer the graph
+  returns that is computed after every kernel that may read ``t`` (Note [who reads t]). It packs
+  ``t`` with the Offloader whose hooks are innermost (none: it does nothing) and captures it;
+  once the block no longer holds ``t``'s pages (at once after a copy to staging; after the last
+  write of a zero-copy write, checked at each later evict), ``t``'s storage is resized to
+  nothing, its memory free while the rest of the graph runs. When the region's forward returns,
+  autograd calls pack with ``t`` (emptied or not); pack claims what evict packed and returns an
+  :class:`~offloadd.runtime.evicted.Evicted`, whose unpack is a placeholder without bytes;
+* backward: ``offloadd::fetch(t)`` before the first op that reads a saved tensor ``t``: the
+  tensor read back through ``Offloader._unpack`` (which prefetches the ones before it), copied
+  into a buffer of ``t``'s strides (inductor asserts them, and may reuse the memory of what an
+  op returns). A ``t`` with its bytes (not offloaded, or no Offloader) is copied as it is.
+
+Why it is bit-identical: the kernels, their fusion, the buffers the graph returns and the
+partition between forward and backward are those inductor makes without offloadd. ``evict``
+reads two buffers the graph returns anyway (``flexible_layout``: it constrains no layout) and is
+ordered by that data dependency, not by a declared mutation (declaring one split fused kernels
+around it); ``fetch`` stands in for a graph input with a buffer of the same layout. The first
+design, saved-tensor hooks inlined by AOTAutograd, changed what the graph returns, and inductor
+fused one loop differently (one ulp on ``(h.t().contiguous().t() * h[:, ::2].sin().repeat(1,
+2)).cos().sum()``, now a test).
+
+Limits: only CPU tensors are emptied (a CUDA copy out is asynchronous, and freeing its source
+needs stream ordering that has never run on a GPU here; such regions hold their saved tensors
+to the end of forward, as without this); not with CUDA graphs, whose memory is theirs; a
+saved tensor with no ``after`` (its readers reach the graph's end, a residual stream) is
+packed when the forward returns. A graph compiled before its model was called in a scope has
+no ops (exact; streams as a region), and one compiled with them and run without offloadd
+copies each saved tensor in backward.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from typing import Any
+
+import torch
+import torch.fx
+from torch import Tensor
+from torch._inductor.custom_graph_pass import (
+    CustomGraphPass,
+    get_custom_graph_passes,
+    get_hash_for_files,
+)
+
+from offloadd.runtime import evicted
+from offloadd.runtime.handles import Ref
+
+__all__ = ["Placement", "install"]
+
+# -- the ops ---------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("offloadd::evict", mutates_args=(), tags=(torch.Tag.flexible_layout,))
+def evict(t: Tensor, after: Tensor) -> None:
+    top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    off = getattr(top[0], "offloader", None) if top is not None else None
+    if off is None or t.device.type != "cpu" or type(t) is not torch.Tensor:
+        return
+    storage = t.untyped_storage()
+    nbytes = storage.nbytes()
+    if not nbytes:
+        return
+    packed = off._pack(t)
+    off._life.capture_all()  # t's producer, and every reader of it, has returned
+    block = packed.block if type(packed) is Ref and packed.tensor is None else None
+    if block is not None and block.copy_done is None and block.nbytes == nbytes:
+        evicted.note(off, packed, storage, block)  # emptied once its bytes are out
+    else:
+        evicted.note(off, packed, storage, None)
+
+
+@evict.register_fake
+def _evict_fake(t: Tensor, after: Tensor) -> None:
+    return None
+
+
+torch.fx.node.has_side_effect(torch.ops.offloadd.evict.default)
+
+
+@torch.library.custom_op("offloadd::fetch", mutates_args=())
+def fetch(t: Tensor) -> Tensor:
+    out = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
+    storage = t.untyped_storage()
+    if storage.nbytes() or t.numel() == 0:
+        return out.copy_(t)
+    ev = evicted.take_placed(storage._cdata)
+    if ev is None:
+        raise RuntimeError(
+            "offloadd: a compiled backward got a saved tensor without its bytes and without "
+            "offloadd's record of them (see [emptied in the graph] in runtime/graph_ops.py)"
+        )
+    return out.copy_(ev.off._unpack(ev.packed))
+
+
+@fetch.register_fake
+def _fetch_fake(t: Tensor) -> Tensor:
+    return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
+
+
+# -- the pass ----------------------------------------------------------------------------------
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
+def _on_cpu(node: torch.fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.device.type == "cpu"
+
+
+class Placement(CustomGraphPass):
+    """Inductor's post-grad pass: ``evict`` and ``fetch`` in a training graph's forward and
+    backward (Note [emptied in the graph])."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        from torch._inductor import config
+
+        if config.triton.cudagraphs:
+            return
+        inputs = [n for n in graph.nodes if n.op == "placeholder"]
+        if any(n.name.startswith("tangents_") for n in inputs):
+            _place_fetches(graph, inputs)
+        elif any(n.name.startswith("primals_") for n in inputs):
+            _place_evicts(graph)
+
+    def uuid(self) -> Any:
+        return get_hash_for_files((__file__,))  # a cached graph is placed by this code
+
+
+def _place_fetches(graph: torch.fx.Graph, inputs: list[torch.fx.Node]) -> None:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    fetch_op = torch.ops.offloadd.fetch.default
+    for p in inputs:
+        if p.name.startswith(("primals_", "tangents_")) or not p.users or not _on_cpu(p):
+            continue  # a graph input saved (never emptied), a gradient, a size
+        first = min(p.users, key=order.__getitem__)
+        with graph.inserting_before(first):
+            f = graph.call_function(fetch_op, (p,))
+        f.meta["val"] = p.meta["val"]
+        p.replace_all_uses_with(f, delete_user_cb=functools.partial(operator.is_not, f))
+
+
+def _place_evicts(graph: torch.fx.Graph) -> None:
+    ctx = torch._guards.TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None)
+    if meta is None:
+        return
+    outs: list[Any] = list(graph.output_node().args[0])  # type: ignore[arg-type]
+    saved = outs[meta.tensors_saved_for_backwards_slice]
+    returned = {n for n in outs if isinstance(n, torch.fx.Node) and n.op == "call_function"}
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    user_outs = set(outs[: meta.tensors_saved_for_backwards_slice.start])
+    evict_op = torch.ops.offloadd.evict.default
+    for t in saved:
+        if (
+            not isinstance(t, torch.fx.Node)
+            or t.op != "call_function"
+            or t in user_outs
+            or _is_view(t)
+            or not _on_cpu(t)
+            or any(_is_view(u) for u in t.users)
+        ):
+            continue  # an input, a user's output, or storage another tensor shares
+        after = _after_readers(t, returned, order)
+        if after is not None:
+            with graph.inserting_after(after):
+                graph.call_function(evict_op, (t, after))
+
+
+def _after_readers(
+    t: torch.fx.Node, returned: set[torch.fx.Node], order: dict[torch.fx.Node, int]
+) -> torch.fx.Node | None:
+    """The first buffer the graph returns that is computed after every kernel that may read
+    ``t``, or None (see [who reads t] below)."""
+    todo = [u for u in t.users if u.op != "output"]
+    if not todo:
+        return t
+    frontier: set[torch.fx.Node] = set()
+    seen: set[torch.fx.Node] = set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        users = [u for u in n.users if u.op != "output"]
+        if n in returned or (users and all(map(_realizes_inputs, users))):
+            frontier.add(n)  # a buffer: what reads it does not read t
+        else:
+            todo.extend(users)
+    common: set[torch.fx.Node] | None = None
+    for f in frontier:
+        below = _below(f) & returned
+        common = below if common is None else common & below
+    return min(common, key=order.__getitem__) if common else None
+
+
+_EXTERN = ("mm", "addmm", "bmm", "baddbmm", "convolution")
+
+
+def _realizes_inputs(node: torch.fx.Node) -> bool:
+    """Whether inductor reads ``node``'s inputs from buffers, never inlined: an extern kernel
+    (a matmul, a convolution, an op it has no lowering for), unless autotuning may fuse a
+    template's prologue."""
+    from torch._inductor import config, lowering
+
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    if config.max_autotune or config.max_autotune_gemm:
+        return False
+    return (
+        target not in lowering.lowerings
+        or target in lowering.needs_realized_inputs
+        or target.overloadpacket.__name__ in _EXTERN
+    )
+
+
+def _below(node: torch.fx.Node) -> set[torch.fx.Node]:
+    seen = {node}
+    todo = [node]
+    while todo:
+        for u in todo.pop().users:
+            if u not in seen:
+                seen.add(u)
+                todo.append(u)
+    return seen
+
+
+# Note [who reads t]
+# ~~~~~~~~~~~~~~~~~~
+# A node of the FX graph is not a kernel: inductor inlines a pointwise node into each consumer
+# unless it realizes it into a buffer, so a kernel several nodes below ``t`` may still read
+# ``t``'s bytes. (Placing ``evict`` after ``t``'s direct readers emptied bytes that a later
+# fused kernel read: a crash.) Which nodes inductor realizes depends on heuristics, except one
+# rules: a node the graph returns is realized as soon as it is lowered (``GraphLowering.run_node``;
+# one without reads, a constant, may wait, but reads nothing), and a node whose every user is an
+# extern kernel is read from a buffer by all of them. So the nodes whose kernels may read ``t``
+# are those reached from its readers without passing such a node, and every one of them is
+# above some node of that walk's frontier; ``after`` is the first returned node below every
+# frontier node, a data dependency inductor keeps through fusion and reordering.
+
+
+_PASS = Placement()
+
+
+def install() -> None:
+    """Add :class:`Placement` to inductor's post-grad passes (once; others' stay)."""
+    from torch._inductor import config
+
+    passes = get_custom_graph_passes(config.post_grad_custom_post_pass)
+    if any(isinstance(p, Placement) for p in passes):
+        return
+    config.post_grad_custom_post_pass = [*passes, _PASS] if passes else _PASS

@@ -472,7 +472,7 @@ def test_evict_on_a_forward_that_raised_leaves_nothing(disk_dir: Path) -> None:
     off = _offloader(disk_dir)
     t = torch.randn(256, 64)
     with pytest.raises(KeyError), off:
-        torch.ops.offloadd.evict(t, t)
+        torch.ops.offloadd.evict(t, t, True)
         assert evicted.live() == 1
         raise KeyError("in the graph")
     assert evicted.live() == 0

@@ -47,9 +47,10 @@ class Evicted:
 
 
 class _Claim:
-    __slots__ = ("block", "off", "packed", "storage")
+    __slots__ = ("block", "geometry", "off", "packed", "storage")
 
-    def __init__(self, off: Any, packed: Any, storage: Any, block: Any) -> None:
+    def __init__(self, off: Any, packed: Any, storage: Any, block: Any, geometry: Any) -> None:
+        self.geometry = geometry  # claimed only by a tensor of the same (another alias: not)
         self.off = off
         self.packed = packed
         self.storage = storage  # until emptied
@@ -64,10 +65,10 @@ def claims() -> dict[int, _Claim]:
     return d
 
 
-def note(off: Any, packed: Any, storage: Any, block: Any) -> None:
-    """What evict packed (``block``: the storage can be emptied once it no longer holds it),
-    and empty what can be emptied now."""
-    c = claims()[storage._cdata] = _Claim(off, packed, storage, block)
+def note(off: Any, t: Tensor, packed: Any, storage: Any, block: Any) -> None:
+    """What evict packed for ``t`` (``block``: the storage can be emptied once it no longer
+    holds it), and empty what can be emptied now."""
+    c = claims()[storage._cdata] = _Claim(off, packed, storage, block, _geometry(t))
     waiting: list[_Claim] = _tls.__dict__.setdefault("waiting", [])
     if block is None:
         c.storage = None
@@ -94,6 +95,10 @@ def _empty(waiting: list[_Claim]) -> None:
     waiting[:] = keep
 
 
+def _geometry(t: Tensor) -> tuple[Any, ...]:
+    return (t.dtype, t.size(), t.stride(), t.storage_offset())
+
+
 def pending() -> bool:
     """Whether this thread has anything to claim (pack's test: one attribute read)."""
     return bool(getattr(_tls, "claims", None))
@@ -107,9 +112,11 @@ def claim(t: Tensor) -> Any:
     waiting = getattr(_tls, "waiting", None)
     if waiting:
         _empty(waiting)
-    c = d.pop(t.untyped_storage()._cdata, None)
-    if c is None:
+    key = t.untyped_storage()._cdata
+    c = d.get(key)
+    if c is None or c.geometry != _geometry(t):
         return None
+    del d[key]
     if c.storage is not None:  # still written from its own pages: eager's way from here on
         c.storage = c.block = None
         if not d:

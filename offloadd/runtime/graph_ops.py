@@ -9,7 +9,7 @@ unpack before its backward's first op. So an inductor post-grad pass (:class:`Pl
 when a compiled model is first called in an Offloader's scope) adds two ops to each training
 graph it compiles, and changes nothing else:
 
-* forward: ``offloadd::evict(t, after)`` for each activation ``t`` the graph returns to be saved
+* forward: ``offloadd::evict(t, after, True)`` for each activation ``t`` the graph returns to be saved
   (made by the graph, not a view, no view made of it), where ``after`` is a buffer the graph
   returns that is computed after every kernel that may read ``t`` (Note [who reads t]). It packs
   ``t`` with the Offloader whose hooks are innermost (none: it does nothing) and captures it;
@@ -34,9 +34,7 @@ fused one loop differently (one ulp on ``(h.t().contiguous().t() * h[:, ::2].sin
 
 Limits: only CPU tensors are emptied (a CUDA copy out is asynchronous, and freeing its source
 needs stream ordering that has never run on a GPU here; such regions hold their saved tensors
-to the end of forward, as without this); not with CUDA graphs, whose memory is theirs; a
-saved tensor with no ``after`` (its readers reach the graph's end, a residual stream) is
-packed when the forward returns. A graph compiled before its model was called in a scope has
+to the end of forward, as without this); not with CUDA graphs, whose memory is theirs. A graph compiled before its model was called in a scope has
 no ops (exact; streams as a region), and one compiled with them and run without offloadd
 copies each saved tensor in backward.
 """
@@ -65,26 +63,28 @@ __all__ = ["Placement", "install"]
 
 
 @torch.library.custom_op("offloadd::evict", mutates_args=(), tags=(torch.Tag.flexible_layout,))
-def evict(t: Tensor, after: Tensor) -> None:
+def evict(t: Tensor, after: Tensor, empty: bool) -> None:
     top = torch._C._autograd._top_saved_tensors_default_hooks(True)
     off = getattr(top[0], "offloader", None) if top is not None else None
     if off is None or t.device.type != "cpu" or type(t) is not torch.Tensor:
         return
+    if t.untyped_storage()._cdata in evicted.claims():
+        return  # packed already (an alias another evict saw)
     storage = t.untyped_storage()
     nbytes = storage.nbytes()
     if not nbytes:
         return
     packed = off._pack(t)
-    off._life.capture_all()  # t's producer, and every reader of it, has returned
+    off._life.capture_all()  # t's producer has returned (and, to empty it, its readers)
     block = packed.block if type(packed) is Ref and packed.tensor is None else None
-    if block is not None and block.copy_done is None and block.nbytes == nbytes:
-        evicted.note(off, packed, storage, block)  # emptied once its bytes are out
+    if empty and block is not None and block.copy_done is None and block.nbytes == nbytes:
+        evicted.note(off, t, packed, storage, block)  # emptied once its bytes are out
     else:
-        evicted.note(off, packed, storage, None)
+        evicted.note(off, t, packed, storage, None)
 
 
 @evict.register_fake
-def _evict_fake(t: Tensor, after: Tensor) -> None:
+def _evict_fake(t: Tensor, after: Tensor, empty: bool) -> None:
     return None
 
 
@@ -178,9 +178,14 @@ def _place_evicts(graph: torch.fx.Graph) -> None:
         ):
             continue  # an input, a user's output, or storage another tensor shares
         after = _after_readers(t, returned, order)
-        if after is not None:
+        if after is None:
+            # Read to the graph's end: packed as soon as made (written while the forward
+            # runs, read back when its backward needs it), never emptied.
+            with graph.inserting_after(t):
+                graph.call_function(evict_op, (t, t, False))
+        else:
             with graph.inserting_after(after):
-                graph.call_function(evict_op, (t, after))
+                graph.call_function(evict_op, (t, after, True))
 
 
 def _after_readers(

@@ -1,11 +1,14 @@
-"""Eager, per-block compile and whole-model compile, each with and without offloadd: peak resident
-saved bytes as a fraction of a step's saved bytes, and step time against the same mode without
-offloadd (Note [regions under compile] in offloadd/runtime/compiled.py).
+"""Eager, per-block compile and whole-model compile, each with tier keep and tier ssd: peak
+resident saved bytes against a step's saved bytes and activations, and ssd's step time against
+keep's in the same mode, the allocator held equal (Note [regions under compile] in
+offloadd/runtime/compiled.py, Note [emptied in the graph] in offloadd/runtime/graph_ops.py).
 
-    python scripts/bench_compile.py [--steps 8] [--out docs/benchmarks/compile_cpu.md]
+    python scripts/bench_compile.py [--steps 8] [--rounds 2] [--out docs/benchmarks/x.md]
 
-Each (mode, offload) pair runs in its own process, in steady state (the first two steps, which
-compile, are not timed), the pairs interleaved round by round; medians over the timed steps.
+Each (mode, tier) pair runs in its own process with offloadd's host cache as torch's CPU
+allocator on both sides, in steady state: three untimed steps (the first compiles), then
+``--steps`` timed ones, whose median is quoted and whose per-step times are printed beside it;
+the pairs interleaved round by round (keep, ssd, keep, ssd ...), so that drift shows.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ import torch
 from torch import nn
 
 MODES = ("eager", "per-block", "whole-no-ops", "whole")
+WARMUP = 3
 D, H = 512, 2048
 N, L = 1024, 8  # set by --rows and --layers
-STAGING = 128 << 20  # set by --staging-mib
 
 
 class Block(nn.Module):
@@ -49,7 +52,7 @@ class Model(nn.Module):
         return x
 
 
-def one(mode: str, offload: bool, steps: int) -> dict[str, object]:
+def one(mode: str, tier: str, steps: int) -> dict[str, object]:
     import offloadd
 
     torch.manual_seed(0)
@@ -61,41 +64,40 @@ def one(mode: str, offload: bool, steps: int) -> dict[str, object]:
         for b in model.blocks:
             b.compile()
     x = torch.randn(N, D)
-    off = (
-        offloadd.Offloader(
-            offloadd.Config(
-                ssd_dirs=[tempfile.mkdtemp(dir=".")],
-                compile_ops=mode != "whole-no-ops",
-                staging_bytes=STAGING,
-            )
+    weights = sum(p.nbytes for p in model.parameters() if p.dim() == 2)  # what linears save
+    off = offloadd.Offloader(
+        offloadd.Config(
+            tier=tier,
+            ssd_dirs=[tempfile.mkdtemp(dir=".")],
+            host_allocator="caching",
+            compile_ops=mode != "whole-no-ops",
         )
-        if offload
-        else None
     )
     times: list[float] = []
     saved0 = 0
-    for step in range(steps + 2):
-        if step == 2 and off is not None:
+    for step in range(steps + WARMUP):
+        if step == WARMUP:
             saved0 = off.stats().saved_bytes
         t = time.perf_counter()
-        if off is not None:
-            with off:
-                y = run(x)
-        else:
+        with off:
             y = run(x)
         y.square().mean().backward()
-        if step >= 2:
+        for p in model.parameters():
+            p.grad = None
+        if step >= WARMUP:
             times.append(time.perf_counter() - t)
-    out: dict[str, object] = {"mode": mode, "offload": offload, "step_s": statistics.median(times)}
-    if off is not None:
-        st = off.stats()
-        per_step = (st.saved_bytes - saved0) / steps
-        out.update(
-            saved_per_step=per_step,
-            peak_resident=st.peak_resident_bytes,
-            ratio=st.peak_resident_bytes / per_step,
-        )
-        off.close()
+    st = off.stats()
+    per_step = (st.saved_bytes - saved0) / steps
+    out: dict[str, object] = {
+        "mode": mode,
+        "tier": tier,
+        "step_s": statistics.median(times),
+        "steps_s": [round(t, 3) for t in times],
+        "saved_per_step": per_step,
+        "activations_per_step": per_step - weights,
+        "peak_resident": st.peak_resident_bytes,
+    }
+    off.close()
     return out
 
 
@@ -103,55 +105,46 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--one", nargs=2)
+    ap.add_argument("--one", nargs=2, metavar=("MODE", "TIER"))
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--rows", type=int, default=1024)
-    ap.add_argument("--staging-mib", type=int, default=128)
+    ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--out")
     a = ap.parse_args()
-    global N, L, STAGING
-    N, L, STAGING = a.rows, a.layers, a.staging_mib << 20
+    global N, L
+    N, L = a.rows, a.layers
     if a.one:
-        print(json.dumps(one(a.one[0], a.one[1] == "1", a.steps)))
+        print(json.dumps(one(a.one[0], a.one[1], a.steps)))
         return
-    rows: dict[tuple[str, bool], list[dict[str, object]]] = {}
-    for _ in range(a.rounds):
-        for mode in MODES:
-            for offload in (False, True):
-                cmd = [
-                    sys.executable,
-                    __file__,
-                    "--steps",
-                    str(a.steps),
-                    "--layers",
-                    str(a.layers),
-                    "--rows",
-                    str(a.rows),
-                    "--staging-mib",
-                    str(a.staging_mib),
-                    "--one",
-                    mode,
-                    str(int(offload)),
-                ]
-                res = json.loads(
-                    subprocess.run(
-                        cmd, check=True, capture_output=True, text=True
-                    ).stdout.splitlines()[-1]
-                )
-                rows.setdefault((mode, offload), []).append(res)
+    modes = a.modes.split(",")
+    rows: dict[tuple[str, str], list[dict[str, object]]] = {}
+    for r in range(a.rounds):
+        for mode in modes:
+            for tier in ("keep", "ssd"):
+                cmd = [sys.executable, __file__, "--steps", str(a.steps), "--layers"]
+                cmd += [str(a.layers), "--rows", str(a.rows), "--one", mode, tier]
+                done = subprocess.run(cmd, check=True, capture_output=True, text=True)
+                res = json.loads(done.stdout.splitlines()[-1])
+                rows.setdefault((mode, tier), []).append(res)
+                print(f"round {r} {mode} {tier}: {res['steps_s']}", file=sys.stderr, flush=True)
     lines = [
-        "| mode | step (keep) | step (ssd) | ssd / keep | saved a step | peak resident | peak / saved |",
-        "|---|---|---|---|---|---|---|",
+        "| mode | keep s/step | ssd s/step | ssd / keep (per round) | saved a step | activations "
+        "a step | peak resident (ssd) | peak / saved | peak / activations |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for mode in MODES:
-        keep = statistics.median(float(r["step_s"]) for r in rows[(mode, False)])  # type: ignore[arg-type]
-        ssd = rows[(mode, True)]
-        t = statistics.median(float(r["step_s"]) for r in ssd)  # type: ignore[arg-type]
+    for mode in modes:
+        keep = [float(r["step_s"]) for r in rows[(mode, "keep")]]  # type: ignore[arg-type]
+        ssd = rows[(mode, "ssd")]
+        t = [float(r["step_s"]) for r in ssd]  # type: ignore[arg-type]
         saved = statistics.median(float(r["saved_per_step"]) for r in ssd)  # type: ignore[arg-type]
+        acts = statistics.median(float(r["activations_per_step"]) for r in ssd)  # type: ignore[arg-type]
         peak = max(float(r["peak_resident"]) for r in ssd)  # type: ignore[arg-type]
+        per_round = ", ".join(f"{b / k:.2f}" for k, b in zip(keep, t, strict=True))
         lines.append(
-            f"| {mode} | {keep:.3f} s | {t:.3f} s | {t / keep:.2f} | {saved / 2**20:.0f} MiB "
-            f"| {peak / 2**20:.0f} MiB | {peak / saved:.2f} |"
+            f"| {mode} | {statistics.median(keep):.3f} | {statistics.median(t):.3f} | "
+            f"{statistics.median(t) / statistics.median(keep):.2f} ({per_round}) | "
+            f"{saved / 2**20:.0f} MiB | {acts / 2**20:.0f} MiB | {peak / 2**20:.0f} MiB | "
+            f"{peak / saved:.2f} | {peak / acts:.2f} |"
         )
     text = "\n".join(lines)
     print(text)

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-__all__ = ["is_traced", "scope_opened", "scopes_closed", "unseen"]
+__all__ = ["is_traced", "note_wrapper", "scope_opened", "scopes_closed", "unseen"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -134,3 +134,29 @@ def scopes_closed(off: Any) -> None:
     """``off`` has no scope open any more (or is closed)."""
     with _lock:
         _in_scope.discard(off)
+
+
+def note_wrapper(off: Any, module: nn.Module) -> bool:
+    """If ``module`` is ``torch.compile(model)``'s wrapper, called eagerly: note all of the
+    model's modules for ``off`` (inside the compiled region no hook notes them) and, in a scope,
+    refuse a codec and add the pass that makes the graph stream (Note [emptied in the graph] in
+    graph_ops.py) before this first call compiles it. False for any other module."""
+    orig = getattr(module, "_orig_mod", None)
+    if type(module).__name__ != "OptimizedModule" or not isinstance(orig, nn.Module):
+        return False
+    in_scope = bool(getattr(off._tls, "stack", None)) and torch.is_grad_enabled()
+    cfg = off.config
+    if in_scope and cfg.codec != "none":
+        raise RuntimeError(
+            f"offloadd: codec={cfg.codec!r} does not run under torch.compile: a compiled "
+            "region's saved tensors reach offloadd without the op that saved them, which the "
+            "codec needs to choose what it may code; set codec='none' (OFFLOADD_CODEC=none) "
+            "or run this model eagerly"
+        )
+    for m in orig.modules():
+        off.note_module(m)
+    if in_scope and cfg.compile_ops and cfg.tier != "keep":
+        from offloadd.runtime import graph_ops
+
+        graph_ops.install()
+    return True

@@ -32,8 +32,7 @@ from offloadd.auto.solver import Plan
 from offloadd.backend import Backend, open_backend
 from offloadd.codec.coder import Codec, Coded
 from offloadd.config import Config
-from offloadd.io.pools import Pool
-from offloadd.io.request import Engine, on_engine_thread
+from offloadd.io.request import Engine
 from offloadd.runtime import compiled, evicted, host_allocator, transforms
 from offloadd.runtime.blocks import PENDING, BlockMap
 from offloadd.runtime.compiled import is_traced, unseen
@@ -53,6 +52,7 @@ from offloadd.runtime.ledger import Ledger
 from offloadd.runtime.lifetime import Lifetime
 from offloadd.runtime.ordering import CudaOrdering, Ordering
 from offloadd.runtime.reader import Reader
+from offloadd.runtime.shutdown import shutdown
 from offloadd.runtime.stats import Stats
 from offloadd.runtime.writer import Writer
 
@@ -118,7 +118,7 @@ class Offloader:
         # Runs at close(), when the Offloader is collected, or at interpreter exit.
         self._finalizer = weakref.finalize(
             self,
-            Offloader._shutdown,
+            shutdown,
             backend,
             self._writer.pools,
             self._ordering,
@@ -207,28 +207,8 @@ class Offloader:
         return self._auto.last_plan
 
     def _note_module(self, module: torch.nn.Module) -> None:
-        orig = getattr(module, "_orig_mod", None)
-        if type(module).__name__ != "OptimizedModule" or not isinstance(orig, torch.nn.Module):
+        if not compiled.note_wrapper(self, module):
             self.note_module(module)
-            return
-        # torch.compile(model)'s wrapper, called eagerly: the model's modules run inside the
-        # compiled region, where no hook notes them, so all are noted now (the model first).
-        in_scope = bool(getattr(self._tls, "stack", None)) and torch.is_grad_enabled()
-        if in_scope and self._codec is not None:
-            raise RuntimeError(
-                f"offloadd: codec={self.config.codec!r} does not run under torch.compile: a "
-                "compiled region's saved tensors reach offloadd without the op that saved "
-                "them, which the codec needs to choose what it may code; set codec='none' "
-                "(OFFLOADD_CODEC=none) or run this model eagerly"
-            )
-        for m in orig.modules():
-            self.note_module(m)
-        if in_scope and self.config.compile_ops and self.config.tier != "keep":
-            # Before its first call compiles it: its graph empties its saved tensors while it
-            # runs (see [emptied in the graph] in graph_ops.py).
-            from offloadd.runtime import graph_ops
-
-            graph_ops.install()
 
     def stats(self) -> Stats:
         """A snapshot of the counters (see :class:`~offloadd.Stats`)."""
@@ -285,34 +265,6 @@ class Offloader:
         """Never close this Offloader, not even at exit: for a forked child, in which the
         parent's I/O threads do not exist (closing would wait for them)."""
         self._finalizer.detach()
-
-    @staticmethod
-    def _shutdown(
-        backend: Backend | None, pools: list[Pool], ordering: Ordering, host_cache: bool
-    ) -> None:
-        """Release the backend and the pools (close(), collection, or interpreter exit).
-
-        Note: [shutdown] Requests hold the write and read paths, never the Offloader, so an
-        unclosed one is collected once its graphs are gone, writes in flight or not; closing
-        the backend waits for those writes, and the pools are freed only after them and after
-        every copy stream has drained (see [device ordering] in ordering.py). A collection can
-        still run on an I/O thread (a garbage-collector pass there); closing the backend from it
-        would join the very thread doing it, so the shutdown then moves to a fresh thread."""
-        if on_engine_thread():
-            args = (backend, pools, ordering, host_cache)
-            with contextlib.suppress(RuntimeError):  # no new thread at interpreter exit
-                threading.Thread(
-                    target=Offloader._shutdown, args=args, name="offloadd-shutdown", daemon=False
-                ).start()
-            return
-        ordering.synchronize_all()
-        if backend is not None:
-            backend.close()
-            backend.release()
-        for pool in pools:
-            pool.close()
-        if host_cache:
-            host_allocator.release()
 
     # -- pack ------------------------------------------------------------------------------
 

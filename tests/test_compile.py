@@ -67,6 +67,7 @@ def _steps(
     model: nn.Module,
     inputs: list[torch.Tensor],
     off: Offloader | None,
+    backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
 ) -> list[list[torch.Tensor]]:
     """Losses and gradients of one step per input (an SGD step between them)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -79,7 +80,7 @@ def _steps(
             with off:
                 y = run(x)
         loss = y.square().mean()
-        loss.backward()
+        backward(loss)
         out.append([loss.detach().clone()] + [p.grad.clone() for p in model.parameters()])
         opt.step()
     return out
@@ -101,6 +102,7 @@ def _compare(
     """``plain`` without offloadd and ``mine`` with it, each compiled alike: bit-identical, and
     offloadd moved something."""
     want = _steps(torch.compile(plain, **compile_kw), plain, xs, None)
+    torch._dynamo.reset()  # else ``mine`` may run the graph compiled for ``plain``
     off = _offloader(disk_dir, **(off_kw or {}))
     got = _steps(torch.compile(mine, **compile_kw), mine, xs, off)
     assert_bitwise_equal(want, got)
@@ -301,6 +303,30 @@ def _conv_steps(
     return out
 
 
+def test_compiled_autograd_over_an_inductor_graph(disk_dir: Path) -> None:
+    """Review find: compiled autograd traces AOTAutograd's backward as it was before inductor's
+    passes, without the fetches; the saved tensors evict emptied reached it without bytes
+    ("data is not allocated yet"). Under compiled autograd, unpack reads them back itself."""
+    from torch._dynamo import compiled_autograd as ca
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+    mine = copy.deepcopy(plain)
+
+    def backward(loss: torch.Tensor) -> None:
+        with torch._dynamo.config.patch(compiled_autograd=True), ca._enable(torch.compile()):
+            loss.backward()
+
+    xs = _inputs(2, rows=256)
+    want = _steps(torch.compile(plain), plain, xs, None, backward)
+    torch._dynamo.reset()
+    off = _offloader(disk_dir)
+    got = _steps(torch.compile(mine), mine, xs, off, backward)
+    assert_bitwise_equal(want, got)
+    assert off.stats().offloaded_bytes > 0
+    off.close()
+
+
 def test_memsave_under_compile(disk_dir: Path) -> None:
     """memsave's native kernels read raw pointers: under dynamo its Python functions are traced."""
     net, mine = _convnet()
@@ -437,14 +463,41 @@ class _Attention(nn.Module):
         return nn.functional.scaled_dot_product_attention(h, h, h, is_causal=True)
 
 
-@pytest.mark.parametrize("shape", ["fused", "attention"])
+class _Pools(nn.Module):
+    """Review find: a one-read pointwise (``t * 2``) that inductor inlines into two pooling
+    kernels, the second after the buffer evict was placed behind: emptied bytes were read
+    (a crash). Pooling only hints inductor to realize its input (Note [who reads t])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 16, 3, padding=1)
+        self.c2 = nn.Conv2d(16, 16, 3, padding=1)
+        self.c3 = nn.Conv2d(16, 16, 3, padding=1)
+        self.q = nn.Parameter(torch.randn(16, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.c1(x)
+        c = self.c2(t)
+        n = (t * 2).detach()
+        a = nn.functional.avg_pool2d(n, 3, 1, 1)
+        j = self.c3(c * a)
+        b = nn.functional.avg_pool2d(n, 4)
+        return j.sin().sum() + (b * self.q).sum()
+
+
+@pytest.mark.parametrize("shape", ["fused", "attention", "pools"])
 def test_inductor_emptied_in_graph_is_bit_exact(shape: str, disk_dir: Path) -> None:
+    from offloadd.runtime import graph_ops
+
     torch.manual_seed(0)
-    plain = _Fused() if shape == "fused" else _Attention()
+    plain = {"fused": _Fused, "attention": _Attention, "pools": _Pools}[shape]()
     mine = copy.deepcopy(plain)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(8, 32, generator=g) if shape == "fused" else torch.randn(4, 16, 64, generator=g)
+    shapes = {"fused": (8, 32), "attention": (4, 16, 64), "pools": (4, 3, 16, 16)}
+    x = torch.randn(*shapes[shape], generator=g)
+    before = graph_ops.placed[0]
     _compare(plain, mine, [x, x], disk_dir, {"min_bytes": 0})
+    assert graph_ops.placed[0] > before  # the graph run with offloadd has its evicts
 
 
 def test_graph_compiled_under_offloadd_runs_without_it(disk_dir: Path) -> None:

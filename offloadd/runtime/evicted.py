@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from typing import Any
@@ -50,11 +51,12 @@ class _Claim:
     __slots__ = ("block", "geometry", "off", "packed", "storage")
 
     def __init__(self, off: Any, packed: Any, storage: Any, block: Any, geometry: Any) -> None:
-        self.geometry = geometry  # claimed only by a tensor of the same (another alias: not)
         self.off = off
         self.packed = packed
-        self.storage = storage  # until emptied
-        self.block = block  # while its write from the tensor's own pages runs
+        # Held until claimed: its address (the key) is not reused by another storage meanwhile.
+        self.storage = storage
+        self.block = block  # while the block may still read the storage's pages
+        self.geometry = geometry  # claimed only by a tensor of the same (another alias: not)
 
 
 def claims() -> dict[int, _Claim]:
@@ -66,13 +68,11 @@ def claims() -> dict[int, _Claim]:
 
 
 def note(off: Any, t: Tensor, packed: Any, storage: Any, block: Any) -> None:
-    """What evict packed for ``t`` (``block``: the storage can be emptied once it no longer
-    holds it), and empty what can be emptied now."""
+    """What evict packed for ``t`` (``block``: the storage is emptied once that block no longer
+    reads it), and empty what can be emptied now."""
     c = claims()[storage._cdata] = _Claim(off, packed, storage, block, _geometry(t))
     waiting: list[_Claim] = _tls.__dict__.setdefault("waiting", [])
-    if block is None:
-        c.storage = None
-    else:
+    if block is not None:
         waiting.append(c)
     _empty(waiting)
 
@@ -86,11 +86,10 @@ def _empty(waiting: list[_Claim]) -> None:
         if block is None:
             continue  # claimed while its write still ran
         if block.direct_source is None and block.state == CAPTURED:
-            nbytes = c.storage.nbytes()
-            if nbytes == block.nbytes and not block.modified:
+            if c.storage.nbytes() == block.nbytes and not block.modified:
                 c.storage.resize_(0)
-            c.storage = c.block = None
-        elif c.storage is not None:
+            c.block = None
+        else:
             keep.append(c)
     waiting[:] = keep
 
@@ -117,10 +116,9 @@ def claim(t: Tensor) -> Any:
     if c is None or c.geometry != _geometry(t):
         return None
     del d[key]
-    if c.storage is not None:  # still written from its own pages: eager's way from here on
-        c.storage = c.block = None
-        if not d:
-            _tls.waiting = []
+    c.block = None  # if its write still runs, t is freed when it completes, as in eager
+    if not d:
+        _tls.waiting = []
     packed = c.packed
     if type(packed) is Ref and packed.tensor is None:  # offloaded: its fetch reads it back
         # Versions from here on are those of the tensor autograd saves, which may be another
@@ -144,7 +142,14 @@ def drop_claims(off: Any) -> None:
 
 
 def placeholder(ev: Evicted) -> Tensor:
-    """The saved tensor, without bytes, for the compiled backward: its fetch reads it back."""
+    """The saved tensor, without bytes, for the compiled backward: its fetch reads it back.
+
+    Under compiled autograd, which traces AOTAutograd's backward as it was before inductor's
+    passes (no fetch), the tensor itself, read back now."""
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    if ca is not None and (ca.compiled_autograd_enabled or ca.in_compiled_autograd_region):
+        t: Tensor = ev.off._unpack(ev.packed)
+        return t
     t = torch.empty(0, dtype=ev.dtype)
     # set_ allocates what the geometry needs, so data_ptr is aligned (inductor checks it)
     t.set_(torch.UntypedStorage(ev.storage_bytes), ev.offset, ev.size, ev.stride)

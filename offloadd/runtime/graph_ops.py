@@ -115,8 +115,16 @@ def _fetch_fake(t: Tensor) -> Tensor:
 
 
 def _is_view(node: torch.fx.Node) -> bool:
+    """Whether ``node`` shares its input's storage: a view op, or an element of the list a
+    view op returns (``split``, ``unbind``, ``chunk``)."""
+    if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
     schema = getattr(node.target, "_schema", None)
     return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
+def _is_tensor(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and isinstance(node.meta.get("val"), torch.Tensor)
 
 
 def _on_cpu(node: torch.fx.Node) -> bool:
@@ -143,17 +151,26 @@ class Placement(CustomGraphPass):
         return get_hash_for_files((__file__,))  # a cached graph is placed by this code
 
 
+placed = [0, 0]  # evicts and fetches placed in this process (for tests)
+
+
 def _place_fetches(graph: torch.fx.Graph, inputs: list[torch.fx.Node]) -> None:
+    # The forward's pass named what it gave an evict (the same compile's context); unknown
+    # (never seen here): every saved activation is fetched, which is always safe.
+    names = getattr(torch._guards.TracingContext.try_get(), "_offloadd_evicted", None)
     order = {n: i for i, n in enumerate(graph.nodes)}
     fetch_op = torch.ops.offloadd.fetch.default
     for p in inputs:
         if p.name.startswith(("primals_", "tangents_")) or not p.users or not _on_cpu(p):
             continue  # a graph input saved (never emptied), a gradient, a size
+        if names is not None and p.name not in names:
+            continue  # never packed by evict: unpack gives it with its bytes
         first = min(p.users, key=order.__getitem__)
         with graph.inserting_before(first):
             f = graph.call_function(fetch_op, (p,))
         f.meta["val"] = p.meta["val"]
         p.replace_all_uses_with(f, delete_user_cb=functools.partial(operator.is_not, f))
+        placed[1] += 1
 
 
 def _place_evicts(graph: torch.fx.Graph) -> None:
@@ -163,7 +180,8 @@ def _place_evicts(graph: torch.fx.Graph) -> None:
         return
     outs: list[Any] = list(graph.output_node().args[0])  # type: ignore[arg-type]
     saved = outs[meta.tensors_saved_for_backwards_slice]
-    returned = {n for n in outs if isinstance(n, torch.fx.Node) and n.op == "call_function"}
+    returned = {n for n in outs if isinstance(n, torch.fx.Node) and _is_tensor(n)}
+    names: set[str] = set()
     order = {n: i for i, n in enumerate(graph.nodes)}
     user_outs = set(outs[: meta.tensors_saved_for_backwards_slice.start])
     evict_op = torch.ops.offloadd.evict.default
@@ -186,6 +204,10 @@ def _place_evicts(graph: torch.fx.Graph) -> None:
         else:
             with graph.inserting_after(after):
                 graph.call_function(evict_op, (t, after, True))
+        names.add(t.name)
+        placed[0] += 1
+    if ctx is not None:
+        ctx._offloadd_evicted = names  # type: ignore[attr-defined]  # for its backward's pass
 
 
 def _after_readers(
@@ -219,9 +241,11 @@ _EXTERN = ("mm", "addmm", "bmm", "baddbmm", "convolution")
 
 
 def _realizes_inputs(node: torch.fx.Node) -> bool:
-    """Whether inductor reads ``node``'s inputs from buffers, never inlined: an extern kernel
-    (a matmul, a convolution, an op it has no lowering for), unless autotuning may fuse a
-    template's prologue."""
+    """Whether inductor certainly reads ``node``'s inputs from buffers: an extern kernel (a
+    matmul, a convolution, an op it has no lowering for or falls back on), unless autotuning
+    may fuse a template's prologue. Not ``lowering.needs_realized_inputs``: some of its ops
+    (pooling, upsampling) only hint, and a one-read pointwise input is then inlined (a
+    review's reproducer, now a test, read emptied bytes that way)."""
     from torch._inductor import config, lowering
 
     target = node.target
@@ -231,7 +255,7 @@ def _realizes_inputs(node: torch.fx.Node) -> bool:
         return False
     return (
         target not in lowering.lowerings
-        or target in lowering.needs_realized_inputs
+        or target in lowering.fallbacks
         or target.overloadpacket.__name__ in _EXTERN
     )
 

@@ -181,10 +181,11 @@ def test_meta_and_fake_tensors_pass_through(disk_dir: Path) -> None:
 
 def test_regions_stream_per_block_and_hold_whole(disk_dir: Path) -> None:
     """Compiled per block, a block's saved tensors reach pack when it returns (Note [regions
-    under compile]); compiled whole with aot_eager, offloadd's ops sit at the graph's ends (no
-    post-grad pass to place them). Both bit-exact against the same compiled model."""
-    kw: dict[str, Any] = {"prefetch_bytes": 1 << 20, "chunk_bytes": 256 << 10}
-    ratios = {}
+    under compile]): one autograd node per block. Compiled whole with aot_eager (no post-grad
+    pass, so no ops in its graph), all reach pack when the one region returns. Both bit-exact
+    against the same compiled model. Counted by the autograd node each pack belongs to, not by
+    a peak (which drifts with how far the writes lag on a loaded machine)."""
+    nodes: dict[str, set[int]] = {}
     for how in ("per-block", "whole"):
         plain, mine = _pair(8)
         if how == "per-block":
@@ -199,16 +200,26 @@ def test_regions_stream_per_block_and_hold_whole(disk_dir: Path) -> None:
             )
         xs = _inputs(3, rows=256)
         want = _steps(runs[0], plain, xs, None)
-        off = _offloader(disk_dir, **kw)
-        got = _steps(runs[1], mine, xs[:2], off)
-        before = off.stats()
-        got += _steps(runs[1], mine, xs[2:], off)
-        st = off.stats()
-        ratios[how] = st.peak_resident_bytes / (st.saved_bytes - before.saved_bytes)
+        torch._dynamo.reset()
+        off = _offloader(disk_dir)
+        seen = nodes[how] = set()
+        pack = off._pack
+
+        def counting(
+            t: torch.Tensor, min_bytes: int = -1, seen: set[int] = seen, pack: Any = pack
+        ) -> Any:
+            if t.nbytes >= 4096 and not isinstance(t, nn.Parameter):
+                seen.add(torch.autograd._get_sequence_nr())
+            return pack(t, min_bytes)
+
+        off._pack = counting  # type: ignore[method-assign]
+        got = _steps(runs[1], mine, xs, off)
         assert_bitwise_equal(want, got)
+        assert off.stats().offloaded_bytes > 0
         off.close()
-    # per-block about 0.34 on a quiet machine, whole about 0.88; writes lag under load
-    assert ratios["per-block"] < min(0.7, ratios["whole"] - 0.15), ratios
+    # per block: each block's node (and the eager head's); whole: the region's, once a step
+    assert len(nodes["per-block"]) >= 3 * 8, nodes
+    assert len(nodes["whole"]) <= 3, nodes
 
 
 def test_inductor_whole_model_streams_bit_exact(disk_dir: Path) -> None:

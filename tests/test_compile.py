@@ -496,19 +496,105 @@ class _Pools(nn.Module):
         return j.sin().sum() + (b * self.q).sum()
 
 
-@pytest.mark.parametrize("shape", ["fused", "attention", "pools"])
+class _Stateful(nn.Module):
+    """Review find: a buffer updated in forward (an input mutation: a ``copy_`` at the graph's
+    end that nothing uses) read the activation after evict emptied it (a crash)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(64, 256)
+        self.l2 = nn.Linear(256, 64)
+        self.register_buffer("last", torch.zeros(64, 256))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l1(x)
+        self.last.copy_(torch.flip(h.detach(), [0]))
+        return self.l2(h.sin())
+
+
+class _Tokens(nn.Module):
+    """Activations of shape (batch, tokens, features): every linear's output is reached
+    through a reshape, a view, and must still be emptied (a review found 3-D inputs never
+    were)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(32, 64)
+        self.l2 = nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l1(x)
+        return self.l2(h.sin() * h).cos()
+
+
+@pytest.mark.parametrize("shape", ["fused", "attention", "pools", "stateful", "tokens"])
 def test_inductor_emptied_in_graph_is_bit_exact(shape: str, disk_dir: Path) -> None:
     from offloadd.runtime import graph_ops
 
     torch.manual_seed(0)
-    plain = {"fused": _Fused, "attention": _Attention, "pools": _Pools}[shape]()
+    kinds = {"fused": _Fused, "attention": _Attention, "pools": _Pools, "stateful": _Stateful}
+    plain = kinds.get(shape, _Tokens)()
     mine = copy.deepcopy(plain)
     g = torch.Generator().manual_seed(1)
     shapes = {"fused": (8, 32), "attention": (4, 16, 64), "pools": (4, 3, 16, 16)}
+    shapes.update(stateful=(64, 64), tokens=(4, 16, 32))
     x = torch.randn(*shapes[shape], generator=g)
-    before = graph_ops.placed[0]
+    before = graph_ops.ran[0]
     _compare(plain, mine, [x, x], disk_dir, {"min_bytes": 0})
-    assert graph_ops.placed[0] > before  # the graph run with offloadd has its evicts
+    assert graph_ops.ran[0] > before  # the graph run with offloadd has its evicts
+
+
+def test_a_cached_backward_has_the_fetches_of_its_forward(
+    disk_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review find: one model compiled twice (a recompile), once returning an activation to the
+    user (not emptied) and once not (emptied). The two backward graphs are the same, so the
+    second came from inductor's cache with the first one's fetches: one missing (a crash).
+    What the forward emptied is now part of the backward's cache key."""
+    from torch._inductor import config
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    with config.patch(fx_graph_cache=True):
+        _cached_backward_case(disk_dir)
+
+
+def _cached_backward_case(disk_dir: Path) -> None:
+    from offloadd.runtime import evicted
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1 = nn.Linear(64, 256)
+            self.l2 = nn.Linear(256, 64)
+
+        def forward(self, x: torch.Tensor, hidden: bool) -> Any:
+            t = self.l1(x)
+            y = self.l2(t.sin()).square().mean()
+            return (y, t.detach()) if hidden else (y, None)
+
+    torch.manual_seed(0)
+    plain = Twice()
+    mine = copy.deepcopy(plain)
+    x = _inputs(1)[0]
+    want = []
+    for hidden in (True, False):
+        y, _ = torch.compile(plain)(x, hidden)
+        y.backward()
+        want.append([y.detach()] + [p.grad.clone() for p in plain.parameters()])
+        plain.zero_grad()
+    torch._dynamo.reset()
+    off = _offloader(disk_dir, min_bytes=0)
+    run = torch.compile(mine)
+    got = []
+    for hidden in (True, False):
+        with off:
+            y, _ = run(x, hidden)
+        y.backward()
+        got.append([y.detach()] + [p.grad.clone() for p in mine.parameters()])
+        mine.zero_grad()
+    assert_bitwise_equal(want, got)
+    assert evicted.live() == 0
+    off.close()
 
 
 def test_graph_compiled_under_offloadd_runs_without_it(disk_dir: Path) -> None:

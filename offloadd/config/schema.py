@@ -170,9 +170,10 @@ class Config:
     compile_ops: bool = True
     """A model compiled whole (``torch.compile(model)``) with inductor streams while it computes:
     its graph empties each saved activation once read and its backward reads it back before use
-    (see [emptied in the graph] in runtime/graph_ops.py); the kernels are the graph's own, so
-    results stay bit-identical. Off: such a model's saved tensors are moved when its forward
-    returns (exact, but every one of them is resident at that point)."""
+    (see [emptied in the graph] in runtime/graph_ops.py). Bit-identical to the model compiled
+    without offloadd on every model tested, not by construction: off is the switch for one that
+    is not. Off: such a model's saved tensors are moved when its forward returns (exact, but
+    every one of them is resident at that point)."""
 
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     """The daemon's settings: the ``[daemon]`` table, ``OFFLOADD_DAEMON_<KEY>`` in the

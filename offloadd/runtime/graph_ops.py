@@ -23,14 +23,18 @@ graph it compiles, and changes nothing else:
   into a buffer of ``t``'s strides (inductor asserts them, and may reuse the memory of what an
   op returns). A ``t`` with its bytes (not offloaded, or no Offloader) is copied as it is.
 
-Why it is bit-identical: the kernels, their fusion, the buffers the graph returns and the
-partition between forward and backward are those inductor makes without offloadd. ``evict``
-reads two buffers the graph returns anyway (``flexible_layout``: it constrains no layout) and is
-ordered by that data dependency, not by a declared mutation (declaring one split fused kernels
-around it); ``fetch`` stands in for a graph input with a buffer of the same layout. The first
-design, saved-tensor hooks inlined by AOTAutograd, changed what the graph returns, and inductor
-fused one loop differently (one ulp on ``(h.t().contiguous().t() * h[:, ::2].sin().repeat(1,
-2)).cos().sum()``, now a test).
+Why it is bit-identical: the partition between forward and backward, the buffers the graph
+returns and their layouts are those inductor makes without offloadd. ``evict`` only reads two
+buffers the graph returns anyway (``flexible_layout``: it constrains no layout) and is ordered
+by that data dependency, not by a declared mutation (declaring one split fused kernels around
+it); ``fetch`` stands in for a graph input with a buffer of the same layout. The first design,
+saved-tensor hooks inlined by AOTAutograd, changed what the graph returns, and inductor fused
+one loop differently (one ulp on ``(h.t().contiguous().t() * h[:, ::2].sin().repeat(1,
+2)).cos().sum()``, now a test). Not by construction, though: the scheduler may still group
+kernels differently around an ``evict`` (a review saw one fused kernel become two on a
+``bmm`` model, with identical results). Every model tried is bit-identical (tests/test_compile.py
+and the sweep in docs/benchmarks/compile-evict_cpu-2core_2026-11-25.md); ``compile_ops=false``
+is the switch for a model that is not.
 
 Limits: only CPU tensors are emptied (a CUDA copy out is asynchronous, and freeing its source
 needs stream ordering that has never run on a GPU here; such regions hold their saved tensors
@@ -74,6 +78,7 @@ def evict(t: Tensor, after: Tensor, empty: bool) -> None:
     nbytes = storage.nbytes()
     if not nbytes:
         return
+    ran[0] += 1
     packed = off._pack(t)
     off._life.capture_all()  # t's producer has returned (and, to empty it, its readers)
     block = packed.block if type(packed) is Ref and packed.tensor is None else None
@@ -148,10 +153,15 @@ class Placement(CustomGraphPass):
             _place_evicts(graph)
 
     def uuid(self) -> Any:
-        return get_hash_for_files((__file__,))  # a cached graph is placed by this code
+        # A cached graph is placed by this code; a backward's fetches also depend on what its
+        # forward's pass gave an evict (forward-only facts: user outputs, views), so those
+        # names are part of its key (a review find: a cached backward lacked a fetch).
+        names = getattr(torch._guards.TracingContext.try_get(), "_offloadd_evicted", None)
+        return (get_hash_for_files((__file__,)), None if names is None else tuple(sorted(names)))
 
 
 placed = [0, 0]  # evicts and fetches placed in this process (for tests)
+ran = [0]  # evicts that packed a tensor (for tests: a cached graph places nothing)
 
 
 def _place_fetches(graph: torch.fx.Graph, inputs: list[torch.fx.Node]) -> None:
@@ -192,9 +202,9 @@ def _place_evicts(graph: torch.fx.Graph) -> None:
             or t in user_outs
             or _is_view(t)
             or not _on_cpu(t)
-            or any(_is_view(u) for u in t.users)
+            or not _views(t).isdisjoint(outs)
         ):
-            continue  # an input, a user's output, or storage another tensor shares
+            continue  # an input, a user's output, a view, or one with a view the graph returns
         after = _after_readers(t, returned, order)
         if after is None:
             # Read to the graph's end: packed as soon as made (written while the forward
@@ -226,8 +236,12 @@ def _after_readers(
             continue
         seen.add(n)
         users = [u for u in n.users if u.op != "output"]
-        if n in returned or (users and all(map(_realizes_inputs, users))):
+        if _is_view(n):
+            todo.extend(users)  # t's own storage: what reads it reads t
+        elif n in returned or (users and all(map(_realizes_inputs, users))):
             frontier.add(n)  # a buffer: what reads it does not read t
+        elif not users:
+            return None  # a side effect (an input's copy_): no buffer is computed after it
         else:
             todo.extend(users)
     common: set[torch.fx.Node] | None = None
@@ -237,27 +251,31 @@ def _after_readers(
     return min(common, key=order.__getitem__) if common else None
 
 
-_EXTERN = ("mm", "addmm", "bmm", "baddbmm", "convolution")
-
-
 def _realizes_inputs(node: torch.fx.Node) -> bool:
-    """Whether inductor certainly reads ``node``'s inputs from buffers: an extern kernel (a
-    matmul, a convolution, an op it has no lowering for or falls back on), unless autotuning
-    may fuse a template's prologue. Not ``lowering.needs_realized_inputs``: some of its ops
-    (pooling, upsampling) only hint, and a one-read pointwise input is then inlined (a
-    review's reproducer, now a test, read emptied bytes that way)."""
-    from torch._inductor import config, lowering
+    """Whether inductor certainly reads ``node``'s inputs from buffers: an op it has no
+    lowering for or falls back on (a ``FallbackKernel`` realizes every input). Not
+    ``lowering.needs_realized_inputs``: some of its ops (pooling, upsampling) only hint, and a
+    one-read pointwise input is then inlined (a review's reproducer, now a test, read emptied
+    bytes that way); not the matmuls either: a ``bmm`` with a dimension of 1 is lowered as a
+    multiply and a sum, which inline their input."""
+    from torch._inductor import lowering
 
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return False
-    if config.max_autotune or config.max_autotune_gemm:
-        return False
-    return (
-        target not in lowering.lowerings
-        or target in lowering.fallbacks
-        or target.overloadpacket.__name__ in _EXTERN
-    )
+    return target not in lowering.lowerings or target in lowering.fallbacks
+
+
+def _views(t: torch.fx.Node) -> set[torch.fx.Node]:
+    """The nodes that view ``t``'s storage, through views of views."""
+    out: set[torch.fx.Node] = set()
+    todo = [t]
+    while todo:
+        for u in todo.pop().users:
+            if u not in out and _is_view(u):
+                out.add(u)
+                todo.append(u)
+    return out
 
 
 def _below(node: torch.fx.Node) -> set[torch.fx.Node]:
@@ -276,13 +294,18 @@ def _below(node: torch.fx.Node) -> set[torch.fx.Node]:
 # A node of the FX graph is not a kernel: inductor inlines a pointwise node into each consumer
 # unless it realizes it into a buffer, so a kernel several nodes below ``t`` may still read
 # ``t``'s bytes. (Placing ``evict`` after ``t``'s direct readers emptied bytes that a later
-# fused kernel read: a crash.) Which nodes inductor realizes depends on heuristics, except one
-# rules: a node the graph returns is realized as soon as it is lowered (``GraphLowering.run_node``;
-# one without reads, a constant, may wait, but reads nothing), and a node whose every user is an
-# extern kernel is read from a buffer by all of them. So the nodes whose kernels may read ``t``
-# are those reached from its readers without passing such a node, and every one of them is
-# above some node of that walk's frontier; ``after`` is the first returned node below every
-# frontier node, a data dependency inductor keeps through fusion and reordering.
+# fused kernel read: a crash.) Which nodes inductor realizes depends on heuristics, except:
+# * a node the graph returns is realized as soon as it is lowered (``GraphLowering.run_node``;
+#   one without reads, a constant, may wait, but reads nothing);
+# * a node whose every user is a fallback kernel is read from a buffer by all of them (not so
+#   for ops that only hint: pooling inlined a ``t * 2`` after evict, a review's crash);
+# * a view is ``t``'s own storage: the walk goes through it (and ``t`` is never emptied if the
+#   graph returns a view of it).
+# So the nodes whose kernels may read ``t`` are those reached from its readers without passing
+# such a buffer, and every one of them is above some buffer of that walk's frontier; ``after``
+# is the first returned node below every frontier node, a data dependency inductor keeps
+# through fusion and reordering. A walk that meets a node nothing uses and the graph does not
+# return (an input's ``copy_``) has no such ``after``: ``t`` is then packed, not emptied.
 
 
 _PASS = Placement()

@@ -18,7 +18,9 @@ graph it compiles, and changes nothing else:
   nothing, its memory free while the rest of the graph runs. When the region's forward returns,
   autograd calls pack with ``t`` (emptied or not); pack claims what evict packed and returns an
   :class:`~offloadd.runtime.evicted.Evicted`, whose unpack is a placeholder without bytes;
-* backward: ``offloadd::fetch(t)`` before the first op that reads a saved tensor ``t``: the
+* backward: ``offloadd::fetch(t, after)`` before the first op that reads a saved tensor ``t``,
+  after the last gradient the graph returns before that op (a dependency: else inductor may
+  run every fetch at the backward's start): the
   tensor read back through ``Offloader._unpack`` (which prefetches the ones before it), copied
   into a buffer of ``t``'s strides (inductor asserts them, and may reuse the memory of what an
   op returns). A ``t`` with its bytes (not offloaded, or no Offloader) is copied as it is.
@@ -96,8 +98,8 @@ def _evict_fake(t: Tensor, after: Tensor, empty: bool) -> None:
 torch.fx.node.has_side_effect(torch.ops.offloadd.evict.default)
 
 
-@torch.library.custom_op("offloadd::fetch", mutates_args=())
-def fetch(t: Tensor) -> Tensor:
+@torch.library.custom_op("offloadd::fetch", mutates_args=(), tags=(torch.Tag.flexible_layout,))
+def fetch(t: Tensor, after: Tensor) -> Tensor:
     out = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
     storage = t.untyped_storage()
     if storage.nbytes() or t.numel() == 0:
@@ -112,7 +114,7 @@ def fetch(t: Tensor) -> Tensor:
 
 
 @fetch.register_fake
-def _fetch_fake(t: Tensor) -> Tensor:
+def _fetch_fake(t: Tensor, after: Tensor) -> Tensor:
     return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
 
 
@@ -125,7 +127,9 @@ def _is_view(node: torch.fx.Node) -> bool:
     if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
         node = node.args[0]
     schema = getattr(node.target, "_schema", None)
-    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+    return schema is not None and any(
+        r.alias_info is not None and not r.alias_info.is_write for r in schema.returns
+    )  # not an in-place op (``copy_``): it returns what it wrote, not a view of ``t``
 
 
 def _is_tensor(node: torch.fx.Node) -> bool:
@@ -170,14 +174,22 @@ def _place_fetches(graph: torch.fx.Graph, inputs: list[torch.fx.Node]) -> None:
     names = getattr(torch._guards.TracingContext.try_get(), "_offloadd_evicted", None)
     order = {n: i for i, n in enumerate(graph.nodes)}
     fetch_op = torch.ops.offloadd.fetch.default
+    # Ordered after the last gradient the graph returns before the tensor's first use: without
+    # a dependency inductor may run every fetch at once, at the backward's start.
+    outs = graph.output_node().args[0]
+    grads = sorted(
+        (n for n in outs if isinstance(n, torch.fx.Node) and _is_tensor(n)),  # type: ignore[union-attr]
+        key=order.__getitem__,
+    )
     for p in inputs:
         if p.name.startswith(("primals_", "tangents_")) or not p.users or not _on_cpu(p):
             continue  # a graph input saved (never emptied), a gradient, a size
         if names is not None and p.name not in names:
             continue  # never packed by evict: unpack gives it with its bytes
         first = min(p.users, key=order.__getitem__)
+        done = [g for g in grads if order[g] < order[first]]
         with graph.inserting_before(first):
-            f = graph.call_function(fetch_op, (p,))
+            f = graph.call_function(fetch_op, (p, done[-1] if done else p))
         f.meta["val"] = p.meta["val"]
         p.replace_all_uses_with(f, delete_user_cb=functools.partial(operator.is_not, f))
         placed[1] += 1
@@ -225,7 +237,7 @@ def _after_readers(
 ) -> torch.fx.Node | None:
     """The first buffer the graph returns that is computed after every kernel that may read
     ``t``, or None (see [who reads t] below)."""
-    todo = [u for u in t.users if u.op != "output"]
+    todo = _readers(t)
     if not todo:
         return t
     frontier: set[torch.fx.Node] = set()
@@ -235,7 +247,7 @@ def _after_readers(
         if n in seen:
             continue
         seen.add(n)
-        users = [u for u in n.users if u.op != "output"]
+        users = _readers(n)
         if _is_view(n):
             todo.extend(users)  # t's own storage: what reads it reads t
         elif n in returned or (users and all(map(_realizes_inputs, users))):
@@ -276,6 +288,13 @@ def _views(t: torch.fx.Node) -> set[torch.fx.Node]:
                 out.add(u)
                 todo.append(u)
     return out
+
+
+def _readers(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes that use ``node``, but the output and the evicts placed already (an evict
+    takes its ``after`` for its order only, and never reads its bytes)."""
+    evict_op = torch.ops.offloadd.evict.default
+    return [u for u in node.users if u.op != "output" and u.target is not evict_op]
 
 
 def _below(node: torch.fx.Node) -> set[torch.fx.Node]:

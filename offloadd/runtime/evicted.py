@@ -32,19 +32,14 @@ _placed: dict[int, Evicted] = {}  # placeholders unpack made, until fetch reads 
 
 
 class Evicted:
-    """What pack returns for a tensor emptied in a compiled graph: what evict packed, and the
-    tensor's geometry."""
+    """What pack returns for a tensor emptied in a compiled graph: the Offloader and the
+    :class:`~offloadd.runtime.handles.Ref` evict packed (which has the tensor's geometry)."""
 
-    __slots__ = ("dtype", "off", "offset", "packed", "size", "storage_bytes", "stride")
+    __slots__ = ("off", "ref")
 
-    def __init__(self, off: Any, packed: Any, t: Tensor, storage_bytes: int) -> None:
+    def __init__(self, off: Any, ref: Ref) -> None:
         self.off = off
-        self.packed = packed
-        self.size = t.size()
-        self.stride = t.stride()
-        self.offset = t.storage_offset()
-        self.dtype = t.dtype
-        self.storage_bytes = storage_bytes
+        self.ref = ref
 
 
 class _Claim:
@@ -128,7 +123,7 @@ def claim(t: Tensor) -> Any:
             block = packed.block
             block.handle = version_handle(t)
             block.version = packed.version = t._version
-            return Evicted(c.off, packed, t, block.nbytes)
+            return Evicted(c.off, packed)
     return packed
 
 
@@ -148,11 +143,12 @@ def placeholder(ev: Evicted) -> Tensor:
     passes (no fetch), the tensor itself, read back now."""
     ca = sys.modules.get("torch._dynamo.compiled_autograd")
     if ca is not None and (ca.compiled_autograd_enabled or ca.in_compiled_autograd_region):
-        t: Tensor = ev.off._unpack(ev.packed)
+        t: Tensor = ev.off._unpack(ev.ref)
         return t
-    t = torch.empty(0, dtype=ev.dtype)
+    ref = ev.ref
+    t = torch.empty(0, dtype=ref.dtype)
     # set_ allocates what the geometry needs, so data_ptr is aligned (inductor checks it)
-    t.set_(torch.UntypedStorage(ev.storage_bytes), ev.offset, ev.size, ev.stride)
+    t.set_(torch.UntypedStorage(ref.block.nbytes), ref.offset, ref.size, ref.stride)
     storage = t.untyped_storage()
     storage.resize_(0)
     key = storage._cdata

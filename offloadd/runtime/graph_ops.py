@@ -9,21 +9,22 @@ unpack before its backward's first op. So an inductor post-grad pass (:class:`Pl
 when a compiled model is first called in an Offloader's scope) adds two ops to each training
 graph it compiles, and changes nothing else:
 
-* forward: ``offloadd::evict(t, after, True)`` for each activation ``t`` the graph returns to be saved
-  (made by the graph, not a view, no view made of it), where ``after`` is a buffer the graph
-  returns that is computed after every kernel that may read ``t`` (Note [who reads t]). It packs
-  ``t`` with the Offloader whose hooks are innermost (none: it does nothing) and captures it;
-  once the block no longer holds ``t``'s pages (at once after a copy to staging; after the last
-  write of a zero-copy write, checked at each later evict), ``t``'s storage is resized to
-  nothing, its memory free while the rest of the graph runs. When the region's forward returns,
-  autograd calls pack with ``t`` (emptied or not); pack claims what evict packed and returns an
-  :class:`~offloadd.runtime.evicted.Evicted`, whose unpack is a placeholder without bytes;
+* forward: ``offloadd::evict(t, after, True)`` for each activation ``t`` the graph returns to
+  be saved (made by the graph, not a view, no view made of it), where ``after`` is a buffer
+  the graph returns that is computed after every kernel that may read ``t`` (Note [who reads
+  t]). It packs ``t`` with the Offloader whose hooks are innermost (none: it does nothing) and
+  captures it; once the block no longer holds ``t``'s pages (at once after a copy to staging;
+  after the last write of a zero-copy write, checked at each later evict), ``t``'s storage is
+  resized to nothing, its memory free while the rest of the graph runs. When the region's
+  forward returns, autograd calls pack with ``t`` (emptied or not); pack claims what evict
+  packed and returns an :class:`~offloadd.runtime.evicted.Evicted`, whose unpack is a
+  placeholder without bytes;
 * backward: ``offloadd::fetch(t, after)`` before the first op that reads a saved tensor ``t``,
   after the last gradient the graph returns before that op (a dependency: else inductor may
-  run every fetch at the backward's start): the
-  tensor read back through ``Offloader._unpack`` (which prefetches the ones before it), copied
-  into a buffer of ``t``'s strides (inductor asserts them, and may reuse the memory of what an
-  op returns). A ``t`` with its bytes (not offloaded, or no Offloader) is copied as it is.
+  run every fetch at the backward's start): the tensor read back through
+  ``Offloader._unpack`` (which prefetches the ones before it), copied into a buffer of ``t``'s
+  strides (inductor asserts them, and may reuse the memory of what an op returns). A ``t``
+  with its bytes (not offloaded, or no Offloader) is copied as it is.
 
 Why it is bit-identical: the partition between forward and backward, the buffers the graph
 returns and their layouts are those inductor makes without offloadd. ``evict`` only reads two
@@ -40,9 +41,9 @@ is the switch for a model that is not.
 
 Limits: only CPU tensors are emptied (a CUDA copy out is asynchronous, and freeing its source
 needs stream ordering that has never run on a GPU here; such regions hold their saved tensors
-to the end of forward, as without this); not with CUDA graphs, whose memory is theirs. A graph compiled before its model was called in a scope has
-no ops (exact; streams as a region), and one compiled with them and run without offloadd
-copies each saved tensor in backward.
+to the end of forward, as without this); not with CUDA graphs, whose memory is theirs. A graph
+compiled before its model was called in a scope has no ops (exact; streams as a region), and
+one compiled with them and run without offloadd copies each saved tensor in backward.
 """
 
 from __future__ import annotations
@@ -74,12 +75,10 @@ def evict(t: Tensor, after: Tensor, empty: bool) -> None:
     off = getattr(top[0], "offloader", None) if top is not None else None
     if off is None or t.device.type != "cpu" or type(t) is not torch.Tensor:
         return
-    if t.untyped_storage()._cdata in evicted.claims():
-        return  # packed already (an alias another evict saw)
     storage = t.untyped_storage()
     nbytes = storage.nbytes()
-    if not nbytes:
-        return
+    if not nbytes or storage._cdata in evicted.claims():
+        return  # emptied, or packed already (an alias another evict saw)
     ran[0] += 1
     packed = off._pack(t)
     off._life.capture_all()  # t's producer has returned (and, to empty it, its readers)
@@ -110,7 +109,7 @@ def fetch(t: Tensor, after: Tensor) -> Tensor:
             "offloadd: a compiled backward got a saved tensor without its bytes and without "
             "offloadd's record of them (see [emptied in the graph] in runtime/graph_ops.py)"
         )
-    return out.copy_(ev.off._unpack(ev.packed))
+    return out.copy_(ev.off._unpack(ev.ref))
 
 
 @fetch.register_fake
@@ -164,7 +163,6 @@ class Placement(CustomGraphPass):
         return (get_hash_for_files((__file__,)), None if names is None else tuple(sorted(names)))
 
 
-placed = [0, 0]  # evicts and fetches placed in this process (for tests)
 ran = [0]  # evicts that packed a tensor (for tests: a cached graph places nothing)
 
 
@@ -192,7 +190,6 @@ def _place_fetches(graph: torch.fx.Graph, inputs: list[torch.fx.Node]) -> None:
             f = graph.call_function(fetch_op, (p, done[-1] if done else p))
         f.meta["val"] = p.meta["val"]
         p.replace_all_uses_with(f, delete_user_cb=functools.partial(operator.is_not, f))
-        placed[1] += 1
 
 
 def _place_evicts(graph: torch.fx.Graph) -> None:
@@ -227,7 +224,6 @@ def _place_evicts(graph: torch.fx.Graph) -> None:
             with graph.inserting_after(after):
                 graph.call_function(evict_op, (t, after, True))
         names.add(t.name)
-        placed[0] += 1
     if ctx is not None:
         ctx._offloadd_evicted = names  # type: ignore[attr-defined]  # for its backward's pass
 
@@ -280,14 +276,7 @@ def _realizes_inputs(node: torch.fx.Node) -> bool:
 
 def _views(t: torch.fx.Node) -> set[torch.fx.Node]:
     """The nodes that view ``t``'s storage, through views of views."""
-    out: set[torch.fx.Node] = set()
-    todo = [t]
-    while todo:
-        for u in todo.pop().users:
-            if u not in out and _is_view(u):
-                out.add(u)
-                todo.append(u)
-    return out
+    return _reach(t, _is_view) - {t}
 
 
 def _readers(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -298,11 +287,16 @@ def _readers(node: torch.fx.Node) -> list[torch.fx.Node]:
 
 
 def _below(node: torch.fx.Node) -> set[torch.fx.Node]:
+    return _reach(node, lambda u: True)
+
+
+def _reach(node: torch.fx.Node, follow: Any) -> set[torch.fx.Node]:
+    """``node`` and the nodes reached from it through users that ``follow`` accepts."""
     seen = {node}
     todo = [node]
     while todo:
         for u in todo.pop().users:
-            if u not in seen:
+            if u not in seen and follow(u):
                 seen.add(u)
                 todo.append(u)
     return seen

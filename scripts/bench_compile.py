@@ -1,9 +1,13 @@
-"""Eager, per-block compile and whole-model compile, each with tier keep and tier ssd: peak
-resident saved bytes against a step's saved bytes and activations, and ssd's step time against
-keep's in the same mode, the allocator held equal (Note [regions under compile] in
+"""Eager, per-block compile and whole-model compile, each with tier keep and tier ssd (or cpu):
+peak resident saved bytes against a step's saved bytes and activations, and each tier's step time
+against keep's in the same mode, the allocator held equal (Note [regions under compile] in
 offloadd/runtime/compiled.py, Note [emptied in the graph] in offloadd/runtime/graph_ops.py).
 
     python scripts/bench_compile.py [--steps 8] [--rounds 2] [--out docs/benchmarks/x.md]
+    python scripts/bench_compile.py --device cuda --tiers keep,cpu,ssd --rows 8192 --dim 1024
+
+On CUDA the memory is the GPU's: the most bytes allocated during a step above those at its
+start (torch.cuda.max_memory_allocated), and each step is timed between two synchronizes.
 
 Each (mode, tier) pair runs in its own process with offloadd's host cache as torch's CPU
 allocator on both sides, in steady state: three untimed steps (the first compiles), then
@@ -29,8 +33,9 @@ from torch import nn
 
 MODES = ("eager", "per-block", "whole-no-ops", "whole")
 WARMUP = 3
-D, H = 512, 2048
+D, H = 512, 2048  # set by --dim (H = 4 D)
 N, L = 1024, 8  # set by --rows and --layers
+DEVICE = "cpu"  # set by --device
 
 
 class Block(nn.Module):
@@ -59,43 +64,56 @@ def one(mode: str, tier: str, steps: int) -> dict[str, object]:
     import offloadd
 
     torch.manual_seed(0)
-    model = Model()
+    model = Model().to(DEVICE)
+    cuda = DEVICE == "cuda"
     run: nn.Module = model
     if mode in ("whole", "whole-no-ops"):
         run = torch.compile(model)  # type: ignore[assignment]
     elif mode == "per-block":
         for b in model.blocks:
             b.compile()
-    x = torch.randn(N, D)
+    x = torch.randn(N, D, device=DEVICE)
     weights = sum(p.nbytes for p in model.parameters() if p.dim() == 2)  # what linears save
     off = offloadd.Offloader(
         offloadd.Config(
             tier=tier,
             ssd_dirs=[tempfile.mkdtemp(dir=".")],
-            host_allocator="caching",
+            host_allocator="system" if cuda else "caching",
             compile_ops=mode != "whole-no-ops",
         )
     )
     from offloadd.runtime import host_allocator
 
     cache = host_allocator.current()
-    assert cache is not None, "the host cache did not load"
+    assert cache is not None or cuda, "the host cache did not load"
     times: list[float] = []
     above: list[int] = []  # the step's peak of live CPU bytes above its start (allocator)
     saved0 = 0
     for step in range(steps + WARMUP):
         if step == WARMUP:
             saved0 = off.stats().saved_bytes
-        start = cache.reset_window()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated()
+        else:
+            assert cache is not None
+            start = cache.reset_window()
         t = time.perf_counter()
         with off:
             y = run(x)
         y.square().mean().backward()
         for p in model.parameters():
             p.grad = None
+        if cuda:
+            torch.cuda.synchronize()
         if step >= WARMUP:
             times.append(time.perf_counter() - t)
-            above.append(cache.counters().window_peak_live_bytes - start)
+            if cuda:
+                above.append(torch.cuda.max_memory_allocated() - start)
+            else:
+                assert cache is not None
+                above.append(cache.counters().window_peak_live_bytes - start)
     st = off.stats()
     per_step = (st.saved_bytes - saved0) / steps
     out: dict[str, object] = {
@@ -107,9 +125,14 @@ def one(mode: str, tier: str, steps: int) -> dict[str, object]:
         "activations_per_step": per_step - weights,
         "peak_resident": st.peak_resident_bytes,
         "peak_above_start": max(above),
+        "stats": st.summary(),
     }
     off.close()
     return out
+
+
+def _f(r: dict[str, object], key: str) -> float:
+    return float(r[key])  # type: ignore[arg-type]
 
 
 def main() -> None:
@@ -119,48 +142,59 @@ def main() -> None:
     ap.add_argument("--one", nargs=2, metavar=("MODE", "TIER"))
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--rows", type=int, default=1024)
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--tiers", default="keep,ssd", help="keep first: the others against it")
     ap.add_argument("--out")
     a = ap.parse_args()
-    global N, L
-    N, L = a.rows, a.layers
+    global N, L, D, H, DEVICE
+    N, L, D, H, DEVICE = a.rows, a.layers, a.dim, 4 * a.dim, a.device
     if a.one:
         print(json.dumps(one(a.one[0], a.one[1], a.steps)))
         return
-    modes = a.modes.split(",")
+    modes, tiers = a.modes.split(","), a.tiers.split(",")
+    if tiers[0] != "keep" or len(tiers) < 2:
+        ap.error("--tiers: keep first, then one or more of cpu, ssd")
     rows: dict[tuple[str, str], list[dict[str, object]]] = {}
     for r in range(a.rounds):
         for mode in modes:
-            for tier in ("keep", "ssd"):
+            for tier in tiers:
                 cmd = [sys.executable, __file__, "--steps", str(a.steps), "--layers"]
-                cmd += [str(a.layers), "--rows", str(a.rows), "--one", mode, tier]
+                cmd += [str(a.layers), "--rows", str(a.rows), "--dim", str(a.dim)]
+                cmd += ["--device", a.device, "--one", mode, tier]
                 done = subprocess.run(cmd, check=True, capture_output=True, text=True)
                 res = json.loads(done.stdout.splitlines()[-1])
                 rows.setdefault((mode, tier), []).append(res)
                 print(f"round {r} {mode} {tier}: {res['steps_s']}", file=sys.stderr, flush=True)
+    where = "GPU memory" if a.device == "cuda" else "allocator"
     lines = [
-        "| mode | keep s/step | ssd s/step | ssd / keep (per round) | saved a step | activations "
-        "a step | peak resident (ssd) | peak / saved | peak / activations | step peak above "
-        "start, keep → ssd (allocator) | ssd / keep |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"{a.device}, {L} blocks, {N} rows, d={D}, h={H}; {a.steps} timed steps after {WARMUP}, "
+        f"{a.rounds} round(s)",
+        "",
+        "| mode | tier | keep s/step | tier s/step | tier / keep (per round) | saved a step | "
+        "activations a step | peak resident | peak / saved | peak / activations | step peak "
+        f"above start, keep → tier ({where}) | tier / keep |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode in modes:
-        keep = [float(r["step_s"]) for r in rows[(mode, "keep")]]  # type: ignore[arg-type]
-        ssd = rows[(mode, "ssd")]
-        t = [float(r["step_s"]) for r in ssd]  # type: ignore[arg-type]
-        saved = statistics.median(float(r["saved_per_step"]) for r in ssd)  # type: ignore[arg-type]
-        acts = statistics.median(float(r["activations_per_step"]) for r in ssd)  # type: ignore[arg-type]
-        peak = max(float(r["peak_resident"]) for r in ssd)  # type: ignore[arg-type]
-        per_round = ", ".join(f"{b / k:.2f}" for k, b in zip(keep, t, strict=True))
-        a_keep = max(float(r["peak_above_start"]) for r in rows[(mode, "keep")])  # type: ignore[arg-type]
-        a_ssd = max(float(r["peak_above_start"]) for r in ssd)  # type: ignore[arg-type]
-        lines.append(
-            f"| {mode} | {statistics.median(keep):.3f} | {statistics.median(t):.3f} | "
-            f"{statistics.median(t) / statistics.median(keep):.2f} ({per_round}) | "
-            f"{saved / 2**20:.0f} MiB | {acts / 2**20:.0f} MiB | {peak / 2**20:.0f} MiB | "
-            f"{peak / saved:.2f} | {peak / acts:.2f} | {a_keep / 2**20:.0f} → "
-            f"{a_ssd / 2**20:.0f} MiB | {a_ssd / a_keep:.2f} |"
-        )
+        keep = [_f(r, "step_s") for r in rows[(mode, "keep")]]
+        a_keep = max(_f(r, "peak_above_start") for r in rows[(mode, "keep")])
+        for tier in tiers[1:]:
+            got = rows[(mode, tier)]
+            t = [_f(r, "step_s") for r in got]
+            saved = statistics.median(_f(r, "saved_per_step") for r in got)
+            acts = statistics.median(_f(r, "activations_per_step") for r in got)
+            peak = max(_f(r, "peak_resident") for r in got)
+            per_round = ", ".join(f"{b / k:.2f}" for k, b in zip(keep, t, strict=True))
+            a_tier = max(_f(r, "peak_above_start") for r in got)
+            lines.append(
+                f"| {mode} | {tier} | {statistics.median(keep):.3f} | {statistics.median(t):.3f} "
+                f"| {statistics.median(t) / statistics.median(keep):.2f} ({per_round}) | "
+                f"{saved / 2**20:.0f} MiB | {acts / 2**20:.0f} MiB | {peak / 2**20:.0f} MiB | "
+                f"{peak / saved:.2f} | {peak / acts:.2f} | {a_keep / 2**20:.0f} → "
+                f"{a_tier / 2**20:.0f} MiB | {a_tier / a_keep:.2f} |"
+            )
     text = "\n".join(lines)
     print(text)
     if a.out:

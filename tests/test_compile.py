@@ -682,3 +682,45 @@ def test_eager_code_inside_the_compiled_call(disk_dir: Path) -> None:
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
     off.close()
+
+
+def test_a_torch_that_runs_one_post_grad_pass(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch < 2.12 has no list of post-grad passes (2.11 crashed at import on a GPU machine):
+    offloadd's pass is the one pass, or runs after a keyed pass set before it; beside a plain
+    function (which inductor cannot key) it is not added, with one warning, and stays exact."""
+    from torch._inductor import config
+
+    from offloadd.runtime import compiled, graph_ops
+
+    monkeypatch.setattr(graph_ops, "get_custom_graph_passes", None)
+    monkeypatch.setattr(config, "post_grad_custom_post_pass", None)
+    monkeypatch.setattr(config, "force_disable_caches", False)
+    seen: list[int] = []
+
+    class Theirs(graph_ops.CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            seen.append(len(graph.nodes))
+
+        def uuid(self) -> Any:
+            return "theirs"
+
+    for first in (None, Theirs()):
+        config.post_grad_custom_post_pass = first
+        # theirs is seen to run (a cached graph runs no pass)
+        config.force_disable_caches = first is not None
+        plain, mine = _pair(1)
+        before = graph_ops.ran[0]
+        _compare(plain, mine, _inputs(2, rows=256), disk_dir)
+        assert graph_ops.ran[0] > before
+        torch._dynamo.reset()
+    assert seen  # theirs ran too
+    monkeypatch.setattr(config, "post_grad_custom_post_pass", lambda graph: None)
+    monkeypatch.setattr(config, "force_disable_caches", False)
+    monkeypatch.setattr(compiled, "_refused", [])
+    plain, mine = _pair(1)
+    before = graph_ops.ran[0]
+    with pytest.warns(UserWarning, match="cannot cache"):
+        _compare(plain, mine, _inputs(2, rows=256), disk_dir)
+    assert graph_ops.ran[0] == before

@@ -6,6 +6,7 @@ The GPU tests skip where a GPU, kvikio or cuFile is missing; the error path runs
 from __future__ import annotations
 
 import errno
+import os
 from pathlib import Path
 
 import pytest
@@ -35,15 +36,22 @@ def test_auto_without_gds_keeps_cpu_paths(disk_dir: Path) -> None:
     off.close()
 
 
-def _need_gds() -> None:
+def _need_gds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Skips without GDS, unless kvikio imports and KVIKIO_COMPAT_MODE=ON asks for its POSIX
+    mode (scripts/gpu_check.sh, on a GPU machine without the nvidia-fs driver): then the kvikio
+    engine's own code runs for real, its transfers bounced through host memory by kvikio."""
     ok, why = gds.probe()
-    if not ok:
-        pytest.skip(f"GDS unavailable: {why}")
+    if ok:
+        return
+    if os.environ.get("KVIKIO_COMPAT_MODE", "").upper() == "ON" and "kvikio imports" in why:
+        monkeypatch.setattr(gds, "probe", lambda: (True, "kvikio in compat mode (test)"))
+        return
+    pytest.skip(f"GDS unavailable: {why}")
 
 
 @pytest.mark.cuda
-def test_gds_bit_identical(disk_dir: Path) -> None:
-    _need_gds()
+def test_gds_bit_identical(disk_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _need_gds(monkeypatch)
     ref = train_cuda(None, rows=1000)
     off = small_offloader(disk_dir, engine="kvikio")
     got = train_cuda(off, rows=1000)
@@ -54,14 +62,16 @@ def test_gds_bit_identical(disk_dir: Path) -> None:
 
 
 @pytest.mark.cuda
-def test_gds_inplace_before_capture_raises(disk_dir: Path) -> None:
-    _need_gds()
+def test_gds_inplace_before_capture_raises(disk_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _need_gds(monkeypatch)
     check_inplace_before_capture_raises(small_offloader(disk_dir, engine="kvikio"))
 
 
 @pytest.mark.cuda
-def test_gds_write_waits_for_the_producer_stream(disk_dir: Path) -> None:
-    _need_gds()
+def test_gds_write_waits_for_the_producer_stream(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _need_gds(monkeypatch)
     check_producer_stream(small_offloader(disk_dir, engine="kvikio"))
 
 
@@ -69,7 +79,7 @@ def test_gds_write_waits_for_the_producer_stream(disk_dir: Path) -> None:
 def test_gds_write_error_falls_back_exactly(
     disk_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _need_gds()
+    _need_gds(monkeypatch)
     real = gds.KvikioEngine.transfer
 
     def failing(self: gds.KvikioEngine, request: Request) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -156,7 +157,27 @@ def note_wrapper(off: Any, module: nn.Module) -> bool:
     for m in orig.modules():
         off.note_module(m)
     if in_scope and cfg.compile_ops and cfg.tier != "keep":
-        from offloadd.runtime import graph_ops
-
-        graph_ops.install()
+        _install_pass()
     return True
+
+
+_refused: list[str] = []  # why the pass is not there (warned once)
+
+
+def _install_pass() -> None:
+    why = ""
+    try:
+        from offloadd.runtime import graph_ops
+    except (ImportError, AttributeError) as e:  # a torch without what it needs (op tags, keys)
+        why = f"torch {torch.__version__} lacks what it needs ({e})"
+    else:
+        if not graph_ops.install():
+            why = "inductor's post-grad pass is already set to a function it cannot cache"
+    if why and not _refused:
+        _refused.append(why)
+        warnings.warn(
+            f"offloadd: compile_ops is on but compiled graphs do not empty their saved tensors: "
+            f"{why}. They stay exact; a region's saved tensors move when its forward returns "
+            "(set compile_ops=false to silence this)",
+            stacklevel=4,
+        )

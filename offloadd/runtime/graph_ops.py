@@ -55,11 +55,12 @@ from typing import Any
 import torch
 import torch.fx
 from torch import Tensor
-from torch._inductor.custom_graph_pass import (
-    CustomGraphPass,
-    get_custom_graph_passes,
-    get_hash_for_files,
-)
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+try:
+    from torch._inductor.custom_graph_pass import get_custom_graph_passes
+except ImportError:  # torch < 2.12: inductor runs one post-grad pass (torch 2.11 on a GPU here)
+    get_custom_graph_passes = None  # type: ignore[assignment]
 
 from offloadd.runtime import evicted
 from offloadd.runtime.handles import Ref
@@ -324,11 +325,36 @@ def _reach(node: torch.fx.Node, follow: Any) -> set[torch.fx.Node]:
 _PASS = Placement()
 
 
-def install() -> None:
-    """Add :class:`Placement` to inductor's post-grad passes (once; others' stay)."""
+class _Both(CustomGraphPass):
+    """A pass set before offloadd's, then Placement: for a torch that runs one pass only."""
+
+    def __init__(self, first: CustomGraphPass) -> None:
+        self.first = first
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.first(graph)
+        _PASS(graph)
+
+    def uuid(self) -> Any:
+        return (self.first.uuid(), _PASS.uuid())
+
+
+def install() -> bool:
+    """Add :class:`Placement` to inductor's post-grad passes (once; others' stay). False (and
+    nothing added) where another pass is set that inductor's cache cannot key, a plain function
+    on a torch that runs one pass only: its graphs then stream as regions, exactly."""
     from torch._inductor import config
 
-    passes = get_custom_graph_passes(config.post_grad_custom_post_pass)
-    if any(isinstance(p, Placement) for p in passes):
-        return
-    config.post_grad_custom_post_pass = [*passes, _PASS] if passes else _PASS
+    current = config.post_grad_custom_post_pass
+    if get_custom_graph_passes is not None:
+        passes = get_custom_graph_passes(current)
+        if not any(isinstance(p, Placement) for p in passes):
+            config.post_grad_custom_post_pass = [*passes, _PASS] if passes else _PASS
+        return True
+    if current is None:
+        config.post_grad_custom_post_pass = _PASS
+    elif not isinstance(current, Placement | _Both):
+        if not isinstance(current, CustomGraphPass):
+            return False
+        config.post_grad_custom_post_pass = _Both(current)
+    return True

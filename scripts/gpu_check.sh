@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA GPU, for a lent GPU machine (a bare one: python3 with a CUDA torch,
+# no network). Usage, from the repository root:
+#
+#     scripts/gpu_check.sh OUTDIR [tests] [bench] [floor] [clients]
+#
+# Wheels the machine lacks (setuptools >= 77 for the editable install; megatron-core for the
+# Megatron client test) are installed from .whl/ when that folder is there. Each part runs under
+# its own time limit and writes its log to OUTDIR as it goes, so a part that hangs or runs out of
+# time costs only itself.
+set -u
+out=${1:?usage: scripts/gpu_check.sh OUTDIR [tests] [bench] [floor] [clients]}
+shift
+parts=${*:-tests bench floor clients}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+py=${PY:-python3}
+
+{
+    date -u
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    $py -c 'import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'
+    nproc
+    df -hT . /tmp
+} >"$out/env.txt" 2>&1
+
+{
+    if [ -d .whl ]; then
+        $py -m pip install -q --no-index --no-deps --no-cache-dir .whl/*.whl
+    fi
+    $py -m pip install -q --no-deps --no-build-isolation -e . && echo "installed"
+    $py -c 'from offloadd.io import native; print("native:", native.available())'
+    timeout 60 offloadd doctor --json >"$out/doctor.json"
+    echo "doctor rc=$?"
+} >"$out/install.log" 2>&1
+
+pytest_args=(-q -rs -p no:cacheprovider --durations=10)
+for part in $parts; do
+    case $part in
+    tests)
+        timeout 200 $py -m pytest "${pytest_args[@]}" -s tests/test_compile_cuda.py \
+            >"$out/compile_cuda.log" 2>&1
+        echo "compile_cuda rc=$?" >>"$out/rc.txt"
+        timeout 150 $py -m pytest "${pytest_args[@]}" tests/test_cuda.py tests/test_gds.py \
+            tests/test_threads_device.py tests/test_doctor.py >"$out/cuda_tests.log" 2>&1
+        echo "cuda_tests rc=$?" >>"$out/rc.txt"
+        ;;
+    bench)
+        timeout 200 $py scripts/bench_compile.py --device cuda --tiers keep,cpu,ssd \
+            --modes eager,whole --rows 4096 --dim 1024 --steps 6 --rounds 1 \
+            --out "$out/bench_compile_cuda.md" >"$out/bench.log" 2>&1
+        echo "bench rc=$?" >>"$out/rc.txt"
+        ;;
+    floor)
+        KVIKIO_COMPAT_MODE=ON timeout 90 $py -m pytest "${pytest_args[@]}" tests/test_gds.py \
+            >"$out/gds_compat.log" 2>&1
+        echo "gds_compat rc=$?" >>"$out/rc.txt"
+        timeout 60 $py scripts/gpu_floor.py >"$out/floor.json" 2>"$out/floor.log"
+        echo "floor rc=$?" >>"$out/rc.txt"
+        timeout 120 $py scripts/bench_compile.py --device cuda --tiers keep,cpu --modes eager \
+            --rows 4096 --dim 2048 --steps 6 --rounds 1 --out "$out/bench_d2048.md" \
+            >"$out/bench_d2048.log" 2>&1
+        echo "bench_d2048 rc=$?" >>"$out/rc.txt"
+        ;;
+    clients)
+        timeout 150 $py -m pytest "${pytest_args[@]}" tests/test_clients.py -k megatron \
+            >"$out/clients.log" 2>&1
+        echo "clients rc=$?" >>"$out/rc.txt"
+        ;;
+    *) echo "unknown part $part" >>"$out/rc.txt" ;;
+    esac
+done
+cat "$out/rc.txt"

@@ -1,5 +1,6 @@
 """Real training clients under OFFLOADD=1: Hugging Face transformers (custom loop and Trainer),
-torchrun DDP with two gloo ranks, DeepSpeed through its launcher, Megatron-core (GPU).
+torchrun DDP with two gloo ranks, DeepSpeed through its launcher and ZeRO-1/2 on two ranks,
+Megatron-core (GPU).
 
 Each client is a script in tests/clients that never imports offloadd. It runs once without and
 once with ``OFFLOADD=1``; losses and final weights (and DDP gradients, per rank) must be
@@ -90,6 +91,36 @@ def test_torchrun_ddp_two_ranks(disk_dir: Path, tmp_path: Path) -> None:
         assert data["config"]["ssd_dirs"] == [f"{disk_dir}/rank-{rank}"]
         assert data["stats"]["offloaded_bytes"] > 0 and data["forwards"] == 3
     assert not any(disk_dir.iterdir())  # rank directories removed at exit
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_deepspeed_zero_two_ranks(stage: int, disk_dir: Path, tmp_path: Path) -> None:
+    """DeepSpeed ZeRO-1 (optimizer states partitioned) and ZeRO-2 (gradients too) on 2 CPU
+    ranks under torchrun, DeepSpeed's own gloo fallback: each rank's losses and final weights
+    identical with ``OFFLOADD=1``, and each rank moved activations."""
+    pytest.importorskip("deepspeed")
+    cmd = [
+        "torchrun",
+        "--nproc_per_node=2",
+        f"--master_port={_free_port()}",
+        str(CLIENTS / "ds_train.py"),
+        "--stage",
+        str(stage),
+    ]
+
+    def ranks(text: str) -> dict[int, dict[str, Any]]:
+        out = [json.loads(ln) for ln in text.splitlines() if ln.startswith('{"rank"')]
+        return {int(r["rank"]): r for r in out}
+
+    base = ranks(run(cmd, clean_env(DS_ACCELERATOR="cpu"), timeout=600).stdout)
+    report = tmp_path / "report-{rank}.json"
+    got = ranks(run(cmd, offload_env(disk_dir, report, DS_ACCELERATOR="cpu"), timeout=600).stdout)
+    assert set(base) == set(got) == {0, 1}
+    assert got == base
+    assert base[0]["losses"] != base[1]["losses"]  # each rank its own batches
+    for rank in (0, 1):
+        data = json.loads((tmp_path / f"report-{rank}.json").read_text())
+        assert data["forwards"] == 4 and data["stats"]["offloaded_bytes"] > 0
 
 
 @pytest.mark.slow  # the launcher builds DeepSpeed's CPU comm op (minutes the first time)

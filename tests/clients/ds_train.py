@@ -1,5 +1,7 @@
 """A DeepSpeed client that never imports offloadd: deepspeed.initialize, engine.backward and
-engine.step on CPU (DS_ACCELERATOR=cpu), started by the ``deepspeed`` launcher.
+engine.step on CPU (DS_ACCELERATOR=cpu), started by the ``deepspeed`` launcher, or by torchrun
+on 2 ranks with ``--stage 1`` or ``--stage 2`` (ZeRO: optimizer states, then gradients too,
+partitioned over the ranks; gloo, as DeepSpeed picks on CPU without oneCCL).
 
 Prints one JSON line per rank: losses and a digest of the final weights.
 """
@@ -16,7 +18,8 @@ from torch import nn
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--local_rank", type=int, default=0)
-    parser.parse_args()
+    parser.add_argument("--stage", type=int, default=0)
+    args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -26,11 +29,12 @@ def main():
         "train_micro_batch_size_per_gpu": 64,
         "gradient_accumulation_steps": 2,
         "steps_per_print": 1000,
-        "zero_optimization": {"stage": 0},
+        "zero_optimization": {"stage": args.stage},
+        "zero_allow_untested_optimizer": True,  # the client's own SGD under ZeRO
     }
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(1 + engine.global_rank)  # each rank its own batches
     losses = []
     for _ in range(4):  # 2 optimizer steps of 2 micro-batches
         x = torch.randn(64, 64, generator=gen)

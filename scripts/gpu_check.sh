@@ -5,9 +5,11 @@
 #     scripts/gpu_check.sh OUTDIR [tests] [bench] [floor] [clients]
 #
 # Wheels the machine lacks (setuptools >= 77 for the editable install; megatron-core for the
-# Megatron client test) are installed from .whl/ when that folder is there. Each part runs under
-# its own time limit and writes its log to OUTDIR as it goes, so a part that hangs or runs out of
-# time costs only itself.
+# Megatron client test; kvikio-cu13, libkvikio-cu13 and rapids-logger for the kvikio tests) are
+# installed from .whl/ when it holds any. Each part runs under its own time limit and writes its
+# log to OUTDIR as it goes, so a part that hangs or runs out of time costs only itself; all parts
+# together can outrun one device command (10 minutes), so run them in separate calls there.
+# Exits 0 only if every part passed (OUTDIR/rc.txt says which did not).
 set -u
 out=${1:?usage: scripts/gpu_check.sh OUTDIR [tests] [bench] [floor] [clients]}
 shift
@@ -25,16 +27,17 @@ py=${PY:-python3}
 } >"$out/env.txt" 2>&1
 
 {
-    if [ -d .whl ]; then
+    if compgen -G ".whl/*.whl" >/dev/null; then
         $py -m pip install -q --no-index --no-deps --no-cache-dir .whl/*.whl
     fi
     $py -m pip install -q --no-deps --no-build-isolation -e . && echo "installed"
     $py -c 'from offloadd.io import native; print("native:", native.available())'
-    timeout 60 offloadd doctor --json >"$out/doctor.json"
+    timeout 60 $py -m offloadd doctor --json >"$out/doctor.json"
     echo "doctor rc=$?"
 } >"$out/install.log" 2>&1
 
 pytest_args=(-q -rs -p no:cacheprovider --durations=10)
+: >"$out/rc.txt"
 for part in $parts; do
     case $part in
     tests)
@@ -71,3 +74,4 @@ for part in $parts; do
     esac
 done
 cat "$out/rc.txt"
+! grep -qv " rc=0$" "$out/rc.txt"  # the exit status: 0 only if every part passed

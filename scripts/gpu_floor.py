@@ -39,7 +39,8 @@ def copy_gbps(n: int, pinned: bool, to_host: bool) -> float:
 
 
 def dd_gbps(args: list[str]) -> float:
-    out = subprocess.run(["dd", *args], capture_output=True, text=True, check=True).stderr
+    env = {**os.environ, "LC_ALL": "C"}  # dd's summary line in English
+    out = subprocess.run(["dd", *args], capture_output=True, text=True, check=True, env=env).stderr
     m = re.search(r"^(\d+) bytes .* copied, ([\d.]+) s", out, re.M)
     assert m, out
     return int(m.group(1)) / float(m.group(2)) / 1e9
@@ -57,7 +58,7 @@ def main() -> None:
             key = f"{'d2h' if to_host else 'h2d'}_{'pinned' if pinned else 'pageable'}_gbps"
             res[key] = round(copy_gbps(n, pinned, to_host), 1)
     path = os.path.join(a.dir, "gpu_floor.tmp")
-    count = str(a.mib // 8)
+    count = str(max(1, a.mib // 8))
     res["disk_write_odirect_gbps"] = round(
         dd_gbps(["if=/dev/zero", f"of={path}", "bs=8M", f"count={count}", "oflag=direct"]), 2
     )

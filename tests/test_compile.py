@@ -28,9 +28,16 @@ ENGINE_PARAMS = ("default",)  # compile is what is under test here, not the engi
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo() -> Iterator[None]:
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+    """No compiled code, and no post-grad pass: offloadd's pass stays for the process once a
+    compiled model ran in a scope, so without this each baseline compiled "without offloadd"
+    after the first test would have its ops (a review's find)."""
+    from torch._inductor import config
+
+    # config.patch, not monkeypatch: undoing a setattr deletes the option from the config module
+    with config.patch(post_grad_custom_post_pass=None):
+        torch._dynamo.reset()
+        yield
+        torch._dynamo.reset()
 
 
 class Block(nn.Module):
@@ -243,8 +250,11 @@ def test_inductor_whole_model_streams_bit_exact(disk_dir: Path) -> None:
     assert_bitwise_equal(want, got)
     st = off.stats()
     assert st.offloaded_bytes > 0
-    # about 0.4 on a quiet machine (1.0 without the ops); writes lag under load
-    assert st.peak_resident_bytes < 0.65 * (st.saved_bytes - before.saved_bytes)
+    # About 0.4 on a quiet machine, 0.67 seen under load (writes lag); without the ops at least
+    # 1.0, every saved tensor of the step resident when the region returns. The benchmark, not
+    # this test, measures how far it streams (docs/benchmarks/compile-evict_*).
+    step = st.saved_bytes - before.saved_bytes
+    assert st.peak_resident_bytes < 0.85 * step, (st.peak_resident_bytes, step)
     assert evicted.live() == 0
     with off:
         y = run(xs[1]).square().mean()  # a graph never backwarded
@@ -691,39 +701,50 @@ def test_a_torch_that_runs_one_post_grad_pass(
     disk_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """torch < 2.12 has no list of post-grad passes (2.11 crashed at import on a GPU machine):
-    offloadd's pass is the one pass, or runs after a keyed pass set before it; beside a plain
-    function (which inductor cannot key) it is not added, with one warning, and stays exact."""
+    offloadd's pass is the one pass, or runs after the pass set before it, keyed or not."""
     from torch._inductor import config
 
-    from offloadd.runtime import compiled, graph_ops
+    from offloadd.runtime import graph_ops
 
     monkeypatch.setattr(graph_ops, "get_custom_graph_passes", None)
-    monkeypatch.setattr(config, "post_grad_custom_post_pass", None)
-    monkeypatch.setattr(config, "force_disable_caches", False)
-    seen: list[int] = []
+    seen: list[bool] = []  # each call of theirs: whether offloadd's pass runs after it
 
     class Theirs(graph_ops.CustomGraphPass):
         def __call__(self, graph: torch.fx.Graph) -> None:
-            seen.append(len(graph.nodes))
+            seen.append(isinstance(config.post_grad_custom_post_pass, graph_ops._Both))
 
         def uuid(self) -> Any:
             return "theirs"
 
-    for first in (None, Theirs()):
-        config.post_grad_custom_post_pass = first
-        # theirs is seen to run (a cached graph runs no pass)
-        config.force_disable_caches = first is not None
-        plain, mine = _pair(1)
-        before = graph_ops.ran[0]
-        _compare(plain, mine, _inputs(2, rows=256), disk_dir)
-        assert graph_ops.ran[0] > before
+    def plain_function(graph: torch.fx.Graph) -> None:
+        seen.append(isinstance(config.post_grad_custom_post_pass, graph_ops._Both))
+
+    for first in (None, Theirs(), plain_function):
+        # every pass runs (a cached graph runs none)
+        with config.patch(post_grad_custom_post_pass=first, force_disable_caches=True):
+            seen.clear()
+            plain, mine = _pair(1)
+            before = graph_ops.ran[0]
+            _compare(plain, mine, _inputs(2, rows=256), disk_dir)
+            assert graph_ops.ran[0] > before
+            assert first is None or (False in seen and True in seen)  # alone, then before ours
         torch._dynamo.reset()
-    assert seen  # theirs ran too
-    monkeypatch.setattr(config, "post_grad_custom_post_pass", lambda graph: None)
-    monkeypatch.setattr(config, "force_disable_caches", False)
+
+
+def test_a_torch_without_what_the_pass_needs_warns_once(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pass cannot be added (an older torch): one warning, at the user's line, and the
+    compiled model stays exact (its region's saved tensors move when its forward returns)."""
+    from offloadd.runtime import compiled, graph_ops
+
+    def missing() -> None:
+        raise ImportError("no custom_graph_pass here")
+
+    monkeypatch.setattr(graph_ops, "install", missing)
     monkeypatch.setattr(compiled, "_refused", [])
     plain, mine = _pair(1)
-    before = graph_ops.ran[0]
-    with pytest.warns(UserWarning, match="cannot cache"):
-        _compare(plain, mine, _inputs(2, rows=256), disk_dir)
-    assert graph_ops.ran[0] == before
+    with pytest.warns(UserWarning, match="lacks what it needs") as got:
+        _compare(plain, mine, _inputs(3), disk_dir, backend="aot_eager")
+    ours = [w for w in got if "lacks what it needs" in str(w.message)]
+    assert len(ours) == 1 and ours[0].filename == __file__

@@ -23,7 +23,10 @@ A pack hook that still sees a fake, functional or meta tensor (tracing by some o
 from __future__ import annotations
 
 import functools
+import os
+import sys
 import threading
+import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -161,23 +164,32 @@ def note_wrapper(off: Any, module: nn.Module) -> bool:
     return True
 
 
-_refused: list[str] = []  # why the pass is not there (warned once)
+_refused: list[str] = []  # why the pass cannot be added (warned once, not retried)
 
 
 def _install_pass() -> None:
-    why = ""
+    if _refused:
+        return
     try:
         from offloadd.runtime import graph_ops
-    except (ImportError, AttributeError) as e:  # a torch without what it needs (op tags, keys)
-        why = f"torch {torch.__version__} lacks what it needs ({e})"
-    else:
-        if not graph_ops.install():
-            why = "inductor's post-grad pass is already set to a function it cannot cache"
-    if why and not _refused:
-        _refused.append(why)
+
+        graph_ops.install()
+    except Exception as e:  # a torch without what it needs (custom ops, tags, pass keys)
+        _refused.append(f"torch {torch.__version__} lacks what it needs ({e!r})")
         warnings.warn(
             f"offloadd: compile_ops is on but compiled graphs do not empty their saved tensors: "
-            f"{why}. They stay exact; a region's saved tensors move when its forward returns "
-            "(set compile_ops=false to silence this)",
-            stacklevel=4,
+            f"{_refused[0]}. They stay exact; a region's saved tensors move when its forward "
+            "returns (set compile_ops=false to silence this)",
+            stacklevel=_user_level(),
         )
+
+
+def _user_level() -> int:
+    """warnings' stacklevel of the first frame outside offloadd and torch (the user's call)."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    skip = (here + os.sep, os.path.dirname(torch.__file__) + os.sep)
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame, level = frame.f_back, level + 1
+    return level

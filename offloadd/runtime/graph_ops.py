@@ -43,7 +43,11 @@ Limits: only CPU tensors are emptied (a CUDA copy out is asynchronous, and freei
 needs stream ordering that has never run on a GPU here; such regions hold their saved tensors
 to the end of forward, as without this); not with CUDA graphs, whose memory is theirs. A graph
 compiled before its model was called in a scope has no ops (exact; streams as a region), and
-one compiled with them and run without offloadd copies each saved tensor in backward.
+one compiled with them and run without offloadd copies each saved tensor in backward. The pass
+is process-wide once added (inductor's config is): graphs compiled later, for any model, carry
+the ops, and an Offloader with ``compile_ops=false`` (or tier keep) makes its evicts do nothing.
+On a torch that runs one post-grad pass (< 2.12), offloadd's runs after the one set before it,
+whose key (or its absence: no caching) carries over.
 """
 
 from __future__ import annotations
@@ -76,6 +80,8 @@ def evict(t: Tensor, after: Tensor, empty: bool) -> None:
     off = getattr(top[0], "offloader", None) if top is not None else None
     if off is None or t.device.type != "cpu" or type(t) is not torch.Tensor:
         return
+    if not off.config.compile_ops or off.config.tier == "keep":
+        return  # the pass is process-wide: this Offloader asked for no ops (or moves nothing)
     storage = t.untyped_storage()
     nbytes = storage.nbytes()
     if not nbytes or storage._cdata in evicted.claims():
@@ -326,9 +332,10 @@ _PASS = Placement()
 
 
 class _Both(CustomGraphPass):
-    """A pass set before offloadd's, then Placement: for a torch that runs one pass only."""
+    """A pass set before offloadd's (a CustomGraphPass or a plain function), then Placement:
+    for a torch that runs one pass only."""
 
-    def __init__(self, first: CustomGraphPass) -> None:
+    def __init__(self, first: Any) -> None:
         self.first = first
 
     def __call__(self, graph: torch.fx.Graph) -> None:
@@ -336,13 +343,15 @@ class _Both(CustomGraphPass):
         _PASS(graph)
 
     def uuid(self) -> Any:
-        return (self.first.uuid(), _PASS.uuid())
+        # No key (None: inductor does not cache) unless the first pass has one: a pass that
+        # declines caching keeps declining it (a review's find: a key made of its None served
+        # a stale graph once it changed what it does).
+        first = self.first.uuid() if isinstance(self.first, CustomGraphPass) else None
+        return (first, _PASS.uuid()) if first else None
 
 
-def install() -> bool:
-    """Add :class:`Placement` to inductor's post-grad passes (once; others' stay). False (and
-    nothing added) where another pass is set that inductor's cache cannot key, a plain function
-    on a torch that runs one pass only: its graphs then stream as regions, exactly."""
+def install() -> None:
+    """Add :class:`Placement` to inductor's post-grad passes (once; others' stay)."""
     from torch._inductor import config
 
     current = config.post_grad_custom_post_pass
@@ -350,11 +359,7 @@ def install() -> bool:
         passes = get_custom_graph_passes(current)
         if not any(isinstance(p, Placement) for p in passes):
             config.post_grad_custom_post_pass = [*passes, _PASS] if passes else _PASS
-        return True
-    if current is None:
+    elif current is None:
         config.post_grad_custom_post_pass = _PASS
     elif not isinstance(current, Placement | _Both):
-        if not isinstance(current, CustomGraphPass):
-            return False
         config.post_grad_custom_post_pass = _Both(current)
-    return True

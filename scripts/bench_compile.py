@@ -195,10 +195,15 @@ def main() -> None:
                 f"{peak / saved:.2f} | {peak / acts:.2f} | {a_keep / 2**20:.0f} → "
                 f"{a_tier / 2**20:.0f} MiB | {a_tier / a_keep:.2f} |"
             )
+    report(lines, a.out)
+
+
+def report(lines: list[str], out: str | None) -> None:
+    """Print the report, and write it to ``out`` if given (also scripts/io_floor.py's)."""
     text = "\n".join(lines)
     print(text)
-    if a.out:
-        with open(a.out, "w") as f:
+    if out:
+        with open(out, "w") as f:
             f.write(text + "\n")
 
 

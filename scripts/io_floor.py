@@ -153,11 +153,7 @@ def main() -> None:
         lines.append(
             f"- CPU while {name}: " + ", ".join(f"{k} {v:.1%}" for k, v in mean.items() if v)
         )
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
+    bench.report(lines, a.out)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ print the GPU's peak beside the same run without offloadd for the record.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,44 +22,15 @@ from torch import nn
 
 from offloadd import Config, Offloader
 from tests.helpers import assert_bitwise_equal
+from tests.test_compile import Stack, _fresh_dynamo  # noqa: F401  (the autouse fixture too)
 
 pytestmark = pytest.mark.cuda
 ENGINE_PARAMS = ("default",)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo() -> Iterator[None]:
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, h: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.up = nn.Linear(d, h)
-        self.down = nn.Linear(h, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
-
-
-class Stack(nn.Module):
-    def __init__(self, n: int = 4, d: int = 256, h: int = 1024) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Block(d, h) for _ in range(n))
-        self.head = nn.Linear(d, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
-
-
 def _pair() -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(0)
-    model = Stack().cuda()
+    model = Stack(4, d=256, h=1024).cuda()
     return model, copy.deepcopy(model)
 
 

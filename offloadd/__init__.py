@@ -2,7 +2,7 @@
 
 What users need: :class:`Offloader` (a context manager around forward), :class:`Config` and
 :class:`Stats`; :func:`memsave` (modules that save for backward only what the gradients
-read). What extension writers need: :class:`Backend` (where chunks go),
+read); :func:`host_cache` (offloadd's CPU allocator, for training without offloading too). What extension writers need: :class:`Backend` (where chunks go),
 :class:`Engine` with :class:`Request` and :class:`Op` (how bytes move), :class:`Ordering` (how
 an asynchronous device orders its copies). See docs/architecture.md.
 """
@@ -13,6 +13,7 @@ from offloadd.config.renamed import old_class_name
 from offloadd.io import Engine, Op, Request
 from offloadd.memsave import memsave
 from offloadd.runtime import Offloader, Ordering, Stats
+from offloadd.runtime.host_allocator import host_cache
 
 __all__ = [
     "Backend",
@@ -25,6 +26,7 @@ __all__ = [
     "Request",
     "Stats",
     "__version__",
+    "host_cache",
     "memsave",
 ]
 

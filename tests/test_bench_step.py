@@ -4,6 +4,7 @@ shape), and its ratios on made-up results."""
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -44,41 +45,68 @@ def _ratio_rows(out: str) -> dict[str, str]:
 
 
 def test_bench_step_script_end_to_end(disk_dir: Path, tmp_path: Path) -> None:
-    out = tmp_path / "step.md"
-    args = [*_TINY, "--steps", "1", "--rounds", "1", "--deep-layers", "3"]
-    proc = _bench(*args, "--ssd-dir", str(disk_dir), "--out", str(out))
+    out, doc = tmp_path / "step.md", tmp_path / "step.json"
+    args = [*_TINY, "--steps", "2", "--warmup", "1", "--rounds", "1", "--deep-layers", "3"]
+    proc = _bench(
+        *args, "--ssd-dir", str(disk_dir), "--out", str(out), "--json", str(doc), "--trace"
+    )
     assert proc.returncode == 0, proc.stderr
     assert out.read_text().strip() == proc.stdout.strip()
     assert "- model: built-in GPT, 2 layers, d=64" in proc.stdout
+    assert "2 timed steps (their median) after 1 warm-up step" in proc.stdout
+    assert (
+        "- allocator: none:system: system, keep: caching, recompute: caching, ssd: caching"
+        in proc.stdout
+    )
     assert _ratio_rows(proc.stdout) == {
-        "ssd step time / keep": "<= 1.05",
+        "ssd step time / keep (same allocator)": "<= 1.10",
         "ssd step time / recompute": "< 1",
+        "keep step time / plain": "(allocator + hooks)",
+        "ssd step time / plain": "-",
+        "ssd peak RSS above model / plain": "<= 0.15",
         "ssd peak RSS above model / keep": "<= 0.35",
         "ssd peak RSS above model / recompute": "<= 1.0",
         "ssd peak_resident_bytes / keep": "<= 0.25",
     }
-    assert "bit-identical across keep and ssd runs: yes" in proc.stdout
+    for s in ("none:system", "recompute", "ssd"):
+        assert f"bit-identical across keep and {s} runs: yes" in proc.stdout
+    # --trace: where each strategy's step time goes
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ssd | ")]
+    assert len(rows) == 2  # the strategy table's row, then the trace's
+    assert len(rows[1].split("|")) == 2 + 1 + 9 + 3
+    assert "| strategy | step | forward | backward |" in proc.stdout
+    # --json: every run, with its per-step records (warm-ups marked)
+    runs = json.loads(doc.read_text())["results"]
+    assert set(runs) == {"none:system", "keep", "recompute", "ssd"}
+    ssd = runs["ssd"][0]
+    assert [r["warmup"] for r in ssd["trace"]] == [True, False, False]
+    assert ssd["trace_median"]["pack_s"] > 0 and ssd["trace_median"]["unpack_s"] > 0
+    assert runs["none:system"][0]["trace_median"]["pack_s"] == 0
     assert "Hook cost per small kept tensor" in proc.stdout
     assert "Depth scaling (ssd)" in proc.stdout and "at 3 layers" in proc.stdout
     assert "round 1/1: ssd" in proc.stderr
 
 
 def test_bench_step_compares_a_codec_with_the_strategy_alone(disk_dir: Path) -> None:
-    args = [*_TINY, "--steps", "1", "--rounds", "1", "--deep-layers", "0", "--no-hook-cost"]
-    proc = _bench(*args, "--strategies", "ssd,ssd+int8", "--ssd-dir", str(disk_dir))
+    args = [*_TINY, "--steps", "1", "--warmup", "0", "--rounds", "1", "--deep-layers", "0"]
+    args += ["--no-hook-cost", "--strategies", "ssd,ssd+int8,none:jemalloc,none:tcmalloc"]
+    proc = _bench(*args, "--ssd-dir", str(disk_dir))
     assert proc.returncode == 0, proc.stderr
     assert "| ssd+int8 step time / ssd |" in proc.stdout
     assert "| ssd+int8 saved bytes / ssd |" in proc.stdout
+    # preloaded allocators (CI installs them, as the README says)
+    assert "none:jemalloc: jemalloc, none:tcmalloc: tcmalloc" in proc.stdout
 
 
 def test_bench_step_hf_gpt2(disk_dir: Path) -> None:
     pytest.importorskip("transformers")
-    args = [*_TINY, "--steps", "1", "--rounds", "1", "--deep-layers", "0", "--no-hook-cost"]
+    args = [*_TINY, "--steps", "1", "--warmup", "0", "--rounds", "1", "--deep-layers", "0"]
+    args += ["--no-hook-cost", "--vocab", "300"]
     proc = _bench("--model", "gpt", *args, "--ssd-dir", str(disk_dir), script=False)
     assert proc.returncode == 0, proc.stderr
     assert "- model: GPT-2 (transformers, random weights), 2 layers" in proc.stdout
     assert "- command: `python -m offloadd bench step --model gpt --layers 2" in proc.stdout
-    assert len(_ratio_rows(proc.stdout)) == 5
+    assert len(_ratio_rows(proc.stdout)) == 8
     assert "bit-identical across keep and ssd runs: yes" in proc.stdout
     assert "Hook cost" not in proc.stdout and "Depth scaling" not in proc.stdout
 
@@ -94,6 +122,10 @@ def test_bench_step_hf_gpt2(disk_dir: Path) -> None:
         (["--model", "llama"], "invalid choice: 'llama'"),
         (["--codec", "int3"], "--codec: codec: 'int3'"),
         (["--strategies", "ssd+int3"], "--strategies 'ssd+int3'"),
+        (["--strategies", "none:hoard"], "--strategies 'none:hoard': unknown allocator 'hoard'"),
+        (["--strategies", "auto"], "--strategies: unknown 'auto'"),
+        (["--vocab", "0"], "--vocab must be positive"),
+        (["--warmup", "-1"], "--warmup must be 0 or more"),
     ],
 )
 def test_bench_step_bad_arguments(
@@ -110,25 +142,33 @@ def test_bench_step_bad_arguments(
 
 
 def _run(step: float, rss: int, digest: str = "ab") -> dict[str, Any]:
-    return {"step_time_s": step, "peak_rss_above_base": rss, "weights_sha256": digest}
+    return {
+        "step_time_s": step,
+        "step_times_s": [step, step, step * 1.1, step * 1.1],
+        "peak_rss_above_base": rss,
+        "weights_sha256": digest,
+    }
 
 
 def test_ratios_are_medians_of_per_round_ratios() -> None:
     results = {
+        "none:system": [_run(1.2, 400), _run(2.4, 400), _run(1.2, 400)],
         "keep": [_run(1.0, 100), _run(2.0, 100), _run(1.0, 200)],
         "recompute": [_run(1.5, 40), _run(1.5, 40), _run(1.0, 50)],
         "ssd": [_run(1.1, 30), _run(2.0, 30), _run(0.9, 40)],
     }
     assert per_round(results, "ssd", "keep", "step_time_s") == pytest.approx([1.1, 1.0, 0.9])
     ns = argparse.Namespace(
-        model="gpt", layers=8, d_model=512, heads=8, seq=512, batch=4, steps=3, rounds=3
+        model="gpt", layers=8, d_model=512, heads=8, seq=512, batch=4, steps=3, rounds=3, warmup=3
     )
     text = format_report(ns, results, command="offloadd bench step --model gpt")
     rows = {line.split("|")[1].strip(): line for line in text.splitlines() if " / " in line}
     assert set(rows) == {label for label, *_ in RATIOS}
-    assert "| 1.000 (0.900..1.100) | <= 1.05 |" in rows["ssd step time / keep"]
+    assert "| 1.000 (0.900..1.100) | <= 1.10 |" in rows["ssd step time / keep (same allocator)"]
+    assert "| 0.833 (0.833..0.833) |" in rows["keep step time / plain"]
+    assert "| 0.075 (0.075..0.100) | <= 0.15 |" in rows["ssd peak RSS above model / plain"]
     assert "| 0.900 (0.733..1.333) | < 1 |" in rows["ssd step time / recompute"]
     assert "| 0.300 (0.200..0.300) | <= 0.35 |" in rows["ssd peak RSS above model / keep"]
     assert "| 0.750 (0.750..0.800) | <= 1.0 |" in rows["ssd peak RSS above model / recompute"]
     assert "Final weights bit-identical across keep and ssd runs: yes" in text
-    assert "| recompute | 1.500 | 40 B | - |" in text
+    assert "| recompute | 1.500 | 1.10 | 40 B | - |" in text  # drift: 2nd half / 1st half

@@ -18,14 +18,14 @@ _TINY = ["--layers", "2", "--d-model", "64", "--heads", "2", "--seq", "64", "--b
 
 
 def test_demo_runs_and_reports(disk_dir: Path) -> None:
-    cmd = [sys.executable, "-m", "offloadd", "demo", *_TINY, "--steps", "1"]
+    cmd = [sys.executable, "-m", "offloadd", "demo", *_TINY, "--steps", "1", "--warmup", "1"]
     cmd += ["--ssd-dir", str(disk_dir), "--device", "cpu"]
     env = {**os.environ, "OFFLOADD_MIN_BYTES": "16k"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     header = next(line for line in out.splitlines() if "ssd offload" in line and "keep" in line)
-    assert header.split() == ["keep", "recompute", "ssd", "offload"]
+    assert header.split() == ["plain", "keep", "recompute", "ssd", "offload"]
     for label in (
         "median step time",
         "peak saved activations held",
@@ -36,12 +36,15 @@ def test_demo_runs_and_reports(disk_dir: Path) -> None:
     ):
         assert label in out
     held = next(line for line in out.splitlines() if line.startswith("peak saved activations"))
-    assert held.split()[6] == "-"  # recompute: no hooks, no accounting
-    assert "ssd offload held " in out and "; recompute held " in out
+    cells = held.split()
+    assert cells[4] == cells[7] == "-"  # plain and recompute: no hooks, no accounting
+    assert "The host cache (offloadd's CPU allocator, which ssd uses) made training " in out
+    assert "Offloading then " in out and "; recompute held " in out
     assert "bit-identical to keep: ssd offload yes" in out
+    assert "bit-identical to keep: plain yes" in out  # the allocator changes no numerics
     # the built-in GPT's non-reentrant checkpointing keeps dropout's RNG: exact as well
     assert "bit-identical to keep: recompute yes" in out
-    for strategy in demo.STRATEGIES:
+    for strategy in ("none", "keep", "recompute", "ssd"):
         assert f"[{strategy}] step 1/1" in proc.stderr  # progress
 
 
@@ -63,12 +66,13 @@ def _result(strategy: str, *, digest: str = "ab" * 32, rss: int = 100 << 20) -> 
         "strategy": strategy,
         "oom": False,
         "error": None,
-        "step_time_s": {"keep": 1.0, "recompute": 1.25, "ssd": 1.03}[strategy],
+        "allocator": "system" if strategy == "plain" else "caching",
+        "step_time_s": {"plain": 1.1, "keep": 1.0, "recompute": 1.25, "ssd": 1.03}[strategy],
         "losses": [8.5, 8.25],
         "weights_sha256": digest,
         "peak_rss_above_base": rss,
     }
-    if strategy != "recompute":
+    if strategy not in ("plain", "recompute"):
         moved = 0 if strategy == "keep" else 64 << 20
         out["stats"] = {
             "peak_resident_bytes": (80 << 20) if strategy == "keep" else (20 << 20),
@@ -80,7 +84,7 @@ def _result(strategy: str, *, digest: str = "ab" * 32, rss: int = 100 << 20) -> 
 
 
 def _results(**changes: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    rss = {"keep": 100 << 20, "recompute": 30 << 20, "ssd": 31 << 20}
+    rss = {"plain": 100 << 20, "keep": 95 << 20, "recompute": 30 << 20, "ssd": 31 << 20}
     out = {s: _result(s, rss=rss[s]) for s in demo.STRATEGIES}
     for s, fields in changes.items():
         out[s].update(fields)
@@ -101,12 +105,21 @@ def test_report_says_what_ssd_bought() -> None:
     text, ssd_same = demo.format_report(_with_stats(_results()), device="cpu")
     assert ssd_same
     assert (
-        "ssd offload held 0.31x of keep's peak RSS at 1.03x its step time; "
-        "recompute held 0.30x at 1.25x." in text
+        "The host cache (offloadd's CPU allocator, which ssd uses) made training 9 % faster "
+        "than plain PyTorch (keep on it, hooks on, nothing moved, against plain on glibc's "
+        "heap). Offloading then cost 3 % of keep's step time (the same allocator) to hold "
+        "0.31x of plain PyTorch's peak RSS; recompute held 0.30x at 1.25x keep's step time." in text
     )
     assert "wrote 64.0 MiB and read 64.0 MiB back over 2 steps" in text
     assert "waited 0.500 s on I/O" in text
     assert "ssd held 0.25x of keep's saved activations at peak" in text
+
+
+def test_report_when_offloading_is_faster_than_keep() -> None:
+    results = _with_stats(_results(ssd={"step_time_s": 0.95}, keep={"allocator": "system"}))
+    text, _ = demo.format_report(results, device="cpu")
+    assert "offloadd's hooks (keep, nothing moved) ran at 0.91x plain PyTorch's step time." in text
+    assert "Offloading then saved 5 % of keep's step time" in text
 
 
 def test_report_on_cuda_names_device_memory() -> None:
@@ -114,7 +127,8 @@ def test_report_on_cuda_names_device_memory() -> None:
     for r in results.values():
         r["peak_device_above_base"] = r["peak_rss_above_base"]
     text, _ = demo.format_report(_with_stats(results), device="cuda")
-    assert "peak device memory above model" in text and "of keep's peak device memory" in text
+    assert "peak device memory above model" in text
+    assert "of plain PyTorch's peak device memory" in text
 
 
 def _run_main(
@@ -123,7 +137,7 @@ def _run_main(
     results: dict[str, dict[str, Any] | None],
 ) -> tuple[int, str]:
     def fake_run(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
-        r = results[spec.strategy]
+        r = results["plain" if spec.strategy == "none" else spec.strategy]
         if r is None:
             raise RunFailed("killed", -9, "")
         return r
@@ -159,6 +173,15 @@ def test_failed_recompute_run_is_reported_not_fatal(
     status, out = _run_main(monkeypatch, capsys, results)
     assert status == 0
     step = next(line for line in out.splitlines() if line.startswith("median step time"))
-    assert step.split()[3:] == ["1.000", "s", "failed", "1.030", "s"]
-    assert "ssd offload held 0.31x of keep's peak RSS at 1.03x its step time." in out
+    assert step.split()[3:] == ["1.100", "s", "1.000", "s", "failed", "1.030", "s"]
+    assert "to hold 0.31x of plain PyTorch's peak RSS." in out
     assert "recompute held" not in out
+
+    results["plain"] = None  # plain failed too: memory against keep's
+    status, out = _run_main(monkeypatch, capsys, results)
+    assert status == 0
+    assert (
+        "Offloading then cost 3 % of keep's step time (the same allocator) to hold 0.33x of "
+        "keep's peak RSS." in out
+    )
+    assert "made training" not in out

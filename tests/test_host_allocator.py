@@ -194,3 +194,40 @@ def test_gradients_bit_identical_under_each_allocator(allocator: str, disk_dir: 
     if allocator == "caching":
         assert st.host_cache_hits > st.host_cache_misses  # steps 2-4 reuse step 1's blocks
         assert host_allocator.current() is None  # released at close: torch's allocator again
+
+
+@needs_cxx
+def test_host_cache_without_an_offloader() -> None:
+    """``offloadd.host_cache()``: plain training on the host cache (no hooks), bit-identical to
+    glibc's heap; a tensor made inside outlives the block and is freed by the cache later."""
+    out = run_child(
+        """
+        import torch, offloadd
+        from offloadd.runtime import host_allocator
+
+        def train():
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(),
+                                        torch.nn.Linear(1024, 256))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(3):
+                model(torch.randn(512, 256)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            return [p.detach().clone() for p in model.parameters()]
+
+        plain = train()
+        with offloadd.host_cache() as cache:
+            assert host_allocator.current() is cache
+            mine = train()
+            c = cache.counters()
+            kept = torch.ones(1 << 20)  # 4 MiB from the cache, alive after the block
+        assert host_allocator.current() is None
+        assert c.hits > c.misses, c
+        assert all(torch.equal(a, b) for a, b in zip(plain, mine))
+        assert kept.sum().item() == 1 << 20
+        del kept
+        print("ok")
+        """
+    )
+    assert out.strip() == "ok"

@@ -57,6 +57,7 @@ def test_quick_sweep_end_to_end(disk_dir: Path, tmp_path: Path) -> None:
     for r in rows:
         assert r["status"] == "ok", r
         assert r["model"] == "mini-gpt" and r["layers"] == "2" and r["steps"] == "2"
+        assert r["warmup"] == "1"
         assert float(r["step_time_s"]) > 0 and float(r["samples_per_s"]) > 0
         assert float(r["model_tflops"]) > 0 and int(r["activation_peak_bytes"]) > 0
     for b in (1, 2):

@@ -12,10 +12,11 @@ in about a second against the installed torch at first use (:mod:`offloadd.nativ
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,7 @@ __all__ = [
     "built_library",
     "choose",
     "current",
+    "host_cache",
     "note_stats",
     "open_for",
     "release",
@@ -185,6 +187,20 @@ def release() -> None:
         _users -= 1
         if _users == 0:
             _cache.uninstall()
+
+
+@contextlib.contextmanager
+def host_cache() -> Iterator[HostCache]:
+    """offloadd's host cache as torch's CPU allocator inside the block, with or without an
+    Offloader (``offloadd.host_cache()``); when it helps and when not: README, The host cache.
+    Built at first use (HostAllocatorError if that fails); on leaving, torch gets its previous
+    allocator back once no Offloader uses it either. Tensors allocated inside may outlive the
+    block: their memory goes back to the cache when they die."""
+    cache = acquire()
+    try:
+        yield cache
+    finally:
+        release()
 
 
 def current() -> HostCache | None:

@@ -53,7 +53,7 @@ from offloadd.runtime.lifetime import Lifetime
 from offloadd.runtime.ordering import CudaOrdering, Ordering
 from offloadd.runtime.reader import Reader
 from offloadd.runtime.shutdown import shutdown
-from offloadd.runtime.stats import Stats
+from offloadd.runtime.stats import Stats, timed
 from offloadd.runtime.writer import Writer
 
 __all__ = ["Offloader"]
@@ -134,13 +134,16 @@ class Offloader:
         stack = getattr(self._tls, "stack", None)
         if stack is None:
             stack = self._tls.stack = []
-        if self._auto is not None and not stack:
+        if not stack:  # a forward begins (see [warm buffers] in io/pools.py)
             with self._lock:
-                self._drain()  # the last step's releases: the planner reads what is held now
-                if self._auto.plan_offloads is False:
-                    self._reader.pool.release_idle()  # no block offloaded: no read-backs
-                    self._writer.note_buffers()
-            self._auto.forward_begins()  # may refuse a budget no plan fits in, before any hook
+                self._reader.pool.new_step()
+                if self._auto is not None:
+                    self._drain()  # the last step's releases: the planner reads what is held now
+                    if self._auto.plan_offloads is False:
+                        self._reader.pool.release_idle()  # no block offloaded: no read-backs
+                        self._writer.note_buffers()
+            if self._auto is not None:
+                self._auto.forward_begins()  # may refuse a budget no plan fits in, before any hook
         if self._backend is not None:
             self._backend.begin_step()  # the daemon client reconnects after a loss
         codec = self._codec
@@ -164,11 +167,15 @@ class Offloader:
         """What torch calls; dynamo never traces them (see [invisible to dynamo] in compiled.py).
         Made at each entry: kept on the Offloader, they would make a cycle with it, and an
         Offloader must go when its last reference does (see [shutdown])."""
+        st = self._stats
         if self._codec is None:
-            pack = unseen(self._pack)
+            pack = unseen(timed(self._pack, st, "pack_s"))
             pack.offloader = self  # type: ignore[attr-defined]  # evict's (graph_ops.py)
-            return pack, unseen(self._unpack)
-        return unseen(self._pack_coded), unseen(self._unpack_coded)
+            return pack, unseen(timed(self._unpack, st, "unpack_s"))
+        return (
+            unseen(timed(self._pack_coded, st, "pack_s")),
+            unseen(timed(self._unpack_coded, st, "unpack_s")),
+        )
 
     def __exit__(self, *exc: object) -> None:
         evicted.drop_claims(self)  # a compiled forward that raised after emptying a tensor

@@ -95,7 +95,9 @@ class Reader:
                     f"the read-back of a saved activation ({format_bytes(block.nbytes)})",
                     self.writer.stall_hint,
                 )
-                self.ledger.stats.io_wait_s += time.perf_counter() - start
+                waited = time.perf_counter() - start
+                self.ledger.stats.io_wait_s += waited
+                self.ledger.stats.read_wait_s += waited
             if block.error is not None:
                 err = block.error
                 raise OSError(
@@ -256,7 +258,6 @@ class Reader:
         else:  # a new sweep (a new backward, or a jump below what was scanned)
             start = self._pf_high = self._pf_low = seq
             self.window = self._size_window()
-            self.pool.new_sweep()
         window = self.window
         if self.prefetch_live >= window:
             return

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["Stats", "format_bytes"]
+_R = TypeVar("_R")
+
+__all__ = ["Stats", "format_bytes", "timed"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -56,7 +60,17 @@ class Stats:
     peak_disk_bytes: int = 0
     """Most ``disk_bytes`` at once."""
     io_wait_s: float = 0.0
-    """Seconds the training thread waited on I/O (reads on demand, full staging pool)."""
+    """Seconds the training thread waited on I/O (reads on demand, full staging pool):
+    ``read_wait_s + write_wait_s``."""
+    read_wait_s: float = 0.0
+    """Of ``io_wait_s``: seconds backward waited for read-backs (on demand or not yet done)."""
+    write_wait_s: float = 0.0
+    """Of ``io_wait_s``: seconds forward waited for writes (``staging_bytes`` in flight)."""
+    pack_s: float = 0.0
+    """Seconds the training threads spent inside offloadd's pack hook (``write_wait_s``
+    included): what offloading adds to forward on the thread that computes."""
+    unpack_s: float = 0.0
+    """Seconds inside the unpack hook (``read_wait_s`` included): what it adds to backward."""
     backpressure_waits: int = 0
     """Times forward waited because the staging pool was full."""
     on_demand_reads: int = 0
@@ -112,3 +126,18 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def timed(fn: Callable[..., _R], stats: Stats, field: str) -> Callable[..., _R]:
+    """``fn``, adding the seconds each call takes to ``stats.<field>`` (``pack_s``,
+    ``unpack_s``): the hooks' time on the threads that call them, for ``bench step --trace``."""
+    clock = time.perf_counter
+
+    def call(*args: Any) -> _R:
+        start = clock()
+        try:
+            return fn(*args)
+        finally:
+            setattr(stats, field, getattr(stats, field) + clock() - start)
+
+    return call

@@ -218,7 +218,9 @@ class Writer:
             watch.check()
             self.poll_copies()
             slot = pool.acquire()
-        st.io_wait_s += time.perf_counter() - start
+        waited = time.perf_counter() - start
+        st.io_wait_s += waited
+        st.write_wait_s += waited
         return slot
 
     def _spill_oldest(self) -> bool:

@@ -106,7 +106,9 @@ class InPlace:
             "writes to finish (staging_bytes of sources held)",
             self.writer.stall_hint,
         )
-        st.io_wait_s += time.perf_counter() - start
+        waited = time.perf_counter() - start
+        st.io_wait_s += waited
+        st.write_wait_s += waited
 
     # -- completion (lock held) ------------------------------------------------------------
 

@@ -1,7 +1,10 @@
 """``offloadd rok``: recompute-offload-keep (ROK) curves of a model on this machine.
 
 One point per (strategy, batch size), each measured in its own process
-(``offloadd.tools.train``): one warm-up step, then timed steps. Points go to ``DIR/rok.csv`` as
+(``offloadd.tools.train``): 3 warm-up steps, then 8 timed steps, their median (the method of
+``bench step``; ``--quick``: 1 and 2). On a CPU machine every strategy runs on offloadd's host
+cache, the allocator tier ssd uses there, so that offloading is compared with keep on the same
+allocator. Points go to ``DIR/rok.csv`` as
 they finish (``--resume`` skips those already there), the machine to ``DIR/rok.json``, the
 figure to ``DIR/rok.png`` and a short comparison to ``DIR/summary.txt`` and stdout. A point that
 runs out of memory is a recorded point (status ``oom``), not the end of the sweep.
@@ -58,7 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="offload directory, created (mode 0700) if missing (default: per-user dir)",
     )
-    p.add_argument("--steps", type=int, default=None, help="timed steps per point, after a warm-up")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per point (default 8)")
+    p.add_argument(
+        "--warmup", type=int, default=None, help="untimed steps per point first (default 3)"
+    )
     p.add_argument(
         "--repeats",
         type=int,
@@ -87,7 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="a small sweep (4 layers, hidden 256, seq 256, batch 1,2,4, 2 steps) that takes a "
+        help="a small sweep (4 layers, hidden 256, seq 256, batch 1,2,4, 1 + 2 steps) that takes a "
         "few minutes on 2 CPU cores; explicit options still win",
     )
     p.add_argument("--resume", action="store_true", help="skip points already in DIR/rok.csv")

@@ -32,6 +32,7 @@ FIELDS: dict[str, Callable[[str], Any]] = {
     "vocab": int,
     "device": str,
     "steps": int,
+    "warmup": int,
     "codec": str,  # offloadd's codec for the strategies with hooks (none: exact)
     "compile": lambda text: text == "True",  # the model compiled whole (rok --compile)
     "strategy": str,
@@ -117,6 +118,8 @@ def measure(
         vocab_size=sw.vocab,
         batch_size=batch,
         steps=sw.steps,
+        warmup=sw.warmup,
+        allocator="caching" if sw.device == "cpu" else "auto",
         device=sw.device,
         ssd_dir=sw.ssd_dir,
         memory_limit_bytes=sw.memory_limit,

@@ -75,12 +75,24 @@ def _budgets(text: str) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-KEY = ("model", "layers", "hidden", "heads", "seq", "vocab", "device", "steps", "codec", "compile")
+KEY = (
+    "model",
+    "layers",
+    "hidden",
+    "heads",
+    "seq",
+    "vocab",
+    "device",
+    "steps",
+    "warmup",
+    "codec",
+    "compile",
+)
 """The fields that tell sweeps apart; ``--resume`` continues only a rok.csv whose rows match."""
 
 _SIZES: dict[str, dict[str, int]] = {
-    "full": {"layers": 12, "hidden": 768, "heads": 12, "seq": 512, "steps": 3},
-    "quick": {"layers": 4, "hidden": 256, "heads": 4, "seq": 256, "steps": 2},
+    "full": {"layers": 12, "hidden": 768, "heads": 12, "seq": 512, "steps": 8, "warmup": 3},
+    "quick": {"layers": 4, "hidden": 256, "heads": 4, "seq": 256, "steps": 2, "warmup": 1},
 }
 _BATCH_SIZES = {"full": "1,2,4,8", "quick": "1,2,4"}
 
@@ -103,6 +115,7 @@ class Sweep:
     strategies: list[str]
     device: str
     steps: int
+    warmup: int
     codec: str
     compile: bool
     repeats: int
@@ -129,7 +142,8 @@ class Sweep:
     def title(self) -> str:
         return (
             f"{self.model}: {self.layers} layers, hidden {self.hidden}, {self.heads} heads, "
-            f"seq {self.seq}, vocab {self.vocab}; {self.steps} timed steps on {self.device}"
+            f"seq {self.seq}, vocab {self.vocab}; {self.steps} timed steps after {self.warmup} "
+            f"warm-ups on {self.device}"
             + (f"; codec {self.codec}" if self.codec != "none" else "")
             + ("; compiled whole (torch.compile)" if self.compile else "")
         )
@@ -163,6 +177,9 @@ def resolve(ns: argparse.Namespace) -> Sweep:
     heads = ns.heads if ns.heads is not None else size["heads"]
     seq = ns.seq if ns.seq is not None else size["seq"]
     steps = ns.steps if ns.steps is not None else size["steps"]
+    warmup = ns.warmup if ns.warmup is not None else size["warmup"]
+    if warmup < 0:
+        raise UsageError(f"--warmup must be 0 or more, got {warmup}")
     for name, value in (
         ("--layers", layers),
         ("--hidden", hidden),
@@ -201,7 +218,7 @@ def resolve(ns: argparse.Namespace) -> Sweep:
                 "after a plus, offload-ssd+int8)"
             )
         for s in strategies:
-            base, named = split_label(s, "")
+            base, named, _ = split_label(s, "")
             if named and base in ("recompute", "auto"):
                 raise UsageError(
                     f"--strategies {s!r}: a codec after a plus is for keep and offload "
@@ -277,6 +294,7 @@ def resolve(ns: argparse.Namespace) -> Sweep:
         strategies=strategies,
         device=device,
         steps=steps,
+        warmup=warmup,
         codec=codec,
         compile=getattr(ns, "compile", False),
         repeats=ns.repeats,

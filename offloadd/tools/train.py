@@ -14,7 +14,6 @@ import os
 import resource
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +26,7 @@ from offloadd.io.buffers import address_view
 from offloadd.runtime import host_allocator
 from offloadd.runtime.offloader import Offloader
 from offloadd.tools.models.build import build_model, default_vocab
+from offloadd.tools.step_trace import ALLOCATORS, StepTrace, medians, preload_path
 
 __all__ = [
     "STRATEGIES",
@@ -53,8 +53,14 @@ class RunSpec:
     num_heads: int = 4
     seq_len: int = 256
     batch_size: int = 8
-    steps: int = 4
-    """Timed steps; one untimed warm-up step runs first."""
+    steps: int = 8
+    """Timed steps, after ``warmup`` untimed ones."""
+    warmup: int = 3
+    """Untimed steps first: at least 3 for auto (the planner's warm-up, profile and first
+    plan), at least 2 compiled (the backward compiles in the second)."""
+    allocator: str = "auto"
+    """torch's CPU allocator (see ``step_trace.ALLOCATORS``): auto, system, caching (offloadd's
+    host cache, with or without an Offloader), jemalloc or tcmalloc (preloaded)."""
     seed: int = 0
     device: str = "cpu"
     ssd_dir: str | None = None
@@ -74,11 +80,13 @@ class RunSpec:
     limit). CPU: an RLIMIT_AS on address space, so approximate; CUDA: a per-process fraction."""
 
 
-def split_label(label: str, codec: str) -> tuple[str, str]:
-    """(strategy, codec) of a strategy label of ``bench step`` or ``rok``: ``ssd+int8`` ->
-    ("ssd", "int8"); without a plus, ``codec`` (their ``--codec``)."""
-    base, plus, named = label.partition("+")
-    return base, named if plus else codec
+def split_label(label: str, codec: str, allocator: str = "auto") -> tuple[str, str, str]:
+    """(strategy, codec, allocator) of a strategy label of ``bench step`` or ``rok``,
+    ``strategy[+codec][:allocator]``: ``ssd+int8:system`` -> ("ssd", "int8", "system");
+    without a plus ``codec``, without a colon ``allocator`` (their options)."""
+    rest, at, alloc = label.partition(":")
+    base, plus, named = rest.partition("+")
+    return base, named if plus else codec, alloc if at else allocator
 
 
 class RunFailed(RuntimeError):
@@ -95,13 +103,16 @@ _SIZE_ARGS = ("layers", "d_model", "heads", "seq", "batch", "steps")
 
 def add_model_arguments(p: argparse.ArgumentParser, **defaults: int) -> None:
     """The model and run options shared by ``offloadd demo`` and ``offloadd bench step``."""
-    d = {"layers": 6, "d_model": 384, "heads": 6, "seq": 256, "batch": 8, "steps": 4, **defaults}
+    d = {"layers": 6, "d_model": 384, "heads": 6, "seq": 256, "batch": 8, "steps": 8, **defaults}
     p.add_argument("--layers", type=int, default=d["layers"], help="transformer blocks")
     p.add_argument("--d-model", type=int, default=d["d_model"], help="model width")
     p.add_argument("--heads", type=int, default=d["heads"], help="attention heads")
     p.add_argument("--seq", type=int, default=d["seq"], help="sequence length")
     p.add_argument("--batch", type=int, default=d["batch"], help="batch size")
-    p.add_argument("--steps", type=int, default=d["steps"], help="timed steps after a warm-up")
+    p.add_argument("--steps", type=int, default=d["steps"], help="timed steps (the median)")
+    p.add_argument(
+        "--warmup", type=int, default=3, help="untimed steps first (at least 3 for steady state)"
+    )
     p.add_argument(
         "--ssd-dir",
         default=None,
@@ -114,6 +125,8 @@ def model_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
     for name in _SIZE_ARGS:
         if getattr(ns, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
+    if ns.warmup < 0:
+        raise ValueError(f"--warmup must be 0 or more, got {ns.warmup}")
     return {
         "num_layers": ns.layers,
         "d_model": ns.d_model,
@@ -121,6 +134,7 @@ def model_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         "seq_len": ns.seq,
         "batch_size": ns.batch,
         "steps": ns.steps,
+        "warmup": ns.warmup,
         "ssd_dir": ns.ssd_dir,
     }
 
@@ -129,12 +143,13 @@ def _rss() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
-def _stolen_s() -> float | None:
-    """CPU seconds the hypervisor has taken from this machine's CPUs since boot, all CPUs
-    together (Linux's ``steal`` in /proc/stat); None where it is not reported. On a VM whose
-    disk is served by the host's CPUs, I/O shows up here when the guest's CPUs are busy."""
-    steal = getattr(psutil.cpu_times(), "steal", None)
-    return None if steal is None else float(steal)
+_HOST_ALLOCATOR = {
+    "auto": "auto",
+    "system": "system",
+    "caching": "caching",
+    "jemalloc": "system",  # preloaded: torch's allocator is then jemalloc's malloc
+    "tcmalloc": "system",
+}
 
 
 def _peak_rss() -> int:
@@ -162,10 +177,14 @@ def _is_oom(e: BaseException) -> bool:
 
 
 def run(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
-    """Train ``spec.steps`` timed steps after one untimed warm-up (auto: three, the planner's
-    warm-up, profile and first plan); return timings, memory, stats and a digest of the weights."""
+    """Train ``spec.warmup`` untimed steps, then ``spec.steps`` timed ones; return timings (the
+    median and a per-step trace, see step_trace.py), memory, stats and a digest of the weights."""
     if spec.strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {spec.strategy!r}")
+    if spec.allocator not in ALLOCATORS:
+        raise ValueError(
+            f"allocator must be one of {', '.join(ALLOCATORS)}, got {spec.allocator!r}"
+        )
     torch.manual_seed(spec.seed)
     device = torch.device(spec.device)
     built = build_model(
@@ -183,12 +202,16 @@ def run(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(spec.seed + 1)
     # auto: a warm-up step, the profile step and the first planned step go untimed
-    warmup = 3 if spec.strategy == "auto" else 2 if spec.compile else 1  # compiled: twice
+    warmup = max(spec.warmup, 3 if spec.strategy == "auto" else 2 if spec.compile else 0)
     batches = [
         torch.randint(0, vocab, (spec.batch_size, spec.seq_len + 1), generator=gen)
         for _ in range(spec.steps + warmup)
     ]
     off = None
+    # where an Offloader would install it: after the model and its optimizer are built
+    own_cache = spec.allocator == "caching" and spec.strategy in ("none", "recompute")
+    if own_cache:
+        host_allocator.acquire()  # the host cache without an Offloader
     if spec.strategy in ("keep", "ssd", "cpu", "auto"):
         if spec.strategy == "auto" and not spec.budget:
             raise ValueError("strategy auto needs a budget")
@@ -198,6 +221,7 @@ def run(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
                 ssd_dirs=(spec.ssd_dir,) if spec.ssd_dir else (),
                 min_bytes=spec.min_bytes,
                 codec=spec.codec,  # type: ignore[arg-type]
+                host_allocator=_HOST_ALLOCATOR[spec.allocator],  # type: ignore[arg-type]
             ).replace(budget=spec.budget if spec.strategy == "auto" else None)
         )
         off = Offloader(ocfg)
@@ -216,32 +240,33 @@ def run(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
     base_live = cache.counters().live_bytes if cache is not None else None
     if spec.memory_limit_bytes > 0:
         _limit_memory(spec.memory_limit_bytes, cuda, base_dev)
-    times: list[float] = []
-    stolen: list[float] = []
+    trace: list[dict[str, Any]] = []
+    clock = StepTrace()
     losses: list[float] = []
     oom_error = None
     loss: torch.Tensor | None = None
     try:
         for step, batch in enumerate(batches):
             batch = batch.to(device)
-            t0, steal0 = time.perf_counter(), _stolen_s()
+            clock.begin(off.stats() if off is not None else None)
             if off is not None:
                 with off:
                     loss = built.loss(batch[:, :-1], batch[:, 1:])
             else:
                 loss = built.loss(batch[:, :-1], batch[:, 1:])
+            clock.mark()  # on CUDA: when the host queued it (no sync between phases)
             loss.backward()
+            clock.mark()
             opt.step()
             opt.zero_grad(set_to_none=False)
             losses.append(loss.item())
             loss = None
             if cuda:
                 torch.cuda.synchronize()
-            dt, steal1 = time.perf_counter() - t0, _stolen_s()
-            if step >= warmup:
-                times.append(dt)
-                if steal0 is not None and steal1 is not None:
-                    stolen.append(steal1 - steal0)
+            rec = clock.end(off.stats() if off is not None else None)
+            rec["warmup"] = step < warmup
+            trace.append(rec)
+            dt = rec["step_s"]
             if progress:
                 print(
                     f"  [{spec.strategy}] step {step}/{spec.steps}"
@@ -256,6 +281,11 @@ def run(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
         loss = None  # drop the half-built graph before the offloader closes
     if spec.memory_limit_bytes > 0 and not cuda:
         resource.setrlimit(resource.RLIMIT_AS, _unlimited_as)
+    if own_cache:
+        host_allocator.release()
+    timed = [r for r in trace if not r["warmup"]]
+    times = [r["step_s"] for r in timed]
+    stolen = [r["steal_s"] for r in timed if r["steal_s"] is not None]
     digest = hashlib.sha256()
     for p in model.parameters():
         flat = p.detach().cpu().contiguous()
@@ -263,11 +293,16 @@ def run(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {
         "model": spec.model,
         "strategy": spec.strategy,
+        "allocator": _allocator_used(spec, off),
         "batch_size": spec.batch_size,
         "oom": oom_error is not None,
         "error": oom_error,
         "step_time_s": statistics.median(times) if times else float("nan"),
         "step_times_s": times,
+        "warmup_steps": warmup,
+        # one record per step, warm-ups included (step_trace.py), and the timed steps' medians
+        "trace": trace,
+        "trace_median": medians(timed),
         # machine-wide: CPU time the hypervisor took per timed step (None: not reported)
         "steal_s": statistics.median(stolen) if stolen else None,
         "losses": losses,
@@ -314,7 +349,7 @@ def run_in_subprocess(
         stderr=None if progress else subprocess.PIPE,
         text=True,
         timeout=timeout,
-        env=os.environ.copy(),
+        env=_env_for(spec),
     )
     if proc.returncode != 0:
         raise RunFailed(
@@ -323,6 +358,24 @@ def run_in_subprocess(
             proc.stderr or "",
         )
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def _allocator_used(spec: RunSpec, off: Offloader | None) -> str:
+    """What torch's CPU allocator was: caching (the host cache), system, jemalloc or tcmalloc."""
+    if spec.allocator in ("jemalloc", "tcmalloc"):
+        return spec.allocator
+    if off is not None:
+        return off.stats().host_allocator or "system"
+    return "caching" if spec.allocator == "caching" else "system"
+
+
+def _env_for(spec: RunSpec) -> dict[str, str]:
+    """The run's environment: ours, with jemalloc or tcmalloc preloaded if the spec asks."""
+    env = os.environ.copy()
+    if spec.allocator in ("jemalloc", "tcmalloc"):
+        lib = preload_path(spec.allocator)  # ValueError naming the package if missing
+        env["LD_PRELOAD"] = " ".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)
+    return env
 
 
 def _spec_dict(spec: RunSpec) -> dict[str, Any]:

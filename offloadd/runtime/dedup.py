@@ -24,12 +24,21 @@ from offloadd.runtime.handles import storage_of
 __all__ = ["StorageIndex", "is_parameter"]
 
 _Parameter = torch.nn.Parameter
+_Tensor = torch.Tensor
 
 
 def is_parameter(t: torch.Tensor) -> bool:
     """Whether ``t`` is a parameter or a view of one (no storage lookup: pack's lock-free path
     asks too). A leaf that requires grad is not a parameter by itself: the detached inputs of
     reentrant checkpointing are such leaves, and they are activations."""
+    tp = type(t)
+    if tp is _Parameter:
+        return True
+    if tp is _Tensor and not t.__dict__:
+        # A plain tensor without attributes cannot pass Parameter's isinstance (which looks for
+        # ``_is_param``, raising inside getattr: 1 µs per saved tensor); its base still may.
+        base = t._base
+        return base is not None and (type(base) is _Parameter or isinstance(base, _Parameter))
     return isinstance(t, _Parameter) or isinstance(t._base, _Parameter)
 
 

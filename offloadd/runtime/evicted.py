@@ -26,7 +26,15 @@ __all__ = [
     "take_placed",
 ]
 
-_tls = threading.local()  # .claims: what evict packed on this thread, until pack claims it
+
+class _Local(threading.local):
+    """``claims``: what evict packed on this thread, until pack claims it. A class default, so
+    that pack's test for it raises no AttributeError inside getattr (1.4 µs a saved tensor)."""
+
+    claims: dict[int, Any] | None = None
+
+
+_tls = _Local()
 _lock = threading.Lock()
 _placed: dict[int, Evicted] = {}  # placeholders unpack made, until fetch reads them back
 

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import functools
 import operator
-import time
 from typing import Any
 
 import torch
@@ -88,10 +87,8 @@ def evict(t: Tensor, after: Tensor, empty: bool) -> None:
     if not nbytes or storage._cdata in evicted.claims():
         return  # emptied, or packed already (an alias another evict saw)
     ran[0] += 1
-    start = time.perf_counter()
     packed = off._pack(t)
     off._life.capture_all()  # t's producer has returned (and, to empty it, its readers)
-    off._stats.pack_s += time.perf_counter() - start
     block = packed.block if type(packed) is Ref and packed.tensor is None else None
     if empty and block is not None and block.copy_done is None and block.nbytes == nbytes:
         evicted.note(off, t, packed, storage, block)  # emptied once its bytes are out
@@ -119,10 +116,7 @@ def fetch(t: Tensor, after: Tensor) -> Tensor:
             "offloadd: a compiled backward got a saved tensor without its bytes and without "
             "offloadd's record of them (see [emptied in the graph] in runtime/graph_ops.py)"
         )
-    start = time.perf_counter()
-    got = ev.off._unpack(ev.ref)
-    ev.off._stats.unpack_s += time.perf_counter() - start
-    return out.copy_(got)
+    return out.copy_(ev.off._unpack(ev.ref))
 
 
 @fetch.register_fake

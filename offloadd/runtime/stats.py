@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, TypeVar
+from typing import Any
 
-_R = TypeVar("_R")
-
-__all__ = ["Stats", "format_bytes", "timed"]
+__all__ = ["Stats", "format_bytes"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -67,10 +63,12 @@ class Stats:
     write_wait_s: float = 0.0
     """Of ``io_wait_s``: seconds forward waited for writes (``staging_bytes`` in flight)."""
     pack_s: float = 0.0
-    """Seconds the training threads spent inside offloadd's pack hook (``write_wait_s``
-    included): what offloading adds to forward on the thread that computes."""
+    """Seconds the training threads spent packing tensors that may move (``write_wait_s``
+    included; small and kept tensors, microseconds each, are not timed): what offloading adds
+    to forward on the thread that computes."""
     unpack_s: float = 0.0
-    """Seconds inside the unpack hook (``read_wait_s`` included): what it adds to backward."""
+    """Seconds spent unpacking offloaded tensors (``read_wait_s`` included): what it adds to
+    backward."""
     backpressure_waits: int = 0
     """Times forward waited because the staging pool was full."""
     on_demand_reads: int = 0
@@ -126,18 +124,3 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
-
-
-def timed(fn: Callable[..., _R], stats: Stats, field: str) -> Callable[..., _R]:
-    """``fn``, adding the seconds each call takes to ``stats.<field>`` (``pack_s``,
-    ``unpack_s``): the hooks' time on the threads that call them, for ``bench step --trace``."""
-    clock = time.perf_counter
-
-    def call(*args: Any) -> _R:
-        start = clock()
-        try:
-            return fn(*args)
-        finally:
-            setattr(stats, field, getattr(stats, field) + clock() - start)
-
-    return call

@@ -4,12 +4,12 @@ Each run is its own process, so that its peak RSS is its own, and trains 3 untim
 and 8 timed ones (the median is reported; the method of docs/benchmarks). Plain is PyTorch with
 no hooks on glibc's heap. On a CPU machine keep and recompute run on offloadd's host cache, the
 allocator ssd uses there, so that ssd against keep is the cost of offloading alone; the report
-says apart what the host cache gained and what offloading then cost. It is a table (step time,
-offloadd's peak resident activations, peak memory above the model, bytes moved, I/O wait), those
-two sentences, and whether losses and final weights are bit-identical to keep's. The exit status
-is 1 only when ssd's are not: the built-in GPT's non-reentrant checkpointing is expected to be
-bit-identical too, and a mismatch of recompute (or plain) is reported, but it is not offloadd's
-to answer for.
+says apart what keep (the host cache and the hooks) changed against plain and what offloading
+then cost. It is a table (step time, offloadd's peak resident activations, peak memory above the
+model, bytes moved, I/O wait), those two sentences, and whether losses and final weights are
+bit-identical to keep's. The exit status is 1 only when ssd's are not: the built-in GPT's
+non-reentrant checkpointing is expected to be bit-identical too, and a mismatch of recompute (or
+plain) is reported, but it is not offloadd's to answer for.
 """
 
 from __future__ import annotations
@@ -170,26 +170,23 @@ def format_report(results: Mapping[str, Result | None], *, device: str) -> tuple
 
 
 def _bought(results: Mapping[str, Result | None], mem_key: str, mem_short: str) -> str:
-    """Two sentences: what keep's allocator and hooks changed against plain PyTorch, then what
-    offloading cost against keep on the same allocator (and recompute's figures beside it)."""
+    """Two sentences: what keep's allocator and hooks together changed against plain PyTorch
+    (bench step's ``none:caching`` tells the two apart), then what offloading cost against keep
+    on the same allocator (and recompute's figures beside it)."""
     keep, ssd, plain = results["keep"], results["ssd"], results.get("plain")
     assert keep is not None and ssd is not None
     text = ""
     ref, ref_name = keep, "keep's"
     if plain is not None:
         ref, ref_name = plain, "plain PyTorch's"
-        gain = 1 - keep["step_time_s"] / plain["step_time_s"] if plain["step_time_s"] else 0.0
-        if keep.get("allocator") == "caching":
-            text = (
-                f"The host cache (offloadd's CPU allocator, which ssd uses) made training "
-                f"{_percent(gain)} {'faster' if gain >= 0 else 'slower'} than plain PyTorch "
-                "(keep on it, hooks on, nothing moved, against plain on glibc's heap). "
-            )
-        else:
-            text = (
-                f"offloadd's hooks (keep, nothing moved) ran at "
-                f"{_ratio(keep['step_time_s'], plain['step_time_s'])} plain PyTorch's step time. "
-            )
+        on = "offloadd's host cache (the allocator ssd uses)"
+        if keep.get("allocator") != "caching":
+            on = "the same allocator as plain PyTorch"
+        text = (
+            f"keep (the hooks on, nothing moved) on {on} ran at "
+            f"{_ratio(keep['step_time_s'], plain['step_time_s'])} plain PyTorch's step time "
+            "(plain: no hooks, glibc's heap). "
+        )
     cost = ssd["step_time_s"] / keep["step_time_s"] - 1 if keep["step_time_s"] else math.nan
     text += (
         f"Offloading then {'cost' if not cost < 0 else 'saved'} {_percent(cost)} of keep's "

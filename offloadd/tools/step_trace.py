@@ -27,10 +27,13 @@ from offloadd.runtime.stats import Stats
 
 __all__ = [
     "ALLOCATORS",
+    "HOST_ALLOCATOR",
     "PRELOADED",
     "STAT_FIELDS",
     "StepTrace",
+    "allocator_used",
     "medians",
+    "preload_env",
     "preload_path",
 ]
 
@@ -46,6 +49,15 @@ PRELOADED: Mapping[str, tuple[str, str]] = {
     "tcmalloc": ("libtcmalloc_minimal.so.4", "libtcmalloc-minimal4"),
 }
 """Preloaded allocators: (library file, Debian package that installs it)."""
+
+HOST_ALLOCATOR: Mapping[str, str] = {
+    "auto": "auto",
+    "system": "system",
+    "caching": "caching",
+    "jemalloc": "system",  # preloaded: torch's allocator is then jemalloc's malloc
+    "tcmalloc": "system",
+}
+"""``Config.host_allocator`` for a run's Offloader, by the run's allocator."""
 
 _LIB_DIRS = (
     "/usr/lib/x86_64-linux-gnu",
@@ -73,6 +85,32 @@ def preload_path(allocator: str) -> str:
         f"allocator {allocator!r}: {lib} not found in {', '.join(_LIB_DIRS)}; "
         f"on Debian: apt-get install {package}"
     )
+
+
+def preload_env(allocator: str, env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` for a run's process: with ``LD_PRELOAD`` naming jemalloc or tcmalloc if the run
+    asks for one (ValueError naming the package if it is not installed)."""
+    out = dict(env)
+    if allocator in PRELOADED:
+        lib = preload_path(allocator)
+        out["LD_PRELOAD"] = " ".join(p for p in (lib, out.get("LD_PRELOAD", "")) if p)
+    return out
+
+
+def allocator_used(allocator: str, offloader_allocator: str | None) -> str:
+    """What torch's CPU allocator was in this process: caching (the host cache), system,
+    jemalloc or tcmalloc (checked in /proc/self/maps: mapped, or ``system (... not loaded)``).
+    ``offloader_allocator``: ``Stats.host_allocator`` of the run's Offloader, None without one."""
+    if allocator in PRELOADED:
+        lib = PRELOADED[allocator][0]
+        try:
+            maps = Path("/proc/self/maps").read_text()
+        except OSError:
+            return allocator  # no /proc: taken on trust
+        return allocator if lib in maps else f"system ({allocator} not loaded)"
+    if offloader_allocator is not None:
+        return offloader_allocator or "system"
+    return "caching" if allocator == "caching" else "system"
 
 
 def _steal_s() -> float | None:

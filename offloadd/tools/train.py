@@ -26,7 +26,14 @@ from offloadd.io.buffers import address_view
 from offloadd.runtime import host_allocator
 from offloadd.runtime.offloader import Offloader
 from offloadd.tools.models.build import build_model, default_vocab
-from offloadd.tools.step_trace import ALLOCATORS, StepTrace, medians, preload_path
+from offloadd.tools.step_trace import (
+    ALLOCATORS,
+    HOST_ALLOCATOR,
+    StepTrace,
+    allocator_used,
+    medians,
+    preload_env,
+)
 
 __all__ = [
     "STRATEGIES",
@@ -143,15 +150,6 @@ def _rss() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
-_HOST_ALLOCATOR = {
-    "auto": "auto",
-    "system": "system",
-    "caching": "caching",
-    "jemalloc": "system",  # preloaded: torch's allocator is then jemalloc's malloc
-    "tcmalloc": "system",
-}
-
-
 def _peak_rss() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
@@ -221,7 +219,7 @@ def run(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
                 ssd_dirs=(spec.ssd_dir,) if spec.ssd_dir else (),
                 min_bytes=spec.min_bytes,
                 codec=spec.codec,  # type: ignore[arg-type]
-                host_allocator=_HOST_ALLOCATOR[spec.allocator],  # type: ignore[arg-type]
+                host_allocator=HOST_ALLOCATOR[spec.allocator],  # type: ignore[arg-type]
             ).replace(budget=spec.budget if spec.strategy == "auto" else None)
         )
         off = Offloader(ocfg)
@@ -293,7 +291,9 @@ def run(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {
         "model": spec.model,
         "strategy": spec.strategy,
-        "allocator": _allocator_used(spec, off),
+        "allocator": allocator_used(
+            spec.allocator, off.stats().host_allocator if off is not None else None
+        ),
         "batch_size": spec.batch_size,
         "oom": oom_error is not None,
         "error": oom_error,
@@ -349,7 +349,7 @@ def run_in_subprocess(
         stderr=None if progress else subprocess.PIPE,
         text=True,
         timeout=timeout,
-        env=_env_for(spec),
+        env=preload_env(spec.allocator, os.environ),
     )
     if proc.returncode != 0:
         raise RunFailed(
@@ -358,24 +358,6 @@ def run_in_subprocess(
             proc.stderr or "",
         )
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
-
-
-def _allocator_used(spec: RunSpec, off: Offloader | None) -> str:
-    """What torch's CPU allocator was: caching (the host cache), system, jemalloc or tcmalloc."""
-    if spec.allocator in ("jemalloc", "tcmalloc"):
-        return spec.allocator
-    if off is not None:
-        return off.stats().host_allocator or "system"
-    return "caching" if spec.allocator == "caching" else "system"
-
-
-def _env_for(spec: RunSpec) -> dict[str, str]:
-    """The run's environment: ours, with jemalloc or tcmalloc preloaded if the spec asks."""
-    env = os.environ.copy()
-    if spec.allocator in ("jemalloc", "tcmalloc"):
-        lib = preload_path(spec.allocator)  # ValueError naming the package if missing
-        env["LD_PRELOAD"] = " ".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)
-    return env
 
 
 def _spec_dict(spec: RunSpec) -> dict[str, Any]:

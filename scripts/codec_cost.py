@@ -46,10 +46,10 @@ def measure(codec: str, args: argparse.Namespace) -> dict[str, float]:
     coder.encode, coder.decode = timed_encode, timed_decode  # type: ignore[assignment]
     try:
         # step times come from `offloadd bench step` (a process per run; these share one)
-        run(RunSpec(strategy="ssd", codec=codec, **model_kwargs(args)))
+        result = run(RunSpec(strategy="ssd", codec=codec, **model_kwargs(args)))
     finally:
         coder.encode, coder.decode = encode, decode  # type: ignore[assignment]
-    steps = args.steps + 1  # the warm-up step codes too
+    steps = args.steps + result["warmup_steps"]  # the warm-up steps code too
     return {k: v / steps for k, v in acc.items()}
 
 

@@ -104,6 +104,7 @@ def main() -> None:
     dirs = (a.ssd_dir,) if a.ssd_dir else ()
     ssd = offloadd.Offloader(offloadd.Config(tier="ssd", host_allocator="caching", ssd_dirs=dirs))
     step(ssd)
+    ssd.synchronize()  # the first step's writes counted in the first step
     s0 = ssd.stats()
     step(ssd)
     ssd.synchronize()

@@ -84,7 +84,9 @@ def test_bench_step_script_end_to_end(disk_dir: Path, tmp_path: Path) -> None:
     assert set(runs) == {"none:system", "keep", "recompute", "ssd"}
     ssd = runs["ssd"][0]
     assert [r["warmup"] for r in ssd["trace"]] == [True, False, False]
-    assert ssd["trace_median"]["pack_s"] > 0 and ssd["trace_median"]["unpack_s"] > 0
+    med = ssd["trace_median"]
+    assert med["pack_s"] > 0 and med["unpack_s"] > 0
+    assert med["pack_s"] >= med["write_wait_s"] and med["unpack_s"] >= med["read_wait_s"]
     assert runs["none:system"][0]["trace_median"]["pack_s"] == 0
     assert "Hook cost per small kept tensor" in proc.stdout
     assert "Depth scaling (ssd)" in proc.stdout and "at 3 layers" in proc.stdout
@@ -193,6 +195,13 @@ def test_ratios_are_medians_of_per_round_ratios() -> None:
     assert "| 0.300 (0.200..0.300) | <= 0.35 |" in rows["ssd peak RSS above model / keep"]
     assert "| 0.750 (0.750..0.800) | <= 1.0 |" in rows["ssd peak RSS above model / recompute"]
     assert "Final weights bit-identical across keep and ssd runs: yes" in text
+    # a run on another allocator than keep's: the row says so instead of "same allocator"
+    for r in results["ssd"]:
+        r["allocator"] = "system"
+    for r in results["keep"]:
+        r["allocator"] = "caching"
+    text = format_report(ns, results, command="offloadd bench step --allocator auto")
+    assert "| ssd step time / keep (allocators differ: system, caching) |" in text
     assert "| recompute | 1.500 | 1.10 | 40 B | - |" in text  # drift: 2nd half / 1st half
 
 

@@ -156,6 +156,9 @@ def test_auto_without_compiler_warns_and_caching_raises(tmp_path: Path, disk_dir
         assert any("no C++ compiler" in str(x.message) for x in w), [str(x.message) for x in w]
         with pytest.raises(HostAllocatorError, match="host_allocator = 'caching': no C"):
             Offloader(tier="ssd", ssd_dirs=[{str(disk_dir)!r}], host_allocator="caching")
+        # the demo, bench step and rok then hold glibc's heap equal instead (said on stderr)
+        from offloadd.tools.step_trace import cpu_allocator
+        assert cpu_allocator() == "system"
         print("ok")
         """,
         env={"CXX": "offloadd-no-such-compiler", "XDG_CACHE_HOME": str(tmp_path)},

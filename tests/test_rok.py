@@ -129,6 +129,7 @@ def test_out_of_memory_point_is_recorded(tmp_path: Path) -> None:
     ("args", "message"),
     [
         (["--strategies", "keep,bogus"], "unknown strategy 'bogus'"),
+        (["--strategies", "keep:jemalloc"], "unknown strategy 'keep:jemalloc'"),
         (["--strategies", ","], "--strategies must name at least one strategy"),
         (["--batch-sizes", " , "], "--batch-sizes must list at least one batch size"),
         (["--batch-sizes", "1,x"], "--batch-sizes must be comma-separated integers"),

@@ -75,6 +75,11 @@ _DRAIN_AT = 4096  # events queued by the lock-free hot path before pack applies 
 class Offloader:
     """Saved-tensor hooks that offload activations; use as a context manager around forward.
 
+    Enter it once per forward (``with off:`` around each step's forward, as ``OFFLOADD=1``
+    does): each outermost entry begins a training step, at which the read pool unmaps the
+    buffers of sizes that the last two steps did not use (see [warm buffers] in io/pools.py).
+    Entered once around the whole loop, it unmaps them only when it closes.
+
     ``Offloader(tier="ssd", ssd_dirs=[...])``, ``Offloader(Config(...))``, or both (keyword
     arguments override the config's fields). ``io_engine`` plugs in another engine (embedded
     backend); ``ordering`` another device ordering (tests: ``SimulatedOrdering``).
@@ -188,11 +193,15 @@ class Offloader:
         evicted.drop_claims(self)  # a compiled forward that raised after emptying a tensor
         stack = self._tls.stack
         if not stack:
-            raise RuntimeError("offloadd: Offloader exited on a thread that did not enter it")
+            raise RuntimeError(
+                "offloadd: Offloader exited more times than it was entered on this thread"
+            )
         stack.pop().__exit__(*exc)
         if self._auto is not None and not stack:
             self._auto.forward_ends()
+        start = time.perf_counter()
         self._life.capture_all()  # between ops: everything this thread packed has returned
+        self._stats.pack_s += time.perf_counter() - start  # the forward's last copies and writes
         with self._lock:
             self._active_scopes -= 1
             if self._active_scopes == 0:
@@ -288,8 +297,10 @@ class Offloader:
     def _pack(self, t: torch.Tensor, min_bytes: int = -1) -> Any:
         if min_bytes < 0:
             min_bytes = self._min_bytes
-        if self._captures.num_pending:
+        if self._captures.num_pending:  # the copies and writes of earlier saves (timed)
+            start = time.perf_counter()
             self._life.capture_due()
+            self._stats.pack_s += time.perf_counter() - start
         if evicted.pending() and type(t) is torch.Tensor:
             claimed = evicted.claim(t)  # packed in a compiled graph (see graph_ops.py)
             if claimed is not None:

@@ -63,9 +63,10 @@ class Stats:
     write_wait_s: float = 0.0
     """Of ``io_wait_s``: seconds forward waited for writes (``staging_bytes`` in flight)."""
     pack_s: float = 0.0
-    """Seconds the training threads spent packing tensors that may move (``write_wait_s``
-    included; small and kept tensors, microseconds each, are not timed): what offloading adds
-    to forward on the thread that computes."""
+    """Seconds the training threads spent packing tensors that may move and capturing them
+    (the staging copies and write submissions, ``write_wait_s`` included; small and kept
+    tensors, microseconds each, are not timed): what offloading adds to forward on the thread
+    that computes. Added without the lock, so approximate when several threads pack at once."""
     unpack_s: float = 0.0
     """Seconds spent unpacking offloaded tensors (``read_wait_s`` included): what it adds to
     backward."""

@@ -40,7 +40,7 @@ from offloadd.tools.bench_step_report import format_report
 from offloadd.tools.machine import command_line
 from offloadd.tools.models.build import MODELS
 from offloadd.tools.models.hf import HF_FAMILIES, require_transformers
-from offloadd.tools.step_trace import ALLOCATORS, PRELOADED, preload_path
+from offloadd.tools.step_trace import ALLOCATORS, PRELOADED, cpu_allocator, preload_path
 from offloadd.tools.train import (
     STRATEGIES,
     RunSpec,
@@ -202,6 +202,8 @@ def _options(ns: argparse.Namespace) -> dict[str, Any]:
         ready_dir("--ssd-dir", ns.ssd_dir)
     if ns.out:
         ready_parent("--out", ns.out)
+    if ns.json:
+        ready_parent("--json", ns.json)
     vocab = {"vocab_size": ns.vocab} if ns.vocab else {}
     return {**common, **vocab, "model": ns.model, "compile": ns.compile, "allocator": allocator}
 
@@ -209,7 +211,7 @@ def _options(ns: argparse.Namespace) -> dict[str, Any]:
 def default_allocator() -> str:
     """The allocator ``bench step`` holds equal: the host cache on a CPU machine (what tier ssd
     uses there by default), auto (torch's own for the GPU runs) where CUDA is present."""
-    return "auto" if torch.cuda.is_available() else "caching"
+    return "auto" if torch.cuda.is_available() else cpu_allocator()
 
 
 def hook_cost_us(ops: int = 5000, pairs: int = 15) -> dict[str, float]:

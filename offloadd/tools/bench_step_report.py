@@ -213,6 +213,9 @@ def _ratio_table(results: Results) -> list[str]:
     ]
     for label, num, den, key, target in RATIOS:
         if num in results and den in results:
+            a, b = (results[x][0].get("allocator") for x in (num, den))
+            if "same allocator" in label and a != b:
+                label = label.replace("same allocator", f"allocators differ: {a}, {b}")
             lines.append(f"| {label} | {_spread(per_round(results, num, den, key))} | {target} |")
     if "ssd" in results and "keep" in results and "stats" in results["keep"][0]:
         held = [

@@ -24,6 +24,7 @@ import torch
 
 from offloadd.cli_dirs import ready_dir
 from offloadd.runtime.stats import Stats, format_bytes
+from offloadd.tools.step_trace import cpu_allocator
 from offloadd.tools.train import (
     RunFailed,
     RunSpec,
@@ -65,8 +66,9 @@ def main(ns: argparse.Namespace) -> int:
         flush=True,
     )
     results: dict[str, Result | None] = {}
+    shared = cpu_allocator() if device == "cpu" else "auto"
     for strategy in STRATEGIES:
-        base, allocator = run_fields(strategy, device)
+        base, allocator = run_fields(strategy, shared)
         spec = RunSpec(strategy=base, allocator=allocator, device=device, **common)
         try:
             results[strategy] = run_in_subprocess(spec, progress=True)
@@ -84,12 +86,13 @@ def main(ns: argparse.Namespace) -> int:
     return 0 if ssd_identical else 1
 
 
-def run_fields(strategy: str, device: str) -> tuple[str, str]:
+def run_fields(strategy: str, shared: str) -> tuple[str, str]:
     """The RunSpec strategy and allocator of one of the demo's runs: plain is ``none`` on the
-    system allocator; on a CPU machine the others share the host cache, which ssd uses there."""
+    system allocator; the others share ``shared`` (on a CPU machine the host cache, which ssd
+    uses there: ``step_trace.cpu_allocator``)."""
     if strategy == "plain":
         return "none", "system"
-    return strategy, "caching" if device == "cpu" else "auto"
+    return strategy, shared
 
 
 def format_report(results: Mapping[str, Result | None], *, device: str) -> tuple[str, bool]:

@@ -119,7 +119,7 @@ def measure(
         batch_size=batch,
         steps=sw.steps,
         warmup=sw.warmup,
-        allocator="caching" if sw.device == "cpu" else "auto",
+        allocator=sw.allocator,
         device=sw.device,
         ssd_dir=sw.ssd_dir,
         memory_limit_bytes=sw.memory_limit,
@@ -240,6 +240,7 @@ def _results(res: dict[str, Any], batch: int, *, cuda: bool) -> dict[str, Any]:
     out: dict[str, Any] = {
         "status": "ok" if ok else "oom",
         "error": res.get("error"),
+        "warmup": res.get("warmup_steps"),  # what ran: auto takes at least 3
         "peak_rss_above_base": res["peak_rss_above_base"],
         "peak_device_above_base": res.get("peak_device_above_base"),
         "activation_peak_bytes": (

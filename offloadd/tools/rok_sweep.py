@@ -22,6 +22,7 @@ from offloadd.config import Config, parse_size
 from offloadd.io.files import default_offload_dir
 from offloadd.tools.models.build import default_vocab
 from offloadd.tools.models.hf import HF_FAMILIES
+from offloadd.tools.step_trace import cpu_allocator
 from offloadd.tools.train import split_label
 
 __all__ = [
@@ -114,6 +115,8 @@ class Sweep:
     batch_sizes: list[int]
     strategies: list[str]
     device: str
+    allocator: str
+    """torch's CPU allocator of every point: the host cache on CPU (ssd's there), else auto."""
     steps: int
     warmup: int
     codec: str
@@ -209,13 +212,13 @@ def resolve(ns: argparse.Namespace) -> Sweep:
         unknown = [
             s
             for s in strategies
-            if split_label(s, "")[0] not in STRATEGIES and not s.startswith(AUTO)
+            if ":" in s or (split_label(s, "")[0] not in STRATEGIES and not s.startswith(AUTO))
         ]
         if unknown:
             raise UsageError(
                 f"--strategies: unknown strategy {unknown[0]!r} "
                 f"(choose from {', '.join(STRATEGIES)}; keep and offload ones may name a codec "
-                "after a plus, offload-ssd+int8)"
+                "after a plus, offload-ssd+int8; every point runs on the same allocator)"
             )
         for s in strategies:
             base, named, _ = split_label(s, "")
@@ -293,6 +296,7 @@ def resolve(ns: argparse.Namespace) -> Sweep:
         batch_sizes=batch_sizes,
         strategies=strategies,
         device=device,
+        allocator=cpu_allocator() if device == "cpu" else "auto",
         steps=steps,
         warmup=warmup,
         codec=codec,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import resource
 import statistics
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Any
 
 import psutil
 
+from offloadd.runtime import host_allocator
 from offloadd.runtime.stats import Stats
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "STAT_FIELDS",
     "StepTrace",
     "allocator_used",
+    "cpu_allocator",
     "medians",
     "preload_env",
     "preload_path",
@@ -87,6 +90,21 @@ def preload_path(allocator: str) -> str:
     )
 
 
+def cpu_allocator() -> str:
+    """The allocator that ``bench step``, the demo and ``rok`` hold equal on a CPU machine:
+    offloadd's host cache (tier ssd's there) where it builds, else glibc's heap (ssd's fallback
+    too), said on stderr."""
+    try:
+        host_allocator.build()
+    except host_allocator.HostAllocatorError as e:
+        print(
+            f"offloadd: the host cache is unavailable ({e}); every run uses glibc's heap",
+            file=sys.stderr,
+        )
+        return "system"
+    return "caching"
+
+
 def preload_env(allocator: str, env: Mapping[str, str]) -> dict[str, str]:
     """``env`` for a run's process: with ``LD_PRELOAD`` naming jemalloc or tcmalloc if the run
     asks for one (ValueError naming the package if it is not installed)."""
@@ -128,7 +146,7 @@ def _page_faults() -> int:
 
 
 def _process_cpu_s() -> float:
-    return time.process_time()  # all threads, in nanoseconds (os.times counts clock ticks)
+    return time.process_time()  # all threads, at ns resolution (os.times counts clock ticks)
 
 
 class StepTrace:

@@ -177,6 +177,15 @@ def _is_oom(e: BaseException) -> bool:
 def run(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
     """Train ``spec.warmup`` untimed steps, then ``spec.steps`` timed ones; return timings (the
     median and a per-step trace, see step_trace.py), memory, stats and a digest of the weights."""
+    acquired: list[bool] = []  # the host cache, acquired for a run without an Offloader
+    try:
+        return _run(spec, progress, acquired)
+    finally:
+        if acquired:
+            host_allocator.release()
+
+
+def _run(spec: RunSpec, progress: bool, acquired: list[bool]) -> dict[str, Any]:
     if spec.strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {spec.strategy!r}")
     if spec.allocator not in ALLOCATORS:
@@ -210,6 +219,7 @@ def run(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
     own_cache = spec.allocator == "caching" and spec.strategy in ("none", "recompute")
     if own_cache:
         host_allocator.acquire()  # the host cache without an Offloader
+        acquired.append(True)
     if spec.strategy in ("keep", "ssd", "cpu", "auto"):
         if spec.strategy == "auto" and not spec.budget:
             raise ValueError("strategy auto needs a budget")
@@ -279,8 +289,6 @@ def run(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
         loss = None  # drop the half-built graph before the offloader closes
     if spec.memory_limit_bytes > 0 and not cuda:
         resource.setrlimit(resource.RLIMIT_AS, _unlimited_as)
-    if own_cache:
-        host_allocator.release()
     timed = [r for r in trace if not r["warmup"]]
     times = [r["step_s"] for r in timed]
     stolen = [r["steal_s"] for r in timed if r["steal_s"] is not None]

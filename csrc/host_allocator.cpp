@@ -264,7 +264,7 @@ class HostCache final : public c10::Allocator {
   std::atomic<c10::Allocator*> previous_{nullptr};  // torch's allocator before install()
   std::atomic<size_t> min_bytes_{128 * 1024};
   size_t floor_bytes_ = 64u << 20;
-  double slack_ = 0.25;
+  double slack_ = 0.4;
   bool caching_ = false;  // installed: freed blocks are kept
   bool huge_pages_ = true;
   std::unordered_map<void*, size_t> live_;

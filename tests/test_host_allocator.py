@@ -189,14 +189,19 @@ def test_gradients_bit_identical_under_each_allocator(allocator: str, disk_dir: 
         got = train(wide_mlp, wide_input, off, steps=4)
         off.synchronize()
         st = off.stats()
+        read_buffers = off._reader.pool.created
     finally:
         off.close()
     assert_bitwise_equal(reference, got)
     assert st.host_allocator == allocator
-    assert st.offloaded_bytes > 0
+    assert st.offloaded_bytes > 0 and st.bytes_read > 0
     if allocator == "caching":
         assert st.host_cache_hits > st.host_cache_misses  # steps 2-4 reuse step 1's blocks
         assert host_allocator.current() is None  # released at close: torch's allocator again
+        # [one pool]: every record (1.5 MiB) was read back into the host cache's blocks
+        assert read_buffers == 0
+    else:
+        assert read_buffers > 0
 
 
 @needs_cxx

@@ -29,6 +29,7 @@ import torch
 from offloadd.io.buffers import ALIGN
 from offloadd.io.pools import ReadPool
 from offloadd.io.request import Op, Request
+from offloadd.runtime import host_allocator
 from offloadd.runtime.blocks import CAPTURED, CAPTURING, Block
 from offloadd.runtime.handles import Ref, inplace_error, storage_bytes, view
 from offloadd.runtime.stats import format_bytes
@@ -49,7 +50,7 @@ class Reader:
         self.config, self.ledger, self.blocks = writer.config, writer.ledger, writer.blocks
         self.backend, self.ordering = writer.backend, writer.ordering
         self.prefetch_live = 0  # bytes held by prefetched blocks not yet consumed
-        self.pool = ReadPool()
+        self.pool = ReadPool(lambda: host_allocator.current() is not None)
         writer.pools.append(self.pool)
         self.window = self.config.prefetch_bytes  # sized from the blocks at each sweep
         self._pf_low = 0  # prefetch sweep: blocks with seq in [_pf_low, _pf_high) were scanned
@@ -141,7 +142,7 @@ class Reader:
         else:
             created = self.pool.created
             # the largest record of this size at any skew: the class does not follow the heap
-            host = self.pool.take(block.nbytes + ALIGN - 1)
+            host = self.pool.take_record(block.padded, block.nbytes + ALIGN - 1)
             rec = host.tensor[: block.padded]  # the record; the storage's bytes from skew on
             buf = self.pool.lend(host, block.skew, block.nbytes)
             if self.pool.created != created:

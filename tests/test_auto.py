@@ -278,6 +278,7 @@ def _train(
             loss = model(x[:, :-1], x[:, 1:])
         else:
             if force is not None and off._auto is not None and off._auto.plans:
+                off._auto.shapes.race = None  # no race ([race]): these decisions, every step
                 for sig, plan in off._auto.plans.items():
                     off._auto.plans[sig] = dataclasses.replace(plan, decisions=force)
             with off:
@@ -501,10 +502,11 @@ def test_drifting_forward_times_profile_again_and_stay_exact(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every step counts as drifted (a factor just above 1): after _DRIFT_STEPS planned steps
-    the plan is dropped and the shape profiled again; the weights stay those of plain training."""
+    the plan is dropped and the shape profiled again (not during its race, whose plans differ in
+    forward time by nature); the weights stay those of plain training."""
     planner = importlib.import_module("offloadd.auto.planner")
     monkeypatch.setattr(planner, "_DRIFT", 1.0 + 1e-9)
-    batches = _batches(8)
+    batches = _batches(planner.WARMUP_STEPS + 5)
     ref_w, ref_l = _train(_gpt(), None, batches)
     off = Offloader(tier="cpu", min_bytes=1024, budget="100x")
     with caplog.at_level(logging.INFO, logger="offloadd"):
@@ -713,3 +715,126 @@ def test_a_deep_copy_runs_its_own_weights_and_no_grad_forwards_are_not_profiled(
         model.eval(), ema.eval()
         assert not torch.equal(model(x[:, :-1]), ema(x[:, :-1]))
     off.close()
+
+
+# -- the race ([race] in auto/race.py) ---------------------------------------------------------
+
+
+def _race_run(
+    disk_dir: Path, budget: str, step_s: Any, steps: int = 12
+) -> tuple[Offloader, list[tuple[str, ...]], list[torch.Tensor], list[float]]:
+    """Train the GPT under ``budget`` with a fake step clock: each step lasts ``step_s(plan)``
+    seconds (plan: the decisions it ran; None before the first plan). Returns the offloader,
+    the decisions each step ran, and the weights and losses."""
+    off = Offloader(tier="ssd", ssd_dirs=[str(disk_dir)], min_bytes=1024, budget=budget)
+    ran: list[tuple[str, ...]] = []
+    now = [0.0]
+
+    def clock() -> float:
+        auto = off._auto
+        plan = auto.plan if auto is not None else None
+        now[0] += step_s(plan.decisions if plan is not None else None)
+        return now[0]
+
+    batches = _batches(steps)
+    model = _gpt()
+    torch.manual_seed(123)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x in batches:
+        with off:
+            assert off._auto is not None
+            off._auto.clock = clock
+            loss = model(x[:, :-1], x[:, 1:])
+            plan = off._auto.plan
+            ran.append(plan.decisions if plan is not None else ())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        del loss
+    return off, ran, [p.detach().clone() for p in model.parameters()], losses
+
+
+def test_race_finds_offloading_free_and_holds_the_least_memory(disk_dir: Path) -> None:
+    """Offloading every block as fast as the plan (within NOISE): of plans as fast as the fastest,
+    the one holding the least memory, even where keeping everything fits; raced steps A B B A A B
+    after the warm-up and the profile; every step bit-identical to training without offloadd."""
+    from offloadd.auto.planner import WARMUP_STEPS
+    from offloadd.auto.race import ORDER
+
+    everything = (OFFLOAD,) * 5
+    off, ran, w, losses = _race_run(
+        disk_dir, "100x", lambda d: 1.0 + (0.01 if d == everything else 0.0)
+    )
+    ref_w, ref_l = _train(_gpt(), None, _batches(12))
+    assert losses == ref_l and all(torch.equal(a, b) for a, b in zip(ref_w, w, strict=True))
+    keep = (KEEP,) * 5
+    raced = ran[2 : 2 + len(ORDER)]
+    assert raced == [keep if k == 0 else everything for k in ORDER], ran
+    assert ran[WARMUP_STEPS - 1 :] == [everything] * (12 - WARMUP_STEPS + 1)
+    plan = off.plan()
+    assert plan is not None and plan.decisions == everything and plan.race is not None
+    assert plan.race == pytest.approx((1.0, 1.01))
+    assert off._auto is not None and off._auto.settled and off._auto.profiles == 1
+    assert plan_dict(plan)["race_s"] == pytest.approx([1.0, 1.01])
+    assert "chosen by a race" in plan_table(plan)
+    off.close()
+
+
+def test_race_learns_what_offloading_costs(disk_dir: Path) -> None:
+    """Offloading every block 50 % slower than keeping them: the race prices offloaded bytes
+    at what it measured (seconds per byte), so the planner keeps everything that fits, and at a
+    budget that does not, plans with that price (here recomputing beats offloading: a block's
+    forward takes milliseconds, its bytes cost 100 ms)."""
+    everything = (OFFLOAD,) * 5
+
+    def slow(d: tuple[str, ...] | None) -> float:
+        return 1.0 + 0.5 * (d or ()).count(OFFLOAD) / 5
+
+    off, ran, _, _ = _race_run(disk_dir, "100x", slow)
+    plan = off.plan()
+    assert plan is not None and plan.decisions == (KEEP,) * 5
+    assert plan.race == pytest.approx((1.0, 1.5))
+    assert off._auto is not None and off._auto.settled
+    alpha = next(v for v in off._auto.verdicts.values() if v is not None).alpha
+    assert alpha == pytest.approx(0.5 / sum(b.saved for b in plan.blocks))
+    assert ran[-1] == (KEEP,) * 5 and everything in ran  # raced, then kept
+    off.close()
+    off, ran, _, _ = _race_run(disk_dir, "0.6x", slow)
+    plan = off.plan()
+    assert plan is not None and plan.race is not None and ran[-1] == plan.decisions
+    assert KEEP in plan.decisions and RECOMPUTE in plan.decisions
+    assert off._auto is not None
+    alpha = next(
+        v for v in off._auto.verdicts.values() if v is not None
+    ).alpha  # this race's plan differed: its own figure
+    assert alpha > 0
+    assert [b.offload_s for b in plan.blocks] == pytest.approx(
+        [alpha * b.saved for b in plan.blocks]
+    )
+    off.close()
+
+
+def test_race_verdict_arithmetic() -> None:
+    """alpha = (T_all - T_plan + R_plan) / (O_all - O_plan); free within NOISE or faster."""
+    from offloadd.auto.race import NOISE, Race
+    from offloadd.auto.solver import offload_all
+
+    blocks = [_cost(k, 10 * MiB, fwd=0.1) for k in range(4)]
+    plan = solve(blocks, MiB, MiB + 25 * MiB)  # some kept, some offloaded or recomputed
+    every = offload_all(blocks, MiB, MiB + 25 * MiB)
+    assert every.decisions == (OFFLOAD,) * 4 and every.peak <= plan.peak
+    for t_plan, t_all, free in [(2.0, 2.0 * (1 + NOISE) - 1e-9, True), (2.0, 1.5, True),
+                                (2.0, 2.2, False)]:  # fmt: skip
+        race = Race((), (plan, every))
+        for k in range(6):
+            p = race.begin(float(k))
+            race.end(k + (t_plan if p is plan else t_all))
+        assert race.done
+        v = race.verdict()
+        moved = 40 * MiB - sum(
+            b.saved for b, d in zip(blocks, plan.decisions, strict=True) if d == OFFLOAD
+        )
+        rec = sum(0.1 for d in plan.decisions if d == RECOMPUTE)
+        assert v.free is free and v.alpha == pytest.approx((t_all - t_plan + rec) / moved)

@@ -1,7 +1,8 @@
 """Under a memory budget, offloadd picks keep, offload or recompute per block (see [auto])."""
 
 from offloadd.auto.discover import find_blocks
-from offloadd.auto.planner import AutoPlanner, plan_dict, plan_table
+from offloadd.auto.plan_report import plan_dict, plan_table
+from offloadd.auto.planner import AutoPlanner
 from offloadd.auto.solver import BlockCost, InfeasibleBudget, Plan, smallest_budget, solve
 
 __all__ = [

@@ -22,12 +22,13 @@ planner checks its predictions: if the step used more than the budget (measured,
 in flight hold their tensors, and slower I/O holds more), it adds the excess to what every unit
 needs and plans again (logged at WARNING), so the plan learns the worst it has seen; if the
 blocks' forward time moved by more than 2x from the first planned step's for three steps in a row
-(CPU only: CUDA is asynchronous), it profiles again.
+(CPU only: CUDA is asynchronous), it profiles again. The first plan for a shape then races
+offloading every block over a few real steps (race.py, [race]), which decides what offloading
+costs here: ``WARMUP_STEPS`` steps in all before the plan is final.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Any
@@ -37,28 +38,23 @@ from torch import nn
 
 from offloadd.auto import recompute
 from offloadd.auto.discover import find_blocks
+from offloadd.auto.plans import ShapePlans
 from offloadd.auto.probe import HostCacheProbe, MemoryProbe, open_probe
 from offloadd.auto.profile import HEAD, StepProfile
-from offloadd.auto.solver import (
-    KEEP,
-    OFFLOAD,
-    RECOMPUTE,
-    BlockCost,
-    InfeasibleBudget,
-    Plan,
-    plan_peak,
-    solve,
-)
+from offloadd.auto.race import RACE_STEPS, Verdict
+from offloadd.auto.solver import OFFLOAD, RECOMPUTE, Plan
 from offloadd.runtime.ledger import Ledger
-from offloadd.runtime.stats import format_bytes
 
-__all__ = ["AutoPlanner", "plan_dict", "plan_table"]
+__all__ = ["WARMUP_STEPS", "AutoPlanner"]
 
 log = logging.getLogger("offloadd")
 
 _DRIFT = 2.0  # block forward time off the first planned step's by this factor (either way) ...
 _DRIFT_STEPS = 3  # ... this many planned steps in a row: profile again
 _STALE = 2  # forwards after a profile whose backward never completed: plan from it anyway
+WARMUP_STEPS = 3 + 2 * RACE_STEPS
+"""Steps of one shape before its final plan has run once: the warm-up forward, the profile, the
+race ([race]) and the first step under the final plan (its allocations warm the caches)."""
 
 
 def _in_backward() -> bool:
@@ -90,11 +86,9 @@ class AutoPlanner:
         self.modules: list[nn.Module] = []
         self._index: dict[int, int] = {}
         self._handles: list[Any] = []
-        # per shape: the profile's costs, its peak held (base) and its peak kept (kept base)
-        self._costs: dict[tuple[Any, ...], tuple[list[BlockCost], int, int]] = {}
+        self.shapes = ShapePlans(budget, offload)  # plans.py
         self._ref_fwd: dict[tuple[Any, ...], float] = {}  # first planned step's block forward
         self._warm: set[tuple[Any, ...]] = set()  # shapes whose warm-up forward ran
-        self.plans: dict[tuple[Any, ...], Plan] = {}
         self.plan: Plan | None = None  # of the forward running now (None: profiling or none)
         self.last_plan: Plan | None = None
         self._profile: StepProfile | None = None  # recording, or waiting for its backward
@@ -106,13 +100,13 @@ class AutoPlanner:
         self._sig: tuple[Any, ...] | None = None
         self._prefix = False  # this forward began with a filled key/value cache
         self._prefix_warned = False
-        self._planned: set[tuple[Any, ...]] = set()  # shapes that ever had a plan
-        self._footprint: dict[tuple[Any, ...], int] = {}  # keep's, per shape, from its profile
         self.profiles = 0
         self.probe: MemoryProbe | None = None  # see [measured peaks] in probe.py
         self._level0 = 0  # the probe's level when this forward began
         self._verify = False  # a new plan: measure the next step that runs one
         self._armed = False  # this step is measured from its start
+        self._step_t0 = 0.0  # when this forward began
+        self.clock = time.perf_counter  # of step times, for races (tests give it a fake)
 
     # -- attaching ---------------------------------------------------------------------------
 
@@ -173,8 +167,17 @@ class AutoPlanner:
 
     def forward_begins(self) -> None:
         """An outermost scope opens: finish what the last step taught, then reset."""
+        race = self.shapes.race
+        if race is not None and race.running is not None and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # a raced step's time is the device's
+        self._step_t0 = self.clock()
         if self.plan is not None:
             self._check(self.plan)
+        race = self.shapes.race  # None if the check planned again
+        if race is not None:
+            race.end(self._step_t0)
+            if race.done and (done := self.shapes.finish_race()) is not None:
+                self._adopt(*done)
         self._armed = False
         self.settle(forward=True)
         if self.probe is not None:
@@ -246,6 +249,10 @@ class AutoPlanner:
         """The first block of a forward runs: use this shape's plan, or profile it."""
         self._sig = sig
         plan = self.plans.get(sig)
+        race = self.shapes.race
+        if plan is not None and race is not None and race.signature == sig:
+            plan = race.begin(self._step_t0)
+            self._verify = True  # a plan not measured yet, maybe
         if plan is not None:
             self.plan = self.last_plan = plan
             return
@@ -290,73 +297,56 @@ class AutoPlanner:
     def _io_wait(self) -> float:
         return self.ledger.stats.io_wait_s
 
-    # -- planning ----------------------------------------------------------------------------
+    # -- planning (plans.py) -------------------------------------------------------------------
 
     def _learn(self, prof: StepProfile) -> None:
         costs = prof.costs(kept=not self.offload)
         with self.ledger.lock:
             base, kept = self.ledger.window_peak, self.ledger.kept_peak
-        if not self.offload:  # tier keep: the blocks' saved bytes were kept in the profile too
-            kept = max(0, kept - sum(b.saved for b in costs))
-            base = kept
-        self._costs[prof.signature] = (costs, base, kept)
-        # a fraction's bytes are fixed by the profile: replans that grow the base do not grow it
-        floor = 0 if costs[0].measured else kept
-        self._footprint[prof.signature] = plan_peak(costs, (KEEP,) * len(costs), floor)
-        self._plan_for(prof.signature)
+        self.shapes.measure = self.probe.name if self.probe is not None else None
+        self._adopt(prof.signature, self.shapes.learn(prof.signature, costs, base, kept))
 
-    def _plan_for(self, sig: tuple[Any, ...]) -> Plan:
-        costs, base, kept = self._costs[sig]
-        budget = self.budget
-        nbytes = int(budget * self.keep_footprint(sig)) if isinstance(budget, float) else budget
-        try:
-            plan = solve(costs, base, nbytes, kept_base=kept, offload=self.offload)
-        except InfeasibleBudget as e:
-            if sig not in self._planned:  # the first plan for this shape: say so at once
-                if isinstance(budget, float):  # in keep's terms too
-                    raise InfeasibleBudget(nbytes, e.smallest, self.keep_footprint(sig)) from None
-                raise
-            # Planning again after a step held more than predicted: never stop a training run.
-            log.warning("offloadd: %s; using the leanest plan", e)
-            plan = solve(costs, base, e.smallest, kept_base=kept, offload=self.offload)
-        if costs[0].measured and self.probe is not None:
-            plan = dataclasses.replace(plan, measure=self.probe.name)
-        self.plans[sig] = plan
-        self._planned.add(sig)
+    def _adopt(self, sig: tuple[Any, ...], plan: Plan) -> None:
+        """A new plan for shape ``sig``: measure its next step; drift counts from there."""
         self.last_plan = plan
         self._verify = True
-        log.info("offloadd: %s", plan_table(plan))
-        return plan
+        self._ref_fwd.pop(sig, None)
+
+    @property
+    def plans(self) -> dict[tuple[Any, ...], Plan]:
+        return self.shapes.plans
+
+    @property
+    def verdicts(self) -> dict[tuple[Any, ...], Verdict | None]:
+        """Per shape: its race's verdict (None: racing; see [race])."""
+        return self.shapes.verdicts
+
+    def keep_footprint(self, sig: tuple[Any, ...] | None = None) -> int:
+        return self.shapes.keep_footprint(sig)
+
+    @property
+    def settled(self) -> bool:
+        """A plan exists and neither a profile nor a race is pending."""
+        return bool(self.plans) and self._profile is None and self.shapes.race is None
 
     def _check(self, plan: Plan) -> None:
         """After a planned step: memory over budget -> plan again; time drift -> profile."""
         sig = self._sig
-        if sig is None or sig not in self._costs:
+        if sig is None or sig not in self.shapes.costs:
             return
-        costs, base, kept = self._costs[sig]
         held: int | None = None
-        if not costs[0].measured:
+        if not self.shapes.costs[sig][0][0].measured:
             with self.ledger.lock:
                 held = self.ledger.window_peak
         elif self._armed and self.probe is not None:  # measured from its start
             self._verify = False
             held = self.probe.peak() - self._level0
         if held is not None and held > plan.budget:
-            over = held - plan.peak
-            self._costs[sig] = (_shifted(costs, over), base + over, kept + over)
-            log.warning(
-                "offloadd: budget: the step used %s, over the budget of %s (predicted %s); "
-                "planning again with every unit needing %s more",
-                format_bytes(held),
-                format_bytes(plan.budget),
-                format_bytes(plan.peak),
-                format_bytes(over),
-            )
-            self._plan_for(sig)
+            self._adopt(sig, self.shapes.over_budget(sig, held, plan))
             return
         on_cpu = not torch.cuda.is_available() or not torch.cuda.is_initialized()
-        if not on_cpu or self._fwd_s <= 0:
-            return
+        if not on_cpu or self._fwd_s <= 0 or self.shapes.race is not None:
+            return  # a race alternates plans: their forward times differ
         ref = self._ref_fwd.setdefault(sig, self._fwd_s)
         ratio = self._fwd_s / ref
         self._drifted = self._drifted + 1 if not 1 / _DRIFT < ratio < _DRIFT else 0
@@ -367,78 +357,5 @@ class AutoPlanner:
                 "step's); profiling again",
                 ratio,
             )
-            del self.plans[sig], self._costs[sig], self._ref_fwd[sig]
-
-    def keep_footprint(self, sig: tuple[Any, ...] | None = None) -> int:
-        """Keep's predicted footprint for shape ``sig`` (default: the last profiled): the peak
-        kept in the profile step plus every block's saved bytes."""
-        if sig is None:
-            sig = next(reversed(self._footprint))
-        return self._footprint[sig]
-
-
-def _shifted(costs: list[BlockCost], over: int) -> list[BlockCost]:
-    """``costs`` with every measured peak and level ``over`` bytes higher."""
-    return [
-        dataclasses.replace(
-            b,
-            peak_fwd=(b.peak_fwd or 0) + over,
-            peak_bwd=(b.peak_bwd or 0) + over,
-            level_bwd=(b.level_bwd or 0) + over,
-        )
-        if b.measured
-        else b
-        for b in costs
-    ]
-
-
-def plan_table(plan: Plan) -> str:
-    """The plan as the table logged at INFO: block, bytes, decision, predicted times."""
-    how = "held by offloadd" if plan.measure == "held" else f"measured by {plan.measure}"
-    head = (
-        f"plan for a budget of {format_bytes(plan.budget)}: predicted peak "
-        f"{format_bytes(plan.peak)} ({how}; base {format_bytes(plan.base)}), "
-        f"+{plan.extra_s * 1e3:.1f} ms per step over keeping every block; "
-        f"{plan.count('keep')} keep, {plan.count(OFFLOAD)} offload, "
-        f"{plan.count(RECOMPUTE)} recompute"
-    )
-    rows = [
-        f"  {'block':<24} {'saved':>10} {'inputs':>10} {'fwd peak':>10} {'bwd peak':>10} "
-        f"{'fwd ms':>8} {'bwd ms':>8} {'io ms':>7}  {'decision':<10} {'+ms':>6}"
-    ]
-    for k, (b, d) in enumerate(zip(plan.blocks, plan.decisions, strict=True)):
-        pf = format_bytes(b.peak_fwd) if b.peak_fwd is not None else "-"
-        pb = format_bytes(b.peak_bwd) if b.peak_bwd is not None else "-"
-        rows.append(
-            f"  {b.name:<24} {format_bytes(b.saved):>10} {format_bytes(b.inputs):>10} "
-            f"{pf:>10} {pb:>10} "
-            f"{b.forward_s * 1e3:>8.1f} {b.backward_s * 1e3:>8.1f} {b.offload_s * 1e3:>7.1f}  "
-            f"{d:<10} {plan.extra_of(k) * 1e3:>6.1f}"
-        )
-    return "\n".join([head, *rows])
-
-
-def plan_dict(plan: Plan) -> dict[str, Any]:
-    """The plan for the JSON report."""
-    return {
-        "budget_bytes": plan.budget,
-        "base_bytes": plan.base,
-        "predicted_peak_bytes": plan.peak,
-        "predicted_extra_s": plan.extra_s,
-        "measure": plan.measure,
-        "blocks": [
-            {
-                "name": b.name,
-                "saved_bytes": b.saved,
-                "input_bytes": b.inputs,
-                "forward_s": b.forward_s,
-                "backward_s": b.backward_s,
-                "offload_s": b.offload_s,
-                "peak_fwd_bytes": b.peak_fwd,
-                "peak_bwd_bytes": b.peak_bwd,
-                "decision": d,
-                "predicted_extra_s": plan.extra_of(k),
-            }
-            for k, (b, d) in enumerate(zip(plan.blocks, plan.decisions, strict=True))
-        ],
-    }
+            self.shapes.forget(sig)
+            del self._ref_fwd[sig]

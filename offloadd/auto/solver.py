@@ -56,6 +56,7 @@ __all__ = [
     "BlockCost",
     "InfeasibleBudget",
     "Plan",
+    "offload_all",
     "plan_peak",
     "smallest_budget",
     "solve",
@@ -113,6 +114,9 @@ class Plan:
     measure: str = "held"
     """What the peak counts: ``"held"`` (offloadd's own accounting) or the probe that measured
     the blocks' peaks (``"host cache"``, ``"cuda"``; see [measured peaks] in probe.py)."""
+    race: tuple[float, float] | None = None
+    """The race that chose this plan (see [race] in race.py): the median step times of the
+    profile's plan and of offloading every block; None: no race (yet)."""
 
     def count(self, decision: str) -> int:
         return sum(d == decision for d in self.decisions)
@@ -244,6 +248,13 @@ def solve(
     if best is None:  # a budget so tight that rounding lost every plan but the leanest
         return _plan(blocks, lean, budget, lean_floor)
     return _plan(blocks, best[1], budget, best[2])
+
+
+def offload_all(blocks: list[BlockCost], base: int, budget: int) -> Plan:
+    """Every unit offloaded: the leanest plan (an offloaded unit holds nothing and needs the
+    least while it runs), so it fits wherever any plan does."""
+    floor = 0 if blocks and all(b.measured for b in blocks) else base
+    return _plan(blocks, (OFFLOAD,) * len(blocks), budget, floor)
 
 
 def _plan(blocks: list[BlockCost], decisions: tuple[str, ...], budget: int, floor: int) -> Plan:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from torch import nn
 
-from offloadd.auto.planner import plan_dict
+from offloadd.auto.plan_report import plan_dict
 from offloadd.config import Config
 from offloadd.integrations.ranks import RankInfo, rank_info
 from offloadd.integrations.report import report_dict, summary_line, write_report

@@ -21,6 +21,7 @@ import psutil
 import torch
 
 from offloadd.auto import plan_dict
+from offloadd.auto.planner import WARMUP_STEPS as AUTO_WARMUP
 from offloadd.config import Config
 from offloadd.io.buffers import address_view
 from offloadd.runtime import host_allocator
@@ -63,8 +64,9 @@ class RunSpec:
     steps: int = 8
     """Timed steps, after ``warmup`` untimed ones."""
     warmup: int = 3
-    """Untimed steps first: at least 3 for auto (the planner's warm-up, profile and first
-    plan), at least 2 compiled (the backward compiles in the second)."""
+    """Untimed steps first: at least ``AUTO_WARMUP`` for auto (the planner's warm-up forward,
+    profile, race and first step under its final plan), at least 2 compiled (the backward
+    compiles in the second)."""
     allocator: str = "auto"
     """torch's CPU allocator (see ``step_trace.ALLOCATORS``): auto, system, caching (offloadd's
     host cache, with or without an Offloader), jemalloc or tcmalloc (preloaded)."""
@@ -208,8 +210,8 @@ def _run(spec: RunSpec, progress: bool, acquired: list[bool]) -> dict[str, Any]:
     vocab = spec.vocab_size or default_vocab(spec.model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(spec.seed + 1)
-    # auto: a warm-up step, the profile step and the first planned step go untimed
-    warmup = max(spec.warmup, 3 if spec.strategy == "auto" else 2 if spec.compile else 0)
+    # auto: its warm-up forward, profile, race and first step under the final plan go untimed
+    warmup = max(spec.warmup, AUTO_WARMUP if spec.strategy == "auto" else 2 if spec.compile else 0)
     batches = [
         torch.randint(0, vocab, (spec.batch_size, spec.seq_len + 1), generator=gen)
         for _ in range(spec.steps + warmup)
@@ -273,6 +275,8 @@ def _run(spec: RunSpec, progress: bool, acquired: list[bool]) -> dict[str, Any]:
                 torch.cuda.synchronize()
             rec = clock.end(off.stats() if off is not None else None)
             rec["warmup"] = step < warmup
+            if off is not None and off._auto is not None:
+                rec["auto_settled"] = off._auto.settled  # no profile or race pending
             trace.append(rec)
             dt = rec["step_s"]
             if progress:
@@ -308,6 +312,8 @@ def _run(spec: RunSpec, progress: bool, acquired: list[bool]) -> dict[str, Any]:
         "step_time_s": statistics.median(times) if times else float("nan"),
         "step_times_s": times,
         "warmup_steps": warmup,
+        # auto: its plan final (no profile or race) at the end of every timed step
+        "auto_settled": all(r.get("auto_settled", True) for r in timed),
         # one record per step, warm-ups included (step_trace.py), and the timed steps' medians
         "trace": trace,
         "trace_median": medians(timed),

@@ -1,0 +1,69 @@
+"""The plan as people and programs read it: the table logged at INFO, the dict of JSON reports."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from offloadd.auto.solver import OFFLOAD, RECOMPUTE, Plan
+from offloadd.runtime.stats import format_bytes
+
+__all__ = ["plan_dict", "plan_table"]
+
+
+def plan_table(plan: Plan) -> str:
+    """The plan as the table logged at INFO: block, bytes, decision, predicted times."""
+    how = "held by offloadd" if plan.measure == "held" else f"measured by {plan.measure}"
+    head = (
+        f"plan for a budget of {format_bytes(plan.budget)}: predicted peak "
+        f"{format_bytes(plan.peak)} ({how}; base {format_bytes(plan.base)}), "
+        f"+{plan.extra_s * 1e3:.1f} ms per step over keeping every block; "
+        f"{plan.count('keep')} keep, {plan.count(OFFLOAD)} offload, "
+        f"{plan.count(RECOMPUTE)} recompute"
+    )
+    if plan.race is not None:
+        head += (
+            f"; chosen by a race (median step {plan.race[0]:.3f} s for the profile's plan, "
+            f"{plan.race[1]:.3f} s offloading every block)"
+        )
+    rows = [
+        f"  {'block':<24} {'saved':>10} {'inputs':>10} {'fwd peak':>10} {'bwd peak':>10} "
+        f"{'fwd ms':>8} {'bwd ms':>8} {'io ms':>7}  {'decision':<10} {'+ms':>6}"
+    ]
+    for k, (b, d) in enumerate(zip(plan.blocks, plan.decisions, strict=True)):
+        pf = format_bytes(b.peak_fwd) if b.peak_fwd is not None else "-"
+        pb = format_bytes(b.peak_bwd) if b.peak_bwd is not None else "-"
+        rows.append(
+            f"  {b.name:<24} {format_bytes(b.saved):>10} {format_bytes(b.inputs):>10} "
+            f"{pf:>10} {pb:>10} "
+            f"{b.forward_s * 1e3:>8.1f} {b.backward_s * 1e3:>8.1f} {b.offload_s * 1e3:>7.1f}  "
+            f"{d:<10} {plan.extra_of(k) * 1e3:>6.1f}"
+        )
+    return "\n".join([head, *rows])
+
+
+def plan_dict(plan: Plan) -> dict[str, Any]:
+    """The plan for the JSON report."""
+    return {
+        "budget_bytes": plan.budget,
+        "base_bytes": plan.base,
+        "predicted_peak_bytes": plan.peak,
+        "predicted_extra_s": plan.extra_s,
+        "measure": plan.measure,
+        # the race that chose it: median step times of the profile's plan and of offloading all
+        "race_s": list(plan.race) if plan.race is not None else None,
+        "blocks": [
+            {
+                "name": b.name,
+                "saved_bytes": b.saved,
+                "input_bytes": b.inputs,
+                "forward_s": b.forward_s,
+                "backward_s": b.backward_s,
+                "offload_s": b.offload_s,
+                "peak_fwd_bytes": b.peak_fwd,
+                "peak_bwd_bytes": b.peak_bwd,
+                "decision": d,
+                "predicted_extra_s": plan.extra_of(k),
+            }
+            for k, (b, d) in enumerate(zip(plan.blocks, plan.decisions, strict=True))
+        ],
+    }

@@ -278,7 +278,7 @@ def _train(
             loss = model(x[:, :-1], x[:, 1:])
         else:
             if force is not None and off._auto is not None and off._auto.plans:
-                off._auto.shapes.race = None  # no race ([race]): these decisions, every step
+                _no_race(off)
                 for sig, plan in off._auto.plans.items():
                     off._auto.plans[sig] = dataclasses.replace(plan, decisions=force)
             with off:
@@ -289,6 +289,13 @@ def _train(
         losses.append(loss.item())
         del loss
     return [p.detach().clone() for p in model.parameters()], losses
+
+
+def _no_race(off: Offloader) -> None:
+    """No race ([race] in auto/race.py): the plans as the test sets them, every step."""
+    assert off._auto is not None
+    off._auto.shapes.race = None
+    off._auto.shapes.waiting.clear()
 
 
 def _batches(n: int, seq: int = 32, batch: int = 2) -> list[torch.Tensor]:
@@ -487,7 +494,9 @@ def test_a_new_shape_is_profiled_and_plans_are_kept_per_shape(
     assert auto is not None and auto.profiles == 2 and len(auto.plans) == 2
     planned = sum("plan for a budget of" in r.getMessage() for r in caplog.records)
     replanned = sum("planning again" in r.getMessage() for r in caplog.records)
-    assert planned == 2 + replanned  # once per shape, and again after a step over the budget
+    raced = sum("budget: race:" in r.getMessage() for r in caplog.records)
+    # once per shape, again after a step over the budget and after a race's verdict
+    assert planned == 2 + replanned + raced
     table = next(r.getMessage() for r in caplog.records if "plan for a budget" in r.getMessage())
     assert "blocks.3" in table and "decision" in table
     plan = off.plan()
@@ -675,6 +684,7 @@ def test_keyword_called_blocks_recompute_bit_identically(disk_dir: Path) -> None
         torch.manual_seed(9)
         for i, x in enumerate(xs):
             if off is not None and off._auto is not None and off._auto.plans:
+                _no_race(off)
                 for sig, p in off._auto.plans.items():
                     off._auto.plans[sig] = dataclasses.replace(
                         p, decisions=(RECOMPUTE,) * 3 + (KEEP,)
@@ -721,7 +731,7 @@ def test_a_deep_copy_runs_its_own_weights_and_no_grad_forwards_are_not_profiled(
 
 
 def _race_run(
-    disk_dir: Path, budget: str, step_s: Any, steps: int = 12
+    disk_dir: Path, budget: str, step_s: Any, steps: int = 12, batches: Any = None
 ) -> tuple[Offloader, list[tuple[str, ...]], list[torch.Tensor], list[float]]:
     """Train the GPT under ``budget`` with a fake step clock: each step lasts ``step_s(plan)``
     seconds (plan: the decisions it ran; None before the first plan). Returns the offloader,
@@ -730,13 +740,14 @@ def _race_run(
     ran: list[tuple[str, ...]] = []
     now = [0.0]
 
-    def clock() -> float:
+    def clock() -> float:  # a raced step ends in backward: it lasted step_s(its plan)
         auto = off._auto
         plan = auto.plan if auto is not None else None
-        now[0] += step_s(plan.decisions if plan is not None else None)
+        if torch._C._current_graph_task_id() != -1:
+            now[0] += step_s(plan.decisions if plan is not None else None)
         return now[0]
 
-    batches = _batches(steps)
+    batches = _batches(steps) if batches is None else batches
     model = _gpt()
     torch.manual_seed(123)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -838,3 +849,45 @@ def test_race_verdict_arithmetic() -> None:
         )
         rec = sum(0.1 for d in plan.decisions if d == RECOMPUTE)
         assert v.free is free and v.alpha == pytest.approx((t_all - t_plan + rec) / moved)
+
+
+def test_races_run_one_at_a_time_and_each_shape_gets_its_own(disk_dir: Path) -> None:
+    """A shape planned while another races waits for it, then races; a replan of the racing
+    shape restarts its race; each shape ends with its own verdict."""
+    everything = (OFFLOAD,) * 5
+    short, long = _batches(16, seq=16), _batches(11, seq=32)
+    batches = short[:3] + long[:3] + short[3:8] + long[3:11] + short[8:9]
+    off, ran, _, _ = _race_run(disk_dir, "100x", lambda d: 1.0, batches=batches)
+    auto = off._auto
+    assert auto is not None and auto.settled and auto.profiles == 2
+    assert len(auto.verdicts) == 2 and all(v is not None and v.free for v in auto.verdicts.values())
+    assert all(p.decisions == everything for p in auto.plans.values())
+    # the long shape's plan kept every block until its race ran (after the short one's)
+    assert ran[5] == (KEEP,) * 5 and ran[6 + 5 :][:6].count(everything) == 3
+    off.close()
+
+
+def test_a_replan_during_the_race_races_again(disk_dir: Path) -> None:
+    from offloadd.auto.race import ORDER
+
+    off = Offloader(tier="ssd", ssd_dirs=[str(disk_dir)], min_bytes=1024, budget="100x")
+    model = _gpt()
+    for x in _batches(4):
+        with off:
+            loss = model(x[:, :-1], x[:, 1:])
+        loss.backward()
+        del loss
+    auto = off._auto
+    assert auto is not None and auto.shapes.race is not None and auto.shapes.race.turn == 2
+    sig = auto.shapes.race.signature
+    plan = auto.plans[sig]
+    auto.shapes.over_budget(sig, plan.budget + 1, plan)  # as _check does after such a step
+    race = auto.shapes.race
+    assert race is not None and race.turn == 0 and auto.verdicts[sig] is None
+    for x in _batches(len(ORDER) + 1):
+        with off:
+            loss = model(x[:, :-1], x[:, 1:])
+        loss.backward()
+        del loss
+    assert auto.settled and auto.verdicts[sig] is not None
+    off.close()

@@ -41,7 +41,7 @@ from offloadd.auto.discover import find_blocks
 from offloadd.auto.plans import ShapePlans
 from offloadd.auto.probe import HostCacheProbe, MemoryProbe, open_probe
 from offloadd.auto.profile import HEAD, StepProfile
-from offloadd.auto.race import RACE_STEPS, Verdict
+from offloadd.auto.race import PATIENCE, RACE_STEPS, Verdict
 from offloadd.auto.solver import OFFLOAD, RECOMPUTE, Plan
 from offloadd.runtime.ledger import Ledger
 
@@ -167,9 +167,8 @@ class AutoPlanner:
 
     def forward_begins(self) -> None:
         """An outermost scope opens: finish what the last step taught, then reset."""
-        race = self.shapes.race
-        if race is not None and race.running is not None and torch.cuda.is_initialized():
-            torch.cuda.synchronize()  # a raced step's time is the device's
+        if self.shapes.race is not None and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # a raced step's time is the device's: from a quiet start
         self._step_t0 = self.clock()
         if self.plan is not None:
             self._check(self.plan)
@@ -215,6 +214,9 @@ class AutoPlanner:
                     "start with one are not recomputed (blocks planned for it are kept)"
                 )
             self._begin_blocks(_signature(args, kwargs))
+            race = self.shapes.race
+            if race is not None and race.running is not None and k == 0:
+                self._mark_backward(args, kwargs)
         plan = self.plan
         self.tls.keep = plan is not None and plan.decisions[k] != OFFLOAD
         if self._recording:
@@ -249,12 +251,15 @@ class AutoPlanner:
         """The first block of a forward runs: use this shape's plan, or profile it."""
         self._sig = sig
         plan = self.plans.get(sig)
-        race = self.shapes.race
-        if plan is not None and race is not None and race.signature == sig:
-            plan = race.begin(self._step_t0)
-            self._verify = True  # a plan not measured yet, maybe
         if plan is not None:
-            self.plan = self.last_plan = plan
+            self.plan = self.last_plan = plan  # last_plan: the plan, not a race's contender
+            race = self.shapes.start_race(sig)
+            if race is not None and race.signature == sig:
+                self.plan = race.begin(self._step_t0)
+            elif race is not None:
+                race.others += 1
+                if race.others > PATIENCE:
+                    self.shapes.give_way()
             return
         if self._profile is not None:
             return  # a profile waits for its backward; this forward offloads every block too
@@ -267,11 +272,38 @@ class AutoPlanner:
         self._recording = True
         self.profiles += 1
 
+    def _mark_backward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A raced step's time ends when its gradient reaches the first block's input (see
+        [race]); not under torch.compile, whose graphs the hook would break."""
+        if torch.compiler.is_compiling():
+            return
+        x = next(
+            (
+                a
+                for a in (*args, *kwargs.values())
+                if isinstance(a, torch.Tensor) and a.requires_grad
+            ),
+            None,
+        )
+        race = self.shapes.race
+        if x is None or race is None:
+            return
+
+        def mark(grad: torch.Tensor) -> None:
+            if grad.is_cuda:
+                torch.cuda.synchronize()
+            race.mark(self.clock())
+
+        x.register_hook(mark)
+
     @property
     def plan_offloads(self) -> bool | None:
-        """Whether the last plan offloads any block (None before the first plan)."""
+        """Whether the last plan offloads any block (None before the first plan; True while a
+        race runs or waits: one of its contenders offloads every block)."""
         plan = self.last_plan
-        return None if plan is None else OFFLOAD in plan.decisions
+        if plan is None:
+            return None
+        return self.shapes.racing or OFFLOAD in plan.decisions
 
     def saved(self, tag: int, nbytes: int) -> None:
         """The offloader saved a new storage of ``nbytes`` while block ``tag`` ran."""
@@ -327,7 +359,7 @@ class AutoPlanner:
     @property
     def settled(self) -> bool:
         """A plan exists and neither a profile nor a race is pending."""
-        return bool(self.plans) and self._profile is None and self.shapes.race is None
+        return bool(self.plans) and self._profile is None and not self.shapes.racing
 
     def _check(self, plan: Plan) -> None:
         """After a planned step: memory over budget -> plan again; time drift -> profile."""
@@ -345,7 +377,8 @@ class AutoPlanner:
             self._adopt(sig, self.shapes.over_budget(sig, held, plan))
             return
         on_cpu = not torch.cuda.is_available() or not torch.cuda.is_initialized()
-        if not on_cpu or self._fwd_s <= 0 or self.shapes.race is not None:
+        race = self.shapes.race
+        if not on_cpu or self._fwd_s <= 0 or (race is not None and race.signature == sig):
             return  # a race alternates plans: their forward times differ
         ref = self._ref_fwd.setdefault(sig, self._fwd_s)
         ratio = self._fwd_s / ref

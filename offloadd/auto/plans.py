@@ -42,6 +42,7 @@ class ShapePlans:
         self.planned: set[Sig] = set()  # shapes that ever had a plan
         self.verdicts: dict[Sig, Verdict | None] = {}  # the races' (None: racing)
         self.race: Race | None = None
+        self.waiting: dict[Sig, tuple[Plan, Plan]] = {}  # races to run when this one is done
         self.measure: str | None = None  # the probe measuring peaks (None: offloadd's accounting)
 
     def learn(self, sig: Sig, costs: list[BlockCost], base: int, kept: int) -> Plan:
@@ -62,7 +63,8 @@ class ShapePlans:
         budget = self.budget
         nbytes = int(budget * self.keep_footprint(sig)) if isinstance(budget, float) else budget
         if self.race is not None and self.race.signature == sig:
-            self.race = None  # a replan: the race's plans are stale
+            self.race = None  # a replan: the race's plans are stale; it races again below
+            self.verdicts.pop(sig, None)
         verdict = self.verdicts.get(sig)
         costs = priced(costs, verdict)
         try:
@@ -87,14 +89,34 @@ class ShapePlans:
         self.planned.add(sig)
         log.info("offloadd: %s", plan_table(plan))
         if every is not None and sig not in self.verdicts:
-            self.verdicts[sig] = None
-            self.race = Race(sig, (plan, every))
-            log.info(
-                "offloadd: budget: racing this plan against offloading every block, %d steps "
-                "each, to learn what offloading costs here",
-                RACE_STEPS,
-            )
+            self.waiting[sig] = (plan, every)
+            self.start_race(sig)
         return plan
+
+    def start_race(self, sig: Sig) -> Race | None:
+        """Start shape ``sig``'s race if it waits for one and none runs (see [race])."""
+        if self.race is not None or sig not in self.waiting:
+            return self.race
+        self.verdicts[sig] = None
+        self.race = Race(sig, self.waiting.pop(sig))
+        log.info(
+            "offloadd: budget: racing this plan against offloading every block, %d steps each, "
+            "to learn what offloading costs here",
+            RACE_STEPS,
+        )
+        return self.race
+
+    def give_way(self) -> None:
+        """The race's shape has not come back for a while: it waits again (see [race])."""
+        race, self.race = self.race, None
+        assert race is not None
+        self.verdicts.pop(race.signature, None)
+        self.waiting[race.signature] = race.plans
+
+    @property
+    def racing(self) -> bool:
+        """A race runs or waits."""
+        return self.race is not None or bool(self.waiting)
 
     def finish_race(self) -> tuple[Sig, Plan] | None:
         """The race has run: take its verdict and plan its shape again with it."""
@@ -126,6 +148,7 @@ class ShapePlans:
         """Shape ``sig`` is profiled again: its plan, costs and race go."""
         del self.plans[sig], self.costs[sig]
         self.verdicts.pop(sig, None)  # races again after the profile
+        self.waiting.pop(sig, None)
         if self.race is not None and self.race.signature == sig:
             self.race = None
 

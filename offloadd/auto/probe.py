@@ -12,7 +12,9 @@ that moment, and they are largest in backward, when everything kept is still hel
   that step covers the steps since (said where the planner logs its plan).
 - CPU with offloadd's host cache (:class:`HostCacheProbe`): its live bytes (allocations of 128 KiB
   and more; smaller ones stay on glibc's heap and are not seen) and a peak it can restart, plus
-  offloadd's own buffers (staging slots, read-backs), which are mapped outside torch's allocator.
+  offloadd's own buffers (staging slots, small read-backs), which are mapped outside torch's
+  allocator; read-backs of 128 KiB and more are in the host cache's live bytes ([one pool] in
+  io/pools.py).
 
 Without either (torch's own CPU allocator), :func:`open_probe` returns None and the planner falls
 back to offloadd's own accounting of what it holds (see [the plan] in solver.py).

@@ -5,10 +5,15 @@ offloading's whole cost, nor always a cost at all: on a 2-core VM the disk traff
 compute around it (the hypervisor's steal rises), which no wait shows, and where the allocator
 keeps freed activations warm, offloading can make a step faster than keeping them (the steady
 issue: auto's plan k3 o6 ran at 0.93x offloading every block, which also held less). So after
-the first plan for a shape, the planner races it against offloading every block (the leanest
-plan: it fits wherever any plan does, see [the plan]) over ``RACE_STEPS`` steps each, in the
-order A B B A A B so that a drift in the machine's speed falls on both alike, and compares the
-medians of their step times (from one forward's start to the next, the optimizer included).
+the first plan for a shape, the planner races it against offloading every block (the leanest of
+the plans that offload; where it does not fit the budget, or is the plan, there is no race) over
+``RACE_STEPS`` steps each, in the order A B B A A B so that a drift in the machine's speed falls
+on both alike, and compares the medians of their step times. A raced step is timed from its
+forward's start to the gradient of the first block's input, that is forward and backward but not
+the optimizer or data loading, which do not depend on the plan and which gradient accumulation
+would put in one micro-batch out of several (without such a gradient, or compiled: to the next
+forward's start). The first step of the plan also pays for planning and for caches warming to
+its allocations; the median of three leaves one such step out.
 
 - Offloading every block within ``NOISE`` of the plan's time, or faster: offloading is taken to
   cost nothing here, and of plans as fast as the fastest, the one holding the least memory is the
@@ -22,10 +27,12 @@ medians of their step times (from one forward's start to the next, the optimizer
   ``alpha x`` its saved bytes instead of its I/O wait. Replans after a step over budget use it
   too.
 
-The race's steps run plans that both fit the budget (checked as every planned step is). A step
-of another shape (alternating sequence lengths) is not timed; a replan or a new profile during
-the race ends it without a verdict. On CUDA each raced step synchronizes once at its start, so
-that its time is the device's.
+One race runs at a time: a shape planned while another races waits for it, and a race whose
+shape has not come back for ``PATIENCE`` forwards (a shape that was rare) is put back to wait
+too. A replan of the racing shape (a step over budget) restarts its race with the new plan. Both
+contenders fit the budget, and the budget's check goes on for every step measured (on CPU every
+one; on CUDA the first under each plan, and offloading every block, the leanest, is not measured
+again). On CUDA a raced step synchronizes the device at its start and at its end.
 """
 
 from __future__ import annotations
@@ -37,15 +44,17 @@ from typing import Any
 
 from offloadd.auto.solver import OFFLOAD, RECOMPUTE, BlockCost, Plan
 
-__all__ = ["NOISE", "ORDER", "RACE_STEPS", "Race", "Verdict", "decide", "priced"]
+__all__ = ["NOISE", "ORDER", "PATIENCE", "RACE_STEPS", "Race", "Verdict", "decide", "priced"]
 
 RACE_STEPS = 3
 """Steps each plan runs in a race."""
 NOISE = 0.02
 """Offloading every block within this fraction of the plan's step time counts as free."""
 ORDER = (0, 1, 1, 0, 0, 1)
-"""Which plan each raced step runs: 0 the planner's, 1 offloading every block."""
-assert len(ORDER) == 2 * RACE_STEPS
+"""Which plan each raced step runs: 0 the planner's, 1 offloading every block (``RACE_STEPS``
+each)."""
+PATIENCE = 4 * len(ORDER)
+"""Forwards of other shapes a race waits for its own before it gives way."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +69,7 @@ class Verdict:
     """Offloading every block was within ``NOISE`` of the plan, or faster."""
 
     def __str__(self) -> str:
+        ratio = self.all_s / self.plan_s if self.plan_s > 0 else float("nan")
         how = (
             "offloading is free here: offloading every block, the least memory"
             if self.free
@@ -68,15 +78,15 @@ class Verdict:
         )
         return (
             f"{self.plan_s:.3f} s a step for the plan, {self.all_s:.3f} s offloading every block "
-            f"({self.all_s / self.plan_s:.2f}x): {how}"
+            f"({ratio:.2f}x): {how}"
         )
 
 
 def priced(costs: list[BlockCost], verdict: Verdict | None) -> list[BlockCost]:
     """``costs`` with each offloaded block priced at what the race measured (a cost, not a gain:
     where offloading is free or faster, :func:`decide` takes offloading every block instead)."""
-    if verdict is None or verdict.free:
-        return costs
+    if verdict is None or verdict.free or verdict.alpha <= 0:
+        return costs  # alpha <= 0 and not free: nothing more offloaded to price it by
     return [dataclasses.replace(b, offload_s=max(0.0, verdict.alpha) * b.saved) for b in costs]
 
 
@@ -102,18 +112,28 @@ class Race:
     running: int | None = None
     """The plan the step now running was given (None: not a raced step)."""
     started: float = 0.0
+    ended: float | None = None  # the running step's backward reached the first block's input
+    others: int = 0  # forwards of other shapes since its own last ran
 
     def begin(self, t0: float) -> Plan:
         """A step of this shape, begun at ``t0``, runs the plan whose turn it is."""
         self.running = ORDER[self.turn]
         self.turn += 1
         self.started = t0
+        self.ended = None
+        self.others = 0
         return self.plans[self.running]
 
+    def mark(self, t: float) -> None:
+        """The running step's backward reached the first block's input at ``t``."""
+        if self.running is not None and self.ended is None:
+            self.ended = t
+
     def end(self, t1: float) -> None:
-        """The step that ran a raced plan ended at ``t1`` (the next forward's start)."""
+        """The next forward starts at ``t1``: the running step's time is taken."""
         if self.running is not None:
-            self.times[self.running].append(t1 - self.started)
+            stop = self.ended if self.ended is not None else t1
+            self.times[self.running].append(stop - self.started)
             self.running = None
 
     @property

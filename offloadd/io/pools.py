@@ -24,16 +24,19 @@ above where the sweep began (a node unpacks its saved tensors in pack order, so 
 in a transformer), and aged per sweep, classes were unmapped and mapped again within every
 step (HF GPT-2: 112 fresh buffers a step, 0.4 s of page faults, most of offloading's cost).
 
-Note: [one pool] On CPU with offloadd's host cache as torch's allocator (runtime/host_allocator.py),
-records of ``CACHED_RECORD_BYTES`` and more are taken from the host cache instead (its blocks are
-page-aligned and warm too), and freed back to it. Two reserves of warm memory were one too many:
+Note: [one pool] While offloadd's host cache is torch's CPU allocator (runtime/host_allocator.py),
+records (always in CPU memory) of ``CACHED_RECORD_BYTES`` and more, and of at least the sizes it
+serves, are taken from the host cache instead (its blocks are page-aligned and warm too), and
+freed back to it. Two reserves of warm memory were one too many:
 in backward the host cache kept the blocks of the forward's activations, freed once written and
 sized like exactly the records being read back, while the read pool mapped 140 MiB more beside
 them. HF GPT-2 (steady_hf-gpt2 page): ssd's peak RSS above the model fell from 387 to 309 MiB,
 0.17 to 0.135 x plain's, with no blocks mapped after warm-up (the host cache's ``SLACK`` went from
 0.25 to 0.4 for that: at 0.25 the records' size classes did not fit beside the gradients', and
-backward mapped 1 GiB of fresh blocks a step). Elsewhere (glibc, CUDA's pinned path, small
-records) this pool serves them as above.
+backward mapped 1 GiB of fresh blocks a step). Elsewhere (glibc's heap, which tier ssd keeps
+where CUDA is available; small records) this pool serves them as above. A record from the host
+cache is in no Stats field but ``resident_bytes`` while it holds a block; its memory is the host
+cache's (its live bytes, which the planner's probe reads).
 """
 
 from __future__ import annotations
@@ -103,8 +106,8 @@ class _Lease:
 class ReadPool:
     """Recycled, pre-faulted, page-aligned buffers for read-backs (see [warm buffers])."""
 
-    def __init__(self, host_cache: Callable[[], bool] = lambda: False) -> None:
-        self._host_cache = host_cache  # whether torch's CPU allocator is offloadd's host cache
+    def __init__(self, host_cache: Callable[[int], bool] = lambda nbytes: False) -> None:
+        self._host_cache = host_cache  # whether the host cache serves a CPU allocation this size
         self._free: dict[int, list[AlignedBuffer]] = {}
         self._returned: deque[AlignedBuffer] = deque()
         self._used: set[int] = set()  # classes taken since the last step began
@@ -117,8 +120,10 @@ class ReadPool:
         """Memory for a read-back record of ``record`` bytes (page-aligned, a whole number of
         pages), ``largest`` the most that records of its block's size can need: from the host
         cache while it is torch's CPU allocator and serves that size, else :meth:`take`."""
-        if record >= CACHED_RECORD_BYTES and self._host_cache():
-            t = torch.empty(record, dtype=torch.uint8)
+        if record >= CACHED_RECORD_BYTES and self._host_cache(record):
+            # CPU whatever the default device. (torch.UntypedStorage(n) would skip the fill of
+            # torch.use_deterministic_algorithms, but it takes glibc's heap, not the host cache.)
+            t = torch.empty(record, dtype=torch.uint8, device="cpu")
             if t.data_ptr() % ALIGN == 0:
                 return CachedRecord(t)
         return self.take(largest)

@@ -43,6 +43,7 @@ __all__ = [
     "note_stats",
     "open_for",
     "release",
+    "serves",
 ]
 
 log = logging.getLogger("offloadd")
@@ -131,6 +132,7 @@ class HostCache:
         lib.offloadd_host_cache_uninstall.restype = None
         self._lib = lib
         self.path = path
+        self.min_bytes = MIN_BYTES  # what install() was given: smaller allocations pass by
 
     def install(
         self,
@@ -142,6 +144,7 @@ class HostCache:
         self._lib.offloadd_host_cache_configure(min_bytes, floor_bytes, slack, int(huge_pages))
         if not self._lib.offloadd_host_cache_install():
             raise HostAllocatorError("torch kept another CPU allocator of higher priority")
+        self.min_bytes = min_bytes
 
     def uninstall(self) -> None:
         self._lib.offloadd_host_cache_uninstall()
@@ -204,6 +207,14 @@ def host_cache() -> Iterator[HostCache]:
         yield cache
     finally:
         release()
+
+
+def serves(nbytes: int) -> bool:
+    """Whether a CPU allocation of ``nbytes`` now comes from the host cache (installed by
+    acquire(), and at least its ``min_bytes``). Without the lock: called on the read path, while
+    acquire() may hold it for a build."""
+    cache = _cache
+    return _users > 0 and cache is not None and nbytes >= cache.min_bytes
 
 
 def current() -> HostCache | None:

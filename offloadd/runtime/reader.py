@@ -7,8 +7,9 @@ the source's own storage, as it would without offloadd, and the writes not yet s
 cancelled.
 
 Read-backs of host blocks land in warm buffers of the read pool (see [warm buffers] in
-io/pools.py), laid out like the block's record, so O_DIRECT puts every byte in its final place;
-autograd gets a tensor that views the buffer, which returns to the pool when that tensor dies.
+io/pools.py), or of the host cache where it is torch's CPU allocator ([one pool]), laid out like
+the block's record, so O_DIRECT puts every byte in its final place; autograd gets a tensor that
+views the buffer, which returns to its pool when that tensor dies.
 
 Note: [prefetch window] Backward unpacks roughly in reverse pack order. At each unpack, blocks
 packed before it are read ahead, newest first, while the bytes of blocks prefetched and not yet
@@ -50,7 +51,7 @@ class Reader:
         self.config, self.ledger, self.blocks = writer.config, writer.ledger, writer.blocks
         self.backend, self.ordering = writer.backend, writer.ordering
         self.prefetch_live = 0  # bytes held by prefetched blocks not yet consumed
-        self.pool = ReadPool(lambda: host_allocator.current() is not None)
+        self.pool = ReadPool(host_allocator.serves)
         writer.pools.append(self.pool)
         self.window = self.config.prefetch_bytes  # sized from the blocks at each sweep
         self._pf_low = 0  # prefetch sweep: blocks with seq in [_pf_low, _pf_high) were scanned

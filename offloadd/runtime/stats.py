@@ -30,7 +30,8 @@ class Stats:
     buffer_bytes: int = 0
     """Now: bytes of offloadd's own buffers, in use or idle: staging slots, the cpu tier's host
     pool, the read-back pool (buffers lent to autograd included) and bounce pages. Not part of
-    ``resident_bytes``: add both for all the memory offloadd holds."""
+    ``resident_bytes``: add both for the memory offloadd holds, but for read-backs held by
+    autograd in the host cache's blocks (see [one pool] in io/pools.py)."""
     peak_buffer_bytes: int = 0
     """Most ``buffer_bytes`` at once."""
     host_allocator: str = ""

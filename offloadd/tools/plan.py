@@ -2,7 +2,9 @@
 
 It builds the model with random weights, runs forward and backward (no optimizer step) until the
 planner has profiled it (a warm-up step, a profile step, one planned step), and prints the plan:
-block, saved bytes, times, decision and predicted cost. ``--json`` also writes it.
+block, saved bytes, times, decision and predicted cost. ``--json`` also writes it. That is the
+profile's plan: in training, the next steps race it against offloading every block, which may
+change it ([race] in auto/race.py); the command says so.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import sys
 import torch
 
 from offloadd.auto import InfeasibleBudget, plan_dict, plan_table
+from offloadd.auto.race import RACE_STEPS
+from offloadd.auto.solver import OFFLOAD
 from offloadd.cli_dirs import ready_dir, ready_parent
 from offloadd.config import Config
 from offloadd.runtime import Offloader
@@ -85,6 +89,13 @@ def main(ns: argparse.Namespace) -> int:
         print("offloadd plan: the model has no blocks to plan", file=sys.stderr)
         return 1
     print(plan_table(plan))
+    if cfg.tier != "keep" and plan.count(OFFLOAD) < len(plan.decisions):
+        print(
+            "offloadd plan: the profile's plan; in training the next "
+            f"{2 * RACE_STEPS} steps race it against offloading every block (where that fits), "
+            "which may change it (README: A memory budget, Race)",
+            file=sys.stderr,
+        )
     if ns.json:
         with open(ns.json, "w", encoding="utf-8") as f:
             json.dump(plan_dict(plan), f, indent=2)

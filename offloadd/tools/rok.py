@@ -63,7 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--steps", type=int, default=None, help="timed steps per point (default 8)")
     p.add_argument(
-        "--warmup", type=int, default=None, help="untimed steps per point first (default 3)"
+        "--warmup",
+        type=int,
+        default=None,
+        help="untimed steps per point first (default 3; auto at least 9: its profile and race)",
     )
     p.add_argument(
         "--repeats",

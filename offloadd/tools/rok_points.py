@@ -240,7 +240,7 @@ def _results(res: dict[str, Any], batch: int, *, cuda: bool) -> dict[str, Any]:
     out: dict[str, Any] = {
         "status": "ok" if ok else "oom",
         "error": res.get("error"),
-        "warmup": res.get("warmup_steps"),  # what ran: auto takes at least AUTO_WARMUP
+        "warmup": res.get("warmup_steps"),  # what ran: auto takes at least train.AUTO_WARMUP
         "peak_rss_above_base": res["peak_rss_above_base"],
         "peak_device_above_base": res.get("peak_device_above_base"),
         "activation_peak_bytes": (

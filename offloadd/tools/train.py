@@ -313,7 +313,7 @@ def _run(spec: RunSpec, progress: bool, acquired: list[bool]) -> dict[str, Any]:
         "step_times_s": times,
         "warmup_steps": warmup,
         # auto: its plan final (no profile or race) at the end of every timed step
-        "auto_settled": all(r.get("auto_settled", True) for r in timed),
+        "auto_settled": all(r["auto_settled"] for r in timed) if spec.strategy == "auto" else None,
         # one record per step, warm-ups included (step_trace.py), and the timed steps' medians
         "trace": trace,
         "trace_median": medians(timed),

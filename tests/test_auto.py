@@ -808,7 +808,7 @@ def test_race_learns_what_offloading_costs(disk_dir: Path) -> None:
     assert plan is not None and plan.decisions == (KEEP,) * 5
     assert plan.race == pytest.approx((1.0, 1.5))
     assert off._auto is not None and off._auto.settled
-    alpha = next(v for v in off._auto.verdicts.values() if v is not None).alpha
+    alpha = next(v for v in off._auto.shapes.verdicts.values() if v is not None).alpha
     assert alpha == pytest.approx(0.5 / sum(b.saved for b in plan.blocks))
     assert ran[-1] == (KEEP,) * 5 and everything in ran  # raced, then kept
     off.close()
@@ -818,7 +818,7 @@ def test_race_learns_what_offloading_costs(disk_dir: Path) -> None:
     assert KEEP in plan.decisions and RECOMPUTE in plan.decisions
     assert off._auto is not None
     alpha = next(
-        v for v in off._auto.verdicts.values() if v is not None
+        v for v in off._auto.shapes.verdicts.values() if v is not None
     ).alpha  # this race's plan differed: its own figure
     assert alpha > 0
     assert [b.offload_s for b in plan.blocks] == pytest.approx(
@@ -860,7 +860,9 @@ def test_races_run_one_at_a_time_and_each_shape_gets_its_own(disk_dir: Path) -> 
     off, ran, _, _ = _race_run(disk_dir, "100x", lambda d: 1.0, batches=batches)
     auto = off._auto
     assert auto is not None and auto.settled and auto.profiles == 2
-    assert len(auto.verdicts) == 2 and all(v is not None and v.free for v in auto.verdicts.values())
+    assert len(auto.shapes.verdicts) == 2 and all(
+        v is not None and v.free for v in auto.shapes.verdicts.values()
+    )
     assert all(p.decisions == everything for p in auto.plans.values())
     # the long shape's plan kept every block until its race ran (after the short one's)
     assert ran[5] == (KEEP,) * 5 and ran[6 + 5 :][:6].count(everything) == 3
@@ -883,11 +885,11 @@ def test_a_replan_during_the_race_races_again(disk_dir: Path) -> None:
     plan = auto.plans[sig]
     auto.shapes.over_budget(sig, plan.budget + 1, plan)  # as _check does after such a step
     race = auto.shapes.race
-    assert race is not None and race.turn == 0 and auto.verdicts[sig] is None
+    assert race is not None and race.turn == 0 and auto.shapes.verdicts[sig] is None
     for x in _batches(len(ORDER) + 1):
         with off:
             loss = model(x[:, :-1], x[:, 1:])
         loss.backward()
         del loss
-    assert auto.settled and auto.verdicts[sig] is not None
+    assert auto.settled and auto.shapes.verdicts[sig] is not None
     off.close()

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from offloadd.io.buffers import SlotPool
-from offloadd.io.pools import CACHED_RECORD_BYTES, ReadPool, size_class
+from offloadd.io.pools import ReadPool, size_class
 from offloadd.io.request import Op, Request
+from offloadd.runtime.host_allocator import MIN_BYTES
 
 from .helpers import SavePayload, SlowEngine, small_offloader
 
@@ -51,7 +52,7 @@ def test_round_trip_from_any_offset_in_a_page(nbytes: int, skew: int, disk_dir: 
     assert torch.equal(SavePayload.seen[0], expect)
     after = off.stats()
     assert after.bytes_read >= nbytes
-    if after.host_allocator == "caching" and nbytes >= CACHED_RECORD_BYTES:
+    if after.host_allocator == "caching" and nbytes >= MIN_BYTES:
         assert off._reader.pool.created == 0  # read into a block of the host cache: [one pool]
         assert after.peak_resident_bytes >= nbytes
     else:

@@ -41,7 +41,7 @@ from offloadd.auto.discover import find_blocks
 from offloadd.auto.plans import ShapePlans
 from offloadd.auto.probe import HostCacheProbe, MemoryProbe, open_probe
 from offloadd.auto.profile import HEAD, StepProfile
-from offloadd.auto.race import PATIENCE, RACE_STEPS, Verdict
+from offloadd.auto.race import PATIENCE, RACE_STEPS
 from offloadd.auto.solver import OFFLOAD, RECOMPUTE, Plan
 from offloadd.runtime.ledger import Ledger
 
@@ -347,14 +347,6 @@ class AutoPlanner:
     @property
     def plans(self) -> dict[tuple[Any, ...], Plan]:
         return self.shapes.plans
-
-    @property
-    def verdicts(self) -> dict[tuple[Any, ...], Verdict | None]:
-        """Per shape: its race's verdict (None: racing; see [race])."""
-        return self.shapes.verdicts
-
-    def keep_footprint(self, sig: tuple[Any, ...] | None = None) -> int:
-        return self.shapes.keep_footprint(sig)
 
     @property
     def settled(self) -> bool:

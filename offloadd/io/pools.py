@@ -25,8 +25,8 @@ in a transformer), and aged per sweep, classes were unmapped and mapped again wi
 step (HF GPT-2: 112 fresh buffers a step, 0.4 s of page faults, most of offloading's cost).
 
 Note: [one pool] While offloadd's host cache is torch's CPU allocator (runtime/host_allocator.py),
-records (always in CPU memory) of ``CACHED_RECORD_BYTES`` and more, and of at least the sizes it
-serves, are taken from the host cache instead (its blocks are page-aligned and warm too), and
+records (always in CPU memory) of the sizes it serves (``host_allocator.MIN_BYTES`` and more) are
+taken from the host cache instead (its blocks are page-aligned and warm too), and
 freed back to it. Two reserves of warm memory were one too many:
 in backward the host cache kept the blocks of the forward's activations, freed once written and
 sized like exactly the records being read back, while the read pool mapped 140 MiB more beside
@@ -51,11 +51,7 @@ import torch
 from offloadd.io.buffers import ALIGN, AlignedBuffer, round_up
 from offloadd.io.hugepages import HUGE_PAGE
 
-__all__ = ["CACHED_RECORD_BYTES", "CachedRecord", "PagePool", "Pool", "ReadPool", "size_class"]
-
-CACHED_RECORD_BYTES = 128 << 10
-"""Records from this size up are taken from the host cache when it is installed (its blocks are
-page-aligned from its own threshold up, ``host_allocator.MIN_BYTES``)."""
+__all__ = ["CachedRecord", "PagePool", "Pool", "ReadPool", "size_class"]
 
 
 def size_class(nbytes: int) -> int:
@@ -120,7 +116,7 @@ class ReadPool:
         """Memory for a read-back record of ``record`` bytes (page-aligned, a whole number of
         pages), ``largest`` the most that records of its block's size can need: from the host
         cache while it is torch's CPU allocator and serves that size, else :meth:`take`."""
-        if record >= CACHED_RECORD_BYTES and self._host_cache(record):
+        if self._host_cache(record):
             # CPU whatever the default device. (torch.UntypedStorage(n) would skip the fill of
             # torch.use_deterministic_algorithms, but it takes glibc's heap, not the host cache.)
             t = torch.empty(record, dtype=torch.uint8, device="cpu")

@@ -11,16 +11,18 @@ writes ``<stem>.md``: the machine, the exact command, every point, and the sweep
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shlex
 import shutil
 from pathlib import Path
 from typing import Any
 
+from offloadd.auto.planner import WARMUP_STEPS
 from offloadd.runtime.stats import format_bytes
 from offloadd.tools.machine import machine_line
 from offloadd.tools.rok_points import read_points
-from offloadd.tools.rok_summary import aggregate
+from offloadd.tools.rok_summary import aggregate, auto_rounds, summary_lines
 
 
 def _cell(r: dict[str, Any], key: str, fmt: str) -> str:
@@ -44,7 +46,8 @@ def main() -> int:
     p.add_argument("--note", action="append", default=[], help="a line for the page's notes")
     ns = p.parse_args()
     report = json.loads((ns.rok_dir / "rok.json").read_text())
-    rows = aggregate(read_points(ns.rok_dir / "rok.csv"))
+    raw = read_points(ns.rok_dir / "rok.csv")
+    rows = aggregate(raw)
     stem: Path = ns.stem
     stem.parent.mkdir(parents=True, exist_ok=True)
     for suffix in (".csv", ".json", ".png"):
@@ -66,9 +69,10 @@ def main() -> int:
         f"{disk.get('device', '?')})",
         f"- command: `{shlex.join(cmd)}`",
         f"- model: {sw['model']}, {sw['layers']} layers, hidden {sw['hidden']}, {sw['heads']} heads, "
-        f"seq {sw['seq']}, vocab {sw['vocab']}; {sw['steps']} timed steps after one warm-up, each "
-        f"point in its own process, {sw.get('repeats', 1)} round(s), strategies interleaved batch "
-        "size by batch size; medians over rounds",
+        f"seq {sw['seq']}, vocab {sw['vocab']}; {sw['steps']} timed steps after "
+        f"{sw.get('warmup', 1)} untimed ones (auto: at least {WARMUP_STEPS}, its profile and "
+        f"race), each point in its own process, {sw.get('repeats', 1)} round(s), strategies "
+        "interleaved batch size by batch size; medians over rounds",
         "- memory: peak RSS above the RSS after the model, gradients and optimizer state were "
         "built; beside it, where offloadd's host cache was torch's allocator, its peak live bytes "
         "above the same point (what an auto budget bounds), and offloadd's own "
@@ -102,8 +106,7 @@ def main() -> int:
     if autos:
         lines += [
             "",
-            "auto points (three untimed steps: warm-up, profile, first plan): the budget on the "
-            "memory axis, what offloadd was given (the axis budget less offload-ssd's RSS above "
+            "auto points: the budget on the memory axis, what offloadd was given (the axis budget less offload-ssd's RSS above "
             "the host cache's live peak, see [budgets on the axis] in rok_points.py), the "
             "plan's blocks kept / offloaded / recomputed, and the memory used against the budget",
             "",
@@ -122,7 +125,21 @@ def main() -> int:
                 f"{_bytes(r, 'held_budget_bytes')} | {r.get('plan') or r['status']} | "
                 f"{_bytes(r, 'activation_peak_bytes')} | {used} |"
             )
-    raw = read_points(ns.rok_dir / "rok.csv")
+    per_round = auto_rounds(raw)
+    if per_round:
+        lines += [
+            "",
+            "auto per round: its throughput over the same round's run of the single strategy it "
+            "is judged against (the fastest whose median memory fits its budget)",
+            "",
+            "| auto point | batch | per round |",
+            "|---|---|---|",
+        ]
+        for (strategy, b), group in itertools.groupby(
+            per_round, key=lambda p: (p["strategy"], p["batch_size"])
+        ):
+            cells = ", ".join(f"{p['ratio']:.3f}" for p in group)
+            lines.append(f"| {strategy} | {b} | {cells} |")
     same = []
     for r in raw:
         if r["strategy"].startswith("offload") and r["status"] == "ok":
@@ -142,11 +159,14 @@ def main() -> int:
         ]
     lines += [
         "",
-        "Summary printed by `offloadd rok` (ratios are offload ÷ keep, offload ÷ recompute; "
-        "auto ÷ the best single strategy within its budget, auto ÷ keep):",
+        "`offloadd rok`'s summary, computed again from the CSV (ratios are offload ÷ keep, "
+        "offload ÷ recompute; auto ÷ the best single strategy within its budget, auto ÷ keep):",
         "",
     ]
-    lines += ["```", *report["summary"], "```", ""]
+    summary = summary_lines(rows, raw)
+    if sw.get("repeats", 1) > 1:
+        summary.insert(0, f"medians over {sw['repeats']} rounds")
+    lines += ["```", *summary, "```", ""]
     stem.with_suffix(".md").write_text("\n".join(lines))
     print(f"wrote {stem.with_suffix('.md')}")
     return 0

@@ -16,9 +16,11 @@ import pytest
 from offloadd import cli
 from offloadd.tools.rok_summary import (
     aggregate,
+    auto_rounds,
     compare,
     compare_auto,
     interpolate,
+    pooled,
     summary_lines,
 )
 from offloadd.tools.train import RunSpec, run
@@ -309,3 +311,34 @@ def test_auto_comparisons() -> None:
     assert a["best_single"] == "offload-ssd" and a["thr_vs_best_single"] == pytest.approx(9.7 / 9)
     assert a["auto_target"] and a["tba_target"] and a["thr_vs_keep"] == pytest.approx(0.97)
     assert "best_single" not in b and "auto_target" not in b  # nothing single fits 200 bytes
+
+
+def test_auto_rounds_pair_each_round_with_its_own_single_run() -> None:
+    def row(s: str, n: int, thr: float, mem: int = 300, **kw: object) -> dict[str, object]:
+        return {"strategy": s, "batch_size": 4, "round": n, "status": "ok"} | {
+            "activation_peak_bytes": mem,
+            "samples_per_s": thr,
+            "step_time_min_s": 1.0,
+            **kw,
+        }
+
+    rounds = [
+        row("keep", 1, 10.0, mem=1000),
+        row("offload-ssd", 1, 8.0),
+        row("auto@0.5x", 1, 8.4, budget_bytes=500, plan="k1 o8 r0"),
+        row("keep", 2, 9.0, mem=1000),
+        row("offload-ssd", 2, 6.0),  # a slow round for everyone
+        row("auto@0.5x", 2, 6.0, budget_bytes=500, plan="k1 o8 r0"),
+        row("auto@0.5x", 3, 5.0, budget_bytes=500, plan="k1 o8 r0"),  # its single failed
+        row("offload-ssd", 3, 1.0) | {"status": "error"},
+    ]
+    per = auto_rounds(rounds)
+    assert [(p["round"], p["ratio"]) for p in per] == [(1, pytest.approx(1.05)), (2, 1.0)]
+    mean, lo, hi = pooled([p["ratio"] for p in per])
+    assert mean == pytest.approx((1.05 * 1.0) ** 0.5) and lo == pytest.approx(1.0)
+    assert hi == pytest.approx(1.05)
+    assert pooled([1.0, 1.0, 1.0]) == (1.0, 1.0, 1.0)
+    with pytest.raises(ValueError, match="at least two ratios, got 1"):
+        pooled([1.02])
+    (line,) = [x for x in summary_lines(aggregate(rounds), rounds) if "point-rounds" in x]
+    assert "2 point-rounds" in line and "lowest 1.00x" in line

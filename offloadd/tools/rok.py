@@ -221,7 +221,7 @@ def _write_results(
 ) -> list[str]:
     """DIR/summary.txt, DIR/rok.json and DIR/rok.png from the measured rows; the summary."""
     points = aggregate(rows)
-    lines = summary_lines(points)
+    lines = summary_lines(points, rows)
     if sw.repeats > 1:
         lines.insert(0, f"medians over {sw.repeats} rounds")
     (sw.out / "summary.txt").write_text("\n".join([sw.title(), *lines]) + "\n")

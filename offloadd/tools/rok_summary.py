@@ -6,6 +6,8 @@ Works on the typed point rows of ``offloadd rok`` (see ``offloadd.tools.rok_poin
 from __future__ import annotations
 
 import itertools
+import math
+import random
 import statistics
 from typing import Any
 
@@ -13,9 +15,11 @@ __all__ = [
     "OFFLOAD",
     "SINGLE",
     "aggregate",
+    "auto_rounds",
     "compare",
     "compare_auto",
     "interpolate",
+    "pooled",
     "summary_lines",
 ]
 
@@ -167,6 +171,52 @@ def compare_auto(rows: list[Row]) -> list[Row]:
     return out
 
 
+def auto_rounds(rounds: list[Row]) -> list[Row]:
+    """Per auto point and round: auto's throughput over the same round's throughput of the single
+    strategy ``compare_auto`` judges it against (picked from the medians over rounds). The two
+    ran minutes apart in one round, so the ratio leaves out most of the drift between rounds."""
+    best = {
+        (c["strategy"], c["batch_size"]): c["best_single"]
+        for c in compare_auto(aggregate(rounds))
+        if "best_single" in c
+    }
+    ok = {(r["strategy"], r["batch_size"], r["round"]): r for r in rounds if r["status"] == "ok"}
+    out = []
+    for (strategy, b, n), r in sorted(ok.items()):
+        single = best.get((strategy, b))
+        ref = ok.get((single, b, n)) if single else None
+        if ref is not None:
+            ratio = r["samples_per_s"] / ref["samples_per_s"]
+            out.append({"strategy": strategy, "batch_size": b, "round": n, "ratio": ratio})
+    return out
+
+
+def pooled(
+    ratios: list[float], resamples: int = 10_000, seed: int = 0
+) -> tuple[float, float, float]:
+    """The geometric mean of ``ratios`` and a 95 % percentile-bootstrap interval of it (seeded,
+    so a report is reproducible). Needs at least two ratios."""
+    if len(ratios) < 2:
+        raise ValueError(f"pooled: needs at least two ratios, got {len(ratios)}")
+    logs = [math.log(x) for x in ratios]
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(resamples))
+    lo, hi = means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+    return math.exp(statistics.fmean(logs)), math.exp(lo), math.exp(hi)
+
+
+def _pooled_lines(rounds: list[Row]) -> list[str]:
+    per = auto_rounds(rounds)
+    if len(per) < 2:
+        return []
+    mean, lo, hi = pooled([p["ratio"] for p in per])
+    return [
+        f"  per round, against that round's run of the same single strategy: {len(per)} "
+        f"point-rounds, geometric mean {mean:.3f}x, 95 % bootstrap interval {lo:.3f}-{hi:.3f}x, "
+        f"lowest {min(p['ratio'] for p in per):.2f}x"
+    ]
+
+
 def _auto_lines(rows: list[Row]) -> list[str]:
     comps = compare_auto(rows)
     if not comps:
@@ -201,8 +251,10 @@ def _auto_lines(rows: list[Row]) -> list[str]:
     return lines
 
 
-def summary_lines(rows: list[Row]) -> list[str]:
-    """A short text summary of the sweep, one line per offload point plus target verdicts."""
+def summary_lines(rows: list[Row], rounds: list[Row] | None = None) -> list[str]:
+    """A short text summary of the sweep (``rows``: ``aggregate``'s points), one line per offload
+    point plus target verdicts; with ``rounds`` (the rows of every round), auto's per-round
+    ratios pooled over its points."""
     lines = []
     for r in rows:
         if r["status"] != "ok":
@@ -238,4 +290,4 @@ def summary_lines(rows: list[Row]) -> list[str]:
                     for c in stolen
                 )
             )
-    return lines + _auto_lines(rows)
+    return lines + _auto_lines(rows) + _pooled_lines(rounds or [])

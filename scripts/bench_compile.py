@@ -61,11 +61,8 @@ class Model(nn.Module):
 
 
 def one(mode: str, tier: str, steps: int) -> dict[str, object]:
-    import offloadd
-
     torch.manual_seed(0)
     model = Model().to(DEVICE)
-    cuda = DEVICE == "cuda"
     run: nn.Module = model
     if mode in ("whole", "whole-no-ops"):
         run = torch.compile(model)  # type: ignore[assignment]
@@ -74,10 +71,28 @@ def one(mode: str, tier: str, steps: int) -> dict[str, object]:
             b.compile()
     x = torch.randn(N, D, device=DEVICE)
     weights = sum(p.nbytes for p in model.parameters() if p.dim() == 2)  # what linears save
+    with tempfile.TemporaryDirectory(prefix="bench-compile-", dir=".") as ssd_dir:
+        return _measure(mode, tier, steps, run, model, x, weights, ssd_dir)
+
+
+def _measure(
+    mode: str,
+    tier: str,
+    steps: int,
+    run: nn.Module,
+    model: nn.Module,
+    x: torch.Tensor,
+    weights: int,
+    ssd_dir: str,
+) -> dict[str, object]:
+    """One mode's steps in ``ssd_dir`` (removed by the caller, whatever happens here)."""
+    import offloadd
+
+    cuda = DEVICE == "cuda"
     off = offloadd.Offloader(
         offloadd.Config(
             tier=tier,
-            ssd_dirs=[tempfile.mkdtemp(dir=".")],
+            ssd_dirs=[ssd_dir],
             host_allocator="system" if cuda else "caching",
             compile_ops=mode != "whole-no-ops",
         )

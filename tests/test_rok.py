@@ -342,3 +342,26 @@ def test_auto_rounds_pair_each_round_with_its_own_single_run() -> None:
         pooled([1.02])
     (line,) = [x for x in summary_lines(aggregate(rounds), rounds) if "point-rounds" in x]
     assert "2 point-rounds" in line and "lowest 1.00x" in line
+
+
+def test_resume_takes_auto_rows_with_the_warmups_auto_needs() -> None:
+    """A row records the warm-ups that ran; auto's are more than the sweep asked for, and
+    --resume must still see them as this sweep's (it refused every sweep with auto points)."""
+    from types import SimpleNamespace
+
+    from offloadd.tools.rok import _sweep_key
+    from offloadd.tools.rok_sweep import KEY
+    from offloadd.tools.train import warmup_steps
+
+    asked = {k: 0 for k in KEY} | {"warmup": 3, "compile": False}
+    sw = SimpleNamespace(warmup=3, compile=False)
+    auto_ran = warmup_steps("auto", 3, compile=False)
+    assert auto_ran > 3
+
+    def key(strategy: str, warmup: int) -> dict[str, object]:
+        return _sweep_key(asked | {"strategy": strategy, "warmup": warmup}, sw)  # type: ignore[arg-type]
+
+    assert key("auto@0.5x", auto_ran) == asked
+    assert key("keep", 3) == asked
+    assert key("keep", auto_ran) != asked  # another sweep's warm-ups
+    assert key("auto@recompute", 5) != asked

@@ -27,6 +27,7 @@ from offloadd.tools.models.build import MODELS
 from offloadd.tools.rok_points import measure, point_line, read_points, write_points
 from offloadd.tools.rok_summary import aggregate, summary_lines
 from offloadd.tools.rok_sweep import KEY, Sweep, UsageError, resolve
+from offloadd.tools.train import warmup_steps
 
 __all__ = ["add_arguments", "main"]
 
@@ -196,6 +197,16 @@ def main(ns: argparse.Namespace) -> int:
     return 1 if any(r["status"] == "error" for r in rows) else 0
 
 
+def _sweep_key(row: dict[str, Any], sw: Sweep) -> dict[str, Any]:
+    """A row's ``KEY`` fields, its warm-ups those the sweep asked for where the run took the
+    more its strategy needs (a row records what ran: auto at least ``train.AUTO_WARMUP``)."""
+    key = {k: row[k] for k in KEY}
+    strategy = "auto" if row["strategy"].startswith("auto@") else row["strategy"]
+    if key["warmup"] == warmup_steps(strategy, sw.warmup, compile=sw.compile):
+        key["warmup"] = sw.warmup
+    return key
+
+
 def _previous_rows(sw: Sweep) -> list[dict[str, Any]]:
     """With ``--resume``, the points of DIR/rok.csv that need no new run; else none."""
     csv_path = sw.out / "rok.csv"
@@ -207,7 +218,7 @@ def _previous_rows(sw: Sweep) -> list[dict[str, Any]]:
         rows = read_points(csv_path)
     except ValueError as e:
         raise UsageError(f"--resume: {e}") from None
-    other = [r for r in rows if {k: r[k] for k in KEY} != sw.key()]
+    other = [r for r in rows if _sweep_key(r, sw) != sw.key()]
     if other:
         raise UsageError(
             f"--resume: {csv_path} holds points of another sweep "

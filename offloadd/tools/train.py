@@ -46,9 +46,17 @@ __all__ = [
     "run",
     "run_in_subprocess",
     "split_label",
+    "warmup_steps",
 ]
 
 STRATEGIES = ("none", "keep", "recompute", "ssd", "cpu", "auto")
+
+
+def warmup_steps(strategy: str, warmup: int, *, compile: bool) -> int:
+    """The untimed steps a run of ``strategy`` takes when ``warmup`` are asked for: at least
+    ``AUTO_WARMUP`` for auto (its warm-up forward, profile, race and first step under its final
+    plan), at least 2 compiled (the backward compiles in the second)."""
+    return max(warmup, AUTO_WARMUP if strategy == "auto" else 2 if compile else 0)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -64,9 +72,7 @@ class RunSpec:
     steps: int = 8
     """Timed steps, after ``warmup`` untimed ones."""
     warmup: int = 3
-    """Untimed steps first: at least ``AUTO_WARMUP`` for auto (the planner's warm-up forward,
-    profile, race and first step under its final plan), at least 2 compiled (the backward
-    compiles in the second)."""
+    """Untimed steps first; auto and compiled runs take more (``warmup_steps``)."""
     allocator: str = "auto"
     """torch's CPU allocator (see ``step_trace.ALLOCATORS``): auto, system, caching (offloadd's
     host cache, with or without an Offloader), jemalloc or tcmalloc (preloaded)."""
@@ -211,7 +217,7 @@ def _run(spec: RunSpec, progress: bool, acquired: list[bool]) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(spec.seed + 1)
     # auto: its warm-up forward, profile, race and first step under the final plan go untimed
-    warmup = max(spec.warmup, AUTO_WARMUP if spec.strategy == "auto" else 2 if spec.compile else 0)
+    warmup = warmup_steps(spec.strategy, spec.warmup, compile=spec.compile)
     batches = [
         torch.randint(0, vocab, (spec.batch_size, spec.seq_len + 1), generator=gen)
         for _ in range(spec.steps + warmup)

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -71,11 +72,25 @@ def one(mode: str, tier: str, steps: int) -> dict[str, object]:
             b.compile()
     x = torch.randn(N, D, device=DEVICE)
     weights = sum(p.nbytes for p in model.parameters() if p.dim() == 2)  # what linears save
+    import offloadd
+
     with tempfile.TemporaryDirectory(prefix="bench-compile-", dir=".") as ssd_dir:
-        return _measure(mode, tier, steps, run, model, x, weights, ssd_dir)
+        off = offloadd.Offloader(
+            offloadd.Config(
+                tier=tier,
+                ssd_dirs=[ssd_dir],
+                host_allocator="system" if DEVICE == "cuda" else "caching",
+                compile_ops=mode != "whole-no-ops",
+            )
+        )
+        try:
+            return _measure(off, mode, tier, steps, run, model, x, weights)
+        finally:
+            off.close()  # before its directory goes
 
 
 def _measure(
+    off: Any,
     mode: str,
     tier: str,
     steps: int,
@@ -83,20 +98,9 @@ def _measure(
     model: nn.Module,
     x: torch.Tensor,
     weights: int,
-    ssd_dir: str,
 ) -> dict[str, object]:
-    """One mode's steps in ``ssd_dir`` (removed by the caller, whatever happens here)."""
-    import offloadd
-
+    """One mode's steps through ``off`` (which the caller closes)."""
     cuda = DEVICE == "cuda"
-    off = offloadd.Offloader(
-        offloadd.Config(
-            tier=tier,
-            ssd_dirs=[ssd_dir],
-            host_allocator="system" if cuda else "caching",
-            compile_ops=mode != "whole-no-ops",
-        )
-    )
     from offloadd.runtime import host_allocator
 
     cache = host_allocator.current()
@@ -142,7 +146,6 @@ def _measure(
         "peak_above_start": max(above),
         "stats": st.summary(),
     }
-    off.close()
     return out
 
 

@@ -4,8 +4,8 @@
 each strategy for ``--steps`` timed steps, each in its own process (the training loop of
 ``offloadd bench step``: ``offloadd.tools.train``), strategies in turn, and reports the median
 step time of each tenth of the run, the last tenth over the first (drift), the ratio of each
-strategy's tenth to keep's, peak RSS above the model, and the offload directory's files at the
-end. A cost that grows with the process's age (files, pools, the host cache, fragmentation)
+strategy's tenth to keep's (runs one after the other: the machine's drift between them is in
+it), and peak RSS above the model. A cost that grows with the process's age (files, pools, the host cache, fragmentation)
 shows as a ratio that rises from the first tenth to the last.
 
     python scripts/long_run.py --steps 1000 --out docs/benchmarks/long-run_cpu-2core_DATE
@@ -52,6 +52,8 @@ def main() -> int:
     strategies = ns.strategies.split(",")
     if "keep" not in strategies:
         p.error("--strategies must include keep (the ratios are against it)")
+    if ns.steps < TENTHS:
+        p.error(f"--steps must be at least {TENTHS} (a median per tenth), got {ns.steps}")
     results: dict[str, dict[str, Any]] = {}
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     for s in strategies:
@@ -69,6 +71,8 @@ def main() -> int:
         )
         t0 = time.perf_counter()
         res = run_in_subprocess(spec)
+        if res["oom"]:
+            raise SystemExit(f"long_run: {s} ran out of memory: {res['error']}")
         res.pop("trace", None)  # a record per step: kept as step times only
         results[s] = res
         print(f"{s}: {ns.steps} steps in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
@@ -106,8 +110,8 @@ def main() -> int:
     same = {s: r["weights_sha256"] == results["keep"]["weights_sha256"] for s, r in results.items()}
     lines += ["", f"Final weights bit-identical to keep's: {same}", ""]
     ns.out.parent.mkdir(parents=True, exist_ok=True)
-    ns.out.with_suffix(".md").write_text("\n".join(lines))
-    ns.out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+    ns.out.parent.joinpath(ns.out.name + ".md").write_text("\n".join(lines))
+    ns.out.parent.joinpath(ns.out.name + ".json").write_text(json.dumps(results, indent=1) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -13,6 +13,7 @@ bootstrap interval (``rok_summary.pooled``).
 from __future__ import annotations
 
 import argparse
+import hashlib
 from pathlib import Path
 
 from offloadd.tools.rok_points import read_points
@@ -24,7 +25,13 @@ def main() -> int:
     p.add_argument("csv", type=Path, nargs="+", help="rok.csv files (or their copies in docs/)")
     ns = p.parse_args()
     ratios = []
+    seen: dict[str, Path] = {}
     for path in ns.csv:
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        if digest in seen:
+            print(f"{path}: the same file as {seen[digest]}, skipped")
+            continue
+        seen[digest] = path
         for r in auto_rounds(read_points(path)):
             print(
                 f"{path.name}: {r['strategy']} batch {r['batch_size']} round {r['round']}: "

@@ -18,7 +18,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from offloadd.auto.planner import WARMUP_STEPS
 from offloadd.runtime.stats import format_bytes
 from offloadd.tools.machine import machine_line
 from offloadd.tools.rok_points import read_points
@@ -55,6 +54,8 @@ def main() -> int:
         if src.exists():
             shutil.copyfile(src, stem.with_suffix(suffix))
     m, sw = report["machine"], report["sweep"]
+    ran = {r["warmup"] for r in raw if r["strategy"].startswith("auto@") and r["status"] == "ok"}
+    auto_warmup = f" (auto: {max(ran)}, its profile and race)" if ran else ""
     cmd = sw["command"]
     if cmd and cmd[0].endswith("__main__.py"):
         cmd = ["offloadd", *cmd[1:]]
@@ -70,8 +71,7 @@ def main() -> int:
         f"- command: `{shlex.join(cmd)}`",
         f"- model: {sw['model']}, {sw['layers']} layers, hidden {sw['hidden']}, {sw['heads']} heads, "
         f"seq {sw['seq']}, vocab {sw['vocab']}; {sw['steps']} timed steps after "
-        f"{sw.get('warmup', 1)} untimed ones (auto: at least {WARMUP_STEPS}, its profile and "
-        f"race), each point in its own process, {sw.get('repeats', 1)} round(s), strategies "
+        f"{sw.get('warmup', 1)} untimed ones{auto_warmup}, each point in its own process, {sw.get('repeats', 1)} round(s), strategies "
         "interleaved batch size by batch size; medians over rounds",
         "- memory: peak RSS above the RSS after the model, gradients and optimizer state were "
         "built; beside it, where offloadd's host cache was torch's allocator, its peak live bytes "

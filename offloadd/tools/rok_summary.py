@@ -13,6 +13,7 @@ from typing import Any
 
 __all__ = [
     "OFFLOAD",
+    "POOL_MIN",
     "SINGLE",
     "aggregate",
     "auto_rounds",
@@ -205,9 +206,13 @@ def pooled(
     return math.exp(statistics.fmean(logs)), math.exp(lo), math.exp(hi)
 
 
+POOL_MIN = 10
+"""Point-rounds below which the summary gives no bootstrap interval (it would be their range)."""
+
+
 def _pooled_lines(rounds: list[Row]) -> list[str]:
     per = auto_rounds(rounds)
-    if len(per) < 2:
+    if len(per) < POOL_MIN:
         return []
     mean, lo, hi = pooled([p["ratio"] for p in per])
     return [

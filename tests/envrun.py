@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -39,8 +40,28 @@ def offload_env(disk_dir: Path, report: Path, **extra: str) -> dict[str, str]:
 def run(
     args: list[str], env: dict[str, str], *, timeout: float = 300, cwd: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Run a client to completion; fail with its output if it fails."""
-    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    """Run a client to completion; fail with its output if it fails or runs past ``timeout``.
+    The client runs in its own session: on a timeout the whole group goes (torchrun's ranks
+    too, which a kill of torchrun alone leaves running, holding ports, cores and file locks)."""
+    with subprocess.Popen(
+        args,
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as child:
+        try:
+            out, err = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            out, err = child.communicate()
+            raise AssertionError(
+                f"{args} ran past {timeout:g} s (its process group killed)\n"
+                f"--- stdout\n{out[-4000:]}\n--- stderr\n{err[-8000:]}"
+            ) from None
+    proc = subprocess.CompletedProcess(args, child.returncode, out, err)
     if proc.returncode != 0:
         raise AssertionError(
             f"{args} exited with {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"

@@ -364,6 +364,29 @@ def test_resume_takes_auto_rows_with_the_warmups_auto_needs() -> None:
         return _sweep_key(asked | {"strategy": strategy, "warmup": warmup}, sw)  # type: ignore[arg-type]
 
     assert key("auto@0.5x", auto_ran) == asked
+    from offloadd.auto.planner import WARMUP_STEPS_MAX
+
+    assert key("auto@0.5x", WARMUP_STEPS_MAX) == asked  # the longest race
+    assert key("auto@0.5x", WARMUP_STEPS_MAX + 1) != asked
     assert key("keep", 3) == asked
     assert key("keep", auto_ran) != asked  # another sweep's warm-ups
     assert key("auto@recompute", 5) != asked
+
+
+def test_auto_warms_up_until_its_planner_settled(disk_dir: Path) -> None:
+    """auto's race runs as long as it takes to tell its plans apart ([race]); the run warms up
+    until the planner has settled and run one step under its final plan, so that every timed
+    step is a settled plan's; the warm-ups that ran are recorded (rok's rows key on them)."""
+    from offloadd.auto.planner import WARMUP_STEPS, WARMUP_STEPS_MAX
+    from offloadd.tools.train import RunSpec, run
+
+    spec = RunSpec(
+        strategy="auto", budget="0.6x", num_layers=2, d_model=64, num_heads=2, seq_len=32,
+        batch_size=2, steps=3, warmup=1, ssd_dir=str(disk_dir), min_bytes=1024, vocab_size=128,
+    )  # fmt: skip
+    res = run(spec)
+    assert res["auto_settled"] is True and len(res["step_times_s"]) == 3
+    assert WARMUP_STEPS <= res["warmup_steps"] <= WARMUP_STEPS_MAX
+    warm = [r["warmup"] for r in res["trace"]]
+    assert warm == [True] * res["warmup_steps"] + [False] * 3
+    assert res["trace"][res["warmup_steps"] - 1]["auto_settled"]  # one step under the plan

@@ -41,20 +41,23 @@ from offloadd.auto.discover import find_blocks
 from offloadd.auto.plans import ShapePlans
 from offloadd.auto.probe import HostCacheProbe, MemoryProbe, open_probe
 from offloadd.auto.profile import HEAD, StepProfile
-from offloadd.auto.race import PATIENCE, RACE_STEPS
+from offloadd.auto.race import PATIENCE, RACE_STEPS_MAX, RACE_STEPS_MIN
 from offloadd.auto.solver import OFFLOAD, RECOMPUTE, Plan
 from offloadd.runtime.ledger import Ledger
 
-__all__ = ["WARMUP_STEPS", "AutoPlanner"]
+__all__ = ["WARMUP_STEPS", "WARMUP_STEPS_MAX", "AutoPlanner"]
 
 log = logging.getLogger("offloadd")
 
 _DRIFT = 2.0  # block forward time off the first planned step's by this factor (either way) ...
 _DRIFT_STEPS = 3  # ... this many planned steps in a row: profile again
 _STALE = 2  # forwards after a profile whose backward never completed: plan from it anyway
-WARMUP_STEPS = 3 + 2 * RACE_STEPS
-"""Steps of one shape before its final plan has run once: the warm-up forward, the profile, the
-race ([race]) and the first step under the final plan (its allocations warm the caches)."""
+WARMUP_STEPS = 3 + RACE_STEPS_MIN
+"""Steps of one shape before its final plan has run once, at the least: the warm-up forward, the
+profile, the race ([race]) and the first step under the final plan (its allocations warm the
+caches)."""
+WARMUP_STEPS_MAX = 3 + RACE_STEPS_MAX
+"""The same with the longest race."""
 
 
 def _in_backward() -> bool:

@@ -9,7 +9,7 @@ import logging
 from typing import Any
 
 from offloadd.auto.plan_report import plan_table
-from offloadd.auto.race import RACE_STEPS, Race, Verdict, decide, priced
+from offloadd.auto.race import RACE_STEPS_MAX, RACE_STEPS_MIN, Race, Verdict, decide, priced
 from offloadd.auto.solver import (
     KEEP,
     BlockCost,
@@ -100,9 +100,10 @@ class ShapePlans:
         self.verdicts[sig] = None
         self.race = Race(sig, self.waiting.pop(sig))
         log.info(
-            "offloadd: budget: racing this plan against offloading every block, %d steps each, "
-            "to learn what offloading costs here",
-            RACE_STEPS,
+            "offloadd: budget: racing this plan against offloading every block, %d to %d steps "
+            "in all, to learn what offloading costs here",
+            RACE_STEPS_MIN,
+            RACE_STEPS_MAX,
         )
         return self.race
 

@@ -16,7 +16,7 @@ import sys
 import torch
 
 from offloadd.auto import InfeasibleBudget, plan_dict, plan_table
-from offloadd.auto.race import RACE_STEPS
+from offloadd.auto.race import RACE_STEPS_MAX, RACE_STEPS_MIN
 from offloadd.auto.solver import OFFLOAD
 from offloadd.cli_dirs import ready_dir, ready_parent
 from offloadd.config import Config
@@ -92,7 +92,8 @@ def main(ns: argparse.Namespace) -> int:
     if cfg.tier != "keep" and plan.count(OFFLOAD) < len(plan.decisions):
         print(
             "offloadd plan: the profile's plan; in training the next "
-            f"{2 * RACE_STEPS} steps race it against offloading every block (where that fits), "
+            f"{RACE_STEPS_MIN} to {RACE_STEPS_MAX} steps race it against offloading every "
+            "block (where that fits), "
             "which may change it (README: A memory budget, Race)",
             file=sys.stderr,
         )

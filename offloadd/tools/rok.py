@@ -22,6 +22,7 @@ import sys
 import time
 from typing import Any
 
+from offloadd.auto.planner import WARMUP_STEPS_MAX as AUTO_WARMUP_MAX
 from offloadd.tools.machine import describe_machine, machine_line
 from offloadd.tools.models.build import MODELS
 from offloadd.tools.rok_points import measure, point_line, read_points, write_points
@@ -199,10 +200,13 @@ def main(ns: argparse.Namespace) -> int:
 
 def _sweep_key(row: dict[str, Any], sw: Sweep) -> dict[str, Any]:
     """A row's ``KEY`` fields, its warm-ups those the sweep asked for where the run took the
-    more its strategy needs (a row records what ran: auto at least ``train.AUTO_WARMUP``)."""
+    more its strategy needs (a row records what ran: auto at least ``train.AUTO_WARMUP``, and
+    until its planner settled, up to ``train.AUTO_WARMUP_MAX``)."""
     key = {k: row[k] for k in KEY}
     strategy = "auto" if row["strategy"].startswith("auto@") else row["strategy"]
-    if key["warmup"] == warmup_steps(strategy, sw.warmup, compile=sw.compile):
+    least = warmup_steps(strategy, sw.warmup, compile=sw.compile)
+    most = max(least, AUTO_WARMUP_MAX) if strategy == "auto" else least
+    if isinstance(key["warmup"], int) and least <= key["warmup"] <= most:
         key["warmup"] = sw.warmup
     return key
 

@@ -22,6 +22,7 @@ import torch
 
 from offloadd.auto import plan_dict
 from offloadd.auto.planner import WARMUP_STEPS as AUTO_WARMUP
+from offloadd.auto.planner import WARMUP_STEPS_MAX as AUTO_WARMUP_MAX
 from offloadd.config import Config
 from offloadd.io.buffers import address_view
 from offloadd.runtime import host_allocator
@@ -53,9 +54,10 @@ STRATEGIES = ("none", "keep", "recompute", "ssd", "cpu", "auto")
 
 
 def warmup_steps(strategy: str, warmup: int, *, compile: bool) -> int:
-    """The untimed steps a run of ``strategy`` takes when ``warmup`` are asked for: at least
-    ``AUTO_WARMUP`` for auto (its warm-up forward, profile, race and first step under its final
-    plan), at least 2 compiled (the backward compiles in the second)."""
+    """The untimed steps a run of ``strategy`` takes at the least when ``warmup`` are asked for:
+    ``AUTO_WARMUP`` for auto (its warm-up forward, profile, shortest race and first step under its
+    final plan; a longer race takes up to ``AUTO_WARMUP_MAX``: auto warms up until its planner is
+    settled and has run one step so), 2 compiled (the backward compiles in the second)."""
     return max(warmup, AUTO_WARMUP if strategy == "auto" else 2 if compile else 0)
 
 
@@ -218,10 +220,7 @@ def _run(spec: RunSpec, progress: bool, acquired: list[bool]) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(spec.seed + 1)
     # auto: its warm-up forward, profile, race and first step under the final plan go untimed
     warmup = warmup_steps(spec.strategy, spec.warmup, compile=spec.compile)
-    batches = [
-        torch.randint(0, vocab, (spec.batch_size, spec.seq_len + 1), generator=gen)
-        for _ in range(spec.steps + warmup)
-    ]
+    longest = max(warmup, AUTO_WARMUP_MAX) if spec.strategy == "auto" else warmup
     off = None
     # where an Offloader would install it: after the model and its optimizer are built
     own_cache = spec.allocator == "caching" and spec.strategy in ("none", "recompute")
@@ -261,9 +260,20 @@ def _run(spec: RunSpec, progress: bool, acquired: list[bool]) -> dict[str, Any]:
     losses: list[float] = []
     oom_error = None
     loss: torch.Tensor | None = None
+    step = 0
+    ran_warmup = 0
     try:
-        for step, batch in enumerate(batches):
-            batch = batch.to(device)
+        while True:
+            # untimed: the first ``warmup``; auto's until the step after its planner settled
+            warm = step < warmup or (
+                step < longest and bool(trace) and trace[-1].get("auto_settled") is False
+            )
+            if not warm and step - ran_warmup >= spec.steps:
+                break
+            ran_warmup += warm
+            batch = torch.randint(0, vocab, (spec.batch_size, spec.seq_len + 1), generator=gen).to(
+                device
+            )
             clock.begin(off.stats() if off is not None else None)
             if off is not None:
                 with off:
@@ -280,7 +290,7 @@ def _run(spec: RunSpec, progress: bool, acquired: list[bool]) -> dict[str, Any]:
             if cuda:
                 torch.cuda.synchronize()
             rec = clock.end(off.stats() if off is not None else None)
-            rec["warmup"] = step < warmup
+            rec["warmup"] = warm
             if off is not None and off._auto is not None:
                 rec["auto_settled"] = off._auto.settled  # no profile or race pending
             trace.append(rec)
@@ -288,10 +298,11 @@ def _run(spec: RunSpec, progress: bool, acquired: list[bool]) -> dict[str, Any]:
             if progress:
                 print(
                     f"  [{spec.strategy}] step {step}/{spec.steps}"
-                    f"{' (warm-up)' if step < warmup else ''}: loss {losses[-1]:.4f}, {dt:.2f}s",
+                    f"{' (warm-up)' if warm else ''}: loss {losses[-1]:.4f}, {dt:.2f}s",
                     file=sys.stderr,
                     flush=True,
                 )
+            step += 1
     except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
         if not _is_oom(e):
             raise
@@ -317,7 +328,7 @@ def _run(spec: RunSpec, progress: bool, acquired: list[bool]) -> dict[str, Any]:
         "error": oom_error,
         "step_time_s": statistics.median(times) if times else float("nan"),
         "step_times_s": times,
-        "warmup_steps": warmup,
+        "warmup_steps": ran_warmup,
         # auto: its plan final (no profile or race) at the end of every timed step
         "auto_settled": all(r["auto_settled"] for r in timed) if spec.strategy == "auto" else None,
         # one record per step, warm-ups included (step_trace.py), and the timed steps' medians

@@ -55,7 +55,8 @@ def main() -> int:
             shutil.copyfile(src, stem.with_suffix(suffix))
     m, sw = report["machine"], report["sweep"]
     ran = {r["warmup"] for r in raw if r["strategy"].startswith("auto@") and r["status"] == "ok"}
-    auto_warmup = f" (auto: {max(ran)}, its profile and race)" if ran else ""
+    lo_hi = f"{min(ran)}-{max(ran)}" if ran and min(ran) != max(ran) else f"{max(ran, default=0)}"
+    auto_warmup = f" (auto: {lo_hi}, until its profile and race settled)" if ran else ""
     cmd = sw["command"]
     if cmd and cmd[0].endswith("__main__.py"):
         cmd = ["offloadd", *cmd[1:]]

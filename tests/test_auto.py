@@ -901,6 +901,9 @@ def test_race_runs_until_it_tells_the_plans_apart() -> None:
     # a slow first step of each plan (the warm block) does not count
     v, n = _raced(lambda k, p: (5.0 if k == 0 else 1.0) * (1.2 if p == 1 else 1.0))
     assert n == RACE_STEPS_MIN and not v.free and v.interval == pytest.approx((1.2, 1.2))
+    # a clock that does not move tells nothing: no figure, the longest race, within the noise
+    v, n = _raced(lambda k, p: 0.0)
+    assert v.free and n == RACE_STEPS_MAX and v.blocks == 0 and v.interval == (0.0, math.inf)
 
 
 def test_races_run_one_at_a_time_and_each_shape_gets_its_own(disk_dir: Path) -> None:

@@ -22,7 +22,7 @@ def plan_table(plan: Plan) -> str:
     )
     if plan.race is not None:
         head += (
-            f"; chosen by a race (median step {plan.race[0]:.3f} s for the profile's plan, "
+            f"; chosen by a race ({plan.race[0]:.3f} s a step for the profile's plan, "
             f"{plan.race[1]:.3f} s offloading every block)"
         )
     rows = [
@@ -49,7 +49,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         "predicted_peak_bytes": plan.peak,
         "predicted_extra_s": plan.extra_s,
         "measure": plan.measure,
-        # the race that chose it: median step times of the profile's plan and of offloading all
+        # the race that chose it: the profile's plan's median step, offloading all's (paired)
         "race_s": list(plan.race) if plan.race is not None else None,
         "blocks": [
             {

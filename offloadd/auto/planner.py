@@ -23,8 +23,9 @@ in flight hold their tensors, and slower I/O holds more), it adds the excess to 
 needs and plans again (logged at WARNING), so the plan learns the worst it has seen; if the
 blocks' forward time moved by more than 2x from the first planned step's for three steps in a row
 (CPU only: CUDA is asynchronous), it profiles again. The first plan for a shape then races
-offloading every block over a few real steps (race.py, [race]), which decides what offloading
-costs here: ``WARMUP_STEPS`` steps in all before the plan is final.
+offloading every block in real steps until it tells them apart (race.py, [race]), which decides
+what offloading costs here: ``WARMUP_STEPS`` to ``WARMUP_STEPS_MAX`` steps in all before the plan
+is final (more where a replan, a re-profile or another shape restarts the race).
 """
 
 from __future__ import annotations

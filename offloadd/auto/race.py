@@ -82,10 +82,11 @@ RACE_STEPS_MAX = len(BLOCK) * (WARM_BLOCKS + MAX_BLOCKS)
 """Steps of the longest race."""
 NOISE = 0.02
 """Offloading every block within this fraction of the plan's step time counts as free."""
-PATIENCE = 4 * len(BLOCK)
+PATIENCE = 24
 """Forwards of other shapes a race waits for its own before it gives way."""
 _T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262)
 """Student's t, two-sided 95 %, for 1 to 9 degrees of freedom."""
+assert len(_T95) >= MAX_BLOCKS - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,19 +180,23 @@ class Race:
             self.running = None
 
     def paired(self) -> list[float]:
-        """Per counted block, log(offloading every block's two steps / the plan's two)."""
+        """Per counted block, log(offloading every block's two steps / the plan's two); a block
+        whose steps took no time (a clock that did not move) tells nothing and is left out."""
         n = len(BLOCK)
         out = []
         for k in range(WARM_BLOCKS, len(self.steps) // n):
             block = self.steps[k * n : (k + 1) * n]
             a = sum(t for t, p in zip(block, BLOCK, strict=True) if p == 0)
             b = sum(t for t, p in zip(block, BLOCK, strict=True) if p == 1)
-            out.append(math.log(b / a) if a > 0 and b > 0 else 0.0)
+            if a > 0 and b > 0:
+                out.append(math.log(b / a))
         return out
 
     def interval(self) -> tuple[float, float, float]:
         """The paired ratio's estimate and its 95 % interval (of the mean log ratio)."""
         d = self.paired()
+        if not d:
+            return 1.0, 0.0, math.inf  # nothing measured: not shown apart
         m = statistics.fmean(d)
         half = _T95[len(d) - 2] * statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else 0.0
         return math.exp(m), math.exp(m - half), math.exp(m + half)
@@ -201,11 +206,12 @@ class Race:
         """Told apart (the interval on one side of ``NOISE``), or ``MAX_BLOCKS`` counted."""
         if self.running is not None or len(self.steps) % len(BLOCK):
             return False
-        counted = len(self.steps) // len(BLOCK) - WARM_BLOCKS
-        if counted < MIN_BLOCKS:
+        if len(self.steps) // len(BLOCK) - WARM_BLOCKS >= MAX_BLOCKS:
+            return True
+        if len(self.paired()) < MIN_BLOCKS:
             return False
         _, lo, hi = self.interval()
-        return counted >= MAX_BLOCKS or lo > 1 + NOISE or hi <= 1 + NOISE
+        return lo > 1 + NOISE or hi <= 1 + NOISE
 
     def verdict(self) -> Verdict:
         plan, every = self.plans

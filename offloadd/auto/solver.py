@@ -115,8 +115,9 @@ class Plan:
     """What the peak counts: ``"held"`` (offloadd's own accounting) or the probe that measured
     the blocks' peaks (``"host cache"``, ``"cuda"``; see [measured peaks] in probe.py)."""
     race: tuple[float, float] | None = None
-    """The race that chose this plan (see [race] in race.py): the median step times of the
-    profile's plan and of offloading every block; None: no race (yet)."""
+    """The race that chose this plan (see [race] in race.py): the median step time of the
+    profile's plan, and that times the paired ratio, offloading every block's; None: no race
+    (yet)."""
 
     def count(self, decision: str) -> int:
         return sum(d == decision for d in self.decisions)

@@ -22,6 +22,7 @@ import sys
 import time
 from typing import Any
 
+from offloadd.auto.planner import WARMUP_STEPS as AUTO_WARMUP
 from offloadd.auto.planner import WARMUP_STEPS_MAX as AUTO_WARMUP_MAX
 from offloadd.tools.machine import describe_machine, machine_line
 from offloadd.tools.models.build import MODELS
@@ -68,7 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--warmup",
         type=int,
         default=None,
-        help="untimed steps per point first (default 3; auto at least 9: its profile and race)",
+        help=f"untimed steps per point first (default 3; auto {AUTO_WARMUP} to "
+        f"{AUTO_WARMUP_MAX}: until its profile and race have settled)",
     )
     p.add_argument(
         "--repeats",

@@ -239,8 +239,11 @@ def _results(res: dict[str, Any], batch: int, *, cuda: bool) -> dict[str, Any]:
     ok = not res["oom"] and step is not None and math.isfinite(step) and step > 0
     out: dict[str, Any] = {
         "status": "ok" if ok else "oom",
-        "error": res.get("error"),
-        "warmup": res.get("warmup_steps"),  # what ran: auto takes at least train.AUTO_WARMUP
+        # an ok auto row whose plan changed during its timed steps says so (the race restarted
+        # after a replan, or a re-profile): its time is partly a race's
+        "error": res.get("error")
+        or ("auto not settled in every timed step" if res.get("auto_settled") is False else None),
+        "warmup": res.get("warmup_steps"),  # what ran: auto from train.AUTO_WARMUP, until settled
         "peak_rss_above_base": res["peak_rss_above_base"],
         "peak_device_above_base": res.get("peak_device_above_base"),
         "activation_peak_bytes": (

@@ -185,8 +185,9 @@ def _is_oom(e: BaseException) -> bool:
 
 
 def run(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
-    """Train ``spec.warmup`` untimed steps, then ``spec.steps`` timed ones; return timings (the
-    median and a per-step trace, see step_trace.py), memory, stats and a digest of the weights."""
+    """Train untimed steps (``spec.warmup``, more for auto and compiled: ``warmup_steps``), then
+    ``spec.steps`` timed ones; return timings (the median and a per-step trace, see
+    step_trace.py), memory, stats and a digest of the weights."""
     acquired: list[bool] = []  # the host cache, acquired for a run without an Offloader
     try:
         return _run(spec, progress, acquired)
@@ -262,11 +263,14 @@ def _run(spec: RunSpec, progress: bool, acquired: list[bool]) -> dict[str, Any]:
     loss: torch.Tensor | None = None
     step = 0
     ran_warmup = 0
+    warm = True
     try:
         while True:
-            # untimed: the first ``warmup``; auto's until the step after its planner settled
-            warm = step < warmup or (
-                step < longest and bool(trace) and trace[-1].get("auto_settled") is False
+            # untimed: the first ``warmup``; auto's until the step after its planner settled;
+            # once a step is timed, every later one is (a later replan shows in auto_settled)
+            warm = warm and (
+                step < warmup
+                or (step < longest and bool(trace) and trace[-1].get("auto_settled") is False)
             )
             if not warm and step - ran_warmup >= spec.steps:
                 break
@@ -297,8 +301,9 @@ def _run(spec: RunSpec, progress: bool, acquired: list[bool]) -> dict[str, Any]:
             dt = rec["step_s"]
             if progress:
                 print(
-                    f"  [{spec.strategy}] step {step}/{spec.steps}"
-                    f"{' (warm-up)' if warm else ''}: loss {losses[-1]:.4f}, {dt:.2f}s",
+                    f"  [{spec.strategy}] "
+                    + (f"warm-up step {step + 1}" if warm else f"step {step - ran_warmup + 1}")
+                    + f"/{spec.steps}: loss {losses[-1]:.4f}, {dt:.2f}s",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -328,7 +333,8 @@ def _run(spec: RunSpec, progress: bool, acquired: list[bool]) -> dict[str, Any]:
         "error": oom_error,
         "step_time_s": statistics.median(times) if times else float("nan"),
         "step_times_s": times,
-        "warmup_steps": ran_warmup,
+        # what ran (auto: until its planner settled); an early out-of-memory: what was asked
+        "warmup_steps": max(ran_warmup, warmup),
         # auto: its plan final (no profile or race) at the end of every timed step
         "auto_settled": all(r["auto_settled"] for r in timed) if spec.strategy == "auto" else None,
         # one record per step, warm-ups included (step_trace.py), and the timed steps' medians

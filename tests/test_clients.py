@@ -134,9 +134,9 @@ def test_deepspeed_zero_two_ranks(
             at = text.find('{"rank"', end)
         return out
 
-    base = ranks(_torchrun(cmd, clean_env(DS_ACCELERATOR="cpu"), 600))
+    base = ranks(_torchrun(cmd, clean_env(DS_ACCELERATOR="cpu"), 300))
     report = tmp_path / "report-{rank}.json"
-    got = ranks(_torchrun(cmd, offload_env(disk_dir, report, DS_ACCELERATOR="cpu"), 600))
+    got = ranks(_torchrun(cmd, offload_env(disk_dir, report, DS_ACCELERATOR="cpu"), 300))
     assert set(base) == set(got) == {0, 1}
     assert got == base
     assert base[0]["losses"] != base[1]["losses"]  # each rank its own batches

@@ -11,13 +11,11 @@ import argparse
 import hashlib
 import json
 import os
-import resource
 import statistics
 import sys
 from dataclasses import dataclass
 from typing import Any
 
-import psutil
 import torch
 
 from offloadd.auto import plan_dict
@@ -28,6 +26,7 @@ from offloadd.io.buffers import address_view
 from offloadd.runtime import host_allocator
 from offloadd.runtime.offloader import Offloader
 from offloadd.tools.models.build import build_model, default_vocab
+from offloadd.tools.run_memory import is_oom, limit_memory, peak_rss, rss, unlimit_memory
 from offloadd.tools.step_trace import (
     ALLOCATORS,
     HOST_ALLOCATOR,
@@ -156,34 +155,6 @@ def model_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _rss() -> int:
-    return int(psutil.Process().memory_info().rss)
-
-
-def _peak_rss() -> int:
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
-_unlimited_as = resource.getrlimit(resource.RLIMIT_AS)
-
-
-def _limit_memory(limit: int, cuda: bool, base_dev: int) -> None:
-    """Let the process hold about ``limit`` more bytes than it holds now."""
-    if cuda:
-        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, (base_dev + limit) / total))
-        return
-    vms = int(psutil.Process().memory_info().vms)
-    resource.setrlimit(resource.RLIMIT_AS, (vms + limit, _unlimited_as[1]))
-
-
-def _is_oom(e: BaseException) -> bool:
-    if isinstance(e, torch.OutOfMemoryError | MemoryError):
-        return True
-    text = str(e)
-    return "can't allocate memory" in text or "out of memory" in text.lower()
-
-
 def run(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
     """Train untimed steps (``spec.warmup``, more for auto and compiled: ``warmup_steps``), then
     ``spec.steps`` timed ones; return timings (the median and a per-step trace, see
@@ -250,12 +221,12 @@ def _run(spec: RunSpec, progress: bool, acquired: list[bool]) -> dict[str, Any]:
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    base_rss = _rss()
+    base_rss = rss()
     base_dev = torch.cuda.memory_allocated() if cuda else 0
     cache = host_allocator.current()  # offloadd's host cache: torch's CPU allocator, counted
     base_live = cache.counters().live_bytes if cache is not None else None
     if spec.memory_limit_bytes > 0:
-        _limit_memory(spec.memory_limit_bytes, cuda, base_dev)
+        limit_memory(spec.memory_limit_bytes, cuda, base_dev)
     trace: list[dict[str, Any]] = []
     clock = StepTrace()
     losses: list[float] = []
@@ -309,12 +280,12 @@ def _run(spec: RunSpec, progress: bool, acquired: list[bool]) -> dict[str, Any]:
                 )
             step += 1
     except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
-        if not _is_oom(e):
+        if not is_oom(e):
             raise
         oom_error = f"{type(e).__name__}: {e}"[:500]
         loss = None  # drop the half-built graph before the offloader closes
     if spec.memory_limit_bytes > 0 and not cuda:
-        resource.setrlimit(resource.RLIMIT_AS, _unlimited_as)
+        unlimit_memory()
     timed = [r for r in trace if not r["warmup"]]
     times = [r["step_s"] for r in timed]
     stolen = [r["steal_s"] for r in timed if r["steal_s"] is not None]
@@ -344,7 +315,7 @@ def _run(spec: RunSpec, progress: bool, acquired: list[bool]) -> dict[str, Any]:
         "steal_s": statistics.median(stolen) if stolen else None,
         "losses": losses,
         "weights_sha256": digest.hexdigest(),
-        "peak_rss_above_base": max(0, _peak_rss() - base_rss),
+        "peak_rss_above_base": max(0, peak_rss() - base_rss),
         "params": built.num_params,
         "tokens_per_step": spec.batch_size * spec.seq_len,
         "flops_per_step": built.flops_per_step(spec.batch_size, spec.seq_len),

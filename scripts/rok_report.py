@@ -109,11 +109,13 @@ def main() -> int:
             "",
             "auto points: the budget on the memory axis, what offloadd was given (the axis budget less offload-ssd's RSS above "
             "the host cache's live peak, see [budgets on the axis] in rok_points.py), the "
-            "plan's blocks kept / offloaded / recomputed, and the memory used against the budget",
+            "plan's blocks kept / offloaded / recomputed, the memory used against the budget, and "
+            "the race that chose the plan (offloading every block's step over the profile's plan's, "
+            "the 95 % interval, the blocks of A B B A counted)",
             "",
             "| auto point | batch | budget (axis) | given to offloadd | plan | activation peak | "
-            "used / budget |",
-            "|---|---|---|---|---|---|---|",
+            "used / budget | race |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for r in autos:
             used = (
@@ -124,7 +126,7 @@ def main() -> int:
             lines.append(
                 f"| {r['strategy']} | {r['batch_size']} | {_bytes(r, 'budget_bytes')} | "
                 f"{_bytes(r, 'held_budget_bytes')} | {r.get('plan') or r['status']} | "
-                f"{_bytes(r, 'activation_peak_bytes')} | {used} |"
+                f"{_bytes(r, 'activation_peak_bytes')} | {used} | {r.get('race') or '-'} |"
             )
     per_round = auto_rounds(raw)
     if per_round:

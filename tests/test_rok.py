@@ -269,6 +269,7 @@ def test_auto_points_end_to_end(disk_dir: Path, tmp_path: Path) -> None:
     ), rec
     assert all(r["status"] == "ok" for r in by.values()), by
     assert by["auto@100x"]["plan"] == "k3 o0 r0"  # everything fits: both blocks and the head
+    assert by["auto@100x"]["race"].endswith(" blocks)"), by["auto@100x"]  # the race's verdict
     by["auto@recompute"] = rec
     assert int(by["auto@recompute"]["budget_bytes"]) == int(
         by["recompute"]["activation_peak_bytes"]
@@ -276,6 +277,27 @@ def test_auto_points_end_to_end(disk_dir: Path, tmp_path: Path) -> None:
     summary = (out / "summary.txt").read_text()
     assert "auto, per budget (on the memory axis) and batch size" in summary
     assert "the fastest single strategy within its budget" in summary
+
+
+def test_sweeps_from_before_the_race_column_still_read(tmp_path: Path) -> None:
+    """A rok.csv written before the race column (and before --compile, --codec) reads back,
+    the missing columns as such sweeps ran: no race shown, exact, eager."""
+    from offloadd.tools.rok_points import FIELDS, read_points
+
+    for missing in ({"race"}, {"compile", "race"}, {"codec", "compile", "race"}):
+        path = tmp_path / "rok.csv"
+        names = [k for k in FIELDS if k not in missing]
+        with path.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=names)
+            w.writeheader()
+            w.writerow({k: "" for k in names} | {"strategy": "keep", "batch_size": "2"})
+        (row,) = read_points(path)
+        assert row["race"] is None and row["batch_size"] == 2
+        assert row["codec"] == ("none" if "codec" in missing else None)
+    names = [k for k in FIELDS if k != "plan"]
+    path.write_text(",".join(names) + "\n")
+    with pytest.raises(ValueError, match="columns of this offloadd version"):
+        read_points(path)
 
 
 def test_auto_budgets_are_checked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -344,6 +366,36 @@ def test_auto_rounds_pair_each_round_with_its_own_single_run() -> None:
     many = [r | {"round": n} for n in range(1, 11) for r in rounds[:3]]  # POOL_MIN rounds
     (line,) = [x for x in summary_lines(aggregate(many), many) if "point-rounds" in x]
     assert "10 point-rounds" in line and "lowest 1.05x" in line
+
+
+def test_auto_over_its_axis_budget_runs_once_more_with_a_margin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An auto point whose RSS peak lands over its budget on the axis runs a second time with
+    offloadd's budget smaller by the excess and RETRY_MARGIN of the axis budget (the excess
+    alone once left a second try 1.001x over); its plan says so."""
+    from types import SimpleNamespace
+
+    from offloadd.tools import rok_points
+
+    specs: list[str | None] = []
+    peaks = iter([1010, 990])  # the first try 10 bytes over the axis budget of 1000
+
+    def fake_run(sw: object, spec: RunSpec) -> dict[str, object]:
+        specs.append(spec.budget)
+        return {"status": "ok", "activation_peak_bytes": next(peaks), "plan": "k0 o9 r0",
+                "held_budget_bytes": int(spec.budget or 0)}  # fmt: skip
+
+    monkeypatch.setattr(rok_points, "_run", fake_run)
+    sw = SimpleNamespace(key=dict, model="gpt", layers=1, hidden=8, heads=1, seq=8, vocab=8,
+                         steps=1, warmup=1, allocator="auto", device="cpu", ssd_dir=None,
+                         memory_limit=None, compile=False, codec="none")  # fmt: skip
+    keep = {"strategy": "keep", "batch_size": 2, "round": 1, "status": "ok",
+            "activation_peak_bytes": 2000, "peak_live_above_base": 1800}  # fmt: skip
+    row = rok_points.measure(sw, "auto@0.5x", 2, 1, [keep])  # type: ignore[arg-type]
+    margin = int(rok_points.RETRY_MARGIN * 1000)
+    assert specs == ["800", str(800 - 10 - margin)]  # 1000 less keep's 200 of overhead
+    assert row["plan"] == "k0 o9 r0 (2nd try)" and row["activation_peak_bytes"] == 990
 
 
 def test_resume_takes_auto_rows_with_the_warmups_auto_needs() -> None:

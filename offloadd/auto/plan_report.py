@@ -22,8 +22,8 @@ def plan_table(plan: Plan) -> str:
     )
     if plan.race is not None:
         head += (
-            f"; chosen by a race ({plan.race[0]:.3f} s a step for the profile's plan, "
-            f"{plan.race[1]:.3f} s offloading every block)"
+            f"; chosen by a race ({plan.race.plan_s:.3f} s a step for the profile's plan, "
+            f"{plan.race.all_s:.3f} s offloading every block: {plan.race})"
         )
     rows = [
         f"  {'block':<24} {'saved':>10} {'inputs':>10} {'fwd peak':>10} {'bwd peak':>10} "
@@ -49,8 +49,12 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         "predicted_peak_bytes": plan.peak,
         "predicted_extra_s": plan.extra_s,
         "measure": plan.measure,
-        # the race that chose it: the profile's plan's median step, offloading all's (paired)
-        "race_s": list(plan.race) if plan.race is not None else None,
+        # the race that chose it: the profile's plan's median step, offloading all's (paired),
+        # the paired ratio's 95 % interval and the blocks counted
+        "race_s": list(plan.race[:2]) if plan.race is not None else None,
+        "race_interval": list(plan.race[2:4]) if plan.race is not None else None,
+        "race_blocks": plan.race.blocks if plan.race is not None else None,
+        "race": str(plan.race) if plan.race is not None else None,
         "blocks": [
             {
                 "name": b.name,

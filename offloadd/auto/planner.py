@@ -21,8 +21,8 @@ without it, the budget bounds what offloadd holds (its own accounting). After a 
 planner checks its predictions: if the step used more than the budget (measured, or held: writes
 in flight hold their tensors, and slower I/O holds more), it adds the excess to what every unit
 needs and plans again (logged at WARNING), so the plan learns the worst it has seen; if the
-blocks' forward time moved by more than 2x from the first planned step's for three steps in a row
-(CPU only: CUDA is asynchronous), it profiles again. The first plan for a shape then races
+blocks' forward time moved by more than 2x from the second planned step's (the first warms
+caches) for three steps in a row (CPU only: CUDA is asynchronous), it profiles again. The first plan for a shape then races
 offloading every block in real steps until it tells them apart (race.py, [race]), which decides
 what offloading costs here: ``WARMUP_STEPS`` to ``WARMUP_STEPS_MAX`` steps in all before the plan
 is final (more where a replan, a re-profile or another shape restarts the race).
@@ -50,7 +50,7 @@ __all__ = ["WARMUP_STEPS", "WARMUP_STEPS_MAX", "AutoPlanner"]
 
 log = logging.getLogger("offloadd")
 
-_DRIFT = 2.0  # block forward time off the first planned step's by this factor (either way) ...
+_DRIFT = 2.0  # block forward time off the reference step's by this factor (either way) ...
 _DRIFT_STEPS = 3  # ... this many planned steps in a row: profile again
 _STALE = 2  # forwards after a profile whose backward never completed: plan from it anyway
 WARMUP_STEPS = 3 + RACE_STEPS_MIN
@@ -91,7 +91,9 @@ class AutoPlanner:
         self._index: dict[int, int] = {}
         self._handles: list[Any] = []
         self.shapes = ShapePlans(budget, offload)  # plans.py
-        self._ref_fwd: dict[tuple[Any, ...], float] = {}  # first planned step's block forward
+        # Drift's reference: the block forward time of a shape's second planned step (the first
+        # warms caches to the plan's allocations: on small blocks it ran 4x slower than later ones)
+        self._ref_fwd: dict[tuple[Any, ...], float | None] = {}
         self._warm: set[tuple[Any, ...]] = set()  # shapes whose warm-up forward ran
         self.plan: Plan | None = None  # of the forward running now (None: profiling or none)
         self.last_plan: Plan | None = None
@@ -376,13 +378,18 @@ class AutoPlanner:
         race = self.shapes.race
         if not on_cpu or self._fwd_s <= 0 or (race is not None and race.signature == sig):
             return  # a race alternates plans: their forward times differ
-        ref = self._ref_fwd.setdefault(sig, self._fwd_s)
+        if sig not in self._ref_fwd:
+            self._ref_fwd[sig] = None  # the first planned step: not a reference
+            return
+        ref = self._ref_fwd[sig]
+        if ref is None:
+            self._ref_fwd[sig] = ref = self._fwd_s
         ratio = self._fwd_s / ref
         self._drifted = self._drifted + 1 if not 1 / _DRIFT < ratio < _DRIFT else 0
         if self._drifted >= _DRIFT_STEPS:
             self._drifted = 0
             log.info(
-                "offloadd: budget: block forward times drifted (%.2fx the first planned "
+                "offloadd: budget: block forward times drifted (%.2fx the second planned "
                 "step's); profiling again",
                 ratio,
             )

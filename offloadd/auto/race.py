@@ -52,7 +52,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from offloadd.auto.solver import OFFLOAD, RECOMPUTE, BlockCost, Plan
+from offloadd.auto.solver import OFFLOAD, RECOMPUTE, BlockCost, Plan, RaceTimes
 
 __all__ = [
     "BLOCK",
@@ -136,7 +136,9 @@ def decide(plan: Plan, every: Plan | None, verdict: Verdict | None) -> Plan:
     if verdict is None:
         return plan
     chosen = every if verdict.free and every is not None else plan
-    return dataclasses.replace(chosen, race=(verdict.plan_s, verdict.all_s))
+    lo, hi = verdict.interval
+    times = RaceTimes(verdict.plan_s, verdict.all_s, lo, hi, verdict.blocks)
+    return dataclasses.replace(chosen, race=times)
 
 
 @dataclass(slots=True)

@@ -48,6 +48,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 __all__ = [
     "KEEP",
@@ -56,6 +57,7 @@ __all__ = [
     "BlockCost",
     "InfeasibleBudget",
     "Plan",
+    "RaceTimes",
     "offload_all",
     "plan_peak",
     "smallest_budget",
@@ -99,6 +101,25 @@ class BlockCost:
         return self.peak_fwd is not None
 
 
+class RaceTimes(NamedTuple):
+    """What the race that chose a plan measured (see [race] in race.py)."""
+
+    plan_s: float
+    """The median step time of the profile's plan."""
+    all_s: float
+    """``plan_s`` times the paired ratio: offloading every block's."""
+    low: float = math.nan
+    """The paired ratio's 95 % interval, low end ..."""
+    high: float = math.nan
+    """... and high end."""
+    blocks: int = 0
+    """Counted blocks of A B B A."""
+
+    def __str__(self) -> str:
+        ratio = self.all_s / self.plan_s if self.plan_s > 0 else math.nan
+        return f"{ratio:.3f}x (95 % {self.low:.3f}-{self.high:.3f}, {self.blocks} blocks)"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Plan:
     """One decision per block, and what the plan predicts."""
@@ -114,10 +135,8 @@ class Plan:
     measure: str = "held"
     """What the peak counts: ``"held"`` (offloadd's own accounting) or the probe that measured
     the blocks' peaks (``"host cache"``, ``"cuda"``; see [measured peaks] in probe.py)."""
-    race: tuple[float, float] | None = None
-    """The race that chose this plan (see [race] in race.py): the median step time of the
-    profile's plan, and that times the paired ratio, offloading every block's; None: no race
-    (yet)."""
+    race: RaceTimes | None = None
+    """The race that chose this plan (see [race] in race.py); None: no race (yet)."""
 
     def count(self, decision: str) -> int:
         return sum(d == decision for d in self.decisions)

@@ -21,7 +21,15 @@ from offloadd.runtime.stats import format_bytes
 from offloadd.tools.rok_sweep import AUTO, RECOMPUTE_BUDGET, Sweep, run_strategy
 from offloadd.tools.train import RunFailed, RunSpec, run_in_subprocess, split_label
 
-__all__ = ["FIELDS", "auto_budget", "measure", "point_line", "read_points", "write_points"]
+__all__ = [
+    "FIELDS",
+    "RETRY_MARGIN",
+    "auto_budget",
+    "measure",
+    "point_line",
+    "read_points",
+    "write_points",
+]
 
 FIELDS: dict[str, Callable[[str], Any]] = {
     "model": str,
@@ -60,6 +68,7 @@ FIELDS: dict[str, Callable[[str], Any]] = {
     "budget_bytes": int,  # auto: its budget on the memory axis (see [budgets on the axis])
     "held_budget_bytes": int,  # auto: the budget offloadd planned for (saved activations held)
     "plan": str,  # auto: blocks kept, offloaded, recomputed ("k2 o10 r0")
+    "race": str,  # auto: its race's paired ratio, 95 % interval, blocks (see [race] in auto/race.py)
     "error": str,
 }
 """The columns of rok.csv and their types (an empty cell reads back as None)."""
@@ -76,10 +85,11 @@ def read_points(path: Path) -> list[dict[str, Any]]:
     with path.open(newline="") as f:
         reader = csv.DictReader(f)
         names = list(reader.fieldnames or ())
-        older = ({"compile"}, {"codec", "compile"})  # sweeps from before --compile, --codec
+        # sweeps from before the race column, --compile, --codec
+        older = ({"race"}, {"compile", "race"}, {"codec", "compile", "race"})
         if names != list(FIELDS) and all(names != [k for k in FIELDS if k not in o] for o in older):
             raise ValueError(f"{path} does not have the columns of this offloadd version")
-        before = {"codec": "none", "compile": False}  # what such sweeps ran: exact, eager
+        before = {"codec": "none", "compile": False, "race": None}  # exact, eager, not shown
         return [before | {k: _parse(k, v) for k, v in row.items()} for row in reader]
 
 
@@ -129,8 +139,9 @@ def measure(
     axis = row.get("budget_bytes")
     if out["status"] == "ok" and axis is not None and out["activation_peak_bytes"] > axis:
         # Over its budget on the axis: once more, with offloadd's budget smaller by the excess
-        # (see [budgets on the axis]).
-        held = int(out["held_budget_bytes"]) - (out["activation_peak_bytes"] - axis)
+        # and a margin (see [budgets on the axis]).
+        excess = out["activation_peak_bytes"] - axis
+        held = int(out["held_budget_bytes"]) - excess - int(RETRY_MARGIN * axis)
         if held <= 0:
             return {**row, "status": "infeasible", "error": "over its budget, and no room left"}
         spec.budget = str(held)
@@ -149,6 +160,11 @@ def _run(sw: Sweep, spec: RunSpec) -> dict[str, Any]:
     except RunFailed as e:
         return _failure(e)
     return _results(res, spec.batch_size, cuda=sw.device == "cuda")
+
+
+RETRY_MARGIN = 0.02
+"""An auto point over its budget on the axis runs again with offloadd's budget smaller by the
+excess and this fraction of the budget (see [budgets on the axis])."""
 
 
 def auto_budget(
@@ -170,8 +186,11 @@ def auto_budget(
     point; without either, a fraction goes to offloadd as it is (of its own estimate of keep's
     footprint) and a size too. What the host cache keeps mapped grows with what is live (up to a
     quarter of its peak), so a plan that keeps more can still land over ``B``: such a point runs
-    once more with offloadd's budget smaller by the excess (its plan then says "2nd try"); still
-    over, it is shown so. Returns (B or None, offloadd's budget or None, why not).
+    once more with offloadd's budget smaller by the excess and ``RETRY_MARGIN`` of ``B`` (its plan
+    then says "2nd try"); still over, it is shown so. The margin: a plan that fills its budget
+    lands on ``B`` give or take what RSS moves between runs (a second try smaller by the excess
+    alone, 0.4 MB, still went 1.001x over: the race's steps of a plan that keeps blocks count in
+    the run's peak). Returns (B or None, offloadd's budget or None, why not).
     """
 
     def latest(strategy: str) -> dict[str, Any] | None:
@@ -265,6 +284,7 @@ def _results(res: dict[str, Any], batch: int, *, cuda: bool) -> dict[str, Any]:
         ds = [b["decision"] for b in plan["blocks"]]
         out["held_budget_bytes"] = plan["budget_bytes"]
         out["plan"] = " ".join(f"{d[0]}{ds.count(d)}" for d in ("keep", "offload", "recompute"))
+        out["race"] = plan.get("race")
     if ok:
         out.update(
             step_time_s=step,

@@ -129,7 +129,7 @@ def test_old_and_new_key_in_one_file(tmp_path: Path) -> None:
 def test_deprecated_names_are_documented() -> None:
     from offloadd.config.renamed import REMOVED_IN, RENAMED
 
-    for doc in (ROOT / "README.md", ROOT / "docs" / "usage-envvar.md"):
+    for doc in (ROOT / "docs" / "tiers-and-config.md", ROOT / "docs" / "usage-envvar.md"):
         text = doc.read_text()
         assert "Deprecated names" in text, doc
         for old, new in RENAMED.items():

@@ -13,7 +13,7 @@ kvikio is imported lazily: kvikio 26.x needs libcuda.so.1 even for host buffers,
 here runs on a machine without a GPU. Offload files have no name (O_TMPFILE); kvikio opens
 files by path, so each is reopened through ``/proc/self/fd/N``.
 
-Not verified on a GPU yet (see README, "Unverified").
+Not verified on a GPU yet (see docs/how-it-works.md, "Verified on a GPU, and not yet").
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ therefore only be wrong for a kernel that writes a buffer it saved *without* bum
 version, and such a kernel (rrelu's) creates no node before it runs. What remains outside any
 version check, with or without hooks, is a write that bypasses the counter (``x.data``, ``set_``,
 the storage) or a kernel like rrelu's writing into a buffer that an earlier op saved: eager
-PyTorch then uses the live bytes, offloadd the bytes captured (README, "Known limit").
+PyTorch then uses the live bytes, offloadd the bytes captured (docs/how-it-works.md, "Known limit").
 
 Until capture, unpack returns a view of the saved tensor itself (sharing its version counter, so
 that a graph built on it by double backward still sees later in-place changes).

@@ -198,7 +198,7 @@ def release() -> None:
 @contextlib.contextmanager
 def host_cache() -> Iterator[HostCache]:
     """offloadd's host cache as torch's CPU allocator inside the block, with or without an
-    Offloader (``offloadd.host_cache()``); when it helps and when not: README, The host cache.
+    Offloader (``offloadd.host_cache()``); when it helps and when not: docs/host-cache.md.
     Built at first use (HostAllocatorError if that fails); on leaving, torch gets its previous
     allocator back once no Offloader uses it either. Tensors allocated inside may outlive the
     block: their memory goes back to the cache when they die."""

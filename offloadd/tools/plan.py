@@ -94,7 +94,7 @@ def main(ns: argparse.Namespace) -> int:
             "offloadd plan: the profile's plan; in training the next "
             f"{RACE_STEPS_MIN} to {RACE_STEPS_MAX} steps race it against offloading every "
             "block (where that fits), "
-            "which may change it (README: A memory budget, Race)",
+            "which may change it (docs/budget.md, Race)",
             file=sys.stderr,
         )
     if ns.json:

@@ -1,0 +1,198 @@
+"""The documentation's links resolve, and the README stays short.
+
+The docs are plain Markdown, read on GitHub or in a checkout; this file is their build check.
+Every relative link in README.md and docs/**/*.md must name a file or folder of the repository,
+and a ``#fragment`` must name a heading of the Markdown file it points into (GitHub's slugs:
+lowercase, spaces to ``-``, punctuation other than ``-`` and ``_`` dropped, a repeated heading
+numbered ``-1``, ``-2``, ...). Links inside code (fenced blocks, backticks) are not links.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from urllib.parse import unquote
+
+import pytest
+
+__all__ = ["anchors", "checked_files", "github_slug", "links", "problems"]
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+README_MAX_LINES = 200
+
+_FENCE = re.compile(r"^\s{0,3}(```|~~~)")
+_CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1")
+# [text](target "title") and ![alt](target); the text may hold one level of brackets.
+_INLINE = re.compile(r"!?\[(?:[^\[\]]|\[[^\[\]]*\])*\]\(\s*(<[^>]*>|[^()\s]*(?:\([^()\s]*\))?)")
+_REFERENCE = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*(<[^>]*>|\S+)")
+_HEADING = re.compile(r"^\s{0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
+_LINE_ANCHOR = re.compile(r"L\d+(-L\d+)?")
+
+
+def checked_files() -> list[Path]:
+    """README.md and every Markdown file under docs/ (benchmark pages included)."""
+    return [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+
+
+def _prose_lines(text: str) -> list[tuple[int, str]]:
+    """(line number, line) outside fenced code blocks."""
+    out: list[tuple[int, str]] = []
+    fence: str | None = None
+    for number, line in enumerate(text.splitlines(), start=1):
+        m = _FENCE.match(line)
+        if fence is not None:
+            if m and m.group(1) == fence:
+                fence = None
+            continue
+        if m:
+            fence = m.group(1)
+            continue
+        out.append((number, line))
+    return out
+
+
+def github_slug(heading: str) -> str:
+    """The anchor GitHub gives a heading's text (before numbering repeats)."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link: its text
+    text = re.sub(r"<[^>]+>", "", text)  # inline HTML tags
+    text = text.strip().lower()
+    kept = "".join(ch for ch in text if ch.isalnum() or ch in " -_")
+    return kept.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    """Every heading anchor of a Markdown file, repeats numbered as GitHub numbers them."""
+    seen: dict[str, int] = {}
+    out: set[str] = set()
+    for _, line in _prose_lines(path.read_text(encoding="utf-8")):
+        m = _HEADING.match(line)
+        if not m:
+            continue
+        slug = github_slug(m.group(2))
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def links(path: Path) -> list[tuple[int, str]]:
+    """(line number, target) of every link in a Markdown file's prose."""
+    out: list[tuple[int, str]] = []
+    for number, line in _prose_lines(path.read_text(encoding="utf-8")):
+        line = _CODE_SPAN.sub(lambda s: " " * len(s.group(0)), line)
+        targets = [m.group(1) for m in _INLINE.finditer(line)]
+        ref = _REFERENCE.match(line)
+        if ref:
+            targets.append(ref.group(1))
+        out.extend((number, t[1:-1] if t.startswith("<") else t) for t in targets)
+    return out
+
+
+def problems(path: Path) -> list[str]:
+    """What is wrong with a file's relative links: one line per broken link."""
+    bad: list[str] = []
+    where = path.relative_to(ROOT)
+    for number, target in links(path):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.IGNORECASE):  # http:, mailto:, ...
+            continue
+        if not target:
+            bad.append(f"{where}:{number}: an empty link target")
+            continue
+        file_part, _, fragment = target.partition("#")
+        dest = (path.parent / unquote(file_part)).resolve() if file_part else path
+        if not dest.exists():
+            bad.append(f"{where}:{number}: {target!r}: no such file {dest}")
+            continue
+        try:
+            dest.relative_to(ROOT)
+        except ValueError:
+            bad.append(f"{where}:{number}: {target!r}: points outside the repository")
+            continue
+        if not fragment:
+            continue
+        if dest.suffix != ".md":
+            if not (dest.is_file() and _LINE_ANCHOR.fullmatch(fragment)):
+                bad.append(f"{where}:{number}: {target!r}: #{fragment} in a non-Markdown target")
+            continue
+        if unquote(fragment) not in anchors(dest):
+            bad.append(
+                f"{where}:{number}: {target!r}: no heading #{fragment} in {dest.relative_to(ROOT)}"
+            )
+    return bad
+
+
+@pytest.mark.parametrize("path", checked_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(path: Path) -> None:
+    assert problems(path) == []
+
+
+def test_readme_is_short() -> None:
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= README_MAX_LINES, (
+        f"README.md has {len(lines)} lines, over {README_MAX_LINES}: move detail to a docs/ page"
+    )
+
+
+def test_docs_index_lists_every_page() -> None:
+    """docs/README.md links every page of docs/ (benchmark pages through their own index)."""
+    index = DOCS / "README.md"
+    listed = {(index.parent / t.partition("#")[0]).resolve() for _, t in links(index)}
+    pages = [p for p in DOCS.glob("*.md") if p != index]
+    pages.append(DOCS / "benchmarks" / "README.md")
+    missing = [str(p.relative_to(ROOT)) for p in pages if p.resolve() not in listed]
+    assert missing == [], f"docs/README.md does not link: {missing}"
+
+
+def test_benchmarks_index_lists_every_page() -> None:
+    """docs/benchmarks/README.md links every results page of the folder."""
+    index = DOCS / "benchmarks" / "README.md"
+    listed = {(index.parent / t.partition("#")[0]).resolve() for _, t in links(index)}
+    pages = [p for p in index.parent.glob("*.md") if p != index]
+    missing = sorted(p.name for p in pages if p.resolve() not in listed)
+    assert missing == [], f"docs/benchmarks/README.md does not link: {missing}"
+
+
+def test_no_issue_numbers_outside_the_benchmark_pages() -> None:
+    """The README and the feature pages speak of features, not of the tracker's history."""
+    pattern = re.compile(r"\b(issues? *#? *\d+|this issue|the issue's)\b", re.IGNORECASE)
+    found = [
+        f"{path.relative_to(ROOT)}:{number}: {m.group(0)!r}"
+        for path in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1)
+        for m in pattern.finditer(line)
+    ]
+    assert found == []
+
+
+def test_readme_configuration_example_loads(tmp_path: Path) -> None:
+    """The README's TOML example is a valid config, and its environment twin gives the same."""
+    from offloadd import Config
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    toml = re.search(r"```toml\n(.*?)```", text, re.DOTALL)
+    assert toml, "README.md has no TOML example"
+    twin = text[text.index("The same in the environment:") :].split("\n\n")[0]
+    environ = dict(v.split("=", 1) for v in re.findall(r"`(OFFLOADD_[A-Z_]+=[^`]+)`", twin))
+    assert {"OFFLOADD_TIER", "OFFLOADD_BUDGET", "OFFLOADD_DAEMON_QUOTA_BYTES"} <= set(environ)
+    path = tmp_path / "my.toml"
+    path.write_text(toml.group(1), encoding="utf-8")
+    from_file = Config.from_toml(path)
+    assert from_file == Config.from_env(environ)
+    assert from_file.budget == 0.5 and from_file.daemon.quota_bytes == 64 << 30
+    assert from_file.ssd_dirs == ("/mnt/nvme0/offloadd", "/mnt/nvme1/offloadd")
+
+
+def test_the_checker_sees_broken_links(tmp_path: Path) -> None:
+    """The checker itself: a missing file, a missing heading and a link in code."""
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# Daemon mode (`offloadd serve`)\n\n## A, b\n\n## A, b\n\n"
+        "[ok](#daemon-mode-offloadd-serve) [ok](#a-b-1) [bad](#a-b-2) [gone](nothing.md) [e]()\n"
+        "`[code](nothing.md)`\n\n```\n[fenced](nothing.md)\n```\n"
+    )
+    assert anchors(page) == {"daemon-mode-offloadd-serve", "a-b", "a-b-1"}
+    found = [t for _, t in links(page)]
+    assert found == ["#daemon-mode-offloadd-serve", "#a-b-1", "#a-b-2", "nothing.md", ""]
+    assert github_slug("Saving less: `memsave`") == "saving-less-memsave"
+    assert github_slug("I/O engines, ≥ 0.95 of fio") == "io-engines--095-of-fio"

@@ -124,9 +124,9 @@ class Offloader:
             else None
         )
         # Lossy codes of some saved activations, opt-in (see [codes through the tiers]).
-        self._codec = Codec(cfg) if cfg.codec != "none" else None
+        self._codec = Codec(cfg) if cfg.codec.name != "none" else None
         if self._codec is not None:
-            self._stats.codec = cfg.codec
+            self._stats.codec = cfg.codec.name
         # Last before the finalizer that releases it: a part refusing the config (the backend,
         # the writer) leaves torch's allocator alone.
         self._host_cache = host_allocator.open_for(cfg, ledger.warn_once)

@@ -8,7 +8,7 @@ an asynchronous device orders its copies). See docs/architecture.md.
 """
 
 from offloadd.backend import Backend
-from offloadd.config import Config, DaemonConfig
+from offloadd.config import CodecConfig, Config, DaemonConfig
 from offloadd.config.renamed import old_class_name
 from offloadd.io import Engine, Op, Request
 from offloadd.memsave import memsave
@@ -17,6 +17,7 @@ from offloadd.runtime.host_allocator import host_cache
 
 __all__ = [
     "Backend",
+    "CodecConfig",
     "Config",
     "DaemonConfig",
     "Engine",
@@ -35,4 +36,4 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> object:
     """The first release's names, read until 0.3.0 (see [renamed keys] in config/renamed.py)."""
-    return old_class_name(__name__, name)
+    return old_class_name(__name__, name, Config)

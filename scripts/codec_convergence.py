@@ -85,7 +85,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--codec-min-bytes",
         type=int,
         default=64 << 10,
-        help="Config.codec_min_bytes (default: %(default)s, the config's default)",
+        help="codec.min_bytes (default: %(default)s, the config's default)",
     )
     p.add_argument("--layers", type=int, default=None, help="default: 4 (quick: 2)")
     p.add_argument("--d-model", type=int, default=None, help="default: 256 (quick: 64)")
@@ -322,7 +322,9 @@ def train(
     )
     ssd_dirs = (str(args.ssd_dir),) if args.ssd_dir is not None else ()
     off = Offloader(
-        tier=args.tier, ssd_dirs=ssd_dirs, codec=codec, codec_min_bytes=args.codec_min_bytes
+        tier=args.tier,
+        ssd_dirs=ssd_dirs,
+        codec={"name": codec, "min_bytes": args.codec_min_bytes},
     )
     t_run = time.perf_counter()
     try:
@@ -391,7 +393,7 @@ def grad_error(model: GPT, codec: str, corpus: Corpus, args: argparse.Namespace)
         model(x, y).backward()
         exact = flat_grad(model)
         model.zero_grad(set_to_none=True)
-        off = Offloader(tier="keep", codec=codec, codec_min_bytes=args.codec_min_bytes)
+        off = Offloader(tier="keep", codec={"name": codec, "min_bytes": args.codec_min_bytes})
         try:
             with off:
                 loss = model(x, y)

@@ -364,10 +364,7 @@ group, and a tensor is coded only where its codes are smaller than it."""
 def _offloader(codec: str, ops: Sequence[str], min_bytes: int, group: int = 256) -> Offloader:
     return Offloader(
         tier="keep",
-        codec=codec,
-        codec_min_bytes=min_bytes,
-        codec_ops=tuple(ops),
-        codec_group=group,
+        codec={"name": codec, "min_bytes": min_bytes, "ops": tuple(ops), "group": group},
     )
 
 
@@ -620,7 +617,7 @@ def probes(codecs: Sequence[str], quick: bool) -> list[dict[str, Any]]:
         ref = torch.autograd.grad(y, wrt, cot)
         row: dict[str, Any] = {"probe": label, "codecs": {}}
         for codec in codecs:
-            off = Offloader(tier="keep", codec=codec)
+            off = Offloader(tier="keep", codec={"name": codec})
             with off:
                 y = fn()
             grads = torch.autograd.grad(y, wrt, cot)
@@ -784,7 +781,7 @@ def model_errors(codecs: Sequence[str], quick: bool) -> list[dict[str, Any]]:
         }
         row["negligible_grad_params"] = sorted(negligible)
         for codec in codecs:
-            off = Offloader(tier="keep", codec=codec)
+            off = Offloader(tier="keep", codec={"name": codec})
             with off:
                 loss = model.loss()
             st = off.stats()

@@ -144,7 +144,7 @@ def test_bench_step_hf_gpt2(disk_dir: Path) -> None:
         (["--deep-layers", "-1"], "--deep-layers must be 0 (skip) or positive"),
         (["--batch", "0"], "--batch must be positive"),
         (["--model", "llama"], "invalid choice: 'llama'"),
-        (["--codec", "int3"], "--codec: codec: 'int3'"),
+        (["--codec", "int3"], "--codec: codec.name: 'int3'"),
         (["--strategies", "ssd+int3"], "--strategies 'ssd+int3'"),
         (["--strategies", "none:hoard"], "--strategies 'none:hoard': unknown allocator 'hoard'"),
         (["--strategies", "auto"], "--strategies: unknown 'auto'"),

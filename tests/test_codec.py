@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from offloadd import Config, Offloader
+from offloadd import CodecConfig, Config, Offloader
 from offloadd.auto.solver import RECOMPUTE
 from offloadd.codec import CODECS, DEFAULT_OPS, Codec, Scheme, coded_nbytes, decode, encode
 from offloadd.codec.quant import group_size, native_available
@@ -40,14 +40,14 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 #: integer codes, round to nearest; else the torch ops), and through the torch ops only.
 PATHS = (True, False)
 
-#: Every codec under a label, as config keys and as the quant module's scheme.
+#: Every codec under a label, as keys of the [codec] section and as the quant module's scheme.
 CODEC_KW: dict[str, dict[str, Any]] = {
-    "int8": {"codec": "int8"},
-    "int8-affine": {"codec": "int8", "codec_symmetric": False},
-    "fp8-e4m3": {"codec": "fp8-e4m3"},
-    "fp8-e5m2": {"codec": "fp8-e5m2"},
-    "int4": {"codec": "int4"},
-    "int2": {"codec": "int2"},
+    "int8": {"name": "int8"},
+    "int8-affine": {"name": "int8", "symmetric": False},
+    "fp8-e4m3": {"name": "fp8-e4m3"},
+    "fp8-e5m2": {"name": "fp8-e5m2"},
+    "int4": {"name": "int4"},
+    "int2": {"name": "int2"},
 }
 INTEGER = ["int8", "int8-affine", "int4", "int2"]
 
@@ -67,7 +67,7 @@ TOLERANCE = {
 
 def scheme(label: str, *, stochastic: bool = False) -> Scheme:
     kw = CODEC_KW[label]
-    return Scheme(kw["codec"], symmetric=kw.get("codec_symmetric", True), stochastic=stochastic)
+    return Scheme(kw["name"], symmetric=kw.get("symmetric", True), stochastic=stochastic)
 
 
 # -- the codes ---------------------------------------------------------------------------------
@@ -349,12 +349,12 @@ def test_stochastic_rounding_repeats_with_its_seed(label: str) -> None:
 
 @pytest.mark.parametrize("name", ["fp8-e4m3", "fp8-e5m2"])
 def test_fp8_refuses_stochastic_rounding(name: str) -> None:
-    with pytest.raises(ValueError, match="codec_stochastic"):
+    with pytest.raises(ValueError, match=r"codec\.stochastic"):
         Scheme(name, stochastic=True)
-    with pytest.raises(ValueError, match="codec_stochastic"):
-        Config(codec=name, codec_stochastic=True)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="codec_stochastic"):
-        Offloader(tier="keep", codec=name, codec_stochastic=True)
+    with pytest.raises(ValueError, match=r"codec\.stochastic"):
+        Config(codec=CodecConfig(name=name, stochastic=True))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"codec\.stochastic"):
+        Offloader(tier="keep", codec={"name": name, "stochastic": True})
 
 
 # -- through an Offloader ----------------------------------------------------------------------
@@ -395,11 +395,14 @@ def block_input(g: torch.Generator) -> torch.Tensor:
 #: The codec cases run through the tiers (stochastic rounding too: seeded per step).
 TIER_CASES: dict[str, dict[str, Any]] = {
     **CODEC_KW,
-    "int4-stochastic": {"codec": "int4", "codec_stochastic": True, "codec_seed": 5},
+    "int4-stochastic": {"name": "int4", "stochastic": True, "seed": 5},
 }
-#: What every Offloader with a codec here gets: codes of 1 KiB and more move (the tiers see
-#: them), and the codec takes any size.
-OFFLOAD_KW: dict[str, Any] = {"min_bytes": 1024, "codec_min_bytes": 1}
+
+
+def coded(**codec: Any) -> dict[str, Any]:
+    """What every Offloader with a codec here gets, with ``codec`` (keys of the [codec] section):
+    codes of 1 KiB and more move (the tiers see them), and the codec takes any size."""
+    return {"min_bytes": 1024, "codec": {"min_bytes": 1, **codec}}
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -418,7 +421,7 @@ def plain_run() -> list[list[torch.Tensor]]:
 
 @functools.cache
 def keep_run(case: str) -> list[list[torch.Tensor]]:
-    off = Offloader(tier="keep", **OFFLOAD_KW, **TIER_CASES[case])
+    off = Offloader(tier="keep", **coded(**TIER_CASES[case]))
     try:
         return train(two_blocks, block_input, off, steps=2)
     finally:
@@ -432,7 +435,7 @@ def test_codes_move_losslessly_through_every_tier(case: str, tier: str, disk_dir
     """The same codec gives bitwise the same gradients whatever the tier (and through the daemon),
     close to plain PyTorch's; the codec encoded tensors and saved bytes, and everything is
     released after backward."""
-    off = small_offloader(disk_dir, tier=tier, **OFFLOAD_KW, **TIER_CASES[case])
+    off = small_offloader(disk_dir, tier=tier, **coded(**TIER_CASES[case]))
     try:
         got = train(two_blocks, block_input, off, steps=2, settle_first=True)
         off.synchronize()
@@ -442,7 +445,7 @@ def test_codes_move_losslessly_through_every_tier(case: str, tier: str, disk_dir
     assert_bitwise_equal(keep_run(case), got)
     worst = max(rel_l2(a, b) for a, b in zip(grads_only(got), grads_only(plain_run()), strict=True))
     assert worst <= TOLERANCE[case], worst
-    assert st.codec == TIER_CASES[case]["codec"] and f"codec {st.codec}" in st.summary()
+    assert st.codec == TIER_CASES[case]["name"] and f"codec {st.codec}" in st.summary()
     assert st.coded_tensors > 0 and 0 < st.coded_out_bytes < st.coded_in_bytes
     if tier == "ssd":
         assert st.bytes_written > 0  # the codes went to disk
@@ -454,9 +457,7 @@ def test_codec_seed_decides_the_stochastic_rounding() -> None:
     and nearest rounding differently."""
     runs = {}
     for seed, stochastic in [(5, True), (6, True), (5, False)]:
-        off = Offloader(
-            tier="keep", codec="int4", codec_stochastic=stochastic, codec_seed=seed, **OFFLOAD_KW
-        )
+        off = Offloader(tier="keep", **coded(name="int4", stochastic=stochastic, seed=seed))
         runs[seed, stochastic] = grads_only(train(two_blocks, block_input, off, steps=2))
         off.close()
     assert same(runs[5, True], grads_only(keep_run("int4-stochastic")))
@@ -464,7 +465,7 @@ def test_codec_seed_decides_the_stochastic_rounding() -> None:
 
 
 def test_codec_none_is_bit_exact() -> None:
-    off = Offloader(tier="keep", min_bytes=1, codec="none", codec_min_bytes=1)
+    off = Offloader(tier="keep", min_bytes=1, codec={"name": "none", "min_bytes": 1})
     try:
         got = train(two_blocks, block_input, off, steps=2)
         st = off.stats()
@@ -483,7 +484,7 @@ def test_half_precision_models_decode_to_their_dtype() -> None:
         return block_input(g).to(torch.bfloat16)
 
     plain = train(model, data, None, steps=1)
-    off = Offloader(tier="keep", codec="int8", **OFFLOAD_KW)
+    off = Offloader(tier="keep", **coded(name="int8"))
     try:
         got = train(model, data, off, steps=1)
         assert off.stats().coded_tensors > 0
@@ -496,10 +497,11 @@ def test_half_precision_models_decode_to_their_dtype() -> None:
 # -- which tensors are encoded -----------------------------------------------------------------
 
 
-def keep_offloader(**kw: Any) -> Offloader:
-    opts: dict[str, Any] = {"tier": "keep", "codec": "int8", "min_bytes": 1, "codec_min_bytes": 1}
-    opts.update(kw)
-    return Offloader(**opts)
+def keep_offloader(*, min_bytes: int = 1, **codec: Any) -> Offloader:
+    """Tier keep, int8 codes of any size; ``codec``: other keys of the [codec] section."""
+    return Offloader(
+        tier="keep", min_bytes=min_bytes, codec={"name": "int8", "min_bytes": 1, **codec}
+    )
 
 
 def coded_shapes(off: Offloader, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
@@ -652,7 +654,7 @@ def test_codec_ops_replaces_the_allow_list(monkeypatch: pytest.MonkeyPatch) -> N
 
     counts = {}
     for ops in [(), ("linear",), ("gelu", "softmax")]:
-        off = keep_offloader(codec_ops=ops)
+        off = keep_offloader(ops=ops)
         shapes = coded_shapes(off, monkeypatch)
         run(fn, [x], off, module=mlp)
         counts[ops] = sorted(shapes)
@@ -691,7 +693,7 @@ def test_attention_codes_only_v_and_its_output(
         return a.square().sum()
 
     qkv = [torch.randn(2, 4, 32, 16) for _ in range(3)]
-    off = keep_offloader(codec=codec, codec_ops=["scaled_dot_product_attention"])
+    off = keep_offloader(name=codec, ops=["scaled_dot_product_attention"])
     shapes = coded_shapes(off, monkeypatch)
     got = run(fn, qkv, off)
     assert shapes == [(2, 4, 32, 16)] * 2  # v and the output
@@ -715,7 +717,7 @@ def test_a_tensor_shorter_than_its_codes_stays_exact() -> None:
 def test_layer_norm_stays_exact_under_fp8(codec: str) -> None:
     ln = nn.LayerNorm(64)
     x = torch.randn(4, 32, 64) + 50  # a common offset: fp8 would keep ~nothing of the spread
-    off = keep_offloader(codec=codec)
+    off = keep_offloader(name=codec)
     assert same(
         run(lambda x: ln(x).square().sum(), [x], off, module=ln),
         run(lambda x: ln(x).square().sum(), [x], None, module=ln),
@@ -725,8 +727,8 @@ def test_layer_norm_stays_exact_under_fp8(codec: str) -> None:
 
 
 def test_a_misspelt_codec_op_is_refused() -> None:
-    with pytest.raises(ValueError, match="codec_ops: 'lineaar'"):
-        Offloader(tier="keep", codec="int8", codec_ops=["linear", "lineaar"])
+    with pytest.raises(ValueError, match=r"codec\.ops: 'lineaar'"):
+        Offloader(tier="keep", codec={"name": "int8", "ops": ["linear", "lineaar"]})
 
 
 # -- dedup -------------------------------------------------------------------------------------
@@ -745,7 +747,7 @@ def test_one_input_of_three_projections_is_encoded_once(
         return sum((p(h).square().sum() for p in proj), torch.zeros(()))
 
     x = torch.randn(4, 32, 64)
-    off = small_offloader(disk_dir, tier=tier, codec="int8", **OFFLOAD_KW)
+    off = small_offloader(disk_dir, tier=tier, **coded(name="int8"))
     shapes = coded_shapes(off, monkeypatch)
     got = run(fn, [x], off, module=proj)
     st = off.stats()
@@ -790,7 +792,7 @@ def test_a_tensor_kept_exactly_first_is_not_encoded_again(where: str, disk_dir: 
 
     x = torch.randn(32, 64)
     if where == "cpu-tier":
-        off = small_offloader(disk_dir, tier="cpu", codec="int8", **OFFLOAD_KW)
+        off = small_offloader(disk_dir, tier="cpu", **coded(name="int8"))
     else:
         off = keep_offloader(min_bytes=1 << 20)
     got = run(fn, [x], off)
@@ -808,7 +810,7 @@ def test_a_permuted_tensor_decodes_with_its_strides(tier: str, disk_dir: Path) -
     b = torch.randn(64, 48, requires_grad=True)
     c = torch.randn(16, 24, 8, requires_grad=True)
     d = torch.randn(8, 16, 24, requires_grad=True)
-    off = small_offloader(disk_dir, tier=tier, codec="int8", **OFFLOAD_KW)
+    off = small_offloader(disk_dir, tier=tier, **coded(name="int8"))
     with off:
         at = a.t()  # (32, 64), strides (1, 32)
         y = torch.matmul(at, b)  # mm saves at as it is
@@ -890,7 +892,7 @@ def test_an_inplace_change_after_the_save_raises(tier: str, disk_dir: Path) -> N
     h.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()  # plain PyTorch
-    off = small_offloader(disk_dir, tier=tier, codec="int8", **OFFLOAD_KW)
+    off = small_offloader(disk_dir, tier=tier, **coded(name="int8"))
     with off:
         h = lin(x)
         y = F.gelu(h)  # saves h: encoded
@@ -909,7 +911,7 @@ def test_a_coded_tensor_unpacks_again_with_retain_graph(tier: str, disk_dir: Pat
     torch.manual_seed(0)
     lin = nn.Linear(64, 256)
     x = torch.randn(64, 64, requires_grad=True)
-    off = small_offloader(disk_dir, tier=tier, codec="int4", **OFFLOAD_KW)
+    off = small_offloader(disk_dir, tier=tier, **coded(name="int4"))
     with off:
         loss = F.gelu(lin(x)).square().sum()
     off.synchronize()
@@ -950,60 +952,58 @@ def test_double_backward_through_coded_tensors() -> None:
 def test_codec_keys_load_from_toml_and_the_environment(tmp_path: Path) -> None:
     assert CODECS == ("none", "int8", "fp8-e4m3", "fp8-e5m2", "int4", "int2")
     default = Config()
-    assert default.codec == "none" and default.codec_ops == () and default.codec_group == 256
+    assert default.codec == CodecConfig() and default.codec.name == "none"
+    assert default.codec.ops == () and default.codec.group == 256
     toml = tmp_path / "codec.toml"
     toml.write_text(
-        'codec = "int4"\ncodec_group = 128\ncodec_symmetric = false\ncodec_stochastic = true\n'
-        'codec_seed = 7\ncodec_min_bytes = "4KiB"\ncodec_ops = ["linear", "matmul"]\n'
+        '[codec]\nname = "int4"\ngroup = 128\nsymmetric = false\nstochastic = true\n'
+        'seed = 7\nmin_bytes = "4KiB"\nops = ["linear", "matmul"]\n'
     )
     cfg = Config.load(toml, environ={})
-    assert (cfg.codec, cfg.codec_group, cfg.codec_symmetric, cfg.codec_stochastic) == (
-        "int4",
-        128,
-        False,
-        True,
-    )
-    assert cfg.codec_seed == 7 and cfg.codec_min_bytes == 4096
-    assert cfg.codec_ops == ("linear", "matmul")
+    c = cfg.codec
+    assert (c.name, c.group, c.symmetric, c.stochastic) == ("int4", 128, False, True)
+    assert c.seed == 7 and c.min_bytes == 4096 and c.ops == ("linear", "matmul")
     env = Config.load(
         environ={
-            "OFFLOADD_CODEC": "int4",
+            "OFFLOADD_CODEC_NAME": "int4",
             "OFFLOADD_CODEC_OPS": "linear,matmul",
             "OFFLOADD_CODEC_GROUP": "64",
             "OFFLOADD_CODEC_STOCHASTIC": "on",
             "OFFLOADD_CODEC_MIN_BYTES": "1MiB",
         }
-    )
-    assert env.codec == "int4" and env.codec_ops == ("linear", "matmul")
-    assert env.codec_group == 64 and env.codec_stochastic and env.codec_min_bytes == 1 << 20
-    over = Config.load(toml, environ={"OFFLOADD_CODEC": "int8"})  # the environment wins
-    assert over.codec == "int8" and over.codec_group == 128
+    ).codec
+    assert env.name == "int4" and env.ops == ("linear", "matmul")
+    assert env.group == 64 and env.stochastic and env.min_bytes == 1 << 20
+    over = Config.load(toml, environ={"OFFLOADD_CODEC_NAME": "int8"})  # the environment wins
+    assert over.codec.name == "int8" and over.codec.group == 128
     codec = Codec(cfg)
     assert codec.scheme == Scheme("int4", group=128, symmetric=False, stochastic=True)
-    assert codec.ops == {"linear", "matmul"} and Codec(default.replace(codec="int8")).ops == set(
-        DEFAULT_OPS
-    )
+    int8 = default.replace(codec={"name": "int8"})
+    assert codec.ops == {"linear", "matmul"} and Codec(int8).ops == set(DEFAULT_OPS)
 
 
 @pytest.mark.parametrize(
     ("key", "value"),
     [
-        ("codec", "int3"),
-        ("codec", "INT8"),
-        ("codec_group", 3),
-        ("codec_group", 0),
-        ("codec_symmetric", "maybe"),
-        ("codec_seed", -1),
-        ("codec_min_bytes", "lots"),
-        ("codec_ops", ["linear", "nn.Linear"]),
+        ("name", "int3"),
+        ("name", "INT8"),
+        ("group", 3),
+        ("group", 0),
+        ("symmetric", "maybe"),
+        ("seed", -1),
+        ("min_bytes", "lots"),
+        ("ops", ["linear", "nn.Linear"]),
     ],
 )
 def test_bad_codec_values_name_their_key(key: str, value: object) -> None:
-    with pytest.raises(ValueError, match=key):
-        Config(**{key: value})  # type: ignore[arg-type]
-    env = "OFFLOADD_" + key.upper()
+    named = rf"^codec\.{key}: "
+    with pytest.raises(ValueError, match=named):
+        Config(codec={key: value})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=named):
+        CodecConfig(**{key: value})  # type: ignore[arg-type]
+    env = "OFFLOADD_CODEC_" + key.upper()
     text = ",".join(value) if isinstance(value, list) else str(value)
-    with pytest.raises(ValueError, match=env):
+    with pytest.raises(ValueError, match=rf"{named}.*\(from {env}\)$"):
         Config.load(environ={env: text})
 
 
@@ -1034,9 +1034,7 @@ def test_a_budget_with_a_codec_trains_reproducibly() -> None:
     runs, saved = [], []
     for codec in ["int8", "int8", "none"]:
         stochastic = codec != "none"
-        off = Offloader(
-            tier="keep", budget="0.6x", codec=codec, codec_stochastic=stochastic, **OFFLOAD_KW
-        )
+        off = Offloader(tier="keep", budget="0.6x", **coded(name=codec, stochastic=stochastic))
         runs.append(_gpt_steps(off))
         plan = off.plan()
         assert plan is not None and plan.count(RECOMPUTE) >= 1

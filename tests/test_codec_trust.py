@@ -34,8 +34,7 @@ TOLERANCE = {"int8": 0.02, "fp8-e4m3": 0.08, "fp8-e5m2": 0.15, "int4": 0.3, "int
 
 def coded_offloader(codec: str) -> Offloader:
     """Codes kept in memory (the tiers move them losslessly: tests/test_codec.py), any size."""
-    opts: dict[str, object] = {"tier": "keep", "min_bytes": 1, "codec_min_bytes": 1}
-    return Offloader(codec=codec, **opts)  # type: ignore[arg-type]
+    return Offloader(tier="keep", min_bytes=1, codec={"name": codec, "min_bytes": 1})
 
 
 def gradients(

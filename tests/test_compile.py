@@ -399,8 +399,9 @@ def test_compiled_autograd_around_backward_only_refuses_native_nodes(disk_dir: P
 def test_codec_refused_under_compile(disk_dir: Path) -> None:
     torch.manual_seed(0)
     run = torch.compile(nn.Sequential(nn.Linear(64, 256), nn.GELU()), backend="aot_eager")
-    off = _offloader(disk_dir, codec="int8")
-    with pytest.raises(RuntimeError, match=r"codec=.int8. does not run under torch\.compile"), off:
+    off = _offloader(disk_dir, codec={"name": "int8"})
+    refused = r"codec\.name=.int8. does not run under torch\.compile"
+    with pytest.raises(RuntimeError, match=refused), off:
         run(torch.randn(8, 64))
     off.close()
 

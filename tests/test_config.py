@@ -1,12 +1,13 @@
 from __future__ import annotations
 
+import warnings
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
 from offloadd import Config, Offloader
-from offloadd.config import DaemonConfig, parse_size
+from offloadd.config import CodecConfig, DaemonConfig, parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -121,17 +122,49 @@ def test_default_dir_is_on_disk(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
 
 def test_keys_and_variables_map_one_to_one() -> None:
     from offloadd.config import env_var
-    from offloadd.config.daemon import KINDS as DAEMON_KINDS
-    from offloadd.config.schema import KINDS
 
     top = {f.name for f in fields(Config)}
-    assert set(KINDS) == top - {"daemon"}  # every field is read by a kind
-    assert set(DAEMON_KINDS) == {f.name for f in fields(DaemonConfig)}
-    # OFFLOADD_DAEMON_<KEY> is the section's: no top-level key may start with daemon_
-    assert not [k for k in top if k.startswith("daemon_")]
-    keys = [*KINDS, *(f"daemon.{k}" for k in DAEMON_KINDS)]
+    # OFFLOADD_<SECTION>_<KEY> is a section's: no top-level key may start with a section's name
+    assert not [k for k in top if k.startswith(("daemon_", "codec_"))]
+    keys = [
+        *(top - {"daemon", "codec"}),
+        *(f"daemon.{f.name}" for f in fields(DaemonConfig)),
+        *(f"codec.{f.name}" for f in fields(CodecConfig)),
+    ]
     assert len({env_var(k) for k in keys}) == len(keys)
     assert env_var("daemon.quota_bytes") == "OFFLOADD_DAEMON_QUOTA_BYTES"
+    assert env_var("codec.min_bytes") == "OFFLOADD_CODEC_MIN_BYTES"
+
+
+def test_every_field_declares_its_kind_once() -> None:
+    """Each key's kind lives in its field's metadata; no second table of kinds exists."""
+    import importlib
+    import pkgutil
+
+    import offloadd.config
+    from offloadd.config.fields import KIND, Section
+
+    def is_kind(value: object) -> bool:
+        return isinstance(getattr(value, "what", None), str) and callable(
+            getattr(value, "read", None)
+        )
+
+    for cls in (Config, DaemonConfig, CodecConfig):
+        for f in fields(cls):
+            assert is_kind(f.metadata.get(KIND)), (cls.__name__, f.name)
+    sections = {
+        f.name: f.metadata[KIND] for f in fields(Config) if isinstance(f.metadata[KIND], Section)
+    }
+    assert {k: s.cls for k, s in sections.items()} == {"daemon": DaemonConfig, "codec": CodecConfig}
+    for info in pkgutil.iter_modules(offloadd.config.__path__):
+        module = importlib.import_module(f"offloadd.config.{info.name}")
+        tables = [
+            name
+            for name, value in vars(module).items()
+            if isinstance(value, dict) and value and all(map(is_kind, value.values()))
+        ]
+        assert not tables, (info.name, tables)  # a dict of kinds would be a second declaration
+    assert not (ROOT / "offloadd" / "config" / "kinds.py").exists()
 
 
 def test_config_files_document_every_key() -> None:
@@ -141,7 +174,8 @@ def test_config_files_document_every_key() -> None:
         default = tomllib.load(f)
     with (ROOT / "configs" / "daemon.toml").open("rb") as f:
         daemon = tomllib.load(f)
-    assert set(default["offload"]) == {f.name for f in fields(Config)} - {"daemon"}
+    assert set(default["offload"]) == {f.name for f in fields(Config)} - {"daemon", "codec"}
+    assert set(default["codec"]) == {f.name for f in fields(CodecConfig)}
     assert set(default["daemon"]) == {"socket", "trusted_uids"}  # what the training side reads
     assert set(daemon) == {"daemon"}
     assert set(daemon["daemon"]) == {f.name for f in fields(DaemonConfig)}
@@ -171,7 +205,8 @@ def test_section_from_toml(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"daemon: given twice.*both\.toml"):
         Config.from_toml(p)
     p.write_text('[offload]\ntier = "keep"\n[other]\nx = 1\n')
-    with pytest.raises(ValueError, match=r"other: outside the \[offload\] and \[daemon\] tables"):
+    outside = r"other: outside the \[offload\], \[codec\], \[daemon\] tables"
+    with pytest.raises(ValueError, match=outside):
         Config.from_toml(p)
     p.write_text('daemon = "/run/d.sock"\n')
     with pytest.raises(ValueError, match=r"daemon: '/run/d\.sock' is not a table"):
@@ -211,6 +246,9 @@ def test_section_from_env(tmp_path: Path) -> None:
         ("OFFLOADD_DAEMON_ALLOWED_UIDS", "1000,root", "daemon.allowed_uids: '1000,root' is not"),
         ("OFFLOADD_DAEMON_MAX_CHUNK_BYTES", "2GiB", "daemon.max_chunk_bytes: '2GiB' is not a size"),
         ("OFFLOADD_MIN_BYTES", "lots", "min_bytes: 'lots' is not a size"),
+        ("OFFLOADD_CODEC_GROUP", "3", "codec.group: '3' is not an integer in 8..1048576"),
+        ("OFFLOADD_CODEC_NAME", "int3", "codec.name: 'int3' is not one of none, int8"),
+        ("OFFLOADD_CODEC_OPS", "nn.Linear", "codec.ops: 'nn.Linear' is not a list of names"),
     ],
 )
 def test_errors_name_the_dotted_key_value_and_source(
@@ -273,6 +311,73 @@ def test_replace_and_the_section() -> None:
         Config(daemon="x")  # type: ignore[arg-type]
 
 
+# -- the codec's section ----------------------------------------------------------------------
+
+
+def test_codec_section_from_toml(tmp_path: Path) -> None:
+    p = tmp_path / "codec.toml"
+    p.write_text('min_bytes = "64k"\n[codec]\nname = "int4"\ngroup = 64\nops = ["linear"]\n')
+    cfg = Config.from_toml(p)
+    assert cfg.codec == CodecConfig(name="int4", group=64, ops=("linear",))
+    assert cfg.min_bytes == 64 << 10 and cfg.codec.min_bytes == 64 << 10  # each keeps its own
+    for text in (
+        '[offload]\ntier = "keep"\n[codec]\nname = "int8"\n',
+        '[offload]\ntier = "keep"\n[offload.codec]\nname = "int8"\n',
+    ):
+        p.write_text(text)
+        assert Config.from_toml(p).codec.name == "int8"
+    p.write_text('[codec]\nname = "int8"\nbits = 4\n')
+    with pytest.raises(ValueError) as e:
+        Config.from_toml(p)
+    assert str(e.value).startswith(f"codec.bits: unknown key (from {p}); the [codec] keys are:")
+    p.write_text('[codec]\nname = "fp8-e4m3"\nstochastic = true\n')
+    with pytest.raises(ValueError, match=r"^codec\.stochastic: .*fp8-e4m3 \(values from .*"):
+        Config.from_toml(p)
+    p.write_text("group = 64\n")  # a section's key at the top: the error says where it goes
+    with pytest.raises(ValueError, match=r"group: unknown key.*did you mean codec\.group"):
+        Config.from_toml(p)
+
+
+def test_codec_section_from_env_over_the_file(tmp_path: Path) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text('[codec]\nname = "int4"\nseed = 7\n')
+    env = {
+        "OFFLOADD_CONFIG": str(p),
+        "OFFLOADD_CODEC_NAME": "int8",
+        "OFFLOADD_CODEC_SYMMETRIC": "false",
+        "OFFLOADD_CODEC_MIN_BYTES": "1MiB",
+        "OFFLOADD_CODEC_OPS": "linear, matmul",
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new names warn about nothing
+        c = Config.from_env(env).codec
+    assert (c.name, c.symmetric, c.seed, c.min_bytes) == ("int8", False, 7, 1 << 20)
+    assert c.ops == ("linear", "matmul")
+    with pytest.raises(ValueError, match="OFFLOADD_CODEC_BITS='4'; known: OFFLOADD_CODEC_NAME"):
+        Config.from_env({"OFFLOADD_CODEC_BITS": "4"})
+    with pytest.raises(ValueError, match="OFFLOADD_CODEC_<KEY> for the keys of the"):
+        Config.from_env({"OFFLOADD_GROUP": "64"})
+
+
+def test_codec_section_in_code() -> None:
+    cfg = Config(codec=CodecConfig(name="int8"))
+    assert cfg == Config(codec={"name": "int8"})  # type: ignore[arg-type]
+    again = cfg.replace(codec={"group": 64})  # merged into the current section
+    assert (again.codec.name, again.codec.group) == ("int8", 64)
+    assert again.replace(codec=CodecConfig()).codec == CodecConfig()  # the whole section
+    assert Config.from_mapping(again.as_dict()) == again
+    assert again.as_dict()["codec"] == {**CodecConfig().as_dict(), "name": "int8", "group": 64}
+    with pytest.raises(ValueError, match=r"^codec\.group: 3 is not an integer"):
+        cfg.replace(codec={"group": 3})
+    with pytest.raises(ValueError, match=r"^codec: \{'bits': 4\} is not a CodecConfig"):
+        Config(codec={"bits": 4})  # type: ignore[arg-type]
+    off = Offloader(tier="keep", codec={"name": "int8", "min_bytes": 1})
+    try:
+        assert off.config.codec == CodecConfig(name="int8", min_bytes=1)
+    finally:
+        off.close()
+
+
 def test_load_layers_base_file_and_environment(tmp_path: Path) -> None:
     p = tmp_path / "c.toml"
     p.write_text('staging_bytes = "8MiB"\n[daemon]\nsocket = "/run/file.sock"\n')
@@ -296,7 +401,7 @@ def test_load_layers_base_file_and_environment(tmp_path: Path) -> None:
 def test_a_daemon_file_without_its_table_still_serves(tmp_path: Path) -> None:
     """configs/daemon.toml had no [daemon] table before the settings became a section: a file
     of daemon keys alone is read as that table by ``offloadd serve`` (a mixed one is not)."""
-    from offloadd.config.loader import load_daemon
+    from offloadd.config import load_daemon
 
     p = tmp_path / "old.toml"
     p.write_text('quota_bytes = "1MiB"\nio_threads = 2\n')
@@ -305,3 +410,40 @@ def test_a_daemon_file_without_its_table_still_serves(tmp_path: Path) -> None:
     p.write_text('quota_bytes = "1MiB"\nmin_bytes = 3\n')
     with pytest.raises(ValueError, match="quota_bytes: unknown key"):
         load_daemon(p, environ={})
+
+
+def test_config_modules_import_as_a_dag() -> None:
+    """No module of offloadd/config imports one that imports it back, counting imports at module
+    level and inside functions (those under ``if TYPE_CHECKING:`` only name types)."""
+    import ast
+
+    folder = ROOT / "offloadd" / "config"
+    names = {p.stem for p in folder.glob("*.py")} - {"__init__"}
+
+    def imported(path: Path) -> set[str]:
+        out: set[str] = set()
+        pending: list[ast.AST] = [ast.parse(path.read_text())]
+        while pending:
+            node = pending.pop()
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                    pending.extend(child.orelse)
+                    continue
+                if isinstance(child, ast.ImportFrom) and child.module:
+                    module = child.module.removeprefix("offloadd.config")
+                    if module.startswith("."):
+                        out.add(module[1:])
+                    elif module == "" and child.module == "offloadd.config":
+                        out.add("__init__")  # the package itself
+                elif isinstance(child, ast.Import):
+                    out.update(a.name.removeprefix("offloadd.config.") for a in child.names)
+                pending.append(child)
+        return out & (names | {"__init__"})
+
+    graph = {name: imported(folder / f"{name}.py") for name in names}
+    assert not [n for n, deps in graph.items() if "__init__" in deps]  # nothing imports the package
+    order: list[str] = []
+    while len(order) < len(graph):  # peel modules whose imports are all placed (a DAG empties)
+        ready = sorted(n for n in graph if n not in order and graph[n] <= set(order))
+        assert ready, {n: sorted(d - set(order)) for n, d in graph.items() if n not in order}
+        order += ready

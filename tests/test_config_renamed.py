@@ -1,11 +1,13 @@
 """Keys renamed since the first release are still read, for one release, with a warning.
 
 ``daemon_socket`` (the first release's key of the daemon's socket) became ``daemon.socket`` when
-the daemon's settings became a section. Each entry point reads the old name: keyword arguments
-(``Offloader``, ``Config``, ``Config.replace``), a mapping and a TOML file (top level and
-``[offload]``); its variable kept its spelling. Each warns (DeprecationWarning) naming the old key, the new
-one and where the value came from; old and new given in one place with different values is a
-ValueError naming both.
+the daemon's settings became a section; the codec's flat keys (``codec``, ``codec_group``, ...)
+became the ``codec`` section (``codec.name``, ``codec.group``, ...). Each entry point reads the
+old names: keyword arguments (``Offloader``, ``Config``, ``Config.replace``), a mapping, a TOML
+file (top level and ``[offload]``) and the environment (``OFFLOADD_CODEC``, the one old variable
+spelled otherwise than its new key's). Each warns (DeprecationWarning) naming the old key, the
+new one and where the value came from; old and new given in one place with different values is
+a ValueError naming both.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from offloadd import Config, DaemonConfig, Offloader
+from offloadd import CodecConfig, Config, DaemonConfig, Offloader
 
 ROOT = Path(__file__).resolve().parent.parent
 SOCK = "/run/old.sock"
@@ -133,8 +135,118 @@ def test_deprecated_names_are_documented() -> None:
         text = doc.read_text()
         assert "Deprecated names" in text, doc
         for old, new in RENAMED.items():
-            row = next((line for line in text.splitlines() if f"`{old}`" in line), "")
+            row = next((line for line in text.splitlines() if line.startswith(f"| `{old}` |")), "")
             assert f"`{new}`" in row and REMOVED_IN in row, (doc, old, row)
+
+
+# -- the codec's flat keys, now the codec section ----------------------------------------------
+
+
+@contextmanager
+def deprecations(*pairs: tuple[str, str]) -> Iterator[None]:
+    """One DeprecationWarning per (old, new) pair, each naming both, all pointing at this file."""
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        yield
+    found = [w for w in got if issubclass(w.category, DeprecationWarning)]
+    assert len(found) == len(pairs), [str(w.message) for w in got]
+    for (old, new), w in zip(pairs, found, strict=True):
+        message = str(w.message)
+        assert message.startswith(f"{old} (from ") and f"it is {new} now" in message, message
+        assert w.filename == __file__, w.filename
+
+
+OLD_CODEC = {"codec": "int4", "codec_group": 64, "codec_stochastic": True, "codec_seed": 3}
+NEW_CODEC = CodecConfig(name="int4", group=64, stochastic=True, seed=3)
+OLD_PAIRS = [(old, f"codec.{old.removeprefix('codec_') if old != 'codec' else 'name'}")
+             for old in OLD_CODEC]  # fmt: skip
+
+
+def test_codec_flat_keywords() -> None:
+    with deprecations(*OLD_PAIRS):
+        cfg = Config(**OLD_CODEC)  # type: ignore[arg-type]
+    assert cfg.codec == NEW_CODEC and cfg == Config(codec=NEW_CODEC)
+    with deprecations(*OLD_PAIRS):
+        off = Offloader(tier="keep", **OLD_CODEC)
+    try:
+        assert off.config.codec == NEW_CODEC
+    finally:
+        off.close()
+    with deprecations(("codec_min_bytes", "codec.min_bytes")):  # merged into the section
+        again = Config(codec=NEW_CODEC).replace(codec_min_bytes="1KiB")
+    assert again.codec == CodecConfig(**{**NEW_CODEC.as_dict(), "min_bytes": 1024})
+    with deprecations(("codec", "codec.name")):
+        assert Config().replace(codec="int8").codec == CodecConfig(name="int8")
+    with deprecations(("codec_ops", "codec.ops")):
+        both = Config(codec_ops=["linear"], codec=CodecConfig(name="int8"))  # type: ignore[call-arg]
+    assert both.codec == CodecConfig(name="int8", ops=("linear",))
+
+
+def test_codec_flat_keys_in_a_file_and_a_mapping(tmp_path: Path) -> None:
+    p = tmp_path / "old.toml"
+    flat = 'codec = "int4"\ncodec_group = 64\ncodec_stochastic = true\ncodec_seed = 3\n'
+    for text in (flat, f"[offload]\n{flat}"):
+        p.write_text(text)
+        with deprecations(*OLD_PAIRS):
+            assert Config.from_toml(p).codec == NEW_CODEC
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        Config.from_toml(p)
+    assert str(p) in str(got[0].message) and "name = ... in the [codec] table" in str(
+        got[0].message
+    )
+    p.write_text('codec_group = 64\n[codec]\nname = "int4"\n')  # old keys beside the table
+    with deprecations(("codec_group", "codec.group")):
+        assert Config.from_toml(p).codec == CodecConfig(name="int4", group=64)
+    with deprecations(*OLD_PAIRS):
+        assert Config.from_mapping(OLD_CODEC).codec == NEW_CODEC
+
+
+def test_codec_variable() -> None:
+    """OFFLOADD_CODEC (the old key codec's variable) is now OFFLOADD_CODEC_NAME; the other
+    variables, OFFLOADD_CODEC_GROUP and so on, were spelled as the new keys' are already."""
+    env = {"OFFLOADD_CODEC": "int4", "OFFLOADD_CODEC_GROUP": "64"}
+    with deprecations(("OFFLOADD_CODEC", "codec.name")):
+        cfg = Config.from_env(env)
+    assert cfg.codec == CodecConfig(name="int4", group=64)
+    with deprecations(("OFFLOADD_CODEC", "codec.name")):  # the same value twice: no conflict
+        Config.from_env({"OFFLOADD_CODEC": "int8", "OFFLOADD_CODEC_NAME": "int8"})
+    with (
+        pytest.warns(DeprecationWarning),
+        pytest.raises(ValueError, match=r"OFFLOADD_CODEC, OFFLOADD_CODEC_NAME: both given"),
+    ):
+        Config.from_env({"OFFLOADD_CODEC": "int8", "OFFLOADD_CODEC_NAME": "int4"})
+    bad = r"^codec\.name: 'int3' is not one of .*OFFLOADD_CODEC\)"
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=bad):
+        Config.from_env({"OFFLOADD_CODEC": "int3"})
+
+
+@pytest.mark.parametrize(
+    "give",
+    [
+        lambda: Offloader(tier="keep", codec_group=64, codec={"group": 32}),
+        lambda: Config(codec_group=64, codec=CodecConfig(group=32)),  # type: ignore[call-arg]
+        lambda: Config().replace(codec_group=64, codec={"group": 32}),
+        lambda: Config.from_mapping({"codec_group": 64, "codec": {"group": 32}}),
+    ],
+    ids=["Offloader", "Config", "replace", "from_mapping"],
+)
+def test_old_and_new_codec_key_with_different_values(give: object) -> None:
+    with pytest.raises(ValueError, match=r"^codec_group, codec\.group: both given, as 64 and 32"):
+        give()  # type: ignore[operator]
+
+
+def test_old_codec_key_errors_name_the_new_key() -> None:
+    with (
+        pytest.warns(DeprecationWarning, match="codec_group"),
+        pytest.raises(ValueError, match=r"^codec\.group: 3 is not an integer"),
+    ):
+        Config(codec_group=3)  # type: ignore[call-arg]
+    with (
+        pytest.warns(DeprecationWarning, match="codec"),
+        pytest.raises(ValueError, match=r"^codec\.name: 'int3' is not one of"),
+    ):
+        Offloader(tier="keep", codec="int3")
 
 
 def test_first_release_class_name() -> None:

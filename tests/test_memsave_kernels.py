@@ -254,6 +254,7 @@ def test_unavailable_kernels_fall_back_with_one_warning(
 
 
 def test_the_switch_is_not_taken_for_a_config_key() -> None:
+    from offloadd.config import Config
     from offloadd.config.loader import from_environ
 
-    assert from_environ({kernels.ENV: "0"}) == {}
+    assert from_environ(Config, {kernels.ENV: "0"}) == {}

@@ -140,7 +140,7 @@ def test_out_of_memory_point_is_recorded(tmp_path: Path) -> None:
         (["--strategies", "keep,offload-cpu"], "offload-cpu needs --device cuda"),
         (["--memory-limit", "lots"], "--memory-limit must be a byte count"),
         (["--repeats", "0"], "--repeats must be positive"),
-        (["--codec", "int3"], "--codec: codec: 'int3'"),
+        (["--codec", "int3"], "--codec: codec.name: 'int3'"),
         (["--strategies", "keep,offload-ssd+int3"], "--strategies 'offload-ssd+int3'"),
         (["--strategies", "recompute+int8"], "a codec after a plus is for keep and offload"),
     ],

@@ -1,4 +1,5 @@
-"""Opt-in lossy compression of saved activations (Mesa / ActNN style): ``Config.codec``.
+"""Opt-in lossy compression of saved activations (Mesa / ActNN style): the ``[codec]`` section,
+``Config.codec``.
 
 ``quant`` encodes and decodes (per-group int8, fp8, int4, int2), ``ops`` decides what may be
 encoded, ``coder`` puts both in the pack path of an :class:`~offloadd.Offloader`.

@@ -13,7 +13,7 @@ encoded once: the key is the one of [dedup identity] in runtime/dedup.py plus th
 geometry, and the handle is shared while it lives. A storage already saved exactly (by an op not
 in the list, say) is not encoded again: the exact copy is referenced instead, which costs
 nothing more. Stochastic rounding draws from one generator per device, seeded at each step's
-first forward from ``codec_seed`` and the step number, so two runs with the same seed round the
+first forward from ``codec.seed`` and the step number, so two runs with the same seed round the
 same way.
 
 Note: [the exact-save table] :meth:`Codec.note_exact` remembers the storages saved exactly, one
@@ -130,21 +130,22 @@ class Codec:
     """Encodes the saved tensors it may in pack and decodes them in unpack (one Offloader's)."""
 
     def __init__(self, cfg: Config) -> None:
+        settings = cfg.codec
         self.scheme = Scheme(
-            cfg.codec,
-            group=cfg.codec_group,
-            symmetric=cfg.codec_symmetric,
-            stochastic=cfg.codec_stochastic,
+            settings.name,
+            group=settings.group,
+            symmetric=settings.symmetric,
+            stochastic=settings.stochastic,
         )
-        self.min_bytes = max(cfg.codec_min_bytes, 1)
-        self.ops = frozenset(cfg.codec_ops) if cfg.codec_ops else frozenset(DEFAULT_OPS)
+        self.min_bytes = max(settings.min_bytes, 1)
+        self.ops = frozenset(settings.ops) if settings.ops else frozenset(DEFAULT_OPS)
         unknown = unknown_ops(self.ops)
         if unknown:
             raise ValueError(
-                f"codec_ops: {', '.join(map(repr, unknown))} is no torch function, "
+                f"codec.ops: {', '.join(map(repr, unknown))} is no torch function, "
                 "torch.nn.functional function or tensor method"
             )
-        self.seed = cfg.codec_seed
+        self.seed = settings.seed
         self.step = 0
         self._generators: dict[torch.device, torch.Generator] = {}
         self._saved: dict[tuple[Any, ...], tuple[StorageWeakRef, Any, Any]] = {}

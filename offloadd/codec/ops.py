@@ -5,7 +5,7 @@ is on, :class:`OpScope` (a torch function mode, entered with the offloading scop
 thread) notes the torch function running at the outermost level (``linear``, ``softmax``,
 ``scaled_dot_product_attention``…); pack compresses a saved tensor only if
 
-* that function is in the allow list below (or in ``codec_ops``, which replaces it),
+* that function is in the allow list below (or in ``codec.ops``, which replaces it),
 * the tensor has the shape of one of the function's tensor arguments (or that shape with its
   leading dims folded into one: the view ``linear`` and ``matmul`` save of a 3-D or 4-D input),
   so what an op saves beside its inputs and outputs (layer norm's mean and rstd, attention's
@@ -24,7 +24,7 @@ thread) notes the torch function running at the outermost level (``linear``, ``s
   int4 a bias of -7.75 beside -10000 decodes 7.75 off). So the shape decides, for the mask
   itself too (a v or an output that happens to have the mask's shape stays exact with it),
 * it is floating (float32, bfloat16, float16), strided, dense, not a parameter, and at least
-  ``codec_min_bytes`` (bool masks, indices, RNG state and integer tensors never qualify), and
+  ``codec.min_bytes`` (bool masks, indices, RNG state and integer tensors never qualify), and
 * every value in it is finite (see [non-finite values] in coder.py: found from the ranges the
   encoder computes anyway, the tensor is then saved exactly).
 

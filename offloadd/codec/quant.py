@@ -88,10 +88,10 @@ class Scheme:
 
     def __post_init__(self) -> None:
         if self.name not in _BITS:
-            raise ValueError(f"codec: {self.name!r} is not one of {', '.join(CODECS[1:])}")
+            raise ValueError(f"codec.name: {self.name!r} is not one of {', '.join(CODECS[1:])}")
         if self.stochastic and self.name in _FP8:
             raise ValueError(
-                f"codec_stochastic: stochastic rounding is for the integer codecs, not {self.name}"
+                f"codec.stochastic: stochastic rounding is for the integer codecs, not {self.name}"
             )
 
     @property

@@ -9,25 +9,13 @@ reads the whole section, and its command-line options override it; the training 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
-from typing import Any, Literal, get_args
+from dataclasses import dataclass
+from typing import ClassVar, Literal, get_args
 
-from offloadd.config.kinds import (
-    Choice,
-    DirectIO,
-    Dirs,
-    Int,
-    Kind,
-    Size,
-    SocketPath,
-    Uids,
-    check,
-)
+from offloadd.config.fields import Settings, setting
+from offloadd.config.validators import Choice, DirectIO, Dirs, Int, Size, SocketPath, Uids
 
-__all__ = ["KINDS", "SECTION", "Checksum", "DaemonConfig", "default_socket_path"]
-
-SECTION = "daemon"
-"""The section's name: its TOML table, the prefix of its dotted keys and of its variables."""
+__all__ = ["Checksum", "DaemonConfig", "default_socket_path"]
 
 Checksum = Literal["xxh3", "crc32", "none"]
 
@@ -40,10 +28,12 @@ def default_socket_path() -> str:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
-class DaemonConfig:
+class DaemonConfig(Settings):
     """How ``offloadd serve`` runs and where clients find it. Every field has a working default."""
 
-    socket: str = ""
+    section: ClassVar[str] = "daemon"
+
+    socket: str = setting("", SocketPath())
     """Unix socket path. The daemon listens on it (the socket 0600, 0666 with ``allowed_uids``;
     a missing directory is created 0700, 0711 with ``allowed_uids``, an existing one is used as
     it is, and one that is a symbolic link is refused); the training side, when it is set and
@@ -54,89 +44,59 @@ class DaemonConfig:
     Empty: the daemon listens on the per-user default (``$XDG_RUNTIME_DIR/offloadd/daemon.sock``
     or ``/tmp/offloadd-run-$UID/daemon.sock``), and the training side uses its embedded engine."""
 
-    dirs: tuple[str, ...] = ()
+    dirs: tuple[str, ...] = setting((), Dirs())
     """Offload directories (one per drive), striped chunk by chunk. Empty: the per-user default
     directory of the embedded engine. (The training side's ``ssd_dirs`` do not apply here.)"""
 
-    quota_bytes: int = 0
+    quota_bytes: int = setting(0, Size(0, 1 << 62))
     """Disk bytes per user: what all the sessions of one uid may hold at once, together (a
     client may open many sessions). A write past it is refused and the client keeps that chunk
     in memory. 0: no quota."""
 
-    checksum: Checksum = "xxh3"
+    checksum: Checksum = setting("xxh3", Choice(get_args(Checksum)))
     """Per-chunk checksum computed on write and verified on read: ``xxh3`` (the xxhash package, a
     dependency of offloadd), ``crc32`` (zlib; slower) or ``none``."""
 
-    allowed_uids: tuple[int, ...] = ()
+    allowed_uids: tuple[int, ...] = setting((), Uids())
     """User ids besides the daemon's own that may connect (checked with SO_PEERCRED). When set,
     the socket is 0666 and a socket directory the daemon creates is 0711 (an existing one keeps
     its mode, with a warning if others may not pass through it), and the SO_PEERCRED check alone
     keeps other users out (see offloadd/daemon/core.py [socket modes])."""
 
-    trusted_uids: tuple[int, ...] = ()
+    trusted_uids: tuple[int, ...] = setting((), Uids())
     """The client's side (the training side, ``offloadd status`` and ``stop``): user ids besides
     its own and root whose daemon it talks to, for a daemon run by a service user. A client
     checks the uid of the process listening at ``socket`` and the owner of the socket's
     directory before it sends a byte, and refuses any other (see offloadd/daemon/trust.py
     [who trusts whom]). The daemon does not read it."""
 
-    io_threads: int = 4
+    io_threads: int = setting(4, Int(1, 256))
     """Requests the daemon's I/O engine runs at once (shared by all sessions). The daemon's own
     value: the training side's ``io_threads`` sizes only its embedded engine."""
 
-    direct_io: DirectIO = "auto"
+    direct_io: DirectIO = setting("auto", Choice(get_args(DirectIO)))
     """O_DIRECT use for the daemon's offload files, with the same values as the training side's
     ``direct_io``, which applies only to the embedded engine's files."""
 
-    max_sessions: int = 64
+    max_sessions: int = setting(64, Int(1, 1 << 16))
     """Sessions one user (uid) may have open at once; more of that uid's are refused (EUSERS),
     and other users' sessions are not counted against it. With ``max_shm_bytes`` it bounds the
     shared memory the daemon creates for each uid it accepts (see offloadd/daemon/session.py
     [sessions per user])."""
 
-    max_shm_bytes: int = 1 << 30
+    max_shm_bytes: int = setting(1 << 30, Size(4096, 1 << 40))
     """Largest shared memory (staging plus read slots) one session may ask for."""
 
-    max_chunk_bytes: int = 64 << 20
+    max_chunk_bytes: int = setting(64 << 20, Size(4096, 1 << 30))
     """Largest chunk (slot) size a session may ask for."""
 
-    metrics_port: int = 0
+    metrics_port: int = setting(0, Int(0, 65535))
     """Serve Prometheus metrics on 127.0.0.1:PORT (needs prometheus-client, the ``daemon``
     extra). Every local user can read them: daemon-wide figures and each session's bytes by
     session number, with no identity, pid or uid (see offloadd/daemon/metrics.py [what the
     metrics show]). 0: off."""
 
-    def __post_init__(self) -> None:
-        for name, kind in KINDS.items():
-            value = check(f"{SECTION}.{name}", kind, getattr(self, name))
-            object.__setattr__(self, name, value)
-
     @property
     def socket_path(self) -> str:
         """Where the daemon listens: ``socket``, else the per-user default."""
         return self.socket or default_socket_path()
-
-    def replace(self, **changes: Any) -> DaemonConfig:
-        """A copy with ``changes`` applied and checked."""
-        return DaemonConfig(**{**self.as_dict(), **changes})
-
-    def as_dict(self) -> dict[str, Any]:
-        """``{key: value}``, as the ``[daemon]`` table would hold it."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-KINDS: dict[str, Kind] = {
-    "socket": SocketPath(),
-    "dirs": Dirs(),
-    "quota_bytes": Size(0, 1 << 62),
-    "checksum": Choice(get_args(Checksum)),
-    "allowed_uids": Uids(),
-    "trusted_uids": Uids(),
-    "io_threads": Int(1, 256),
-    "direct_io": Choice(get_args(DirectIO)),
-    "max_sessions": Int(1, 1 << 16),
-    "max_shm_bytes": Size(4096, 1 << 40),
-    "max_chunk_bytes": Size(4096, 1 << 30),
-    "metrics_port": Int(0, 65535),
-}
-"""How each field is read and checked (:mod:`offloadd.config.kinds`)."""

@@ -1,38 +1,31 @@
-"""The configuration: :class:`Config`, a kw-only dataclass whose ``daemon`` field is a section.
+"""The configuration: :class:`Config`, a kw-only dataclass whose ``daemon`` and ``codec`` fields
+are sections.
 
-Every field name is at once the TOML key (``configs/*.toml``) and, upper-cased behind the
-``OFFLOADD_`` prefix, the environment variable (``min_bytes`` -> ``OFFLOADD_MIN_BYTES``); the
-section's keys are the ``[daemon]`` table and ``OFFLOADD_DAEMON_<KEY>``. :meth:`Config.load`
-reads both (:mod:`offloadd.config.loader`, imported where used since it imports this module).
-Sizes accept plain integers or a binary/decimal suffix (``4MiB``, ``256k``, ``1G``). A bad value
-raises :class:`ValueError` naming the dotted key, the value and, when loaded, where it came from.
+Every field is declared once: its default and its kind (how a value is read and checked) in
+``setting(...)``, its docstring below it (:mod:`offloadd.config.fields`). Its name is at once the
+TOML key (``configs/*.toml``) and, upper-cased behind the ``OFFLOADD_`` prefix, the environment
+variable (``min_bytes`` -> ``OFFLOADD_MIN_BYTES``); a section's keys are its table (``[daemon]``,
+``[codec]``) and ``OFFLOADD_<SECTION>_<KEY>``. :meth:`Config.load` reads both
+(:mod:`offloadd.config.loader`). Sizes accept plain integers or a binary/decimal suffix
+(``4MiB``, ``256k``, ``1G``). A bad value raises :class:`ValueError` naming the dotted key, the
+value and, when loaded, where it came from.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import InitVar, dataclass, field, fields
+from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
+from offloadd.config.codec import CodecConfig, CodecName
 from offloadd.config.daemon import DaemonConfig
-from offloadd.config.kinds import (
-    Bool,
-    Budget,
-    Choice,
-    DirectIO,
-    Dirs,
-    Int,
-    Kind,
-    Names,
-    Size,
-    check,
-    invalid,
-)
-from offloadd.config.renamed import move_renamed
+from offloadd.config.fields import Settings, section, sections, setting
+from offloadd.config.loader import build, flatten, load, load_section
+from offloadd.config.renamed import move_renamed, reads_renamed
+from offloadd.config.validators import Bool, Budget, Choice, DirectIO, Dirs, Int, Size
 
 __all__ = [
-    "KINDS",
     "CodecName",
     "Config",
     "DirectIO",
@@ -40,60 +33,61 @@ __all__ = [
     "HostAllocator",
     "IoUring",
     "Tier",
+    "load_daemon",
 ]
 
 Tier = Literal["keep", "cpu", "ssd"]
 EngineName = Literal["auto", "native", "python", "kvikio"]
 IoUring = Literal["auto", "on", "off"]
 HostAllocator = Literal["auto", "caching", "system"]
-CodecName = Literal["none", "int8", "fp8-e4m3", "fp8-e5m2", "int4", "int2"]
 
 _ALIGN = 4096
 
 
+@reads_renamed
 @dataclass(kw_only=True, slots=True, frozen=True)
-class Config:
+class Config(Settings):
     """How the offloader treats saved activations. Every field has a default that works."""
 
-    tier: Tier = "ssd"
+    tier: Tier = setting("ssd", Choice(get_args(Tier)))
     """Where offloaded activations go. ``"keep"``: hooks installed, everything kept in memory (the
     accounting baseline). ``"ssd"``: written to files in ``ssd_dirs``. ``"cpu"``: CUDA tensors go to
     a pinned host pool of ``host_budget_bytes`` and spill to ``ssd_dirs`` past it; CPU tensors stay
     where they are (moving host memory to host memory saves nothing)."""
 
-    ssd_dirs: tuple[str, ...] = ()
+    ssd_dirs: tuple[str, ...] = setting((), Dirs())
     """Directories for the ssd tier (and the cpu tier's spill), striped chunk by chunk when several
     are given. Empty: a per-user directory on a local, non-tmpfs file system is chosen and logged."""
 
-    min_bytes: int = 1 << 20
+    min_bytes: int = setting(1 << 20, Size())
     """Tensors smaller than this are kept in memory: moving them costs more than it saves."""
 
-    dedup: bool = True
+    dedup: bool = setting(True, Bool())
     """Move a storage once even when several saved tensors (views, transposes, expands) share it."""
 
-    staging_bytes: int = 128 << 20
+    staging_bytes: int = setting(128 << 20, Size())
     """Size of the pre-allocated, page-aligned staging pool that writes go through. When it is full,
     forward waits for writes to finish (backpressure, counted in stats)."""
 
-    host_budget_bytes: int = 2 << 30
+    host_budget_bytes: int = setting(2 << 30, Size())
     """cpu tier: bytes of pinned host memory to hold activations in before spilling to ssd."""
 
-    prefetch_bytes: int = 128 << 20
+    prefetch_bytes: int = setting(128 << 20, Size())
     """Backward reads ahead, in reverse pack order, at most this many bytes beyond what is in use."""
 
-    chunk_bytes: int = 4 << 20
+    chunk_bytes: int = setting(4 << 20, Size(_ALIGN, multiple=_ALIGN))
     """Unit of I/O and of staging slots; a multiple of 4096. Blocks are split into chunks."""
 
-    io_threads: int = 4
+    io_threads: int = setting(4, Int(1, 256))
     """Threads of the embedded I/O engine (requests in flight at once). A daemon's engine has its
     own, ``daemon.io_threads``."""
 
-    direct_io: DirectIO = "auto"
+    direct_io: DirectIO = setting("auto", Choice(get_args(DirectIO)))
     """O_DIRECT use: ``"auto"`` tries it and falls back to buffered I/O where the file system refuses
     it (logged once, shown in stats); ``"on"`` fails instead; ``"off"`` always uses buffered I/O.
     For the embedded engine's files; a daemon's files follow ``daemon.direct_io``."""
 
-    trim_host_bytes: int = 0
+    trim_host_bytes: int = setting(0, Size())
     """CPU activations on glibc: hand freed heap pages back to the OS (``malloc_trim``) each time
     this many bytes were moved out or back in; 0 (the default) never does. Read-backs land in
     offloadd's own recycled buffers and in-place writes free each activation as soon as it is
@@ -101,7 +95,7 @@ class Config:
     trimming them makes the next allocations fault in fresh pages, a trade of step time for RSS
     measured in docs/benchmarks/."""
 
-    host_allocator: HostAllocator = "auto"
+    host_allocator: HostAllocator = setting("auto", Choice(get_args(HostAllocator)))
     """torch's CPU allocator while the Offloader is open. ``"caching"``: offloadd's host cache
     (csrc/host_allocator.cpp), which keeps freed activation blocks warm for the next allocation of
     their size and caps what it keeps at what was live, so that freed activations neither stay
@@ -110,18 +104,18 @@ class Config:
     cache for tier ssd on a machine without CUDA, falling back to system with a warning saying why;
     system otherwise."""
 
-    engine: EngineName = "auto"
+    engine: EngineName = setting("auto", Choice(get_args(EngineName)))
     """I/O engine. ``"native"``: the C engine (csrc/), which never needs the GIL; ``"python"``: the
     thread-pool reference engine; ``"kvikio"``: GPUDirect Storage for CUDA tensors (host tensors
     use native); ``"auto"``: kvikio for CUDA tensors where kvikio and cuFile work, else native,
     else python, logging what it picked and why. Naming an engine that cannot load is an error."""
 
-    io_uring: IoUring = "auto"
+    io_uring: IoUring = setting("auto", Choice(get_args(IoUring)))
     """Native engine backend: ``"on"`` drives an io_uring ring (error where the kernel or a seccomp
     profile refuses it), ``"off"`` uses its pthread pool, ``"auto"`` uses io_uring where a probe
     succeeds."""
 
-    budget: int | float | None = None
+    budget: int | float | None = setting(None, Budget())
     """A budget for the step's activation peak: offloadd profiles the first step of each input
     shape, then keeps, offloads or recomputes each block of the model so that the most memory a
     step uses above what was in use when its forward began (temporaries included, as CUDA's or
@@ -131,43 +125,22 @@ class Config:
     default) offloads every saved tensor as the tier says. A budget no plan fits in raises,
     naming the smallest feasible one."""
 
-    memsave: bool = False
+    memsave: bool = setting(False, Bool())
     """Under ``OFFLOADD=1``: apply :func:`offloadd.memsave` to the model (the root module of the
     first forward) once, so its Conv, ConvTranspose, BatchNorm (eval), ReLU, LeakyReLU, MaxPool and
     Dropout modules save for backward only what the gradients that will be computed need (bitwise
     the same gradients; less saved where gradients flow through frozen layers). In a program,
     call ``offloadd.memsave(model)`` yourself: an :class:`~offloadd.Offloader` does not apply it."""
 
-    codec: CodecName = "none"
-    """Lossy compression of saved activations, opt-in: ``"none"`` (the default) stores them
-    exactly; ``"int8"``, ``"fp8-e4m3"``, ``"fp8-e5m2"``, ``"int4"``, ``"int2"`` encode the floating
-    activations that the ops in ``codec_ops`` save, per group of ``codec_group`` values with a
-    range each, before they are kept, moved or written (see [the codes] in codec/quant.py, [what
-    gets compressed] in codec/ops.py). Gradients are then approximate: docs/benchmarks holds the
-    measured error and loss curves of each codec."""
+    codec: CodecConfig = section(CodecConfig)
+    """Lossy compression of saved activations, opt-in (off by default): the ``[codec]`` table,
+    ``OFFLOADD_CODEC_<KEY>`` in the environment (:class:`~offloadd.config.CodecConfig`):
+    ``codec.name`` (``"none"``, ``"int8"``, ``"fp8-e4m3"``, ``"fp8-e5m2"``, ``"int4"``,
+    ``"int2"``), ``codec.group``, ``codec.symmetric``, ``codec.stochastic``, ``codec.seed``,
+    ``codec.min_bytes``, ``codec.ops``. The flat keys it replaces (``codec="int8"``,
+    ``codec_group``, ...) are read with a DeprecationWarning until offloadd 0.3.0."""
 
-    codec_group: int = 256
-    """Values per quantisation group (a range each); near it, groups follow rows and heads."""
-
-    codec_symmetric: bool = True
-    """``int8``: a scale per group around zero (``True``) or a minimum and a step (``False``).
-    int4 and int2 always use a minimum and a step; fp8 always a scale."""
-
-    codec_stochastic: bool = False
-    """Integer codecs: round stochastically (unbiased) instead of to nearest, from a generator
-    seeded per step with ``codec_seed``, so runs reproduce."""
-
-    codec_seed: int = 0
-    """Seed of stochastic rounding (mixed with the step number)."""
-
-    codec_min_bytes: int = 64 << 10
-    """Floating activations smaller than this are never encoded."""
-
-    codec_ops: tuple[str, ...] = ()
-    """Torch functions whose saved activations the codec may encode (``["linear"]``: only linear
-    inputs); empty (the default): the list in codec/ops.py, each entry with its reason."""
-
-    compile_ops: bool = True
+    compile_ops: bool = setting(True, Bool())
     """A model compiled whole (``torch.compile(model)``) with inductor streams while it computes:
     its graph empties each saved activation once read and its backward reads it back before use
     (see [emptied in the graph] in runtime/graph_ops.py). Bit-identical to the model compiled
@@ -175,29 +148,14 @@ class Config:
     is not. Off: such a model's saved tensors are moved when its forward returns (exact, but
     every one of them is resident at that point)."""
 
-    daemon: DaemonConfig = field(default_factory=DaemonConfig)
+    daemon: DaemonConfig = section(DaemonConfig)
     """The daemon's settings: the ``[daemon]`` table, ``OFFLOADD_DAEMON_<KEY>`` in the
     environment (:class:`~offloadd.config.DaemonConfig`). The training side reads only
     ``daemon.socket``: when it is set and the tier is ``ssd``, the ``offloadd serve`` daemon there
     does the I/O. ``offloadd serve`` reads all of it."""
 
-    daemon_socket: InitVar[str | None] = None
-    """Deprecated: the first release's name of ``daemon.socket``, read with a DeprecationWarning
-    until offloadd 0.3.0 (see [renamed keys] in config/renamed.py). Not a field."""
-
-    def __post_init__(self, daemon_socket: str | None) -> None:
-        for name, kind in KINDS.items():
-            object.__setattr__(self, name, check(name, kind, getattr(self, name)))
-        if not isinstance(self.daemon, DaemonConfig):
-            raise invalid("daemon", self.daemon, "a DaemonConfig (the daemon's settings)")
-        if daemon_socket is not None:
-            old = {"daemon_socket": daemon_socket, "daemon": self.daemon}
-            moved = move_renamed(old, "a keyword argument", "keyword")
-            object.__setattr__(self, "daemon", moved["daemon"])
-        if self.codec_stochastic and self.codec.startswith("fp8"):
-            raise ValueError(
-                f"codec_stochastic: stochastic rounding is for the integer codecs, not {self.codec}"
-            )
+    def __post_init__(self) -> None:
+        Settings.__post_init__(self)
         if self.staging_bytes < self.chunk_bytes:
             raise ValueError(
                 f"staging_bytes: {self.staging_bytes} does not hold one chunk "
@@ -217,14 +175,12 @@ class Config:
         """The one loader: ``base`` (default: the defaults), then a TOML file, then variables.
 
         The file is ``path``, else ``$OFFLOADD_CONFIG`` (none if neither is given). Its top
-        level, or its ``[offload]`` table, holds the keys of this class; its ``[daemon]`` table
-        the daemon's. ``environ`` (default: ``os.environ``) overrides both with ``OFFLOADD_<KEY>``
-        and ``OFFLOADD_DAEMON_<KEY>``; an ``OFFLOADD_*`` variable that is neither a key nor
+        level, or its ``[offload]`` table, holds the keys of this class; its ``[daemon]`` and
+        ``[codec]`` tables the sections'. ``environ`` (default: ``os.environ``) overrides both
+        with ``OFFLOADD_<KEY>`` and ``OFFLOADD_<SECTION>_<KEY>``; an ``OFFLOADD_*`` variable that is neither a key nor
         reserved (:data:`~offloadd.config.RESERVED_ENV`) raises, so a typo never silently runs
         with defaults. Errors name the dotted key, the value and the file or variable."""
-        from offloadd.config.loader import load
-
-        return load(path, environ=environ, base=base)
+        return load(cls, path, environ=environ, base=base)
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str]) -> Config:
@@ -240,55 +196,30 @@ class Config:
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], *, source: str | None = None) -> Config:
-        """Build from ``{key: value}`` as a TOML file holds them (``daemon``: a table, or a
-        :class:`DaemonConfig`), converting strings; errors name ``source`` when given."""
-        from offloadd.config.loader import build, flatten
-
-        return build(flatten(values, source))
+        """Build from ``{key: value}`` as a TOML file holds them (a section: a table, or an
+        instance of its class), converting strings; errors name ``source`` when given."""
+        return build(cls, flatten(cls, values, source))
 
     def replace(self, **changes: Any) -> Config:
-        """A copy with ``changes`` applied and checked. ``daemon`` may be a :class:`DaemonConfig`
-        (the whole section) or a mapping of some of its keys, merged into the current section:
-        ``cfg.replace(daemon={"socket": path})``. Renamed keys are read with a warning (see
-        [renamed keys] in config/renamed.py)."""
-        changes = move_renamed(changes, "a keyword argument", "keyword")
+        """A copy with ``changes`` applied and checked. A section (``daemon``, ``codec``) may be
+        an instance of its class (the whole section) or a mapping of some of its keys, merged
+        into the current section: ``cfg.replace(daemon={"socket": path})``. Renamed keys are
+        read with a warning (see [renamed keys] in config/renamed.py)."""
+        changes = move_renamed(Config, changes, "a keyword argument", "keyword")
         values = self.as_dict()
-        section = changes.pop("daemon", values["daemon"])
-        if isinstance(section, Mapping):
-            section = {**values["daemon"], **section}
-        return self.from_mapping({**values, **changes, "daemon": section})
-
-    def as_dict(self) -> dict[str, Any]:
-        """``{key: value}`` with the section as a nested dict, as a TOML file would hold it."""
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
-        out["daemon"] = self.daemon.as_dict()
-        return out
+        for name in sections(Config):
+            given = changes.get(name)
+            if isinstance(given, Mapping):
+                changes[name] = {**values[name], **given}
+        return self.from_mapping({**values, **changes})
 
 
-KINDS: dict[str, Kind] = {
-    "tier": Choice(get_args(Tier)),
-    "ssd_dirs": Dirs(),
-    "min_bytes": Size(),
-    "dedup": Bool(),
-    "staging_bytes": Size(),
-    "host_budget_bytes": Size(),
-    "prefetch_bytes": Size(),
-    "chunk_bytes": Size(_ALIGN, multiple=_ALIGN),
-    "io_threads": Int(1, 256),
-    "direct_io": Choice(get_args(DirectIO)),
-    "trim_host_bytes": Size(),
-    "host_allocator": Choice(get_args(HostAllocator)),
-    "engine": Choice(get_args(EngineName)),
-    "io_uring": Choice(get_args(IoUring)),
-    "budget": Budget(),
-    "memsave": Bool(),
-    "codec": Choice(get_args(CodecName)),
-    "codec_group": Int(8, 1 << 20),
-    "codec_symmetric": Bool(),
-    "codec_stochastic": Bool(),
-    "codec_seed": Int(0, (1 << 63) - 1),
-    "codec_min_bytes": Size(),
-    "codec_ops": Names(),
-    "compile_ops": Bool(),
-}
-"""How each field but the ``daemon`` section is read and checked (:mod:`offloadd.config.kinds`)."""
+def load_daemon(
+    path: str | os.PathLike[str] | None = None, *, environ: Mapping[str, str] | None = None
+) -> DaemonConfig:
+    """The daemon's section as ``offloadd serve``, ``status`` and ``stop`` read it: the
+    ``[daemon]`` table of ``path`` (a file of daemon keys alone is read as that table), then the
+    ``OFFLOADD_DAEMON_*`` variables of ``environ`` (default: ``os.environ``) and no others
+    (:func:`offloadd.config.loader.load_section`)."""
+    daemon: DaemonConfig = load_section(Config, "daemon", path, environ=environ)
+    return daemon

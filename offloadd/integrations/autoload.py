@@ -8,8 +8,9 @@ at the first training forward, so processes that import torch but never train (l
 data-loader workers, tools) open no files and print nothing.
 
 Variables: ``OFFLOADD`` (1/true/yes/on, or 0/false/no/off), ``OFFLOADD_CONFIG`` (a TOML file),
-``OFFLOADD_<FIELD>`` (any :class:`~offloadd.Config` field; ``OFFLOADD_DAEMON_<FIELD>`` for
-its ``daemon`` section, of which the training side reads ``socket``), ``OFFLOADD_REPORT`` (a JSON
+``OFFLOADD_<FIELD>`` (any :class:`~offloadd.Config` field; ``OFFLOADD_CODEC_<FIELD>`` for its
+``codec`` section, ``OFFLOADD_DAEMON_<FIELD>`` for its ``daemon`` section, of which the training
+side reads ``socket``), ``OFFLOADD_REPORT`` (a JSON
 path written at exit, ``{rank}`` substituted) and ``OFFLOADD_LOG`` (the level of offloadd's
 log on stderr: debug, info, warning, error).
 

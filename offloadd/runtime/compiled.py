@@ -150,12 +150,12 @@ def note_wrapper(off: Any, module: nn.Module) -> bool:
         return False
     in_scope = bool(getattr(off._tls, "stack", None)) and torch.is_grad_enabled()
     cfg = off.config
-    if in_scope and cfg.codec != "none":
+    if in_scope and cfg.codec.name != "none":
         raise RuntimeError(
-            f"offloadd: codec={cfg.codec!r} does not run under torch.compile: a compiled "
-            "region's saved tensors reach offloadd without the op that saved them, which the "
-            "codec needs to choose what it may code; set codec='none' (OFFLOADD_CODEC=none) "
-            "or run this model eagerly"
+            f"offloadd: codec.name={cfg.codec.name!r} does not run under torch.compile: a "
+            "compiled region's saved tensors reach offloadd without the op that saved them, which "
+            "the codec needs to choose what it may code; set codec.name='none' "
+            "(OFFLOADD_CODEC_NAME=none) or run this model eagerly"
         )
     for m in orig.modules():
         off.note_module(m)

@@ -75,14 +75,81 @@ _DRAIN_AT = 4096  # events queued by the lock-free hot path before pack applies 
 class Offloader:
     """Saved-tensor hooks that offload activations; use as a context manager around forward.
 
-    Enter it once per forward (``with off:`` around each step's forward, as ``OFFLOADD=1``
-    does): each outermost entry begins a training step, at which the read pool unmaps the
-    buffers of sizes that the last two steps did not use (see [warm buffers] in io/pools.py).
-    Entered once around the whole loop, it unmaps them only when it closes.
+    Inside ``with off:``, each tensor autograd saves for backward is kept, moved to pinned host
+    memory or written to files, and read back, in time, when backward needs it; gradients are
+    bitwise those of plain PyTorch unless a lossy codec is asked for. Enter it once per forward
+    (``with off:`` around each step's forward, as ``OFFLOADD=1`` does): each outermost entry
+    begins a training step, at which the read pool unmaps the buffers of sizes that the last two
+    steps did not use (see [warm buffers] in io/pools.py). Entered once around the whole loop,
+    it unmaps them only when it closes. Backward runs outside the scope.
 
-    ``Offloader(tier="ssd", ssd_dirs=[...])``, ``Offloader(Config(...))``, or both (keyword
-    arguments override the config's fields). ``io_engine`` plugs in another engine (embedded
-    backend); ``ordering`` another device ordering (tests: ``SimulatedOrdering``).
+    Args:
+        config (Config | None): the settings; ``None``: ``Config()``, the defaults. The
+            keyword arguments below override its fields.
+        io_engine (Engine | None): another I/O engine for the embedded backend (by default
+            ``engine`` chooses one). Not with ``daemon.socket``.
+        ordering (Ordering | None): how an asynchronous device orders its copies (default:
+            CUDA streams and events; tests pass ``SimulatedOrdering``).
+        **overrides: any key of :class:`~offloadd.Config`, each read and checked as the
+            config file's would be (``"4MiB"`` for a size); a section takes a mapping of some
+            of its keys, merged into the config's section, or a whole section object:
+
+            - ``tier`` (str): ``"ssd"`` (default: files in ``ssd_dirs``), ``"cpu"`` (CUDA
+              tensors to pinned host memory up to ``host_budget_bytes``, spilling to
+              ``ssd_dirs``) or ``"keep"`` (hooks only: the accounting baseline).
+            - ``ssd_dirs`` (list[str]): offload directories, striped chunk by chunk; empty: a
+              per-user directory on a local disk.
+            - ``min_bytes`` (int | str): smaller tensors stay in memory (default 1 MiB).
+            - ``dedup`` (bool): move a storage shared by several saved tensors once.
+            - ``staging_bytes``, ``host_budget_bytes``, ``prefetch_bytes``, ``chunk_bytes``
+              (int | str): the write staging pool, the cpu tier's pinned budget, backward's
+              read-ahead, and the I/O unit (a multiple of 4096).
+            - ``io_threads`` (int), ``direct_io`` (``"auto"``/``"on"``/``"off"``),
+              ``engine`` (``"auto"``/``"native"``/``"python"``/``"kvikio"``), ``io_uring``
+              (``"auto"``/``"on"``/``"off"``): the embedded I/O engine.
+            - ``trim_host_bytes`` (int | str), ``host_allocator`` (``"auto"``/``"caching"``/
+              ``"system"``): host memory of CPU activations (glibc trims, offloadd's cache).
+            - ``budget`` (int | float | str | None): a peak for saved activations (``"6GiB"``
+              or ``"0.3x"`` of keep's); offloadd then keeps, offloads or recomputes each
+              block to fit. ``None`` (default): offload everything the tier says.
+            - ``memsave`` (bool): under ``OFFLOADD=1`` only, apply :func:`offloadd.memsave`.
+            - ``compile_ops`` (bool): a model compiled whole streams its saved activations.
+            - ``codec`` (mapping | CodecConfig): lossy compression, off by default:
+              ``codec={"name": "int8"}`` and its other keys ``group``, ``symmetric``,
+              ``stochastic``, ``seed``, ``min_bytes``, ``ops``.
+            - ``daemon`` (mapping | DaemonConfig): ``daemon={"socket": path}`` has the
+              ``offloadd serve`` daemon there do the ssd tier's I/O; ``trusted_uids`` the
+              uids besides its own and root whose daemon it talks to.
+
+            Old names (``daemon_socket``, ``codec="int8"``, ``codec_group``, ...) are read with
+            a DeprecationWarning until 0.3.0 (docs/usage-envvar.md, "Deprecated names").
+
+    Raises:
+        ValueError: a key that does not exist, or a value that is not of its kind (the
+            message names the dotted key, as ``codec.group: 3 is not an integer in
+            8..1048576``); two keys that do not fit together (``staging_bytes`` below
+            ``chunk_bytes``); an offload directory that is missing or not writable;
+            ``codec.ops`` naming no torch function; ``io_engine`` with ``daemon.socket``.
+        RuntimeError: an engine or backend asked for by name that cannot run here
+            (``engine="native"``/``"kvikio"``, ``io_uring="on"``), or
+            ``host_allocator="caching"`` where the host cache cannot be loaded. Entering a
+            closed Offloader, or a codec under ``torch.compile(model)``, raises it too.
+        ConnectionError: ``daemon.socket`` is set and the daemon there cannot be reached,
+            is not trusted, or refuses the session.
+
+    Example:
+        >>> import torch
+        >>> from offloadd import Offloader
+        >>> model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(),
+        ...                             torch.nn.Linear(4096, 1024))
+        >>> off = Offloader(tier="ssd", min_bytes="64KiB")  # or Offloader(Config.load(path))
+        >>> for step in range(3):
+        ...     x = torch.randn(64, 1024)
+        ...     with off:  # forward inside: saved activations leave as they are saved
+        ...         loss = model(x).square().mean()
+        ...     loss.backward()  # outside: each comes back before the op that needs it
+        >>> print(off.stats().summary())  # doctest: +SKIP
+        >>> off.close()
     """
 
     def __init__(
@@ -124,9 +191,9 @@ class Offloader:
             else None
         )
         # Lossy codes of some saved activations, opt-in (see [codes through the tiers]).
-        self._codec = Codec(cfg) if cfg.codec != "none" else None
+        self._codec = Codec(cfg) if cfg.codec.name != "none" else None
         if self._codec is not None:
-            self._stats.codec = cfg.codec
+            self._stats.codec = cfg.codec.name
         # Last before the finalizer that releases it: a part refusing the config (the backend,
         # the writer) leaves torch's allocator alone.
         self._host_cache = host_allocator.open_for(cfg, ledger.warn_once)

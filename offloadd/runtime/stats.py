@@ -80,7 +80,7 @@ class Stats:
     buffered_io: bool = False
     """True when some file fell back from O_DIRECT to buffered I/O."""
     codec: str = ""
-    """The lossy codec in use (``Config.codec``; empty for none)."""
+    """The lossy codec in use (``Config.codec.name``; empty for none)."""
     coded_tensors: int = 0
     """Saved tensors the codec encoded (each shared view once)."""
     coded_in_bytes: int = 0

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from offloadd.cli_dirs import ready_dir, ready_parent
-from offloadd.config import Config
+from offloadd.config import CodecConfig
 from offloadd.runtime.offloader import Offloader
 from offloadd.tools.bench_step_report import format_report
 from offloadd.tools.machine import command_line
@@ -102,7 +102,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--codec",
         default="none",
-        help="offloadd's codec for keep, ssd and cpu (Config.codec; lossy unless none)",
+        help="offloadd's codec for keep, ssd and cpu (codec.name; lossy unless none)",
     )
     p.add_argument(
         "--out",
@@ -170,7 +170,7 @@ def _options(ns: argparse.Namespace) -> dict[str, Any]:
     if ns.deep_layers < 0:
         raise ValueError(f"--deep-layers must be 0 (skip) or positive, got {ns.deep_layers}")
     try:
-        Config(codec=ns.codec)
+        CodecConfig(name=ns.codec)
     except ValueError as e:
         raise ValueError(f"--codec: {e}") from None
     strategies = [s for s in ns.strategies.split(",") if s]
@@ -183,7 +183,7 @@ def _options(ns: argparse.Namespace) -> dict[str, Any]:
             known = ", ".join(x for x in STRATEGIES if x != "auto")
             raise ValueError(f"--strategies: unknown {s!r}; known: {known}")
         try:
-            Config(codec=codec)  # type: ignore[arg-type]
+            CodecConfig(name=codec)  # type: ignore[arg-type]
         except ValueError as e:
             raise ValueError(f"--strategies {s!r}: {e}") from None
         if alloc not in ALLOCATORS:

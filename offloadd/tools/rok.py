@@ -89,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--codec",
         default="none",
-        help="offloadd's codec for keep, offload and auto points (Config.codec: none, int8, "
+        help="offloadd's codec for keep, offload and auto points (codec.name: none, int8, "
         "fp8-e4m3, fp8-e5m2, int4, int2); lossy unless none; recompute is never coded",
     )
     p.add_argument(

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from offloadd.cli_dirs import ready_dir
-from offloadd.config import Config, parse_size
+from offloadd.config import CodecConfig, Config, parse_size
 from offloadd.io.files import default_offload_dir
 from offloadd.tools.models.build import default_vocab
 from offloadd.tools.models.hf import HF_FAMILIES
@@ -229,7 +229,7 @@ def resolve(ns: argparse.Namespace) -> Sweep:
                 )
             if named:
                 try:
-                    Config(codec=named)  # type: ignore[arg-type]
+                    CodecConfig(name=named)  # type: ignore[arg-type]
                 except ValueError as e:
                     raise UsageError(f"--strategies {s!r}: {e}") from None
         strategies = list(dict.fromkeys(strategies))
@@ -276,7 +276,7 @@ def resolve(ns: argparse.Namespace) -> Sweep:
             raise UsageError(f"--ssd-dir: {e}") from None
     codec = getattr(ns, "codec", "none")
     try:
-        Config(codec=codec)  # type: ignore[arg-type]
+        CodecConfig(name=codec)  # type: ignore[arg-type]
     except ValueError as e:
         raise UsageError(f"--codec: {e}") from None
     out = Path(ns.out)

@@ -21,7 +21,7 @@ import torch
 from offloadd.auto import plan_dict
 from offloadd.auto.planner import WARMUP_STEPS as AUTO_WARMUP
 from offloadd.auto.planner import WARMUP_STEPS_MAX as AUTO_WARMUP_MAX
-from offloadd.config import Config
+from offloadd.config import CodecConfig, Config
 from offloadd.io.buffers import address_view
 from offloadd.runtime import host_allocator
 from offloadd.runtime.offloader import Offloader
@@ -86,7 +86,7 @@ class RunSpec:
     vocab_size: int | None = None
     """None: the model's usual vocabulary."""
     codec: str = "none"
-    """Strategies with offloadd's hooks: ``Config.codec`` (lossy compression of what is saved)."""
+    """Strategies with offloadd's hooks: ``codec.name`` (lossy compression of what is saved)."""
     budget: str | None = None
     """auto: the budget (``Config.budget``: a size or a fraction of keep's, ``0.3x``)."""
     compile: bool = False
@@ -207,7 +207,7 @@ def _run(spec: RunSpec, progress: bool, acquired: list[bool]) -> dict[str, Any]:
                 tier="ssd" if spec.strategy == "auto" else spec.strategy,  # type: ignore[arg-type]
                 ssd_dirs=(spec.ssd_dir,) if spec.ssd_dir else (),
                 min_bytes=spec.min_bytes,
-                codec=spec.codec,  # type: ignore[arg-type]
+                codec=CodecConfig(name=spec.codec),  # type: ignore[arg-type]
                 host_allocator=HOST_ALLOCATOR[spec.allocator],  # type: ignore[arg-type]
             ).replace(budget=spec.budget if spec.strategy == "auto" else None)
         )

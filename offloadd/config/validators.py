@@ -1,11 +1,11 @@
 """How one config value is read and checked, whatever it came from: TOML, the environment or code.
 
-Each field of :class:`~offloadd.config.Config` and of its ``daemon`` section has a *kind*. A kind
-takes the value as given (a TOML value, an environment string, a Python value) and returns it
-converted and checked, or raises :class:`Rejected`; :func:`check` turns that into the one error
-format of the configuration, ``<dotted key>: <value> is not <what the kind accepts> (from
-<source>)``, as in ``daemon.quota_bytes: '12 apples' is not a size ... (from
-OFFLOADD_DAEMON_QUOTA_BYTES)``.
+Each field of :class:`~offloadd.config.Config` and of its sections carries a *kind* in its
+metadata (see :mod:`offloadd.config.fields`). A kind takes the value as given (a TOML value, an
+environment string, a Python value) and returns it converted and checked, or raises
+:class:`Rejected`; :func:`check` turns that into the one error format of the configuration,
+``<dotted key>: <value> is not <what the kind accepts> (from <source>)``, as in
+``daemon.quota_bytes: '12 apples' is not a size ... (from OFFLOADD_DAEMON_QUOTA_BYTES)``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any, Literal, Protocol
 
 __all__ = [
     "Bool",
+    "Budget",
     "Choice",
     "DirectIO",
     "Dirs",

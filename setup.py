@@ -147,9 +147,10 @@ class BuildNativeMixin:
         if self.skipped:
             lines = ["offloadd: WARNING: native libraries NOT built (offloadd runs without them):"]
             for name, why in self.skipped:
-                what = TORCH_LIBRARIES.get(name, "")
-                lines.append(f"  {name}{f' ({what})' if what else ''}: {why}")
-            lines.append("A compiler's messages are in the build log (pip install -v).")
+                what = TORCH_LIBRARIES.get(name)
+                lines.append(f"  {name}{f', {what}' if what else ''}: {why}")
+            if any(why != TORCH_MISSING for _, why in self.skipped):
+                lines.append("A compiler's messages are in the build log (pip install -v).")
             lines.append(f"Their fallbacks are in docs/native.md. To build them: {REBUILD}")
             announce(lines)
 

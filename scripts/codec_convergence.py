@@ -165,7 +165,9 @@ def codec_provenance() -> str:
         f"{f.name} {hashlib.sha256(f.read_bytes()).hexdigest()[:12]}" for f in files
     )
     path = (
-        "compiled kernels (csrc/codec.c) for host integer and fp8 codes" if native else "torch ops"
+        "compiled kernels (csrc/codec/codec.c) for host integer and fp8 codes"
+        if native
+        else "torch ops"
     )
     return f"{path}; sha256 at start: {digests}"
 

@@ -60,7 +60,7 @@ def engine_name(request: pytest.FixtureRequest) -> Iterator[str]:
 
 @pytest.fixture(params=["native", "torch-ops"])
 def memsave_path(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Runs a memsave test on its native library (csrc/memsave_kernels.cpp and memsave_ops.cpp)
+    """Runs a memsave test on its native library (csrc/memsave/, offloadd.memsave._kernels)
     and on its torch-op path with the Python functions."""
     from offloadd.memsave import kernels
 

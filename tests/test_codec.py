@@ -260,7 +260,7 @@ def test_the_fused_kernels_match_the_torch_ops_bitwise(
 @pytest.mark.skipif(not native_available(), reason="offloadd.codec._kernels was not built")
 @pytest.mark.parametrize("label", ["fp8-e4m3", "fp8-e5m2"])
 def test_the_fused_fp8_cast_rounds_like_torch_at_every_boundary(label: str) -> None:
-    """csrc/codec.c casts to float8 itself: every finite float8 value, every midpoint between
+    """csrc/codec/codec.c casts to float8 itself: every finite float8 value, every midpoint between
     two neighbours (a tie, to even), and the float32 values just beside each, subnormals, signed
     zeros and float32 values far below the smallest subnormal give torch's bytes. Each group
     holds the format's largest value, so its scale is 1 and the values are cast as they are."""

@@ -55,7 +55,7 @@ from tests.test_equivalence import MODELS
 
 from offloadd.runtime import host_allocator
 reference = train(*MODELS["gpt"], None, steps=1)  # as root: imports everything a step needs
-host_allocator.acquire()  # its library, built or found in root's cache, loaded as root
+host_allocator.acquire()  # its extension module, loaded as root
 host_allocator.release()
 from offloadd.daemon.checksum import checksum_function
 checksum_function("xxh3")  # imports xxhash

@@ -1,4 +1,4 @@
-"""memsave's C++ autograd functions (csrc/memsave_ops.cpp): the graph they record behaves as plain
+"""memsave's C++ autograd functions (csrc/memsave/autograd_ops.cpp): the graph they record behaves as plain
 PyTorch's and as memsave's Python functions (which run under ``torch_ops_only``) wherever a user
 can see it: the saved tensors that hooks see, in-place writes on views, version counters,
 backward twice, gradients of a subset of the inputs, double and forward-mode differentiation.

@@ -27,12 +27,12 @@ Ranges are kept per group, in float32, next to the codes (``params``: one scale 
 ``lo`` and ``step``); they cost ``4 / g`` or ``8 / g`` bytes per value.
 
 Note: [two paths, one result] Host tensors of float32 or bfloat16 with round to nearest (every
-codec's default) go through csrc/codec.c (``offloadd.codec._kernels``), which reads each group
+codec's default) go through csrc/codec/codec.c (``offloadd.codec._kernels``), which reads each group
 once instead of making five passes of whole-tensor ops; it computes the same float32 operations
 in the same order, and casts to float8 with the same round half to even as torch's conversion,
 so its codes and decoded values are bitwise those of the torch ops below (tests hold both to it,
 every float8 rounding boundary included). Everything else (CUDA tensors, float16, stochastic
-rounding, an install without the compiled kernels, or with kernels built from a csrc/codec.c
+rounding, an install without the compiled kernels, or with kernels built from a csrc/codec/codec.c
 older than its ``VERSION`` 2, whose encode does not count the groups not finite) runs as the
 torch ops.
 
@@ -44,19 +44,28 @@ one thread took encode from 149 to 129 ms per step and decode from 92 to 43 ms.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Final, get_args
 
 import torch
 
 from offloadd.config.schema import CodecName
 
-try:
-    from offloadd.codec import _kernels  # type: ignore[attr-defined]
-except ImportError:  # built without a C compiler: the torch ops do it all
-    _kernels = None
-if getattr(_kernels, "VERSION", 0) < 2:  # built from an older csrc/codec.c: rebuild it
-    _kernels = None
+
+def _load_kernels() -> ModuleType | None:
+    try:
+        from offloadd.codec import _kernels
+    except ImportError:  # not built (docs/native.md): the torch ops do it all
+        return None
+    if getattr(_kernels, "VERSION", 0) < 2:  # built from an older csrc/codec/codec.c: rebuild it
+        return None
+    return _kernels
+
+
+_kernels = _load_kernels()
+log = logging.getLogger("offloadd")
 
 __all__ = [
     "CODECS",
@@ -117,7 +126,7 @@ class Encoded:
 
 
 _EDGE: Final = 2.0**126
-"""The largest magnitude encoded (see [the codes]); csrc/codec.c has the same."""
+"""The largest magnitude encoded (see [the codes]); csrc/codec/codec.c has the same."""
 
 
 def group_size(shape: tuple[int, ...] | torch.Size, group: int) -> int:
@@ -161,17 +170,29 @@ _NATIVE_DTYPES: Final = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def native_available() -> bool:
-    """Whether the fused kernels of csrc/codec.c were built (see [two paths, one result])."""
+    """Whether the fused kernels of csrc/codec/codec.c were built (see [two paths, one result])."""
     return _kernels is not None
 
 
 def _native(device: torch.device, dtype: torch.dtype, scheme: Scheme) -> bool:
-    return (
-        _kernels is not None
-        and device.type == "cpu"
-        and dtype in _NATIVE_DTYPES
-        and not scheme.stochastic
-    )
+    fits = device.type == "cpu" and dtype in _NATIVE_DTYPES and not scheme.stochastic
+    if fits and _kernels is None:
+        _warn_missing()
+    return fits and _kernels is not None
+
+
+_warned: list[bool] = []
+
+
+def _warn_missing() -> None:
+    """Once per process: the kernels would serve here, but they are not built."""
+    if not _warned:
+        _warned.append(True)
+        log.warning(
+            "offloadd: the codec's kernels (offloadd.codec._kernels) are not built or do not "
+            "load: the codec runs as torch ops (the same codes, slower). Build them by "
+            "reinstalling offloadd (docs/native.md)"
+        )
 
 
 _FP8_CODE: Final = {"fp8-e4m3": 1, "fp8-e5m2": 2}  # the kernels' format argument (0: integer)

@@ -97,10 +97,9 @@ class Config(Settings):
 
     host_allocator: HostAllocator = setting("auto", Choice(get_args(HostAllocator)))
     """torch's CPU allocator while the Offloader is open. ``"caching"``: offloadd's host cache
-    (csrc/host_allocator.cpp), which keeps freed activation blocks warm for the next allocation of
+    (csrc/host_allocator/, built at install: docs/native.md), which keeps freed activation blocks warm for the next allocation of
     their size and caps what it keeps at what was live, so that freed activations neither stay
-    resident as heap fragments nor fault in again; built with the C++ compiler at first use and
-    cached, an error if that fails. ``"system"``: torch's own (glibc's heap). ``"auto"``: the host
+    resident as heap fragments nor fault in again; an error if it was not built. ``"system"``: torch's own (glibc's heap). ``"auto"``: the host
     cache for tier ssd on a machine without CUDA, falling back to system with a warning saying why;
     system otherwise."""
 

@@ -1,4 +1,4 @@
-"""Type stub for the C extension built from csrc/native.c."""
+"""Type stub for the C extension built from csrc/io_native/native.c."""
 
 HAVE_URING: int
 ALIGN: int

@@ -1,4 +1,4 @@
-"""The native I/O engine (csrc/native.c) behind the :class:`~offloadd.io.request.Engine` protocol.
+"""The native I/O engine (csrc/io_native/native.c) behind the :class:`~offloadd.io.request.Engine` protocol.
 
 The C side moves the bytes: a pthread pool doing ``pread``/``pwrite``, or one thread driving an
 io_uring ring, splitting each request into chunks that run concurrently, never touching the GIL.
@@ -44,7 +44,10 @@ def _load() -> tuple[Any, str]:
     try:
         from offloadd.io import _native
     except ImportError as e:
-        return None, f"the native extension offloadd.io._native is not built or does not load ({e})"
+        return None, (
+            f"the native extension offloadd.io._native is not built or does not load ({e}); "
+            "build it by reinstalling offloadd (docs/native.md)"
+        )
     return _native, "ok"
 
 

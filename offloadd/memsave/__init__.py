@@ -5,7 +5,7 @@ swap] in :mod:`offloadd.memsave.replace`).
 | module | role |
 |---|---|
 | ``bits`` | packing bool masks eight to a byte |
-| ``kernels`` | the native kernels: ReLU with its mask, masks, pooling offsets (csrc/) |
+| ``kernels`` | the native kernels: ReLU with its mask, masks, pooling offsets (csrc/memsave/) |
 | ``placeholder`` | stand-ins for an input a backward reads the shape of |
 | ``conv`` | Conv1d/2d/3d, ConvTranspose1d/2d/3d: the input only for the weight's gradient |
 | ``norm`` | BatchNorm1d/2d/3d in eval mode: the input only for the weight's gradient |

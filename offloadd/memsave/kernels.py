@@ -1,13 +1,15 @@
-"""memsave's native kernels (csrc/memsave_kernels.cpp): a ReLU and its bit mask in one pass, a mask
+"""memsave's native kernels (csrc/memsave/kernels.cpp): a ReLU and its bit mask in one pass, a mask
 back into a gradient in one pass, and MaxPool's indices to window offsets and back; and, in the
-same library, memsave's two hottest autograd functions in C++ (csrc/memsave_ops.cpp).
+same library, memsave's two hottest autograd functions in C++ (csrc/memsave/autograd_ops.cpp).
 
-:func:`native` returns them when they can serve: built at first use against the installed torch
-(:mod:`offloadd.native_build`, about 25 seconds on two cores, once: cached), loaded, and the CPU
-has AVX2. Otherwise
-it returns ``None`` and says why once in the log, and memsave keeps its torch-op path
-(:mod:`offloadd.memsave.bits`, :mod:`offloadd.memsave.pool`: bitwise the same results, more
-passes over memory). The mask kernels take contiguous float32 or bfloat16 CPU tensors
+The library is the extension module ``offloadd.memsave._kernels``, built by offloadd's install
+against the torch installed then (setup.py; nothing is compiled at run time); importing it
+registers its torch ops, ``torch.ops.offloadd_memsave.*`` (the kernels' through
+csrc/memsave/kernel_ops.cpp). :func:`native` returns them when they can serve: the module built
+and loaded, and the CPU with AVX2. Otherwise it returns ``None``, says why once per process in
+the log (a warning naming the module where it is not built or does not load), and memsave keeps
+its torch-op path (:mod:`offloadd.memsave.bits`, :mod:`offloadd.memsave.pool`: bitwise the same
+results, more passes over memory). The mask kernels take contiguous float32 or bfloat16 CPU tensors
 (:func:`serves`), the pooling ones contiguous CPU indices; callers keep the torch-op path for
 anything else. ``OFFLOADD_MEMSAVE_KERNELS=0`` turns them off.
 
@@ -17,7 +19,7 @@ A Python ``autograd.Function`` costs tens of microseconds per call beyond the op
 context is built in Python, and backward has the engine take the GIL to call back into Python.
 A ResNet-101 step has 104 frozen convolutions and 100 ReLUs: measured at 64 px, batch 2, memsave
 took 12 ms more than plain in forward and 13 ms more in backward (of 76 and 63 ms). So the ReLU
-that keeps bits and the selective convolution are also C++ ops (csrc/memsave_ops.cpp),
+that keeps bits and the selective convolution are also C++ ops (csrc/memsave/autograd_ops.cpp),
 registered as ``torch.ops.offloadd_memsave.*`` when the library loads, and written as PyTorch's
 generated autograd kernels are: a typed backward Node, ``set_history`` (``rebase_history`` in
 place). (``torch::autograd::Function``, tried first, spent 14 us forward and 7 us backward per
@@ -46,7 +48,7 @@ Python functions, which dynamo traces into the graph.
 
 from __future__ import annotations
 
-import ctypes
+import importlib
 import logging
 import math
 import os
@@ -55,44 +57,44 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
-from offloadd import native_build
-from offloadd.memsave.bits import packed_bytes
-
-__all__ = ["DTYPES", "ENV", "Kernels", "native", "node_kernels", "serves", "torch_ops_only"]
+__all__ = [
+    "DTYPES",
+    "ENV",
+    "EXTENSION",
+    "Kernels",
+    "native",
+    "node_kernels",
+    "serves",
+    "torch_ops_only",
+]
 
 log = logging.getLogger("offloadd")
 
 ENV = "OFFLOADD_MEMSAVE_KERNELS"
-_SOURCE = "memsave_kernels.cpp"
-_ALSO = ("memsave_kernels.h", "memsave_ops.cpp")
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-"""The dtypes of the mask kernels, with their code in csrc/memsave_kernels.cpp."""
-_OFFSETS = {torch.uint8: 0, torch.int16: 1, torch.int32: 2}
-_P = ctypes.c_void_p
-_N = ctypes.c_int64
-_I = ctypes.c_int
+EXTENSION = "offloadd.memsave._kernels"
+"""The extension module that holds the kernels (built by offloadd's install)."""
+DTYPES = (torch.float32, torch.bfloat16)
+"""The dtypes of the mask kernels."""
 
 
 class Kernels:
-    """The loaded library. Every tensor passed is a contiguous CPU tensor."""
+    """The loaded library's ops. Every tensor passed is a contiguous CPU tensor (the ops check)."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        lib.offloadd_masks_vectorised.restype = _I
-        lib.offloadd_masks_relu_f32.argtypes = [_P, _P, _P, _N]
-        lib.offloadd_masks_pack.argtypes = [_P, _I, _I, _P, _N]
-        lib.offloadd_masks_select_f32.argtypes = [_P, _P, _P, _N]
-        lib.offloadd_masks_expand.argtypes = [_P, _P, _N, _I]
-        for fn in ("relu_f32", "pack", "select_f32", "expand"):
-            getattr(lib, f"offloadd_masks_{fn}").restype = None
-        for pool in (lib.offloadd_pool_compact, lib.offloadd_pool_expand):
-            pool.argtypes = [_P, _P, _I, _N, _P]
-            pool.restype = None
-        self._lib = lib
-        self.vectorised = bool(lib.offloadd_masks_vectorised())
-        ops = torch.ops.offloadd_memsave  # registered by loading the library: Note [C++ functions]
+    def __init__(self, ops: Any) -> None:
+        self.vectorised = bool(ops.vectorised())
+        """Whether the CPU has AVX2 (:func:`native` serves nothing without it)."""
+        self._relu_mask = ops.relu_mask.default
+        self._relu_mask_ = ops.relu_mask_.default
+        self._pack = ops.pack_mask.default
+        self._select = ops.select_mask.default
+        self._expand = ops.expand_mask.default
+        self._pool_compact = ops.pool_compact.default
+        self._pool_expand = ops.pool_expand.default
+        # the autograd functions in C++: Note [C++ functions]
         self.relu_bits = ops.relu_bits.default
         """``relu_bits(x)``: the ReLU keeping bits, for tensors :func:`serves` takes."""
         self.relu_bits_ = ops.relu_bits_.default
@@ -103,41 +105,29 @@ class Kernels:
 
     def relu(self, x: torch.Tensor, inplace: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """``relu(x)`` (into ``x`` if ``inplace``) and the packed bits of ``not (result <= 0)``:
-        the kernel alone (memsave's ReLU calls it from C++, through :attr:`relu_bits`)."""
-        n = x.numel()
-        bits = torch.empty(packed_bytes(n), dtype=torch.uint8)
-        if x.dtype == torch.float32:
-            out = x if inplace else torch.empty_like(x)
-            self._lib.offloadd_masks_relu_f32(x.data_ptr(), out.data_ptr(), bits.data_ptr(), n)
-        else:  # the op itself is torch's (bfloat16 rounding of NaN payloads is torch's business)
-            out = torch.relu_(x) if inplace else torch.relu(x)
-            self._lib.offloadd_masks_pack(out.data_ptr(), DTYPES[x.dtype], 0, bits.data_ptr(), n)
+        the kernel alone (memsave's ReLU calls it from C++, through :attr:`relu_bits`). For
+        bfloat16 the op itself is torch's (its rounding of NaN payloads is torch's business)."""
+        if inplace:
+            return x, self._relu_mask_(x)
+        out, bits = self._relu_mask(x)
         return out, bits
 
     def pack(self, t: torch.Tensor, positive: bool) -> torch.Tensor:
         """The packed bits of ``t > 0`` if ``positive``, else of ``not (t <= 0)``."""
-        n = t.numel()
-        bits = torch.empty(packed_bytes(n), dtype=torch.uint8)
-        self._lib.offloadd_masks_pack(
-            t.data_ptr(), DTYPES[t.dtype], int(positive), bits.data_ptr(), n
-        )
+        bits: torch.Tensor = self._pack(t, positive)
         return bits
 
     def select(self, grad: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
         """A new tensor: float32 ``grad`` where the bit is set, ``+0`` elsewhere (bfloat16: see
-        csrc/memsave_kernels.cpp)."""
-        out = torch.empty_like(grad)
-        self._lib.offloadd_masks_select_f32(
-            grad.data_ptr(), bits.data_ptr(), out.data_ptr(), grad.numel()
-        )
+        csrc/memsave/kernels.cpp)."""
+        out: torch.Tensor = self._select(grad, bits)
         return out
 
     def expand(
         self, bits: torch.Tensor, shape: torch.Size | tuple[int, ...], dtype: torch.dtype
     ) -> torch.Tensor:
         """A new contiguous tensor of ``shape``: 1 where the bit is set, 0 elsewhere."""
-        out = torch.empty(shape, dtype=dtype)
-        self._lib.offloadd_masks_expand(bits.data_ptr(), out.data_ptr(), out.numel(), DTYPES[dtype])
+        out: torch.Tensor = self._expand(bits, list(shape), dtype)
         return out
 
     def pool_compact(
@@ -148,26 +138,16 @@ class Kernels:
         dtype: torch.dtype,
     ) -> torch.Tensor:
         """``compact_indices`` of :mod:`offloadd.memsave.pool`, into ``dtype``, in one pass."""
-        offsets = torch.empty(indices.shape, dtype=dtype)
         planes, g = _pool_args(indices.shape, in_shape, geometry)
-        self._lib.offloadd_pool_compact(
-            indices.data_ptr(), offsets.data_ptr(), _OFFSETS[dtype], planes, ctypes.addressof(g)
-        )
+        offsets: torch.Tensor = self._pool_compact(indices, planes, g, dtype)
         return offsets
 
     def pool_expand(
         self, offsets: torch.Tensor, in_shape: torch.Size, geometry: _Geometry
     ) -> torch.Tensor:
         """``expand_indices`` of :mod:`offloadd.memsave.pool`: int64 indices, in one pass."""
-        indices = torch.empty(offsets.shape, dtype=torch.int64)
         planes, g = _pool_args(offsets.shape, in_shape, geometry)
-        self._lib.offloadd_pool_expand(
-            offsets.data_ptr(),
-            indices.data_ptr(),
-            _OFFSETS[offsets.dtype],
-            planes,
-            ctypes.addressof(g),
-        )
+        indices: torch.Tensor = self._pool_expand(offsets, planes, g)
         return indices
 
 
@@ -176,7 +156,7 @@ _Geometry = tuple[list[int], list[int], list[int], list[int]]  # kernel, stride,
 
 def _pool_args(
     out_shape: torch.Size, in_shape: torch.Size, geometry: _Geometry
-) -> tuple[int, ctypes.Array[ctypes.c_int64]]:
+) -> tuple[int, list[int]]:
     """The planes and the 18 geometry integers of csrc's Pool (2d as 3d with a depth of 1)."""
     kernel, stride, padding, dilation = geometry
     nd = len(kernel)
@@ -190,7 +170,7 @@ def _pool_args(
         [1] * lead + list(dilation),
     ]
     planes = math.prod(out_shape[:-nd])
-    return planes, (ctypes.c_int64 * 18)(*(v for row in rows for v in row))
+    return planes, [v for row in rows for v in row]
 
 
 _lock = threading.Lock()
@@ -206,17 +186,17 @@ def _load() -> Kernels | None:
         log.info("offloadd: memsave's kernels need x86-64 with AVX2; torch ops instead")
         return None
     try:
-        path = native_build.build(
-            _SOURCE,
-            also=_ALSO,
-            flags=["-std=c++20", "-O3", "-fopenmp"],  # torch 2.13's autograd headers want C++20
-            libs=["c10", "torch_cpu"],
-            what="memsave's kernels",
+        importlib.import_module(EXTENSION)  # registers torch.ops.offloadd_memsave
+    except (ImportError, OSError) as e:
+        log.warning(
+            "offloadd: memsave's native library %s is not built or does not load (%s): memsave "
+            "runs its Python path (the same results, slower). Build it by reinstalling offloadd "
+            "with torch installed: pip install --no-build-isolation . (docs/native.md)",
+            EXTENSION,
+            e,
         )
-        lib = Kernels(ctypes.CDLL(str(path)))
-    except (native_build.NativeBuildError, OSError) as e:
-        log.warning("offloadd: memsave's kernels are unavailable, torch ops instead: %s", e)
         return None
+    lib = Kernels(torch.ops.offloadd_memsave)
     if not lib.vectorised:
         log.info("offloadd: this CPU lacks AVX2: memsave's kernels stay off; torch ops instead")
         return None
@@ -224,8 +204,8 @@ def _load() -> Kernels | None:
 
 
 def native() -> Kernels | None:
-    """The kernels, built and loaded at the first call; ``None`` where they cannot serve, and
-    while dynamo traces (Note [compiled autograd])."""
+    """The kernels, loaded at the first call; ``None`` where they cannot serve, and while dynamo
+    traces (Note [compiled autograd])."""
     if _torch_ops_only or torch.compiler.is_compiling():
         return None
     if not _state:

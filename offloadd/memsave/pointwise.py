@@ -22,7 +22,7 @@ The mask above, in torch ops, costs five passes over memory in forward (the cast
 and four in backward (unpacking, the conversion to the gradient's dtype), where plain's ReLU
 makes one each way (part of the 1.09-1.12x plain's step time that memsave first measured for
 ResNet-101 with frozen convolutions). On contiguous float32 CPU tensors, memsave's kernels
-(:mod:`offloadd.memsave.kernels`, csrc/memsave_kernels.cpp) compute the ReLU and its bits in the one pass plain makes (torch's own
+(:mod:`offloadd.memsave.kernels`, csrc/memsave/kernels.cpp) compute the ReLU and its bits in the one pass plain makes (torch's own
 ``max(0, x)`` instruction, so NaN payloads and -0.0 come out as torch's) and backward's
 ``result <= 0 ? 0 : grad`` from the bits in one pass; bfloat16 gets the bits in one pass and
 ``threshold_backward`` on a mask expanded in one pass (torch's bfloat16 kernel rewrites NaN

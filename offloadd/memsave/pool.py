@@ -115,7 +115,7 @@ class _MaxPoolCompact(torch.autograd.Function):
         ctx.ceil_mode = ceil_mode
         ctx.x_meta = (x.shape, x.dtype, x.device)
         k = native() if indices.is_contiguous() else None
-        if k is not None:  # the same arithmetic in one pass (csrc/memsave_kernels.cpp)
+        if k is not None:  # the same arithmetic in one pass (csrc/memsave/kernels.cpp)
             dtype = _offset_dtype(math.prod(geometry[0]))
             offsets = k.pool_compact(indices, x.shape, geometry, dtype)
         else:

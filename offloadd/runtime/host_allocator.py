@@ -1,32 +1,35 @@
 """The host cache: offloadd's caching CPU allocator for torch (see Note [host cache] in
-csrc/host_allocator.cpp), built at first use and installed while an Offloader needs it.
+csrc/host_allocator/host_allocator.cpp), installed while an Offloader needs it.
 
 Why it exists: on CPU, offloading frees each activation soon after it is made. glibc's heap then
 fragments and keeps about 4.5x what it holds resident, and every way of trimming it makes the next
 activations fault their pages in again (docs/benchmarks/fastpath_allocator_cpu-2core_2026-11-23.md).
 The host cache recycles freed blocks by size class, warm, and caps what it keeps at what was live.
 
-How it is built: ``csrc/host_allocator.cpp`` includes only c10's allocator headers, so it compiles
-in about a second against the installed torch at first use (:mod:`offloadd.native_build`).
+How it is built: by offloadd's install, against the torch installed then, as the extension module
+``offloadd.runtime._host_cache`` (setup.py); importing it registers the torch ops
+``torch.ops.offloadd_host_cache.*`` that :class:`HostCache` calls. Nothing is compiled at run
+time: where the module is missing (or does not load), ``host_allocator = "auto"`` keeps torch's
+allocator with a warning and ``"caching"`` raises, naming it (docs/native.md).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import importlib
 import logging
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Any
 
 import torch
 
-from offloadd import native_build
 from offloadd.config import Config
 from offloadd.runtime.stats import Stats
 
 __all__ = [
+    "EXTENSION",
     "FLOOR_BYTES",
     "HUGE_PAGES",
     "MIN_BYTES",
@@ -35,11 +38,10 @@ __all__ = [
     "HostCache",
     "HostCacheCounters",
     "acquire",
-    "build",
-    "built_library",
     "choose",
     "current",
     "host_cache",
+    "load",
     "note_stats",
     "open_for",
     "release",
@@ -63,13 +65,12 @@ HUGE_PAGES = True
 docs/benchmarks/ the built-in GPT's ssd step ran 3 % faster from the second step on (the first,
 which faults the blocks in, 8 % slower), at the same RSS."""
 
-_SOURCE = "host_allocator.cpp"
-_FLAGS = ("-O2",)
-_LIBS = ("c10",)
+EXTENSION = "offloadd.runtime._host_cache"
+"""The extension module that holds the host cache (built by offloadd's install)."""
 
 
 class HostAllocatorError(RuntimeError):
-    """The host cache could not be built or loaded (the message says why)."""
+    """The host cache is not built or does not load (the message says why)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,47 +92,14 @@ class HostCacheCounters:
     """Most live bytes since the last :meth:`HostCache.reset_window` (the planner's probe)."""
 
 
-def build(directory: Path | None = None) -> Path:
-    """The host cache library for this torch, compiled now unless already cached."""
-    try:
-        return native_build.build(
-            _SOURCE, flags=_FLAGS, libs=_LIBS, what="the host cache", directory=directory
-        )
-    except native_build.NativeBuildError as e:
-        raise HostAllocatorError(str(e)) from e
-
-
-def built_library(directory: Path | None = None) -> Path | None:
-    """The host cache library for this torch if :func:`build` has made it already, else None;
-    nothing is compiled (HostAllocatorError if its source is missing)."""
-    try:
-        path = native_build.library_path(_SOURCE, flags=_FLAGS, libs=_LIBS, directory=directory)
-    except native_build.NativeBuildError as e:
-        raise HostAllocatorError(str(e)) from e
-    return path if path.is_file() else None
-
-
 class HostCache:
     """The loaded library: install it as torch's CPU allocator, read its counters."""
 
-    def __init__(self, path: Path) -> None:
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as e:
-            raise HostAllocatorError(f"cannot load {path}: {e}") from e
-        lib.offloadd_host_cache_configure.argtypes = [
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_double,
-            ctypes.c_int,
-        ]
-        lib.offloadd_host_cache_counters.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
-        lib.offloadd_host_cache_counters.restype = None
-        lib.offloadd_host_cache_empty.restype = ctypes.c_uint64
-        lib.offloadd_host_cache_reset_window.restype = ctypes.c_uint64
-        lib.offloadd_host_cache_uninstall.restype = None
-        self._lib = lib
-        self.path = path
+    def __init__(self) -> None:
+        module = _import()
+        self._ops: Any = torch.ops.offloadd_host_cache
+        self.path = str(module.__file__)
+        """The extension module's file."""
         self.min_bytes = MIN_BYTES  # what install() was given: smaller allocations pass by
 
     def install(
@@ -141,30 +109,28 @@ class HostCache:
         slack: float = SLACK,
         huge_pages: bool = HUGE_PAGES,
     ) -> None:
-        self._lib.offloadd_host_cache_configure(min_bytes, floor_bytes, slack, int(huge_pages))
-        if not self._lib.offloadd_host_cache_install():
+        self._ops.configure(min_bytes, floor_bytes, slack, huge_pages)
+        if not self._ops.install():
             raise HostAllocatorError("torch kept another CPU allocator of higher priority")
         self.min_bytes = min_bytes
 
     def uninstall(self) -> None:
-        self._lib.offloadd_host_cache_uninstall()
+        self._ops.uninstall()
 
     @property
     def installed(self) -> bool:
-        return bool(self._lib.offloadd_host_cache_installed())
+        return bool(self._ops.installed())
 
     def counters(self) -> HostCacheCounters:
-        out = (ctypes.c_uint64 * 9)()
-        self._lib.offloadd_host_cache_counters(out)
-        return HostCacheCounters(*out)
+        return HostCacheCounters(*self._ops.counters())
 
     def reset_window(self) -> int:
         """Start a new window for ``window_peak_live_bytes``; returns the live bytes now."""
-        return int(self._lib.offloadd_host_cache_reset_window())
+        return int(self._ops.reset_window())
 
     def empty(self) -> int:
         """Unmap every cached block; returns the bytes given back."""
-        return int(self._lib.offloadd_host_cache_empty())
+        return int(self._ops.empty())
 
 
 _lock = threading.Lock()
@@ -172,16 +138,37 @@ _cache: HostCache | None = None
 _users = 0
 
 
-def acquire() -> HostCache:
-    """Build or load the host cache and install it; each acquire() needs one release()."""
-    global _cache, _users
+def _import() -> Any:
+    """The extension module (HostAllocatorError naming it and the fix where it is missing)."""
+    try:
+        return importlib.import_module(EXTENSION)
+    except (ImportError, OSError) as e:
+        raise HostAllocatorError(
+            f"the extension module {EXTENSION} is not built or does not load ({e}); build it by "
+            "reinstalling offloadd with torch installed: pip install --no-build-isolation . "
+            "(docs/native.md)"
+        ) from e
+
+
+def load() -> HostCache:
+    """The host cache, loaded (not installed): HostAllocatorError if its extension module is not
+    built or does not load. Nothing is compiled."""
+    global _cache
     with _lock:
         if _cache is None:
-            _cache = HostCache(build())
-        if _users == 0:
-            _cache.install()
-        _users += 1
+            _cache = HostCache()
         return _cache
+
+
+def acquire() -> HostCache:
+    """Load the host cache and install it; each acquire() needs one release()."""
+    global _users
+    cache = load()
+    with _lock:
+        if _users == 0:
+            cache.install()
+        _users += 1
+        return cache
 
 
 def release() -> None:
@@ -199,7 +186,7 @@ def release() -> None:
 def host_cache() -> Iterator[HostCache]:
     """offloadd's host cache as torch's CPU allocator inside the block, with or without an
     Offloader (``offloadd.host_cache()``); when it helps and when not: docs/host-cache.md.
-    Built at first use (HostAllocatorError if that fails); on leaving, torch gets its previous
+    HostAllocatorError if it is not built (docs/native.md); on leaving, torch gets its previous
     allocator back once no Offloader uses it either. Tensors allocated inside may outlive the
     block: their memory goes back to the cache when they die."""
     cache = acquire()
@@ -211,8 +198,7 @@ def host_cache() -> Iterator[HostCache]:
 
 def serves(nbytes: int) -> bool:
     """Whether a CPU allocation of ``nbytes`` now comes from the host cache (installed by
-    acquire(), and at least its ``min_bytes``). Without the lock: called on the read path, while
-    acquire() may hold it for a build."""
+    acquire(), and at least its ``min_bytes``). Without the lock: called on the read path."""
     cache = _cache
     return _users > 0 and cache is not None and nbytes >= cache.min_bytes
 

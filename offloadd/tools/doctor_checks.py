@@ -3,8 +3,8 @@
 
 Every decision is the runtime's own, asked without side effects: :func:`offloadd.io.select.
 choose_host_engine` and ``choose_device_engine``, :func:`offloadd.runtime.host_allocator.choose`,
-the native engine's io_uring probe, :func:`offloadd.io.gds.probe`. Nothing here starts an engine,
-builds a library or installs an allocator.
+the native engine's io_uring probe, :func:`offloadd.io.gds.probe`. Nothing here starts an engine
+or installs an allocator (the host cache's extension module is loaded, not installed).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import importlib.util
 import os
 import platform
 import resource
-import shutil
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -247,33 +246,14 @@ def memory_checks(cfg: Config) -> list[Check]:
 
 
 def host_cache_check() -> Check:
-    """Whether the host cache is built for this torch (and loads), or could be at first use."""
-    cxx = os.environ.get("CXX") or "c++"
-    compiler = shutil.which(cxx)
-    facts: dict[str, Any] = {"library": None, "compiler": compiler, "state": "unavailable"}
+    """Whether the host cache is built (by offloadd's install) and loads."""
+    facts: dict[str, Any] = {"library": None, "state": "unavailable"}
     try:
-        path = host_allocator.built_library()
-        if path is not None:
-            host_allocator.HostCache(path)  # loads it; installs nothing
+        cache = host_allocator.load()  # loads it; installs nothing
     except host_allocator.HostAllocatorError as e:
         return Check("host_cache", "warn", f"host cache unavailable: {e}", facts)
-    if path is not None:
-        facts.update(library=str(path), state="built")
-        return Check("host_cache", "ok", f"host cache built for torch {torch.__version__}", facts)
-    if compiler is not None:
-        facts["state"] = "buildable"
-        return Check(
-            "host_cache",
-            "ok",
-            f"host cache not built yet: {compiler} builds it at first use",
-            facts,
-        )
-    return Check(
-        "host_cache",
-        "warn",
-        f"host cache unavailable: not built, and no C++ compiler ({cxx!r} is not on PATH)",
-        facts,
-    )
+    facts.update(library=cache.path, state="built")
+    return Check("host_cache", "ok", f"host cache built for torch {torch.__version__}", facts)
 
 
 def choice_checks(cfg: Config, host_cache: Check, daemon_does_io: bool) -> list[Check]:

@@ -92,10 +92,10 @@ def preload_path(allocator: str) -> str:
 
 def cpu_allocator() -> str:
     """The allocator that ``bench step``, the demo and ``rok`` hold equal on a CPU machine:
-    offloadd's host cache (tier ssd's there) where it builds, else glibc's heap (ssd's fallback
+    offloadd's host cache (tier ssd's there) where it is built, else glibc's heap (ssd's fallback
     too), said on stderr."""
     try:
-        host_allocator.build()
+        host_allocator.load()
     except host_allocator.HostAllocatorError as e:
         print(
             f"offloadd: the host cache is unavailable ({e}); every run uses glibc's heap",

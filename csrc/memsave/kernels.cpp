@@ -1,6 +1,6 @@
 /*
- * memsave's kernels (offloadd/memsave/kernels.py builds and loads this at first use): bit masks
- * for ReLU, LeakyReLU and Dropout, and window offsets for MaxPool.
+ * memsave's kernels (the ops of kernel_ops.cpp call them; offloadd/memsave/kernels.py loads
+ * them): bit masks for ReLU, LeakyReLU and Dropout, and window offsets for MaxPool.
  *
  * The torch-op path of offloadd/memsave/bits.py makes a ReLU's mask in five passes over memory
  * in forward and turns it back into a tensor in four in backward; these do each direction in
@@ -31,11 +31,12 @@
  *  - pool_compact and pool_expand are integer arithmetic, exact: pool.py's torch ops in one pass.
  *
  * The work is split over torch's own intra-op threads (at::parallel_for, torch's OpenMP
- * runtime through the rpath), so it takes the cores plain PyTorch's ReLU would.  The source is
- * x86-64 only, and Python calls nothing here unless offloadd_masks_vectorised() says the CPU
- * has AVX2 (elsewhere it keeps the torch-op path); the scalar loops finish each chunk's tail.
+ * runtime), so it takes the cores plain PyTorch's ReLU would.  The source is x86-64 only (setup.py
+ * builds it nowhere else), and Python calls nothing here unless offloadd_masks_vectorised() says
+ * the CPU has AVX2 (elsewhere it keeps the torch-op path); the scalar loops finish each chunk's
+ * tail.
  */
-#include "memsave_kernels.h"
+#include "kernels.h"
 
 #include <ATen/Parallel.h>
 
@@ -45,7 +46,7 @@
 #include <vector>
 
 #if !defined(__x86_64__)
-#error "memsave's kernels are x86-64 only (offloadd/memsave/kernels.py does not build them elsewhere)"
+#error "memsave's kernels are x86-64 only (setup.py does not build them elsewhere)"
 #endif
 #include <immintrin.h>
 

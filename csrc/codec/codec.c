@@ -394,7 +394,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels",
-                                    "offloadd's fused per-group quantisation (see csrc/codec.c)",
+                                    "offloadd's fused per-group quantisation (csrc/codec/codec.c)",
                                     -1, methods};
 
 PyMODINIT_FUNC PyInit__kernels(void) {

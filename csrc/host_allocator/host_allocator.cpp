@@ -26,11 +26,15 @@
 // pointer to the previous allocator. A fork while another thread holds the lock must not leave
 // the child locked (DataLoader workers fork): pthread_atfork takes and releases it.
 //
-// Built at first use against the installed torch's headers (offloadd/runtime/host_allocator.py)
-// and driven through the extern "C" functions at the end.
+// Built by offloadd's install against the torch installed then (setup.py), as the extension
+// module offloadd.runtime._host_cache; importing it registers the torch ops at the end,
+// torch.ops.offloadd_host_cache.*, which offloadd/runtime/host_allocator.py drives.
+
+#include <Python.h>
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
+#include <torch/library.h>
 
 #include <pthread.h>
 #include <sys/mman.h>
@@ -43,6 +47,7 @@
 #include <list>
 #include <mutex>
 #include <unordered_map>
+#include <vector>
 
 namespace {
 
@@ -276,40 +281,63 @@ class HostCache final : public c10::Allocator {
 void atfork_prepare() { HostCache::get().lock(); }
 void atfork_release() { HostCache::get().unlock(); }
 
-}  // namespace
+// ---- the ops (no tensor arguments: catch-all kernels) ---------------------------------------
 
-extern "C" {
-
-// Sets the policy; may be called again later. Returns 0.
-int offloadd_host_cache_configure(uint64_t min_bytes, uint64_t floor_bytes, double slack,
-                                  int huge_pages) {
-  HostCache::get().configure(min_bytes, floor_bytes, slack, huge_pages != 0);
-  return 0;
+// Sets the policy; may be called again later.
+void configure(int64_t min_bytes, int64_t floor_bytes, double slack, bool huge_pages) {
+  TORCH_CHECK(min_bytes >= 0 && floor_bytes >= 0, "offloadd host cache: min_bytes ", min_bytes,
+              " and floor_bytes ", floor_bytes, " must not be negative");
+  HostCache::get().configure(static_cast<size_t>(min_bytes), static_cast<size_t>(floor_bytes),
+                             slack, huge_pages);
 }
 
-// Makes the cache torch's CPU allocator. Idempotent. Returns 1 if it is installed afterwards.
-int offloadd_host_cache_install() {
+// Makes the cache torch's CPU allocator. Idempotent. True if it is installed afterwards.
+bool install() {
   static std::once_flag forked;
   std::call_once(forked, [] { pthread_atfork(atfork_prepare, atfork_release, atfork_release); });
   HostCache::get().install();
-  return HostCache::get().installed() ? 1 : 0;
+  return HostCache::get().installed();
 }
 
 // Makes the previous allocator torch's CPU allocator again and unmaps the cached blocks.
-void offloadd_host_cache_uninstall() { HostCache::get().uninstall(); }
+void uninstall() { HostCache::get().uninstall(); }
 
-int offloadd_host_cache_installed() { return HostCache::get().installed() ? 1 : 0; }
+bool installed() { return HostCache::get().installed(); }
 
-// Fills nine uint64 counters, in the order of struct Counters.
-void offloadd_host_cache_counters(uint64_t* out) {
+// The nine counters, in the order of struct Counters.
+std::vector<int64_t> counters() {
   Counters c;
   HostCache::get().counters(&c);
-  std::memcpy(out, &c, sizeof(c));
+  return {static_cast<int64_t>(c.live_bytes),      static_cast<int64_t>(c.cached_bytes),
+          static_cast<int64_t>(c.peak_live_bytes), static_cast<int64_t>(c.peak_footprint_bytes),
+          static_cast<int64_t>(c.hits),            static_cast<int64_t>(c.misses),
+          static_cast<int64_t>(c.evicted_bytes),   static_cast<int64_t>(c.mapped_bytes),
+          static_cast<int64_t>(c.window_peak_live_bytes)};
 }
 
-uint64_t offloadd_host_cache_empty() { return HostCache::get().empty(); }
+// Unmaps every cached block; returns the bytes given back.
+int64_t empty() { return static_cast<int64_t>(HostCache::get().empty()); }
 
 // Starts a new window for the window peak of live bytes; returns the live bytes now.
-uint64_t offloadd_host_cache_reset_window() { return HostCache::get().reset_window(); }
+int64_t reset_window() { return static_cast<int64_t>(HostCache::get().reset_window()); }
 
-}  // extern "C"
+}  // namespace
+
+TORCH_LIBRARY(offloadd_host_cache, m) {
+  m.def("configure(int min_bytes, int floor_bytes, float slack, bool huge_pages) -> ()",
+        &configure);
+  m.def("install() -> bool", &install);
+  m.def("uninstall() -> ()", &uninstall);
+  m.def("installed() -> bool", &installed);
+  m.def("counters() -> int[]", &counters);
+  m.def("empty() -> int", &empty);
+  m.def("reset_window() -> int", &reset_window);
+}
+
+// The extension module offloadd.runtime._host_cache: empty; loading it registers the ops above.
+extern "C" PyObject* PyInit__host_cache(void) {
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_host_cache",
+                               "offloadd's host cache: torch.ops.offloadd_host_cache.*", -1,
+                               nullptr};
+  return PyModule_Create(&module);
+}

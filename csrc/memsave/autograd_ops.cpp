@@ -1,8 +1,8 @@
 /*
  * memsave's two hottest autograd functions as C++ torch ops: the ReLU that saves a bit mask and
  * the convolution that saves its input only for the weight's gradient (Note [C++ functions] in
- * offloadd/memsave/kernels.py).  Compiled into the library of csrc/memsave_kernels.cpp, whose
- * loading registers them as torch.ops.offloadd_memsave.*:
+ * offloadd/memsave/kernels.py).  Compiled with kernels.cpp into the extension module
+ * offloadd.memsave._kernels, whose import registers them as torch.ops.offloadd_memsave.*:
  *
  *   relu_bits(x) -> out                   relu(x), saving the bits of !(out <= 0)
  *   relu_bits_(x) -> x                    the same in place
@@ -28,7 +28,7 @@
  * differentiation raises torch's own message (Note [double backward] in pointwise.py).
  * Forward-mode AD is refused, as a Python autograd.Function without jvp refuses it.
  */
-#include "memsave_kernels.h"
+#include "kernels.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/VariableTypeUtils.h>
@@ -50,7 +50,7 @@ using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
 using torch::dynamo::autograd::CompiledNodeArgs;
 
-constexpr int kFloat32 = 0; /* the dtype codes of memsave_kernels.cpp */
+constexpr int kFloat32 = 0; /* the dtype codes of kernels.cpp */
 constexpr int kBFloat16 = 1;
 
 intptr_t address(const Tensor& t) { return reinterpret_cast<intptr_t>(t.data_ptr()); }

@@ -1,8 +1,8 @@
 /*
- * The C entry points of csrc/memsave_kernels.cpp: called through ctypes by
- * offloadd/memsave/kernels.py, and directly by the autograd functions of csrc/memsave_ops.cpp,
- * which are compiled into the same library.  The comment at the top of memsave_kernels.cpp says
- * what each computes; addresses are tensor.data_ptr() as integers, every tensor contiguous.
+ * The entry points of kernels.cpp, called by the torch ops of kernel_ops.cpp and by the
+ * autograd functions of autograd_ops.cpp, all compiled into one extension module,
+ * offloadd.memsave._kernels.  The comment at the top of kernels.cpp says what each computes;
+ * addresses are a tensor's data_ptr() as integers, every tensor contiguous.
  */
 #pragma once
 

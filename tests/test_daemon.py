@@ -24,7 +24,7 @@ from torch import nn
 
 from offloadd import Config, Offloader
 from offloadd.config import DaemonConfig
-from offloadd.daemon import protocol as proto
+from offloadd.wire import protocol as proto
 
 from .daemon_proc import DaemonProc, RawSession, held_descriptors
 from .helpers import SavePayload, assert_bitwise_equal, small_offloader, train
@@ -718,8 +718,8 @@ def test_dispatch_order_reads_first_round_robin() -> None:
 
 def _wait_serving(sock: str, proc: subprocess.Popen[str]) -> None:
     """Until the daemon ``proc`` answers on ``sock`` (a minute at most; fails if it exits)."""
+    from offloadd.backend.cmd_status import query
     from offloadd.backend.daemon import DaemonError
-    from offloadd.daemon.cmd_status import query
 
     for _ in range(1200):
         try:

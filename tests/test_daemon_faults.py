@@ -26,11 +26,11 @@ from offloadd import Config, Offloader
 from offloadd.backend import daemon_ending
 from offloadd.backend.daemon import DaemonBackend
 from offloadd.config import DaemonConfig
-from offloadd.daemon import protocol as proto
 from offloadd.io import python_engine as engine_module
 from offloadd.io.buffers import AlignedBuffer
 from offloadd.io.request import Op, Request
 from offloadd.runtime import ledger as ledger_module
+from offloadd.wire import protocol as proto
 
 from .daemon_proc import DaemonProc, RawSession, held_descriptors
 from .helpers import small_offloader

@@ -13,8 +13,8 @@ import socket
 from collections import deque
 from typing import TYPE_CHECKING
 
-from offloadd.daemon import protocol as proto
 from offloadd.daemon.session import Session
+from offloadd.wire import protocol as proto
 
 if TYPE_CHECKING:
     from offloadd.daemon.core import Server

@@ -15,7 +15,7 @@ Note: [socket modes] The socket is 0600 without ``allowed_uids``: no other user 
 With ``allowed_uids`` it is 0666: any local user may connect, and the SO_PEERCRED check at
 accept (the daemon's own uid, or one of ``allowed_uids``) keeps the others out before a byte of
 theirs is read; they are logged and counted (``refused_connections``). The socket's directory
-must pass the rule of offloadd/daemon/trust.py [who trusts whom] (the daemon's own, not a
+must pass the rule of offloadd/wire/trust.py [who trusts whom] (the daemon's own, not a
 symbolic link, not writable by group or others). Its mode is set only when the daemon created it
 (at this start, or ``offloadd serve --socket`` just before it): 0700, or 0711 with
 ``allowed_uids`` (other users may pass through it, not list it). A directory that already
@@ -42,18 +42,18 @@ import stat
 from collections.abc import Callable, Collection
 
 from offloadd.config import Config, DaemonConfig
-from offloadd.daemon import protocol as proto
-from offloadd.daemon.checksum import checksum_function
 from offloadd.daemon.connection import MAX_FDS, Connection, close_all, fds_of
 from offloadd.daemon.ops import Handlers
 from offloadd.daemon.scheduler import Scheduler
 from offloadd.daemon.session import SessionError
 from offloadd.daemon.status import Status
-from offloadd.daemon.trust import open_socket_dir, own_uid, peer_credentials
 from offloadd.io.buffers import ALIGN
 from offloadd.io.files import SlotFile, default_offload_dir
 from offloadd.io.request import Engine
 from offloadd.io.select import open_host_engine
+from offloadd.wire import protocol as proto
+from offloadd.wire.checksum import checksum_function
+from offloadd.wire.trust import open_socket_dir, own_uid, peer_credentials
 
 __all__ = ["Server", "make_engine", "serve", "socket_modes"]
 

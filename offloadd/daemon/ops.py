@@ -1,7 +1,7 @@
 """The daemon's answer to each client message, and the sessions and blocks those act on.
 
 HELLO, STATS, STOP and CLOSE are answered at once (STATS and STOP as the client's uid may: see
-offloadd/daemon/trust.py [who trusts whom]); OPEN makes a session; WRITE and READ are
+offloadd/wire/trust.py [who trusts whom]); OPEN makes a session; WRITE and READ are
 checked here and queued with the scheduler, which hands them back done (:meth:`Handlers.done`);
 FREE gives a block's disk slot back.
 
@@ -26,7 +26,6 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from offloadd.daemon import protocol as proto
 from offloadd.daemon.connection import Connection, close_all
 from offloadd.daemon.scheduler import Job
 from offloadd.daemon.session import (
@@ -38,9 +37,10 @@ from offloadd.daemon.session import (
     create_memfd,
     read_only_descriptor,
 )
-from offloadd.daemon.trust import administers, own_uid
 from offloadd.io.buffers import ALIGN
 from offloadd.io.files import SlotFile
+from offloadd.wire import protocol as proto
+from offloadd.wire.trust import administers, own_uid
 
 if TYPE_CHECKING:
     from offloadd.daemon.core import Server

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from offloadd.daemon import protocol as proto
 from offloadd.io.files import filesystem_type
+from offloadd.wire import protocol as proto
 
 if TYPE_CHECKING:
     from offloadd.daemon.core import Server
@@ -98,7 +98,7 @@ class Status:
         """Everything ``offloadd status --json`` shows (and the metrics endpoint exports).
 
         ``only_uid``: the view of a client that does not administer the daemon (see
-        offloadd/daemon/trust.py [who trusts whom]): the sessions and the bytes they hold are
+        offloadd/wire/trust.py [who trusts whom]): the sessions and the bytes they hold are
         that uid's alone, and the recent errors, which name other clients' pids and
         identities, are left out; the daemon-wide figures stay."""
         server = self.server

@@ -33,8 +33,8 @@ from offloadd.io.request import Op, Request
 from offloadd.runtime import host_allocator
 from offloadd.runtime.blocks import CAPTURED, CAPTURING, Block
 from offloadd.runtime.handles import Ref, inplace_error, storage_bytes, view
-from offloadd.runtime.stats import format_bytes
 from offloadd.runtime.writer import Writer
+from offloadd.units import format_bytes
 
 if TYPE_CHECKING:
     from offloadd.runtime.lifetime import Lifetime

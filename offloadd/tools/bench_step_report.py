@@ -13,7 +13,7 @@ from typing import Any
 import psutil
 import torch
 
-from offloadd.runtime.stats import format_bytes
+from offloadd.units import format_bytes
 
 __all__ = ["PLAIN", "RATIOS", "TRACE_COLUMNS", "Ratio", "format_report", "per_round"]
 

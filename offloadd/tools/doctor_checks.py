@@ -28,7 +28,7 @@ from offloadd.io import native, select
 from offloadd.io.buffers import AlignedBuffer
 from offloadd.io.hugepages import HUGE_PAGE, advise_huge_pages
 from offloadd.runtime import host_allocator
-from offloadd.runtime.stats import format_bytes
+from offloadd.units import format_bytes
 
 __all__ = [
     "Check",

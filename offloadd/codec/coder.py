@@ -127,7 +127,10 @@ def _same_storage(entry: tuple[Any, ...], t: torch.Tensor) -> bool:
 
 
 class Codec:
-    """Encodes the saved tensors it may in pack and decodes them in unpack (one Offloader's)."""
+    """Encodes the saved tensors it may in pack and decodes them in unpack (one Offloader's):
+    the :class:`~offloadd.runtime.stages.Coder` stage of the pack path."""
+
+    handle_type = Coded
 
     def __init__(self, cfg: Config) -> None:
         self.scheme = Scheme(

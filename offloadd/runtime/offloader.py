@@ -6,6 +6,8 @@ saved), ``blocks`` (blocks, chunks, the block map), ``capture`` (when a saved te
 taken), ``lifetime`` (capture and freeing), ``writer`` (slots, copies, writes), ``reader`` (loads, forwarding, prefetch),
 ``ordering`` (device streams and events; ``simulated`` for CI), ``ledger`` (the lock and the
 counters), and a :class:`~offloadd.backend.base.Backend` (the embedded engine or the daemon).
+The optional stages, the budget planner and the codec, come in through ``stages``
+(runtime/stages.py); ``offloadd.Offloader`` (offloadd/offloader.py) wires them in.
 
 Note: [never a silently wrong gradient] With saved-tensor hooks installed, autograd no longer
 checks version counters at unpack. Kept tensors are checked by us and raise PyTorch's own error.
@@ -28,10 +30,7 @@ from typing import Any
 
 import torch
 
-from offloadd.auto.planner import AutoPlanner
-from offloadd.auto.solver import Plan
 from offloadd.backend import Backend, open_backend
-from offloadd.codec.coder import Codec, Coded
 from offloadd.config import Config
 from offloadd.io.request import Engine
 from offloadd.runtime import compiled, evicted, host_allocator, transforms
@@ -54,10 +53,25 @@ from offloadd.runtime.lifetime import Lifetime
 from offloadd.runtime.ordering import CudaOrdering, Ordering
 from offloadd.runtime.reader import Reader
 from offloadd.runtime.shutdown import shutdown
+from offloadd.runtime.stages import Coder, Planner, Stages
 from offloadd.runtime.stats import Stats
 from offloadd.runtime.writer import Writer
 
 __all__ = ["Offloader"]
+
+
+def _check_stages(cfg: Config, stages: Stages) -> None:
+    """A config asking for a stage the caller did not provide is refused, naming the key."""
+    if cfg.budget is not None and stages.planner is None:
+        raise ValueError(
+            f"offloadd: budget={cfg.budget!r} needs the budget planner, which this Offloader "
+            "was not given: build offloadd.Offloader, or pass stages=Stages(planner=...)"
+        )
+    if cfg.codec != "none" and stages.coder is None:
+        raise ValueError(
+            f"offloadd: codec={cfg.codec!r} needs the codec, which this Offloader was not "
+            "given: build offloadd.Offloader, or pass stages=Stages(coder=...)"
+        )
 
 
 class _Local(threading.local):
@@ -82,7 +96,9 @@ class Offloader:
 
     ``Offloader(tier="ssd", ssd_dirs=[...])``, ``Offloader(Config(...))``, or both (keyword
     arguments override the config's fields). ``io_engine`` plugs in another engine (embedded
-    backend); ``ordering`` another device ordering (tests: ``SimulatedOrdering``).
+    backend); ``ordering`` another device ordering (tests: ``SimulatedOrdering``). ``stages``:
+    the budget planner and the codec (see runtime/stages.py); ``offloadd.Offloader`` passes
+    both, and without them a config with a ``budget`` or a ``codec`` is refused.
     """
 
     def __init__(
@@ -91,11 +107,14 @@ class Offloader:
         *,
         io_engine: Engine | None = None,
         ordering: Ordering | None = None,
+        stages: Stages | None = None,
         **overrides: Any,
     ) -> None:
         cfg = config if config is not None else Config()
         if overrides:
             cfg = cfg.replace(**overrides)
+        stages = stages if stages is not None else Stages()
+        _check_stages(cfg, stages)
         self.config = cfg
         self._min_bytes = cfg.min_bytes
         self._ledger = ledger = Ledger(cfg.trim_host_bytes)
@@ -118,14 +137,15 @@ class Offloader:
         self._captures = life.captures
         self._drain = life.drain
         # With a budget: keep, offload or recompute per block (see [auto] in auto/planner.py).
-        self._auto = (
-            AutoPlanner(cfg.budget, offload=cfg.tier != "keep", ledger=ledger, tls=self._tls)
-            if cfg.budget is not None
-            else None
-        )
+        self._auto: Planner | None = None
+        if cfg.budget is not None and stages.planner is not None:
+            self._auto = stages.planner(cfg, ledger, self._tls)
         # Lossy codes of some saved activations, opt-in (see [codes through the tiers]).
-        self._codec = Codec(cfg) if cfg.codec != "none" else None
-        if self._codec is not None:
+        self._codec: Coder | None = None
+        self._coded_type: type | None = None
+        if cfg.codec != "none" and stages.coder is not None:
+            self._codec = stages.coder(cfg)
+            self._coded_type = self._codec.handle_type
             self._stats.codec = cfg.codec
         # Last before the finalizer that releases it: a part refusing the config (the backend,
         # the writer) leaves torch's allocator alone.
@@ -224,7 +244,7 @@ class Offloader:
         if self._auto is not None and self._auto.root is None:
             self._auto.attach(module)
 
-    def plan(self) -> Plan | None:
+    def plan(self) -> Any:
         """With a budget: the plan of the last step planned (see [auto] in auto/planner.py),
         made now if a profile step's backward has run; None before that, or without a budget."""
         if self._auto is None:
@@ -414,12 +434,12 @@ class Offloader:
             return self._index.backs_parameter(t, storage)
 
     def _unpack_coded(self, packed: Any) -> torch.Tensor:
-        if type(packed) is Coded:
+        if type(packed) is self._coded_type:
             assert self._codec is not None
             return self._codec.unpack(packed, self._unpack)
         return self._unpack(packed)
 
-    def _note_saved(self, auto: AutoPlanner, nbytes: int) -> None:
+    def _note_saved(self, auto: Planner, nbytes: int) -> None:
         tag = getattr(self._tls, "tag", None)
         if tag is not None:
             auto.saved(tag, nbytes)

@@ -23,8 +23,8 @@ from offloadd.auto.planner import WARMUP_STEPS as AUTO_WARMUP
 from offloadd.auto.planner import WARMUP_STEPS_MAX as AUTO_WARMUP_MAX
 from offloadd.config import Config
 from offloadd.io.buffers import address_view
+from offloadd.offloader import Offloader
 from offloadd.runtime import host_allocator
-from offloadd.runtime.offloader import Offloader
 from offloadd.tools.models.build import build_model, default_vocab
 from offloadd.tools.run_memory import is_oom, limit_memory, peak_rss, rss, unlimit_memory
 from offloadd.tools.step_trace import (

@@ -16,7 +16,7 @@ from offloadd.codec.coder import Codec
 from offloadd.config import Config
 from offloadd.io.request import Engine
 from offloadd.runtime import offloader
-from offloadd.runtime.ledger import Ledger
+from offloadd.runtime.accounting import Ledger
 from offloadd.runtime.ordering import Ordering
 from offloadd.runtime.stages import Stages
 

@@ -562,7 +562,7 @@ def write_markdown(
         f"- offloader: `Offloader(tier={args.tier!r}, codec=..., "
         f"codec_min_bytes={args.codec_min_bytes})` around forward, backward outside; the other "
         f"codec settings at their defaults (group 256, symmetric int8, round to nearest, the "
-        f"default op list of codec/ops.py)",
+        f"default op list of codec/allowlist.py)",
         f"- every codec run (seed {SEED0}) starts from the same weights and sees the same batches in "
         f"the same order; nothing in training draws random numbers after the initialisation "
         f"(dropout {args.dropout}), so the runs differ by the codec alone",

@@ -678,7 +678,7 @@ def test_a_write_done_after_its_session_ended_is_no_error() -> None:
     from collections import Counter
     from types import SimpleNamespace
 
-    from offloadd.daemon.ops import Handlers
+    from offloadd.daemon.handlers import Handlers
     from offloadd.daemon.scheduler import Job
     from offloadd.daemon.session import Block
 

@@ -1,7 +1,7 @@
 """The offload daemon (``offloadd serve``): one I/O service per node shared by every rank.
 
 The service: ``core`` (:class:`~offloadd.daemon.core.Server`: listening, connections, shutdown;
-``serve``), ``ops`` (the answer to each message; the sessions and their blocks), ``scheduler``
+``serve``), ``handlers`` (the answer to each message; the sessions and their blocks), ``scheduler``
 (the queues, their order, the engine's requests), ``status`` (the figures of ``offloadd status``),
 ``metrics`` (those figures for Prometheus), ``connection`` (one client's socket), ``session``
 (one client's memory, files and blocks), and the command ``cmd_serve``. The wire format, the checksums and the

@@ -1,7 +1,7 @@
 """``offloadd serve``: the asyncio service around one I/O engine shared by all sessions.
 
 The :class:`Server` listens, accepts and reads its connections, and shuts down; what it reads
-goes to :class:`~offloadd.daemon.ops.Handlers`, which queue I/O with the
+goes to :class:`~offloadd.daemon.handlers.Handlers`, which queue I/O with the
 :class:`~offloadd.daemon.scheduler.Scheduler`; :class:`~offloadd.daemon.status.Status` keeps
 the figures that ``offloadd status`` shows.
 
@@ -43,14 +43,14 @@ from collections.abc import Callable, Collection
 
 from offloadd.config import Config, DaemonConfig
 from offloadd.daemon.connection import MAX_FDS, Connection, close_all, fds_of
-from offloadd.daemon.ops import Handlers
+from offloadd.daemon.handlers import Handlers
 from offloadd.daemon.scheduler import Scheduler
 from offloadd.daemon.session import SessionError
 from offloadd.daemon.status import Status
 from offloadd.io.buffers import ALIGN
+from offloadd.io.engine_choice import open_host_engine
 from offloadd.io.files import SlotFile, default_offload_dir
 from offloadd.io.request import Engine
-from offloadd.io.select import open_host_engine
 from offloadd.wire import protocol as proto
 from offloadd.wire.checksum import checksum_function
 from offloadd.wire.trust import open_socket_dir, own_uid, peer_credentials

@@ -4,7 +4,7 @@
 module each: ``handles`` (what pack returns), ``dedup`` (parameter storages, storages already
 saved), ``blocks`` (blocks, chunks, the block map), ``capture`` (when a saved tensor's bytes are
 taken), ``lifetime`` (capture and freeing), ``writer`` (slots, copies, writes), ``reader`` (loads, forwarding, prefetch),
-``ordering`` (device streams and events; ``simulated`` for CI), ``ledger`` (the lock and the
+``ordering`` (device streams and events; ``simulated`` for CI), ``accounting`` (the lock and the
 counters), and a :class:`~offloadd.backend.base.Backend` (the embedded engine or the daemon).
 The optional stages, the budget planner and the codec, come in through ``stages``
 (runtime/stages.py); ``offloadd.Offloader`` (offloadd/offloader.py) wires them in.
@@ -34,6 +34,7 @@ from offloadd.backend import Backend, open_backend
 from offloadd.config import Config
 from offloadd.io.request import Engine
 from offloadd.runtime import compiled, evicted, host_allocator, transforms
+from offloadd.runtime.accounting import Ledger
 from offloadd.runtime.blocks import PENDING, BlockMap
 from offloadd.runtime.compiled import is_traced, unseen
 from offloadd.runtime.dedup import StorageIndex, is_parameter
@@ -48,7 +49,6 @@ from offloadd.runtime.handles import (
     unlinked,
     version_handle,
 )
-from offloadd.runtime.ledger import Ledger
 from offloadd.runtime.lifetime import Lifetime
 from offloadd.runtime.ordering import CudaOrdering, Ordering
 from offloadd.runtime.reader import Reader
@@ -409,7 +409,7 @@ class Offloader:
         return Ref(block, t, self._released, keep=False)
 
     def _pack_coded(self, t: torch.Tensor) -> Any:
-        """pack with a codec: encoded where [what gets compressed] in codec/ops.py allows it
+        """pack with a codec: encoded where [what gets compressed] in codec/allowlist.py allows it
         and the storage is not already saved exactly, else :meth:`_pack`."""
         codec = self._codec
         assert codec is not None

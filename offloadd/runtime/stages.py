@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from offloadd.config import Config
-from offloadd.runtime.ledger import Ledger
+from offloadd.runtime.accounting import Ledger
 from offloadd.runtime.stats import Stats
 
 __all__ = ["Coder", "CoderFactory", "Planner", "PlannerFactory", "Stages"]

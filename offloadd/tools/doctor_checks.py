@@ -1,7 +1,7 @@
 """``offloadd doctor``'s checks of the machine: versions, the I/O engines, GDS, memory, and what
 ``engine = auto`` and ``host_allocator = auto`` pick.
 
-Every decision is the runtime's own, asked without side effects: :func:`offloadd.io.select.
+Every decision is the runtime's own, asked without side effects: :func:`offloadd.io.engine_choice.
 choose_host_engine` and ``choose_device_engine``, :func:`offloadd.runtime.host_allocator.choose`,
 the native engine's io_uring probe, :func:`offloadd.io.gds.probe`. Nothing here starts an engine,
 builds a library or installs an allocator.

@@ -43,7 +43,7 @@ from offloadd.tools.models.gpt import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS: dict[str, float] = {"int8": 0.01, "fp8-e4m3": 0.01, "fp8-e5m2": 0.01, "int4": 0.03}
-"""The issue's bound on |final loss / none's - 1|; codecs not listed (int2) are reported only."""
+"""The accepted bound on |final loss / none's - 1|; codecs not listed (int2) are reported only."""
 
 
 # -- arguments ---------------------------------------------------------------------------------

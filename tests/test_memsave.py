@@ -1,4 +1,4 @@
-"""memsave (issue 16) on whole models and as a whole: the class swap, freezing between steps,
+"""memsave on whole models and as a whole: the class swap, freezing between steps,
 double backward, transformers' ResNet and ViT, composition with an Offloader, the gate of a fully
 trainable model, and the equivalence suite's models. Layer by layer: tests/test_memsave_layers.py.
 """

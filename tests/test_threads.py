@@ -1,4 +1,4 @@
-"""Faults between threads found in review (issue 11): counters, warnings, waits under the lock,
+"""Faults between threads: counters, warnings, waits under the lock,
 and a shutdown before the copy streams drained."""
 
 from __future__ import annotations

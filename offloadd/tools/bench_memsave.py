@@ -1,5 +1,5 @@
 """``offloadd bench memsave``: saved-activation bytes and step time of plain, memsave and memsave
-with ssd offload, on frozen-backbone fine-tunes (issue 16).
+with ssd offload, on frozen-backbone fine-tunes.
 
 Scenarios (transformers models, random weights; no downloads):
 

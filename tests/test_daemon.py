@@ -684,17 +684,17 @@ def test_a_write_done_after_its_session_ended_is_no_error() -> None:
 
     errors: list[str] = []
     replies: list[proto.Reply] = []
-    server = SimpleNamespace(status=SimpleNamespace(totals=Counter[str](), error=errors.append))
-    handlers = Handlers(server)  # type: ignore[arg-type]
+    status = SimpleNamespace(totals=Counter[str](), error=errors.append)
+    handlers = Handlers(None, [], status, stop=print, drop=print)  # type: ignore[arg-type]
     conn = SimpleNamespace(reply=replies.append)
     sess = SimpleNamespace(id=1, closing=True, inflight=0, errors=0, blocks={}, bytes_written=0)
     job = Job(conn, sess, proto.Msg.WRITE, 7, 0, Block(0, 0, 4096, 0), 0, 4096)  # type: ignore[arg-type]
     handlers.done(job)
     assert (errors, replies, sess.errors, sess.blocks) == ([], [], 0, {})
-    assert server.status.totals == Counter()
+    assert status.totals == Counter()
     job.status, job.message = errno.EIO, "disk gone"  # a write that failed still is one
     handlers.done(job)
-    assert sess.errors == 1 and server.status.totals["io_errors"] == 1 and len(errors) == 1
+    assert sess.errors == 1 and status.totals["io_errors"] == 1 and len(errors) == 1
 
 
 def test_dispatch_order_reads_first_round_robin() -> None:

@@ -87,11 +87,20 @@ class Server:
         self.conns: set[Connection] = set()
         self._stopping = asyncio.Event()
         self._listener: socket.socket | None = None
-        self.handlers = Handlers(self)
-        self.scheduler = Scheduler(
+        self.status = Status(
+            self.dirs,
+            self.loop,
+            socket_path=self.socket_path,
+            engine=lambda: getattr(self.engine, "name", type(self.engine).__name__),
+            checksum=config.checksum,
+            sessions=lambda: self.handlers.sessions.values(),
+            connections=lambda: len(self.conns),
+            queue=lambda: self.scheduler.waiting(),
+        )
+        self.handlers = Handlers(config, self.dirs, self.status, stop=self.stop, drop=self.drop)
+        self.scheduler = self.handlers.scheduler = Scheduler(
             self.engine, 2 * config.io_threads, checksum, self.loop, self.handlers
         )
-        self.status = Status(self)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -194,7 +203,7 @@ class Server:
             self._dir_fd = -1
         for conn in list(self.conns):
             self.drop(conn, "daemon stopping", error=False)
-        sessions = self.handlers.sessions  # see ops [a session ends after its I/O]
+        sessions = self.handlers.sessions  # see handlers [a session ends after its I/O]
         while any(s.inflight for s in sessions.values()):
             await asyncio.sleep(0.01)
         await self.loop.run_in_executor(None, self.engine.close)
@@ -220,7 +229,7 @@ class Server:
                 sock.close()
                 continue
             sock.setblocking(False)
-            conn = Connection(self, sock, uid, pid)
+            conn = Connection(sock, uid, pid, loop=self.loop, drop=self.drop)
             self.conns.add(conn)
             self.loop.add_reader(sock.fileno(), self._readable, conn)
 
@@ -255,7 +264,7 @@ class Server:
             close_all(fds)
 
     def drop(self, conn: Connection, why: str, *, error: bool = True) -> None:
-        """Close a connection, and end its session (see ops [a session ends after its I/O])."""
+        """Close a connection, and end its session (see handlers [a session ends after its I/O])."""
         if conn.closed:
             return
         conn.closed = True

@@ -136,6 +136,7 @@ class Offloader:
         self._released = life.released  # the hot path of pack appends to it directly
         self._captures = life.captures
         self._drain = life.drain
+        self._closed = lambda: life.closed
         # With a budget: keep, offload or recompute per block (see [auto] in auto/planner.py).
         self._auto: Planner | None = None
         if cfg.budget is not None and stages.planner is not None:
@@ -464,6 +465,6 @@ class Offloader:
             return t
         start = time.perf_counter()  # Stats.unpack_s: offloaded tensors only (see _pack)
         try:
-            return self._reader.unpack(ref, self._life)
+            return self._reader.unpack(ref, self._drain, self._closed)
         finally:
             self._stats.unpack_s += time.perf_counter() - start

@@ -286,7 +286,7 @@ def test_sgd_steps_with_offload_match_plain(disk_dir: Path, dropout: float) -> N
     assert_bitwise_equal(reference, got)
 
 
-# -- a fully trainable model: nothing changes (Note [fully trainable] in memsave/frozen_gate.py) --------
+# -- a fully trainable model: nothing changes (Note [fully trainable] in memsave/frozen_gate.py) ---
 
 
 def _saved_shapes(model: nn.Module, x: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dtype]]:

@@ -1,9 +1,9 @@
 """The codec in the pack path: which saved tensors it encodes, the handle it returns, dedup.
 
-Note: [codes through the tiers] A tensor the codec takes (see [what gets compressed] in allowlist.py)
-is encoded inside pack on its own device (on a GPU before any copy to the host), and its codes
-and ranges are then saved like any other tensor: :class:`Codec` hands both to the exact pack
-path, which keeps them (tier keep: compressed in memory), moves them to the host pool or writes
+Note: [codes through the tiers] A tensor the codec takes (see [what gets compressed] in
+allowlist.py) is encoded inside pack on its own device (on a GPU before any copy to the host),
+and its codes and ranges are then saved like any other tensor: :class:`Codec` hands both to the
+exact pack path, which keeps them (tier keep: compressed in memory), moves them to the host pool or writes
 them to files (tiers cpu and ssd, embedded engine or daemon), and counts them for the planner
 of a budget, which so plans with the compressed sizes. Unpack brings both back through the same
 path, decodes, and returns a tensor of the saved one's dtype, shape and strides.

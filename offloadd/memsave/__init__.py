@@ -11,8 +11,8 @@ computed read. :func:`memsave` swaps a model's supported modules in place (Note 
 | ``norm`` | BatchNorm1d/2d/3d in eval mode: the input only for the weight's gradient |
 | ``pointwise`` | ReLU, LeakyReLU, Dropout: bit masks |
 | ``pool`` | MaxPool1d/2d/3d: window offsets, no input |
-| ``frozen_gate`` | the masks are off while every parameter of the model is trainable (Note [fully trainable]) |
-| ``once_differentiable`` | torch's ``once_differentiable`` without its cost in an ordinary backward |
+| ``frozen_gate`` | masks off while every parameter is trainable (Note [fully trainable]) |
+| ``once_differentiable`` | torch's, without its cost in an ordinary backward |
 | ``replace`` | :func:`memsave`, :func:`unmemsave` |
 
 The package itself is light (``import offloadd`` imports it): its names are imported from

@@ -60,20 +60,6 @@ from offloadd.runtime.writer import Writer
 __all__ = ["Offloader"]
 
 
-def _check_stages(cfg: Config, stages: Stages) -> None:
-    """A config asking for a stage the caller did not provide is refused, naming the key."""
-    if cfg.budget is not None and stages.planner is None:
-        raise ValueError(
-            f"offloadd: budget={cfg.budget!r} needs the budget planner, which this Offloader "
-            "was not given: build offloadd.Offloader, or pass stages=Stages(planner=...)"
-        )
-    if cfg.codec != "none" and stages.coder is None:
-        raise ValueError(
-            f"offloadd: codec={cfg.codec!r} needs the codec, which this Offloader was not "
-            "given: build offloadd.Offloader, or pass stages=Stages(coder=...)"
-        )
-
-
 class _Local(threading.local):
     """The Offloader's per-thread state. Class defaults, so that the hooks' reads of an unset
     one raise no AttributeError inside getattr (about 1.4 µs each, per saved tensor)."""
@@ -114,7 +100,7 @@ class Offloader:
         if overrides:
             cfg = cfg.replace(**overrides)
         stages = stages if stages is not None else Stages()
-        _check_stages(cfg, stages)
+        stages.check(cfg)
         self.config = cfg
         self._min_bytes = cfg.min_bytes
         self._ledger = ledger = Ledger(cfg.trim_host_bytes)

@@ -69,8 +69,9 @@ class Coder(Protocol):
     codec/coder.py). What :meth:`pack` returns is of type :attr:`handle_type`; unpack hands
     exactly those back to :meth:`unpack`."""
 
-    handle_type: type
-    """The type of the handles :meth:`pack` returns."""
+    @property
+    def handle_type(self) -> type:
+        """The type of the handles :meth:`pack` returns."""
 
     def wants(self, t: torch.Tensor) -> bool:
         """Whether the op saving ``t`` allows it to be encoded."""
@@ -112,3 +113,16 @@ class Stages:
 
     planner: PlannerFactory | None = None
     coder: CoderFactory | None = None
+
+    def check(self, cfg: Config) -> None:
+        """Refuse a config that asks for a stage not provided, naming its key."""
+        if cfg.budget is not None and self.planner is None:
+            raise ValueError(
+                f"offloadd: budget={cfg.budget!r} needs the budget planner, which this Offloader "
+                "was not given: build offloadd.Offloader, or pass stages=Stages(planner=...)"
+            )
+        if cfg.codec != "none" and self.coder is None:
+            raise ValueError(
+                f"offloadd: codec={cfg.codec!r} needs the codec, which this Offloader was not "
+                "given: build offloadd.Offloader, or pass stages=Stages(coder=...)"
+            )

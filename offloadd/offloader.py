@@ -59,3 +59,10 @@ class Offloader(offloader.Offloader):
         made now if a profile step's backward has run; None before that, or without a budget."""
         plan: Plan | None = super().plan()
         return plan
+
+    @property
+    def planner(self) -> AutoPlanner | None:
+        """The budget planner (None without a budget)."""
+        planner = self._auto
+        assert planner is None or isinstance(planner, AutoPlanner)
+        return planner

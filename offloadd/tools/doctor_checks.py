@@ -24,7 +24,7 @@ import torch
 
 from offloadd import __version__
 from offloadd.config import Config
-from offloadd.io import native, select
+from offloadd.io import engine_choice, native
 from offloadd.io.buffers import AlignedBuffer
 from offloadd.io.hugepages import HUGE_PAGE, advise_huge_pages
 from offloadd.runtime import host_allocator
@@ -286,14 +286,14 @@ def choice_checks(cfg: Config, host_cache: Check, daemon_does_io: bool) -> list[
     for key, c in settings:
         label = f"engine = {c.engine}, io_uring = {c.io_uring}"
         try:
-            choice = select.choose_host_engine(c)
+            choice = engine_choice.choose_host_engine(c)
         except RuntimeError as e:
             out.append(Check(key, "fail", str(e).removeprefix("offloadd: "), {"name": None}))
             continue
         picked = {"name": choice.name, "reason": choice.reason}
         out.append(Check(key, "ok", f"{label} -> {choice.name} ({choice.reason})", picked))
     try:
-        dev = select.choose_device_engine(cfg)
+        dev = engine_choice.choose_device_engine(cfg)
         out.append(
             Check(
                 "cuda_tensors",

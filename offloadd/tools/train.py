@@ -266,8 +266,8 @@ def _run(spec: RunSpec, progress: bool, acquired: list[bool]) -> dict[str, Any]:
                 torch.cuda.synchronize()
             rec = clock.end(off.stats() if off is not None else None)
             rec["warmup"] = warm
-            if off is not None and off._auto is not None:
-                rec["auto_settled"] = off._auto.settled  # no profile or race pending
+            if off is not None and off.planner is not None:
+                rec["auto_settled"] = off.planner.settled  # no profile or race pending
             trace.append(rec)
             dt = rec["step_s"]
             if progress:

@@ -3,7 +3,9 @@
 Each subcommand lives in its own module, which provides ``add_arguments`` (fills its argparse
 parser) and ``main`` (takes the parsed namespace, returns the exit status). Adding a subcommand is
 one entry in ``_COMMANDS`` and its one-line help in ``_HELP``: the help lines stay here so that
-``offloadd --help`` imports none of those modules.
+``offloadd --help`` imports none of those modules. With the package root importing its names on
+first use, ``offloadd --help`` and ``offloadd --version`` import no torch
+(tests/test_layout.py times them).
 """
 
 from __future__ import annotations
@@ -17,14 +19,14 @@ from offloadd import __version__
 
 __all__ = ["main"]
 
-# name -> module (imported lazily so that ``offloadd --help`` does not import torch)
+# name -> module, imported only when its command runs (or its own --help is asked for)
 _COMMANDS: dict[str, str] = {
     "demo": "offloadd.tools.demo",
     "bench": "offloadd.tools.bench",
     "run": "offloadd.integrations.launch",
     "serve": "offloadd.daemon.cmd_serve",
-    "status": "offloadd.daemon.cmd_status",
-    "stop": "offloadd.daemon.cmd_stop",
+    "status": "offloadd.backend.cmd_status",
+    "stop": "offloadd.backend.cmd_stop",
     "rok": "offloadd.tools.rok",
     "plan": "offloadd.tools.plan",
     "doctor": "offloadd.tools.doctor",

@@ -113,8 +113,8 @@ class Daemon:
         cmd = [sys.executable, "-m", "offloadd", "serve", "--socket", self.socket, "--dir", data]
         with open(root / "daemon.log", "ab") as log:
             self.proc = subprocess.Popen([*cmd, *args], stdout=log, stderr=log)
+        from offloadd.backend.cmd_status import query
         from offloadd.backend.daemon import DaemonError
-        from offloadd.daemon.cmd_status import query
 
         for _ in range(600):
             try:
@@ -174,9 +174,9 @@ def latency(socket_path: str, data_dir: str, n: int) -> dict[str, float]:
     import mmap
 
     from offloadd.backend.daemon_link import connect_control, recv_frame
-    from offloadd.daemon import protocol as proto
     from offloadd.io.buffers import AlignedBuffer
     from offloadd.io.files import SlotFile
+    from offloadd.wire import protocol as proto
 
     sock = connect_control(socket_path)
     sock.sendall(proto.encode_open(1, 4096, 4096 * 4, 4096 * 4, False))

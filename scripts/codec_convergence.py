@@ -43,7 +43,7 @@ from offloadd.tools.models.gpt import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS: dict[str, float] = {"int8": 0.01, "fp8-e4m3": 0.01, "fp8-e5m2": 0.01, "int4": 0.03}
-"""The issue's bound on |final loss / none's - 1|; codecs not listed (int2) are reported only."""
+"""The accepted bound on |final loss / none's - 1|; codecs not listed (int2) are reported only."""
 
 
 # -- arguments ---------------------------------------------------------------------------------
@@ -566,7 +566,7 @@ def write_markdown(
         f"- offloader: `Offloader(tier={args.tier!r}, codec=..., "
         f"codec_min_bytes={args.codec_min_bytes})` around forward, backward outside; the other "
         f"codec settings at their defaults (group 256, symmetric int8, round to nearest, the "
-        f"default op list of codec/ops.py)",
+        f"default op list of codec/allowlist.py)",
         f"- every codec run (seed {SEED0}) starts from the same weights and sees the same batches in "
         f"the same order; nothing in training draws random numbers after the initialisation "
         f"(dropout {args.dropout}), so the runs differ by the codec alone",

@@ -5,7 +5,7 @@ One run resolves a final-loss gap of about +-0.7 % (its control runs say so); wh
 gap is its own or that run's luck shows only over seeds. For every CSV (one seed) and codec, the
 final loss (mean of the last ``--window`` steps) is divided by that CSV's ``none``; the table
 gives each seed's gap, their mean with its standard error, the range and the verdict against the
-issue's bounds (1 % for int8 and fp8, 3 % for int4; int2 reported only) for the mean and for the
+accepted bounds (1 % for int8 and fp8, 3 % for int4; int2 reported only) for the mean and for the
 worst seed.
 
     python scripts/codec_convergence_seeds.py --seed-csv 0=docs/benchmarks/codec_convergence_X.csv \\

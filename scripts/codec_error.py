@@ -9,7 +9,7 @@ the same computation under ``Offloader(tier="keep", codec=...)``:
   ``--max-samples`` float32 samples; the vector-Jacobian product with a fixed random cotangent
   per output (as tests/corpus.py does). Two modes per lossy codec, both with
   ``codec_min_bytes=1`` so that the corpus's small tensors qualify: *default* (``codec_ops``
-  empty: the allow list of offloadd/codec/ops.py, what users get) and *forced* (``codec_ops`` =
+  empty: the allow list of offloadd/codec/allowlist.py, what users get) and *forced* (``codec_ops`` =
   every torch function the op's forward calls at the outermost level, normally just the op
   itself: every floating saved tensor with an argument's shape is coded).
 * **probes**: a few allowed ops on inputs chosen to be hard for per-group ranges (a large common
@@ -59,7 +59,7 @@ from offloadd.codec import CODECS, DEFAULT_OPS
 ROOT = Path(__file__).resolve().parents[1]
 SEED = 0
 LOSSY_DEFAULT = ("none", "int8", "fp8-e4m3", "fp8-e5m2", "int4", "int2")
-# The ops that ops.py leaves out on purpose (its docstring), matched against op_db names.
+# The ops that allowlist.py leaves out on purpose (its docstring), matched against op_db names.
 DENIED = (
     "max",
     "amax",
@@ -310,7 +310,7 @@ def run_sample(op: Any, sample: Any, off: Offloader | None, names: OuterNames | 
 def known_ops(names: set[str]) -> list[str]:
     """``names`` less those ``codec_ops`` refuses (no torch function: ``__get__`` of a property)."""
     try:
-        from offloadd.codec.ops import unknown_ops
+        from offloadd.codec.allowlist import unknown_ops
     except ImportError:  # an older offloadd accepts any name
         return list(names)
     unknown = set(unknown_ops(names))
@@ -906,7 +906,7 @@ def markdown(res: dict[str, Any], notes: str = "") -> str:
         "All parameter gradients of one forward + backward (loss from the model's own head). "
         "Training mode with every dropout probability 0, so that plain and coded runs are "
         "deterministic and comparable (dropout masks would differ otherwise); with dropout "
-        "`scaled_dot_product_attention` is also left exact (ops.py). Default allow list, default "
+        "`scaled_dot_product_attention` is also left exact (allowlist.py). Default allow list, default "
         "`codec_min_bytes` (64 KiB). `saved` = `stats().saved_bytes` with the codec / without "
         "(tier keep; counts views each time and parameters saved by ops, and a coded storage "
         "saved twice once); `peak` = `peak_resident_bytes` ratio (activation memory held, "
@@ -1133,7 +1133,7 @@ def markdown(res: dict[str, Any], notes: str = "") -> str:
             )
             w("")
     w(
-        "The ops that ops.py leaves out on purpose, forced: rel L2 (max)"
+        "The ops that allowlist.py leaves out on purpose, forced: rel L2 (max)"
         + (", then rel L2 of `forced-g16`" if "forced-g16" in modes else "")
         + ":"
     )

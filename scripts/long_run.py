@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from offloadd.runtime.stats import format_bytes
 from offloadd.tools.train import RunSpec, run_in_subprocess
+from offloadd.units import format_bytes
 
 TENTHS = 10
 

@@ -1,4 +1,4 @@
-"""One ssd run of HF GPT-2 (bench step's steady-issue point) with the host cache's slack and the
+"""One ssd run of HF GPT-2 (bench step's steady-offloading point) with the host cache's slack and the
 read-back records' home chosen: what Note [one pool] in offloadd/io/pools.py was measured with.
 
     python scripts/pool_ab.py --slack 0.4 --records cache   # as shipped

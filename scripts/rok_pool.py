@@ -3,7 +3,7 @@
 
 One round of one auto point is a ratio: auto's throughput over the same round's run of the single
 strategy ``offloadd rok`` judges it against. On a machine whose rounds differ by several per cent,
-one point's two or three rounds cannot resolve the 2 % that issue 33's target needs; pooling the
+one point's two or three rounds cannot resolve the 2 % that the planner's target (within 2 % of the fastest) needs; pooling the
 ratios of every point of several sweeps narrows the interval (on this project's VM, 26 of them
 still did not resolve 2 %). Prints each ratio, their geometric mean and a 95 % bootstrap interval
 (``rok_summary.pooled``).

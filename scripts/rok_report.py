@@ -18,10 +18,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from offloadd.runtime.stats import format_bytes
 from offloadd.tools.machine import machine_line
 from offloadd.tools.rok_points import read_points
 from offloadd.tools.rok_summary import aggregate, auto_rounds, summary_lines
+from offloadd.units import format_bytes
 
 
 def _cell(r: dict[str, Any], key: str, fmt: str) -> str:

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from offloadd.backend.cmd_status import query
 from offloadd.backend.daemon import DaemonError
-from offloadd.daemon.cmd_status import query
 
 
 class DaemonProc:
@@ -136,7 +136,7 @@ class RawSession:
         import mmap
 
         from offloadd.backend.daemon_link import connect_control, recv_frame
-        from offloadd.daemon import protocol as proto
+        from offloadd.wire import protocol as proto
 
         self.proto = proto
         self.chunk = chunk

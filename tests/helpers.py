@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from offloadd import Config, Offloader, Stats
+from offloadd.io.engine_choice import open_host_engine
 from offloadd.io.python_engine import PythonEngine
 from offloadd.io.request import Engine, Op, Request
-from offloadd.io.select import open_host_engine
 
 ENGINE_OPTIONS: dict[str, dict[str, str]] = {
     "native-uring": {"engine": "native", "io_uring": "on"},

@@ -830,7 +830,7 @@ def test_a_permuted_tensor_decodes_with_its_strides(tier: str, disk_dir: Path) -
 
 def test_slices_of_a_fused_projection_are_encoded(monkeypatch: pytest.MonkeyPatch) -> None:
     """q, k and v sliced out of one qkv output (views with gaps) go to attention, which saves q
-    and k exactly (ops.py): their storage is then held exactly, v's bytes with it, so v is not
+    and k exactly (allowlist.py): their storage is then held exactly, v's bytes with it, so v is not
     encoded again; the output is. The gradients stay close."""
     torch.manual_seed(0)
     qkv = nn.Linear(64, 3 * 64)

@@ -4,7 +4,7 @@ hook] in offloadd/runtime/compiled.py).
 
 Every comparison is bitwise against the same compiled model run without offloadd. Most tests
 compile with ``aot_eager`` (AOTAutograd's regions and autograd nodes, as inductor makes them, in
-a fraction of the time); the inductor tests are the ones the issue's targets are stated for.
+a fraction of the time); the inductor tests are the ones the targets of compiled offloading are stated for.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def _pair(n: int = 4) -> tuple[nn.Module, nn.Module]:
 
 @pytest.mark.parametrize("order", ["compiled-in-scope", "eager-first", "compiled-first"])
 def test_first_contact(order: str, disk_dir: Path) -> None:
-    """The issue's crash: the first call of a compiled model inside the scope raised from
+    """A crash seen: the first call of a compiled model inside the scope raised from
     dynamo tracing the pack hook (FakeTensor nbytes on symbolic sizes)."""
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))

@@ -1,4 +1,4 @@
-"""Issue 11, item 3: PyTorch's op and module corpora, bit-identical with and without offloadd.
+"""PyTorch's op and module corpora, bit-identical with and without offloadd.
 
 The comparison rule and the harness are in tests/corpus.py. The default run takes a fixed
 subset of every entry (each op of op_db that supports backward, its in-place variant where it

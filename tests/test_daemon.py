@@ -24,7 +24,7 @@ from torch import nn
 
 from offloadd import Config, Offloader
 from offloadd.config import DaemonConfig
-from offloadd.daemon import protocol as proto
+from offloadd.wire import protocol as proto
 
 from .daemon_proc import DaemonProc, RawSession, held_descriptors
 from .helpers import SavePayload, assert_bitwise_equal, small_offloader, train
@@ -678,23 +678,23 @@ def test_a_write_done_after_its_session_ended_is_no_error() -> None:
     from collections import Counter
     from types import SimpleNamespace
 
-    from offloadd.daemon.ops import Handlers
+    from offloadd.daemon.handlers import Handlers
     from offloadd.daemon.scheduler import Job
     from offloadd.daemon.session import Block
 
     errors: list[str] = []
     replies: list[proto.Reply] = []
-    server = SimpleNamespace(status=SimpleNamespace(totals=Counter[str](), error=errors.append))
-    handlers = Handlers(server)  # type: ignore[arg-type]
+    status = SimpleNamespace(totals=Counter[str](), error=errors.append)
+    handlers = Handlers(None, [], status, stop=print, drop=print)  # type: ignore[arg-type]
     conn = SimpleNamespace(reply=replies.append)
     sess = SimpleNamespace(id=1, closing=True, inflight=0, errors=0, blocks={}, bytes_written=0)
     job = Job(conn, sess, proto.Msg.WRITE, 7, 0, Block(0, 0, 4096, 0), 0, 4096)  # type: ignore[arg-type]
     handlers.done(job)
     assert (errors, replies, sess.errors, sess.blocks) == ([], [], 0, {})
-    assert server.status.totals == Counter()
+    assert status.totals == Counter()
     job.status, job.message = errno.EIO, "disk gone"  # a write that failed still is one
     handlers.done(job)
-    assert sess.errors == 1 and server.status.totals["io_errors"] == 1 and len(errors) == 1
+    assert sess.errors == 1 and status.totals["io_errors"] == 1 and len(errors) == 1
 
 
 def test_dispatch_order_reads_first_round_robin() -> None:
@@ -718,8 +718,8 @@ def test_dispatch_order_reads_first_round_robin() -> None:
 
 def _wait_serving(sock: str, proc: subprocess.Popen[str]) -> None:
     """Until the daemon ``proc`` answers on ``sock`` (a minute at most; fails if it exits)."""
+    from offloadd.backend.cmd_status import query
     from offloadd.backend.daemon import DaemonError
-    from offloadd.daemon.cmd_status import query
 
     for _ in range(1200):
         try:

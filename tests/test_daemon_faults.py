@@ -26,11 +26,11 @@ from offloadd import Config, Offloader
 from offloadd.backend import daemon_ending
 from offloadd.backend.daemon import DaemonBackend
 from offloadd.config import DaemonConfig
-from offloadd.daemon import protocol as proto
 from offloadd.io import python_engine as engine_module
 from offloadd.io.buffers import AlignedBuffer
 from offloadd.io.request import Op, Request
-from offloadd.runtime import ledger as ledger_module
+from offloadd.runtime import stall_watch
+from offloadd.wire import protocol as proto
 
 from .daemon_proc import DaemonProc, RawSession, held_descriptors
 from .helpers import small_offloader
@@ -143,7 +143,7 @@ def test_backward_waiting_on_a_stopped_daemon_says_so(
     logged once it has lasted STALL_WARN_S and again each time it has doubled, naming the
     daemon, its pid and its state; resumed, backward finishes with the gradients of a run
     without offloadd."""
-    monkeypatch.setattr(ledger_module, "STALL_WARN_S", 0.3)
+    monkeypatch.setattr(stall_watch, "STALL_WARN_S", 0.3)
     d = own_daemon().start()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))

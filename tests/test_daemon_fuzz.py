@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from offloadd.daemon import protocol as proto
+from offloadd.wire import protocol as proto
 
 from .conftest import _disk_root
 from .daemon_proc import DaemonProc, RawSession

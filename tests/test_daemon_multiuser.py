@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from offloadd.backend.daemon_link import connect_control, recv_frame
-from offloadd.daemon import protocol as proto
+from offloadd.wire import protocol as proto
 
 from .daemon_proc import DaemonProc, RawSession
 
@@ -45,10 +45,10 @@ sys.path.insert(0, root)
 import torch
 import offloadd.backend.daemon, offloadd.backend.daemon_ending, offloadd.io.python_engine
 from offloadd.backend.daemon_link import connect_control, recv_frame
-from offloadd.daemon import protocol as proto
+from offloadd.wire import protocol as proto
 from offloadd.cli import main as cli_main
-from offloadd.daemon.cmd_status import query
-import offloadd.daemon.cmd_stop
+from offloadd.backend.cmd_status import query
+import offloadd.backend.cmd_stop
 from tests.daemon_proc import RawSession
 from tests.helpers import assert_bitwise_equal, small_offloader, train
 from tests.test_equivalence import MODELS
@@ -57,7 +57,7 @@ from offloadd.runtime import host_allocator
 reference = train(*MODELS["gpt"], None, steps=1)  # as root: imports everything a step needs
 host_allocator.acquire()  # its extension module, loaded as root
 host_allocator.release()
-from offloadd.daemon.checksum import checksum_function
+from offloadd.wire.checksum import checksum_function
 checksum_function("xxh3")  # imports xxhash
 os.setgroups([])
 os.setgid(uid)
@@ -302,7 +302,7 @@ sock_path, root, uid, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.ar
 sys.path.insert(0, root)
 import offloadd.config
 from offloadd.backend.daemon_link import connect_control, recv_frame
-from offloadd.daemon import protocol as proto
+from offloadd.wire import protocol as proto
 os.setgroups([])
 os.setgid(uid)
 os.setuid(uid)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from offloadd.daemon import protocol as proto
+from offloadd.wire import protocol as proto
 
 
 def test_round_trips() -> None:

@@ -1,4 +1,4 @@
-"""A daemon lost and restarted between steps, again and again (issue 31, items 4 and 7): the
+"""A daemon lost and restarted between steps, again and again: the
 client holds no more descriptors, file space or shared memory than after its first step, and
 trains bit-identically to a run without offloadd."""
 

@@ -1,5 +1,5 @@
 """Whom a client of the daemon talks to: the process listening at the socket, and the socket's
-directory (see offloadd/daemon/trust.py [who trusts whom]).
+directory (see offloadd/wire/trust.py [who trusts whom]).
 
 The impostors are real processes: a listener that binds as root and drops to another uid before
 ``listen()`` (SO_PEERCRED reports the uid of ``listen()``), and records the bytes each connection

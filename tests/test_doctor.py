@@ -25,8 +25,8 @@ import pytest
 
 from offloadd import cli
 from offloadd.config import Config
+from offloadd.io.engine_choice import open_host_engine
 from offloadd.io.files import MEMORY_FS, filesystem_type
-from offloadd.io.select import open_host_engine
 from offloadd.tools.doctor import SECTIONS, diagnose, format_report, verdict_line
 from offloadd.tools.doctor_checks import Check
 from offloadd.tools.doctor_paths import WARN_FACTOR, free_check

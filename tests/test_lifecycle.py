@@ -1,4 +1,5 @@
-"""The traps of anchors.md: in-place after save, dedup, unpack order, threads, lifecycles."""
+"""The known traps of saved-tensor hooks: in-place after save, dedup, unpack order, threads,
+lifecycles (see [never a silently wrong gradient] and [capture after the op] in offloadd/runtime/)."""
 
 from __future__ import annotations
 

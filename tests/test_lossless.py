@@ -1,4 +1,4 @@
-"""Issue 11's regressions: the bytes captured are the ones autograd would use, and nothing that
+"""Lossless capture: the bytes captured are the ones autograd would use, and nothing that
 reaches the hooks crashes them (see [capture after the op] in offloadd/runtime/capture.py)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""memsave (issue 16) on whole models and as a whole: the class swap, freezing between steps,
+"""memsave on whole models and as a whole: the class swap, freezing between steps,
 double backward, transformers' ResNet and ViT, composition with an Offloader, the gate of a fully
 trainable model, and the equivalence suite's models. Layer by layer: tests/test_memsave_layers.py.
 """
@@ -286,7 +286,7 @@ def test_sgd_steps_with_offload_match_plain(disk_dir: Path, dropout: float) -> N
     assert_bitwise_equal(reference, got)
 
 
-# -- a fully trainable model: nothing changes (Note [fully trainable] in memsave/gate.py) --------
+# -- a fully trainable model: nothing changes (Note [fully trainable] in memsave/frozen_gate.py) ---
 
 
 def _saved_shapes(model: nn.Module, x: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dtype]]:

@@ -1,4 +1,4 @@
-"""memsave (issue 16), layer by layer: bitwise the outputs, gradients and running statistics of
+"""memsave, layer by layer: bitwise the outputs, gradients and running statistics of
 plain PyTorch, with fewer saved bytes where gradients flow through frozen layers.
 
 Every check runs the same module twice, unmodified and memsaved (a deep copy), on the same input

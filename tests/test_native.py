@@ -16,9 +16,9 @@ import torch
 from offloadd import Config, Offloader
 from offloadd.io import native
 from offloadd.io.buffers import AlignedBuffer
+from offloadd.io.engine_choice import open_host_engine
 from offloadd.io.native import NativeEngine
 from offloadd.io.request import Op, Request, RequestState
-from offloadd.io.select import open_host_engine
 
 from .helpers import SavePayload
 

@@ -268,7 +268,9 @@ def test_auto_points_end_to_end(disk_dir: Path, tmp_path: Path) -> None:
         rec["status"] == "infeasible" and "smallest feasible budget" in rec["error"]
     ), rec
     assert all(r["status"] == "ok" for r in by.values()), by
-    assert by["auto@100x"]["plan"] == "k3 o0 r0"  # everything fits: both blocks and the head
+    # Everything fits (both blocks and the head): keeping them all, unless the race found
+    # offloading every block no slower, the leaner (on a busy machine it cannot tell them apart)
+    assert by["auto@100x"]["plan"] in ("k3 o0 r0", "k0 o3 r0"), by["auto@100x"]
     assert by["auto@100x"]["race"].endswith(" blocks)"), by["auto@100x"]  # the race's verdict
     by["auto@recompute"] = rec
     assert int(by["auto@recompute"]["budget_bytes"]) == int(

@@ -1,4 +1,4 @@
-"""An Offloader collected on one of its own I/O threads (issue 11): see [shutdown] in
+"""An Offloader collected on one of its own I/O threads: see [shutdown] in
 offloadd/runtime/offloader.py."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Faults between threads found in review (issue 11): counters, warnings, waits under the lock,
+"""Faults between threads: counters, warnings, waits under the lock,
 and a shutdown before the copy streams drained."""
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def test_warn_once_is_once_across_threads(disk_dir: Path) -> None:
             return found
 
     off._ledger._warned = SlowSet()
-    import offloadd.runtime.ledger as mod
+    import offloadd.runtime.accounting as mod
 
     real = mod.log.warning
     mod.log.warning = lambda msg, *a: logged.append(msg)  # type: ignore[method-assign]

@@ -1,4 +1,4 @@
-"""Several threads through one Offloader on the simulated asynchronous device (issue 31, item 3).
+"""Several threads through one Offloader on the simulated asynchronous device.
 
 ``nn.DataParallel`` under ``OFFLOADD=1`` forwards its replicas on one thread each through the
 same Offloader, and autograd runs backward on threads of its own. With

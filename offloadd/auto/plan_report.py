@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from offloadd.auto.solver import OFFLOAD, RECOMPUTE, Plan
-from offloadd.runtime.stats import format_bytes
+from offloadd.units import format_bytes
 
 __all__ = ["plan_dict", "plan_table"]
 

@@ -44,7 +44,7 @@ from offloadd.auto.probe import HostCacheProbe, MemoryProbe, open_probe
 from offloadd.auto.profile import HEAD, StepProfile
 from offloadd.auto.race import PATIENCE, RACE_STEPS_MAX, RACE_STEPS_MIN
 from offloadd.auto.solver import OFFLOAD, RECOMPUTE, Plan
-from offloadd.runtime.ledger import Ledger
+from offloadd.runtime.accounting import Ledger
 
 __all__ = ["WARMUP_STEPS", "WARMUP_STEPS_MAX", "AutoPlanner"]
 

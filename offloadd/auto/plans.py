@@ -19,7 +19,7 @@ from offloadd.auto.solver import (
     plan_peak,
     solve,
 )
-from offloadd.runtime.stats import format_bytes
+from offloadd.units import format_bytes
 
 __all__ = ["ShapePlans"]
 

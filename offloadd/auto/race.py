@@ -3,8 +3,8 @@
 Note: [race] The profile prices an offloaded block at the I/O wait measured for it. That is not
 offloading's whole cost, nor always a cost at all: on a 2-core VM the disk traffic slows the
 compute around it (the hypervisor's steal rises), which no wait shows, and where the allocator
-keeps freed activations warm, offloading can make a step faster than keeping them (the steady
-issue: auto's plan k3 o6 ran at 0.93x offloading every block, which also held less). So after
+keeps freed activations warm, offloading can make a step faster than keeping them (measured:
+auto's plan k3 o6 ran at 0.93x offloading every block, which also held less). So after
 the first plan for a shape, the planner races it against offloading every block (the leanest of
 the plans that offload; where it does not fit the budget, or is the plan, there is no race) over
 as many steps as it takes to tell them apart (below). A raced step is timed from its
@@ -21,12 +21,12 @@ after each one more, the race looks at the 95 % interval of the mean of those fi
 t): offloading every block costs more than ``NOISE`` (the interval lies above it) or not (the
 interval lies below it), or the race runs another block, up to ``MAX_BLOCKS``. On this project's
 2-core VM steps of one process vary by a few per cent; three fixed steps a side (the race before
-this one) picked a plan 6-9 % slower than offloading every block (the steady issue).
+this one) picked a plan 6-9 % slower than offloading every block.
 
 - Offloading every block within ``NOISE`` of the plan's time, or faster, or not shown slower by
   more than that in ``MAX_BLOCKS`` blocks: offloading is taken to cost nothing here, and of plans
   as fast as the fastest, the one holding the least memory is the one to run: offload every block
-  (the issue's rule; also at a budget where keeping all fits).
+  (also at a budget where keeping all fits).
 - Slower by more than that: the race measured what offloading costs per byte,
 
       alpha = (T_all - T_plan + R_plan) / (O_all - O_plan)

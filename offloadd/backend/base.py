@@ -82,7 +82,7 @@ class Backend(Protocol):
 
     def stall_hint(self) -> str:
         """Who does the I/O and what state it is in, for the warning about a long wait (a
-        stopped daemon, a hung disk: see ``StallWatch`` in runtime/ledger.py)."""
+        stopped daemon, a hung disk: see ``StallWatch`` in runtime/stall_watch.py)."""
         ...
 
     def close(self) -> None:

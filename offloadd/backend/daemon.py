@@ -41,11 +41,11 @@ from offloadd.backend.daemon_link import (
 )
 from offloadd.backend.daemon_slots import DaemonProcess, ReadSlots
 from offloadd.config import Config
-from offloadd.daemon import protocol as proto
-from offloadd.daemon.checksum import checksum_function
 from offloadd.io.buffers import AlignedBuffer, SlotPool
 from offloadd.io.python_engine import PythonEngine
 from offloadd.io.request import Op, Request, RequestState, mark_engine_thread
+from offloadd.wire import protocol as proto
+from offloadd.wire.checksum import checksum_function
 
 __all__ = ["DaemonBackend", "DaemonError", "connect_control", "recv_frame"]
 
@@ -62,7 +62,7 @@ class DaemonBackend(Ending):
 
     def __init__(self, config: Config, warn: Callable[[str, str], None]) -> None:
         self.socket_path = config.daemon.socket
-        self.trusted_uids = config.daemon.trusted_uids  # see [who trusts whom] in daemon/trust.py
+        self.trusted_uids = config.daemon.trusted_uids  # see [who trusts whom] in wire/trust.py
         self._path = f"daemon:{self.socket_path}"
         self.chunk_bytes = config.chunk_bytes
         slots = max(1, config.staging_bytes // config.chunk_bytes)

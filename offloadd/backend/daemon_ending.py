@@ -32,10 +32,10 @@ from typing import Any
 
 from offloadd.backend.daemon_link import Generation, Placed
 from offloadd.backend.daemon_slots import ReadSlots
-from offloadd.daemon import protocol as proto
 from offloadd.io.buffers import AlignedBuffer, address_view
 from offloadd.io.python_engine import PythonEngine
 from offloadd.io.request import Op, Request, RequestState
+from offloadd.wire import protocol as proto
 
 __all__ = ["CLOSE_MARK", "CLOSE_TIMEOUT_S", "Ending"]
 

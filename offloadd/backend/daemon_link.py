@@ -21,10 +21,10 @@ from typing import Any
 import psutil
 
 from offloadd.backend.daemon_slots import DaemonProcess
-from offloadd.daemon import protocol as proto
-from offloadd.daemon.trust import own_uid, peer_credentials, socket_dir_problem
 from offloadd.io.buffers import AlignedBuffer, SlotPool
 from offloadd.io.request import Request
+from offloadd.wire import protocol as proto
+from offloadd.wire.trust import own_uid, peer_credentials, socket_dir_problem
 
 __all__ = [
     "DaemonError",
@@ -96,7 +96,7 @@ def connect_control(
     trusted_uids: Collection[int] | None = None,
 ) -> socket.socket:
     """A connection past the handshake (for ``offloadd status`` / ``stop`` and tests), to a
-    daemon this process trusts, checked before a byte is sent (see offloadd/daemon/trust.py
+    daemon this process trusts, checked before a byte is sent (see offloadd/wire/trust.py
     [who trusts whom]). ``trusted_uids``: ``daemon.trusted_uids``; None: as the environment
     sets it (``OFFLOADD_DAEMON_TRUSTED_UIDS``)."""
     extra = _environment_trusted_uids() if trusted_uids is None else tuple(trusted_uids)
@@ -229,7 +229,7 @@ def open_session(
     """Open a session: (socket, the daemon's session info, its files' descriptors, the shared
     memory). ``buffer``: the shared memory of an earlier session, offered again after a
     reconnect (None: the daemon creates it). ``trusted_uids``: the configuration's
-    ``daemon.trusted_uids`` (see [who trusts whom] in offloadd/daemon/trust.py)."""
+    ``daemon.trusted_uids`` (see [who trusts whom] in offloadd/wire/trust.py)."""
     sock = connect_control(path, trusted_uids=trusted_uids)
     fds: list[int] = []
     try:

@@ -29,7 +29,7 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from offloadd.daemon.trust import peer_credentials
+from offloadd.wire.trust import peer_credentials
 
 __all__ = ["DaemonProcess", "ReadSlots"]
 

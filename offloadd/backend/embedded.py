@@ -7,10 +7,10 @@ import threading
 
 from offloadd.config import Config
 from offloadd.io.buffers import SlotPool
+from offloadd.io.engine_choice import choose_device_engine, open_host_engine, wants_gds
 from offloadd.io.files import DiskStore, default_offload_dir
 from offloadd.io.hugepages import advise_huge_pages
 from offloadd.io.request import Engine, Request
-from offloadd.io.select import choose_device_engine, open_host_engine, wants_gds
 
 __all__ = ["EmbeddedBackend"]
 

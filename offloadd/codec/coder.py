@@ -1,9 +1,9 @@
 """The codec in the pack path: which saved tensors it encodes, the handle it returns, dedup.
 
-Note: [codes through the tiers] A tensor the codec takes (see [what gets compressed] in ops.py)
-is encoded inside pack on its own device (on a GPU before any copy to the host), and its codes
-and ranges are then saved like any other tensor: :class:`Codec` hands both to the exact pack
-path, which keeps them (tier keep: compressed in memory), moves them to the host pool or writes
+Note: [codes through the tiers] A tensor the codec takes (see [what gets compressed] in
+allowlist.py) is encoded inside pack on its own device (on a GPU before any copy to the host),
+and its codes and ranges are then saved like any other tensor: :class:`Codec` hands both to the
+exact pack path, which keeps them (tier keep: compressed in memory), moves them to the host pool or writes
 them to files (tiers cpu and ssd, embedded engine or daemon), and counts them for the planner
 of a budget, which so plans with the compressed sizes. Unpack brings both back through the same
 path, decodes, and returns a tensor of the saved one's dtype, shape and strides.
@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from offloadd.codec.ops import DEFAULT_OPS, OpScope, kept_exact, saved_shapes, unknown_ops
+from offloadd.codec.allowlist import DEFAULT_OPS, OpScope, kept_exact, saved_shapes, unknown_ops
 from offloadd.codec.quant import Encoded, Scheme, coded_nbytes, decode, encode, group_size
 from offloadd.runtime.dedup import is_parameter
 from offloadd.runtime.handles import describe, inplace_error, storage_of, version_handle
@@ -127,7 +127,10 @@ def _same_storage(entry: tuple[Any, ...], t: torch.Tensor) -> bool:
 
 
 class Codec:
-    """Encodes the saved tensors it may in pack and decodes them in unpack (one Offloader's)."""
+    """Encodes the saved tensors it may in pack and decodes them in unpack (one Offloader's):
+    the :class:`~offloadd.runtime.stages.Coder` stage of the pack path."""
+
+    handle_type = Coded
 
     def __init__(self, cfg: Config) -> None:
         settings = cfg.codec
@@ -189,7 +192,7 @@ class Codec:
     # -- pack ------------------------------------------------------------------------------
 
     def wants(self, t: torch.Tensor) -> bool:
-        """Whether ``t``, being saved now, is one the codec encodes (see ops.py)."""
+        """Whether ``t``, being saved now, is one the codec encodes (see allowlist.py)."""
         shapes = saved_shapes()
         return (
             shapes is not None

@@ -30,7 +30,7 @@ class CodecConfig(Settings):
     """``"none"`` (the default) stores saved activations exactly; ``"int8"``, ``"fp8-e4m3"``,
     ``"fp8-e5m2"``, ``"int4"``, ``"int2"`` encode the floating activations that the ops in
     ``ops`` save, per group of ``group`` values with a range each, before they are kept, moved
-    or written (see [the codes] in codec/quant.py, [what gets compressed] in codec/ops.py).
+    or written (see [the codes] in codec/quant.py, [what gets compressed] in codec/allowlist.py).
     Gradients are then approximate: docs/benchmarks holds the measured error and loss curves of
     each codec."""
 
@@ -53,7 +53,7 @@ class CodecConfig(Settings):
 
     ops: tuple[str, ...] = setting((), Names())
     """Torch functions whose saved activations the codec may encode (``["linear"]``: only linear
-    inputs); empty (the default): the list in codec/ops.py, each entry with its reason."""
+    inputs); empty (the default): the list in codec/allowlist.py, each entry with its reason."""
 
     def __post_init__(self) -> None:
         Settings.__post_init__(self)

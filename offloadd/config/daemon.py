@@ -67,7 +67,7 @@ class DaemonConfig(Settings):
     """The client's side (the training side, ``offloadd status`` and ``stop``): user ids besides
     its own and root whose daemon it talks to, for a daemon run by a service user. A client
     checks the uid of the process listening at ``socket`` and the owner of the socket's
-    directory before it sends a byte, and refuses any other (see offloadd/daemon/trust.py
+    directory before it sends a byte, and refuses any other (see offloadd/wire/trust.py
     [who trusts whom]). The daemon does not read it."""
 
     io_threads: int = setting(4, Int(1, 256))

@@ -7,17 +7,15 @@ does not take is kept, up to ``MAX_OUTBUF`` bytes, and sent when it becomes writ
 from __future__ import annotations
 
 import array
+import asyncio
 import contextlib
 import os
 import socket
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-from offloadd.daemon import protocol as proto
 from offloadd.daemon.session import Session
-
-if TYPE_CHECKING:
-    from offloadd.daemon.core import Server
+from offloadd.wire import protocol as proto
 
 __all__ = ["MAX_FDS", "MAX_OUTBUF", "Connection", "close_all", "fds_of"]
 
@@ -28,9 +26,20 @@ MAX_FDS = 16  # descriptors accepted with one message (only OPEN may carry one)
 class Connection:
     """One client connection: a non-blocking socket read and written from the loop."""
 
-    def __init__(self, server: Server, sock: socket.socket, uid: int, pid: int) -> None:
-        self.server = server
+    def __init__(
+        self,
+        sock: socket.socket,
+        uid: int,
+        pid: int,
+        *,
+        loop: asyncio.AbstractEventLoop,
+        drop: Callable[[Connection, str], None],
+    ) -> None:
+        """``loop``: the daemon's event loop (it writes when the socket is writable); ``drop``:
+        how the daemon closes a connection and ends its session, with the reason."""
         self.sock = sock
+        self.loop = loop
+        self.drop = drop
         self.uid = uid
         self.pid = pid
         self.identity = ""
@@ -54,7 +63,7 @@ class Connection:
         self.out.append((data, fds or [], list(then_close or [])))
         self.out_bytes += len(data)
         if self.out_bytes > MAX_OUTBUF:
-            self.server.drop(self, f"{self.out_bytes} bytes of replies not read; dropping")
+            self.drop(self, f"{self.out_bytes} bytes of replies not read; dropping")
             return
         self.flush()
 
@@ -73,7 +82,7 @@ class Connection:
             except (BlockingIOError, InterruptedError):
                 n = 0
             except OSError as e:
-                self.server.drop(self, f"send failed: {e}")
+                self.drop(self, f"send failed: {e}")
                 return
             if n == 0:
                 break
@@ -85,7 +94,7 @@ class Connection:
             self.out.popleft()
         want = bool(self.out) and not self.closed
         if want != self.writing:
-            loop = self.server.loop
+            loop = self.loop
             if want:
                 loop.add_writer(self.sock.fileno(), self.flush)
             else:

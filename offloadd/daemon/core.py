@@ -1,7 +1,7 @@
 """``offloadd serve``: the asyncio service around one I/O engine shared by all sessions.
 
 The :class:`Server` listens, accepts and reads its connections, and shuts down; what it reads
-goes to :class:`~offloadd.daemon.ops.Handlers`, which queue I/O with the
+goes to :class:`~offloadd.daemon.handlers.Handlers`, which queue I/O with the
 :class:`~offloadd.daemon.scheduler.Scheduler`; :class:`~offloadd.daemon.status.Status` keeps
 the figures that ``offloadd status`` shows.
 
@@ -15,7 +15,7 @@ Note: [socket modes] The socket is 0600 without ``allowed_uids``: no other user 
 With ``allowed_uids`` it is 0666: any local user may connect, and the SO_PEERCRED check at
 accept (the daemon's own uid, or one of ``allowed_uids``) keeps the others out before a byte of
 theirs is read; they are logged and counted (``refused_connections``). The socket's directory
-must pass the rule of offloadd/daemon/trust.py [who trusts whom] (the daemon's own, not a
+must pass the rule of offloadd/wire/trust.py [who trusts whom] (the daemon's own, not a
 symbolic link, not writable by group or others). Its mode is set only when the daemon created it
 (at this start, or ``offloadd serve --socket`` just before it): 0700, or 0711 with
 ``allowed_uids`` (other users may pass through it, not list it). A directory that already
@@ -42,18 +42,18 @@ import stat
 from collections.abc import Callable, Collection
 
 from offloadd.config import Config, DaemonConfig
-from offloadd.daemon import protocol as proto
-from offloadd.daemon.checksum import checksum_function
 from offloadd.daemon.connection import MAX_FDS, Connection, close_all, fds_of
-from offloadd.daemon.ops import Handlers
+from offloadd.daemon.handlers import Handlers
 from offloadd.daemon.scheduler import Scheduler
 from offloadd.daemon.session import SessionError
 from offloadd.daemon.status import Status
-from offloadd.daemon.trust import open_socket_dir, own_uid, peer_credentials
 from offloadd.io.buffers import ALIGN
+from offloadd.io.engine_choice import open_host_engine
 from offloadd.io.files import SlotFile, default_offload_dir
 from offloadd.io.request import Engine
-from offloadd.io.select import open_host_engine
+from offloadd.wire import protocol as proto
+from offloadd.wire.checksum import checksum_function
+from offloadd.wire.trust import open_socket_dir, own_uid, peer_credentials
 
 __all__ = ["Server", "make_engine", "serve", "socket_modes"]
 
@@ -87,11 +87,20 @@ class Server:
         self.conns: set[Connection] = set()
         self._stopping = asyncio.Event()
         self._listener: socket.socket | None = None
-        self.handlers = Handlers(self)
-        self.scheduler = Scheduler(
+        self.status = Status(
+            self.dirs,
+            self.loop,
+            socket_path=self.socket_path,
+            engine=lambda: getattr(self.engine, "name", type(self.engine).__name__),
+            checksum=config.checksum,
+            sessions=lambda: self.handlers.sessions.values(),
+            connections=lambda: len(self.conns),
+            queue=lambda: self.scheduler.waiting(),
+        )
+        self.handlers = Handlers(config, self.dirs, self.status, stop=self.stop, drop=self.drop)
+        self.scheduler = self.handlers.scheduler = Scheduler(
             self.engine, 2 * config.io_threads, checksum, self.loop, self.handlers
         )
-        self.status = Status(self)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -194,7 +203,7 @@ class Server:
             self._dir_fd = -1
         for conn in list(self.conns):
             self.drop(conn, "daemon stopping", error=False)
-        sessions = self.handlers.sessions  # see ops [a session ends after its I/O]
+        sessions = self.handlers.sessions  # see handlers [a session ends after its I/O]
         while any(s.inflight for s in sessions.values()):
             await asyncio.sleep(0.01)
         await self.loop.run_in_executor(None, self.engine.close)
@@ -220,7 +229,7 @@ class Server:
                 sock.close()
                 continue
             sock.setblocking(False)
-            conn = Connection(self, sock, uid, pid)
+            conn = Connection(sock, uid, pid, loop=self.loop, drop=self.drop)
             self.conns.add(conn)
             self.loop.add_reader(sock.fileno(), self._readable, conn)
 
@@ -255,7 +264,7 @@ class Server:
             close_all(fds)
 
     def drop(self, conn: Connection, why: str, *, error: bool = True) -> None:
-        """Close a connection, and end its session (see ops [a session ends after its I/O])."""
+        """Close a connection, and end its session (see handlers [a session ends after its I/O])."""
         if conn.closed:
             return
         conn.closed = True

@@ -8,7 +8,7 @@ Note: [what the metrics show] The endpoint listens on 127.0.0.1 without any chec
 so every local user can read it, whatever ``allowed_uids`` says. It therefore shows only
 daemon-wide figures, and each session's bytes under its session number alone: no identity
 (program, pid, rank), pid or uid, which STATS shows only to the daemon's uid, root and the
-session's own user (offloadd/daemon/trust.py [who trusts whom]). ``offloadd status`` is where
+session's own user (offloadd/wire/trust.py [who trusts whom]). ``offloadd status`` is where
 they are seen.
 """
 

@@ -17,10 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from offloadd.daemon import protocol as proto
 from offloadd.daemon.connection import Connection
 from offloadd.daemon.session import Block, Session, SessionError
 from offloadd.io.request import Engine, Op, Request
+from offloadd.wire import protocol as proto
 
 __all__ = ["Job", "Outcomes", "Scheduler"]
 

@@ -18,15 +18,16 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from offloadd.daemon import protocol as proto
 from offloadd.io.files import filesystem_type
+from offloadd.wire import protocol as proto
 
 if TYPE_CHECKING:
-    from offloadd.daemon.core import Server
+    from offloadd.daemon.session import Session
 
 __all__ = ["Status", "probe_dirs"]
 
@@ -37,10 +38,32 @@ class Status:
     """The counters since start, the recent errors, throughput and the directories' figures.
 
     Everything here is touched on the loop only, but for the probe's thread, which hands its
-    result back through the loop."""
+    result back through the loop.
 
-    def __init__(self, server: Server) -> None:
-        self.server = server
+    What it reports of the rest of the daemon comes in at construction: the fixed facts (the
+    socket, the checksum) and callables for what changes (the engine's name, the sessions, the
+    number of connections, the scheduler's waiting jobs)."""
+
+    def __init__(
+        self,
+        dirs: list[str],
+        loop: asyncio.AbstractEventLoop,
+        *,
+        socket_path: str,
+        engine: Callable[[], str],
+        checksum: str,
+        sessions: Callable[[], Iterable[Session]],
+        connections: Callable[[], int],
+        queue: Callable[[], dict[str, int]],
+    ) -> None:
+        self.dirs = dirs
+        self.loop = loop
+        self.socket_path = socket_path
+        self._engine = engine
+        self.checksum = checksum
+        self._sessions = sessions
+        self._connections = connections
+        self._queue = queue
         self.started = time.time()
         self.totals = collections.Counter[str]()
         self.errors: deque[str] = deque(maxlen=20)
@@ -48,7 +71,7 @@ class Status:
         self._samples: deque[tuple[float, int, int]] = deque(maxlen=11)
         self._sampler: asyncio.TimerHandle | None = None
         # The first probe runs here, before anything is served, as the directory checks do.
-        self._dirs_doc = probe_dirs(server.dirs)
+        self._dirs_doc = probe_dirs(dirs)
         self._dirs_at = time.monotonic()
         self._probe_since: float | None = None  # when the probe now running started
 
@@ -72,12 +95,12 @@ class Status:
         if probe and self._probe_since is None:
             self._start_probe()
         self.status_doc = self.document()
-        self._sampler = self.server.loop.call_later(_SAMPLE_EVERY_S, self._sample)
+        self._sampler = self.loop.call_later(_SAMPLE_EVERY_S, self._sample)
 
     def _start_probe(self) -> None:
         """Probe the directories on a thread of its own (see [probes off the loop])."""
         self._probe_since = time.monotonic()
-        dirs, loop = list(self.server.dirs), self.server.loop
+        dirs, loop = list(self.dirs), self.loop
 
         def run() -> None:
             try:
@@ -98,10 +121,9 @@ class Status:
         """Everything ``offloadd status --json`` shows (and the metrics endpoint exports).
 
         ``only_uid``: the view of a client that does not administer the daemon (see
-        offloadd/daemon/trust.py [who trusts whom]): the sessions and the bytes they hold are
+        offloadd/wire/trust.py [who trusts whom]): the sessions and the bytes they hold are
         that uid's alone, and the recent errors, which name other clients' pids and
         identities, are left out; the daemon-wide figures stay."""
-        server = self.server
         write_bps = read_bps = 0.0
         if len(self._samples) >= 2:
             (t0, w0, r0), (t1, w1, r1) = self._samples[0], self._samples[-1]
@@ -110,17 +132,15 @@ class Status:
         now = time.monotonic()
         age = round(now - self._dirs_at, 3)
         since = self._probe_since
-        sessions = [
-            s for s in server.handlers.sessions.values() if only_uid is None or s.uid == only_uid
-        ]
+        sessions = [s for s in self._sessions() if only_uid is None or s.uid == only_uid]
         return {
             "pid": os.getpid(),
             "protocol": proto.VERSION,
-            "socket": server.socket_path,
+            "socket": self.socket_path,
             "uptime_s": round(time.time() - self.started, 3),
-            "engine": getattr(server.engine, "name", type(server.engine).__name__),
-            "checksum": server.config.checksum,
-            "connections": len(server.conns),
+            "engine": self._engine(),
+            "checksum": self.checksum,
+            "connections": self._connections(),
             "sessions": [
                 {
                     "id": s.id,
@@ -147,7 +167,7 @@ class Status:
             "bytes_read": self.totals["bytes_read"],
             "write_bytes_per_s": round(write_bps),
             "read_bytes_per_s": round(read_bps),
-            "queue": server.scheduler.waiting(),
+            "queue": self._queue(),
             "dirs": [dict(d, age_s=age) for d in self._dirs_doc],
             "dirs_probe_running_s": None if since is None else round(now - since, 3),
             "io_errors": self.totals["io_errors"],

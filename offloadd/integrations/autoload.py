@@ -45,7 +45,7 @@ from offloadd.integrations.ranks import RankInfo, rank_info
 from offloadd.integrations.report import report_dict, summary_line, write_report
 from offloadd.integrations.scope import ModuleScope
 from offloadd.memsave import memsave
-from offloadd.runtime.offloader import Offloader
+from offloadd.offloader import Offloader
 
 __all__ = ["AutoOffload", "EnvSettings", "activate", "current"]
 

@@ -90,7 +90,7 @@ def build_env(base: Mapping[str, str], *, config: str | None, report: str | None
 @contextlib.contextmanager
 def _daemon_session(env: dict[str, str]) -> Iterator[None]:
     """Start the node daemon for the command's lifetime; it sets the socket in ``env``."""
-    from offloadd.daemon.runner import DaemonStartError, session_for_run
+    from offloadd.integrations.run_daemon import DaemonStartError, session_for_run
 
     try:
         with session_for_run(env):

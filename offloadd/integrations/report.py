@@ -10,7 +10,8 @@ from typing import Any
 
 from offloadd.config import Config
 from offloadd.integrations.ranks import RankInfo
-from offloadd.runtime.stats import Stats, format_bytes
+from offloadd.runtime.stats import Stats
+from offloadd.units import format_bytes
 
 __all__ = ["report_dict", "summary_line", "write_report"]
 

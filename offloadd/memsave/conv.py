@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from offloadd.memsave.kernels import node_kernels
-from offloadd.memsave.once import once_differentiable
+from offloadd.memsave.once_differentiable import once_differentiable
 from offloadd.memsave.placeholder import uninitialised
 
 __all__ = [

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from offloadd.memsave.once import once_differentiable
+from offloadd.memsave.once_differentiable import once_differentiable
 
 __all__ = [
     "MemsaveBatchNorm1d",

@@ -50,7 +50,7 @@ saved, so nothing observable changes. In place LeakyReLU with a slope ``<= 0`` i
 PyTorch, which refuses its backward.
 
 A fully trainable model runs plain PyTorch's forward in these modules: Note [fully trainable] in
-:mod:`offloadd.memsave.gate`.
+:mod:`offloadd.memsave.frozen_gate`.
 
 Note: [double backward]
 ~~~~~~~~~~~~~~~~~~~~~~~
@@ -71,9 +71,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from offloadd.memsave.bits import pack_bits, unpack_bits, unpack_flags
-from offloadd.memsave.gate import gated_off
+from offloadd.memsave.frozen_gate import gated_off
 from offloadd.memsave.kernels import DTYPES, native, node_kernels, serves
-from offloadd.memsave.once import once_differentiable
+from offloadd.memsave.once_differentiable import once_differentiable
 
 __all__ = [
     "MemsaveDropout",

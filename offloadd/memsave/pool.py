@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from offloadd.memsave.gate import gated_off
+from offloadd.memsave.frozen_gate import gated_off
 from offloadd.memsave.kernels import native
-from offloadd.memsave.once import once_differentiable
+from offloadd.memsave.once_differentiable import once_differentiable
 from offloadd.memsave.placeholder import placeholder
 
 __all__ = [

@@ -30,7 +30,7 @@ from offloadd.memsave.conv import (
     MemsaveConvTranspose2d,
     MemsaveConvTranspose3d,
 )
-from offloadd.memsave.gate import Gate
+from offloadd.memsave.frozen_gate import Gate
 from offloadd.memsave.norm import MemsaveBatchNorm1d, MemsaveBatchNorm2d, MemsaveBatchNorm3d
 from offloadd.memsave.pointwise import MemsaveDropout, MemsaveLeakyReLU, MemsaveReLU
 from offloadd.memsave.pool import MemsaveMaxPool1d, MemsaveMaxPool2d, MemsaveMaxPool3d
@@ -63,7 +63,7 @@ def memsave(model: nn.Module) -> nn.Module:
     """Make ``model`` (in place) save for backward only what the gradients that will be computed
     need: every module (``model`` included) whose class is exactly a key of
     :data:`REPLACEMENTS` gets its selective subclass (Note [class swap]), and ``model`` a
-    :class:`~offloadd.memsave.gate.Gate` (Note [fully trainable]: nothing changes while every
+    :class:`~offloadd.memsave.frozen_gate.Gate` (Note [fully trainable]: nothing changes while every
     parameter is trainable). Gradients, outputs, running statistics and RNG use are bitwise those
     of the unmodified model. Returns ``model``."""
     gate = _gate(model)

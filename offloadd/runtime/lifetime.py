@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+from offloadd.runtime.accounting import Ledger
 from offloadd.runtime.blocks import CAPTURED, CAPTURING, HELD, PENDING, Block, BlockMap
 from offloadd.runtime.capture import CaptureQueue
 from offloadd.runtime.dedup import StorageIndex
 from offloadd.runtime.handles import Ref
-from offloadd.runtime.ledger import Ledger
 from offloadd.runtime.reader import Reader
 from offloadd.runtime.writer import Writer
 

@@ -4,8 +4,10 @@
 module each: ``handles`` (what pack returns), ``dedup`` (parameter storages, storages already
 saved), ``blocks`` (blocks, chunks, the block map), ``capture`` (when a saved tensor's bytes are
 taken), ``lifetime`` (capture and freeing), ``writer`` (slots, copies, writes), ``reader`` (loads, forwarding, prefetch),
-``ordering`` (device streams and events; ``simulated`` for CI), ``ledger`` (the lock and the
+``ordering`` (device streams and events; ``simulated`` for CI), ``accounting`` (the lock and the
 counters), and a :class:`~offloadd.backend.base.Backend` (the embedded engine or the daemon).
+The optional stages, the budget planner and the codec, come in through ``stages``
+(runtime/stages.py); ``offloadd.Offloader`` (offloadd/offloader.py) wires them in.
 
 Note: [never a silently wrong gradient] With saved-tensor hooks installed, autograd no longer
 checks version counters at unpack. Kept tensors are checked by us and raise PyTorch's own error.
@@ -28,13 +30,11 @@ from typing import Any
 
 import torch
 
-from offloadd.auto.planner import AutoPlanner
-from offloadd.auto.solver import Plan
 from offloadd.backend import Backend, open_backend
-from offloadd.codec.coder import Codec, Coded
 from offloadd.config import Config
 from offloadd.io.request import Engine
 from offloadd.runtime import compiled, evicted, host_allocator, transforms
+from offloadd.runtime.accounting import Ledger
 from offloadd.runtime.blocks import PENDING, BlockMap
 from offloadd.runtime.compiled import is_traced, unseen
 from offloadd.runtime.dedup import StorageIndex, is_parameter
@@ -49,11 +49,11 @@ from offloadd.runtime.handles import (
     unlinked,
     version_handle,
 )
-from offloadd.runtime.ledger import Ledger
 from offloadd.runtime.lifetime import Lifetime
 from offloadd.runtime.ordering import CudaOrdering, Ordering
 from offloadd.runtime.reader import Reader
 from offloadd.runtime.shutdown import shutdown
+from offloadd.runtime.stages import Coder, Planner, Stages
 from offloadd.runtime.stats import Stats
 from offloadd.runtime.writer import Writer
 
@@ -90,6 +90,9 @@ class Offloader:
             ``engine`` chooses one). Not with ``daemon.socket``.
         ordering (Ordering | None): how an asynchronous device orders its copies (default:
             CUDA streams and events; tests pass ``SimulatedOrdering``).
+        stages (Stages | None): the budget planner and the codec (see runtime/stages.py);
+            ``offloadd.Offloader`` passes both, and without them a config with a ``budget`` or
+            a codec is refused.
         **overrides: any key of :class:`~offloadd.Config`, each read and checked as the
             config file's would be (``"4MiB"`` for a size); a section takes a mapping of some
             of its keys, merged into the config's section, or a whole section object:
@@ -158,11 +161,14 @@ class Offloader:
         *,
         io_engine: Engine | None = None,
         ordering: Ordering | None = None,
+        stages: Stages | None = None,
         **overrides: Any,
     ) -> None:
         cfg = config if config is not None else Config()
         if overrides:
             cfg = cfg.replace(**overrides)
+        stages = stages if stages is not None else Stages()
+        stages.check(cfg)
         self.config = cfg
         self._min_bytes = cfg.min_bytes
         self._ledger = ledger = Ledger(cfg.trim_host_bytes)
@@ -184,15 +190,17 @@ class Offloader:
         self._released = life.released  # the hot path of pack appends to it directly
         self._captures = life.captures
         self._drain = life.drain
+        self._closed = lambda: life.closed
         # With a budget: keep, offload or recompute per block (see [auto] in auto/planner.py).
-        self._auto = (
-            AutoPlanner(cfg.budget, offload=cfg.tier != "keep", ledger=ledger, tls=self._tls)
-            if cfg.budget is not None
-            else None
-        )
+        self._auto: Planner | None = None
+        if cfg.budget is not None and stages.planner is not None:
+            self._auto = stages.planner(cfg, ledger, self._tls)
         # Lossy codes of some saved activations, opt-in (see [codes through the tiers]).
-        self._codec = Codec(cfg) if cfg.codec.name != "none" else None
-        if self._codec is not None:
+        self._codec: Coder | None = None
+        self._coded_type: type | None = None
+        if cfg.codec.name != "none" and stages.coder is not None:
+            self._codec = stages.coder(cfg)
+            self._coded_type = self._codec.handle_type
             self._stats.codec = cfg.codec.name
         # Last before the finalizer that releases it: a part refusing the config (the backend,
         # the writer) leaves torch's allocator alone.
@@ -291,7 +299,7 @@ class Offloader:
         if self._auto is not None and self._auto.root is None:
             self._auto.attach(module)
 
-    def plan(self) -> Plan | None:
+    def plan(self) -> Any:
         """With a budget: the plan of the last step planned (see [auto] in auto/planner.py),
         made now if a profile step's backward has run; None before that, or without a budget."""
         if self._auto is None:
@@ -456,7 +464,7 @@ class Offloader:
         return Ref(block, t, self._released, keep=False)
 
     def _pack_coded(self, t: torch.Tensor) -> Any:
-        """pack with a codec: encoded where [what gets compressed] in codec/ops.py allows it
+        """pack with a codec: encoded where [what gets compressed] in codec/allowlist.py allows it
         and the storage is not already saved exactly, else :meth:`_pack`."""
         codec = self._codec
         assert codec is not None
@@ -481,12 +489,12 @@ class Offloader:
             return self._index.backs_parameter(t, storage)
 
     def _unpack_coded(self, packed: Any) -> torch.Tensor:
-        if type(packed) is Coded:
+        if type(packed) is self._coded_type:
             assert self._codec is not None
             return self._codec.unpack(packed, self._unpack)
         return self._unpack(packed)
 
-    def _note_saved(self, auto: AutoPlanner, nbytes: int) -> None:
+    def _note_saved(self, auto: Planner, nbytes: int) -> None:
         tag = getattr(self._tls, "tag", None)
         if tag is not None:
             auto.saved(tag, nbytes)
@@ -511,6 +519,6 @@ class Offloader:
             return t
         start = time.perf_counter()  # Stats.unpack_s: offloaded tensors only (see _pack)
         try:
-            return self._reader.unpack(ref, self._life)
+            return self._reader.unpack(ref, self._drain, self._closed)
         finally:
             self._stats.unpack_s += time.perf_counter() - start

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,11 +32,8 @@ from offloadd.io.request import Op, Request
 from offloadd.runtime import host_allocator
 from offloadd.runtime.blocks import CAPTURED, CAPTURING, Block
 from offloadd.runtime.handles import Ref, inplace_error, storage_bytes, view
-from offloadd.runtime.stats import format_bytes
 from offloadd.runtime.writer import Writer
-
-if TYPE_CHECKING:
-    from offloadd.runtime.lifetime import Lifetime
+from offloadd.units import format_bytes
 
 __all__ = ["Reader"]
 
@@ -57,16 +53,21 @@ class Reader:
         self._pf_low = 0  # prefetch sweep: blocks with seq in [_pf_low, _pf_high) were scanned
         self._pf_high = 0
 
-    def unpack(self, ref: Ref, life: Lifetime) -> torch.Tensor:
-        """The saved tensor of an offloaded ref: its source until captured, else read back."""
+    def unpack(
+        self, ref: Ref, drain: Callable[[], None], closed: Callable[[], bool]
+    ) -> torch.Tensor:
+        """The saved tensor of an offloaded ref: its source until captured, else read back.
+
+        ``drain()``: apply the saves and releases queued without the lock (see
+        Lifetime.drain); ``closed()``: whether the Offloader was closed."""
         block = ref.block
         with self.ledger.lock:
-            life.drain()
+            drain()
             while block.state == CAPTURING:
                 self.ledger.cond.wait()
             source = block.source
             if source is None:
-                if life.closed and block.resident is None:
+                if closed() and block.resident is None:
                     raise RuntimeError("offloadd: unpack after Offloader.close()")
                 copy = block.copy_done
         handle = source if source is not None else block.handle

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["Stats", "format_bytes"]
+from offloadd.units import format_bytes
+
+__all__ = ["Stats"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -118,11 +120,3 @@ class Stats:
                 else ""
             )
         )
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")

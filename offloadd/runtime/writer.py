@@ -39,10 +39,11 @@ from offloadd.config import Config
 from offloadd.io.buffers import ALIGN, SlotPool
 from offloadd.io.pools import Pool
 from offloadd.io.request import Op, Request
+from offloadd.runtime.accounting import Ledger
 from offloadd.runtime.blocks import Block, BlockMap, Chunk
 from offloadd.runtime.handles import storage_bytes
-from offloadd.runtime.ledger import Ledger, StallWatch
 from offloadd.runtime.ordering import Ordering, StagedCopy
+from offloadd.runtime.stall_watch import StallWatch
 from offloadd.runtime.writer_in_place import InPlace
 
 if TYPE_CHECKING:
@@ -76,7 +77,13 @@ class Writer:
         self.filling = 0  # chunks whose copy into their slot is not enqueued yet
         self.in_place: InPlace | None = None  # zero-copy writes of CPU tensors
         if not self.host_tier and backend is not None and backend.writes_pages:
-            self.in_place = InPlace(self)
+            self.in_place = InPlace(
+                config,
+                ledger,
+                submit_write=self.submit_write,
+                note_buffers=self.note_buffers,
+                stall_hint=self.stall_hint,
+            )
             self.pools.append(self.in_place.pages)
 
     def note_buffers(self) -> None:

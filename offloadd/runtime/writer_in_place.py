@@ -21,6 +21,7 @@ reader.py).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,17 +32,34 @@ from offloadd.runtime.blocks import Block, Chunk
 from offloadd.runtime.handles import storage_bytes
 
 if TYPE_CHECKING:
-    from offloadd.runtime.writer import Writer
+    from offloadd.config import Config
+    from offloadd.runtime.accounting import Ledger
 
 __all__ = ["InPlace"]
 
 
 class InPlace:
-    """The zero-copy write path of a :class:`~offloadd.runtime.writer.Writer`."""
+    """The zero-copy write path of a :class:`~offloadd.runtime.writer.Writer`.
 
-    def __init__(self, writer: Writer) -> None:
-        self.writer = writer
-        self.ledger = writer.ledger
+    What it needs of the writer comes in as callables: ``submit_write(block, chunk, address=,
+    head=, tail=)`` (a chunk's write from ``address``, with bounce pages for its ends),
+    ``note_buffers()`` (the mapped buffers changed) and ``stall_hint()`` (who does the I/O, for
+    a long wait's warning)."""
+
+    def __init__(
+        self,
+        config: Config,
+        ledger: Ledger,
+        *,
+        submit_write: Callable[..., None],
+        note_buffers: Callable[[], None],
+        stall_hint: Callable[[], str],
+    ) -> None:
+        self.config = config
+        self.ledger = ledger
+        self.submit_write = submit_write
+        self.note_buffers = note_buffers
+        self.stall_hint = stall_hint
         self.pages = PagePool()
         self.held_bytes = 0  # sources held until written (bounded by staging_bytes)
 
@@ -77,7 +95,7 @@ class InPlace:
             if chunk.index == last and hi > end and hi - lo > ALIGN:
                 tail = self._bounce(block, src, hi - ALIGN)
             block.direct_pending += 1
-            self.writer.submit_write(block, chunk, address=base + lo, head=head, tail=tail)
+            self.submit_write(block, chunk, address=base + lo, head=head, tail=tail)
             lo = hi
 
     def _bounce(self, block: Block, src: torch.Tensor, at: int) -> int:
@@ -85,7 +103,7 @@ class InPlace:
         grown = self.pages.mapped_bytes
         address = self.pages.acquire()
         if self.pages.mapped_bytes != grown:
-            self.writer.note_buffers()
+            self.note_buffers()
         block.pages.append(address)
         page = self.pages.page(address)
         page.zero_()
@@ -95,7 +113,7 @@ class InPlace:
 
     def _wait_room(self, nbytes: int) -> None:
         """Backpressure: wait while the sources held for writing exceed ``staging_bytes``."""
-        limit = self.writer.config.staging_bytes
+        limit = self.config.staging_bytes
         if self.held_bytes == 0 or self.held_bytes + nbytes <= limit:
             return
         st = self.ledger.stats
@@ -104,7 +122,7 @@ class InPlace:
         self.ledger.wait_while(
             lambda: bool(self.held_bytes and self.held_bytes + nbytes > limit),
             "writes to finish (staging_bytes of sources held)",
-            self.writer.stall_hint,
+            self.stall_hint,
         )
         waited = time.perf_counter() - start
         st.io_wait_s += waited
@@ -138,7 +156,7 @@ class InPlace:
         """A copy of a chunk's record bytes (a failed write keeps them in memory)."""
         assert block.direct_source is not None
         src = storage_bytes(block.direct_source[0])
-        lo = chunk.index * self.writer.config.chunk_bytes
+        lo = chunk.index * self.config.chunk_bytes
         mem = torch.zeros(chunk.nbytes, dtype=torch.uint8)
         a, b = max(lo, block.skew), min(lo + chunk.nbytes, block.skew + block.nbytes)
         if b > a:

@@ -1,5 +1,5 @@
 """``offloadd bench memsave``: saved-activation bytes and step time of plain, memsave and memsave
-with ssd offload, on frozen-backbone fine-tunes (issue 16).
+with ssd offload, on frozen-backbone fine-tunes.
 
 Scenarios (transformers models, random weights; no downloads):
 
@@ -56,7 +56,7 @@ from torch import nn
 
 from offloadd.cli_dirs import ready_dir, ready_parent
 from offloadd.memsave import memsave
-from offloadd.runtime.offloader import Offloader
+from offloadd.offloader import Offloader
 from offloadd.tools.machine import command_line
 from offloadd.tools.models.hf import require_transformers
 

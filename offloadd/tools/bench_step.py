@@ -35,7 +35,7 @@ import torch
 
 from offloadd.cli_dirs import ready_dir, ready_parent
 from offloadd.config import CodecConfig
-from offloadd.runtime.offloader import Offloader
+from offloadd.offloader import Offloader
 from offloadd.tools.bench_step_report import format_report
 from offloadd.tools.machine import command_line
 from offloadd.tools.models.build import MODELS

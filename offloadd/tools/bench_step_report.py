@@ -13,7 +13,7 @@ from typing import Any
 import psutil
 import torch
 
-from offloadd.runtime.stats import format_bytes
+from offloadd.units import format_bytes
 
 __all__ = ["PLAIN", "RATIOS", "TRACE_COLUMNS", "Ratio", "format_report", "per_round"]
 
@@ -35,8 +35,8 @@ RATIOS: tuple[Ratio, ...] = (
     ("ssd peak RSS above model / keep", "ssd", "keep", "peak_rss_above_base", "<= 0.35"),
     ("ssd peak RSS above model / recompute", "ssd", "recompute", "peak_rss_above_base", "<= 1.0"),
 )
-"""The steady issue's ratios: offloading's cost against keep on the same allocator, its memory
-against plain PyTorch. Step time / recompute keeps the core issue's target."""
+"""The ratios of steady offloading: its cost against keep on the same allocator, its memory
+against plain PyTorch; and step time against recompute, the first target."""
 
 TRACE_COLUMNS = (
     ("step", "step_s"),

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from offloadd.cli_dirs import ready_dir
-from offloadd.runtime.stats import Stats, format_bytes
+from offloadd.runtime.stats import Stats
 from offloadd.tools.step_trace import cpu_allocator
 from offloadd.tools.train import (
     RunFailed,
@@ -32,6 +32,7 @@ from offloadd.tools.train import (
     model_kwargs,
     run_in_subprocess,
 )
+from offloadd.units import format_bytes
 
 __all__ = ["STRATEGIES", "add_arguments", "format_report", "main", "run_fields"]
 

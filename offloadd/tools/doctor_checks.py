@@ -1,7 +1,7 @@
 """``offloadd doctor``'s checks of the machine: versions, the I/O engines, GDS, memory, and what
 ``engine = auto`` and ``host_allocator = auto`` pick.
 
-Every decision is the runtime's own, asked without side effects: :func:`offloadd.io.select.
+Every decision is the runtime's own, asked without side effects: :func:`offloadd.io.engine_choice.
 choose_host_engine` and ``choose_device_engine``, :func:`offloadd.runtime.host_allocator.choose`,
 the native engine's io_uring probe, :func:`offloadd.io.gds.probe`. Nothing here starts an engine
 or installs an allocator (the host cache's extension module is loaded, not installed).
@@ -23,11 +23,11 @@ import torch
 
 from offloadd import __version__
 from offloadd.config import Config
-from offloadd.io import native, select
+from offloadd.io import engine_choice, native
 from offloadd.io.buffers import AlignedBuffer
 from offloadd.io.hugepages import HUGE_PAGE, advise_huge_pages
 from offloadd.runtime import host_allocator
-from offloadd.runtime.stats import format_bytes
+from offloadd.units import format_bytes
 
 __all__ = [
     "Check",
@@ -266,14 +266,14 @@ def choice_checks(cfg: Config, host_cache: Check, daemon_does_io: bool) -> list[
     for key, c in settings:
         label = f"engine = {c.engine}, io_uring = {c.io_uring}"
         try:
-            choice = select.choose_host_engine(c)
+            choice = engine_choice.choose_host_engine(c)
         except RuntimeError as e:
             out.append(Check(key, "fail", str(e).removeprefix("offloadd: "), {"name": None}))
             continue
         picked = {"name": choice.name, "reason": choice.reason}
         out.append(Check(key, "ok", f"{label} -> {choice.name} ({choice.reason})", picked))
     try:
-        dev = select.choose_device_engine(cfg)
+        dev = engine_choice.choose_device_engine(cfg)
         out.append(
             Check(
                 "cuda_tensors",

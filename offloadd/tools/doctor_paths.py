@@ -23,14 +23,14 @@ from typing import Any
 
 import torch
 
+from offloadd.backend.cmd_status import refusal
 from offloadd.backend.daemon_link import DaemonError, query
 from offloadd.config import Config
-from offloadd.daemon.cmd_status import refusal
-from offloadd.daemon.trust import own_uid, peer_credentials, socket_dir_problem
 from offloadd.io.buffers import ALIGN, AlignedBuffer, address_view
 from offloadd.io.files import MEMORY_FS, SlotFile, default_offload_dir, filesystem_type
-from offloadd.runtime.stats import format_bytes
 from offloadd.tools.doctor_checks import Check, Status
+from offloadd.units import format_bytes
+from offloadd.wire.trust import own_uid, peer_credentials, socket_dir_problem
 
 __all__ = ["WARN_FACTOR", "Target", "daemon_checks", "dir_checks", "free_check", "targets"]
 
@@ -231,7 +231,7 @@ def free_check(path: str, free: int, total: int | None, min_free: int) -> Check:
 
 def daemon_checks(cfg: Config, min_free: int) -> list[Check]:
     """Where the daemon listens: its directory, the process there and whether the client would
-    trust it (offloadd/daemon/trust.py [who trusts whom]), and what it says of itself."""
+    trust it (offloadd/wire/trust.py [who trusts whom]), and what it says of itself."""
     d = cfg.daemon
     path = d.socket_path
     configured = bool(d.socket)

@@ -20,7 +20,7 @@ from offloadd.auto.race import RACE_STEPS_MAX, RACE_STEPS_MIN
 from offloadd.auto.solver import OFFLOAD
 from offloadd.cli_dirs import ready_dir, ready_parent
 from offloadd.config import Config
-from offloadd.runtime import Offloader
+from offloadd.offloader import Offloader
 from offloadd.tools.models.build import MODELS, build_model, default_vocab
 
 __all__ = ["add_arguments", "main"]

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from offloadd.config import parse_size
-from offloadd.runtime.stats import format_bytes
 from offloadd.tools.rok_sweep import AUTO, RECOMPUTE_BUDGET, Sweep, run_strategy
 from offloadd.tools.train import RunFailed, RunSpec, run_in_subprocess, split_label
+from offloadd.units import format_bytes
 
 __all__ = [
     "FIELDS",

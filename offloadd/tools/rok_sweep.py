@@ -50,7 +50,7 @@ strategy per ``--budgets`` entry, ``auto@<budget>``."""
 AUTO = "auto@"
 RECOMPUTE_BUDGET = "recompute"
 """The ``--budgets`` entry that means recompute's measured activation peak at the same batch
-size and round (the issue's "budget equal to full recompute's peak")."""
+size and round (a budget equal to full recompute's peak)."""
 
 
 def run_strategy(label: str) -> str:

@@ -23,8 +23,8 @@ from offloadd.auto.planner import WARMUP_STEPS as AUTO_WARMUP
 from offloadd.auto.planner import WARMUP_STEPS_MAX as AUTO_WARMUP_MAX
 from offloadd.config import CodecConfig, Config
 from offloadd.io.buffers import address_view
+from offloadd.offloader import Offloader
 from offloadd.runtime import host_allocator
-from offloadd.runtime.offloader import Offloader
 from offloadd.tools.models.build import build_model, default_vocab
 from offloadd.tools.run_memory import is_oom, limit_memory, peak_rss, rss, unlimit_memory
 from offloadd.tools.step_trace import (
@@ -266,8 +266,8 @@ def _run(spec: RunSpec, progress: bool, acquired: list[bool]) -> dict[str, Any]:
                 torch.cuda.synchronize()
             rec = clock.end(off.stats() if off is not None else None)
             rec["warmup"] = warm
-            if off is not None and off._auto is not None:
-                rec["auto_settled"] = off._auto.settled  # no profile or race pending
+            if off is not None and off.planner is not None:
+                rec["auto_settled"] = off.planner.settled  # no profile or race pending
             trace.append(rec)
             dt = rec["step_s"]
             if progress:

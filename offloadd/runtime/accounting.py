@@ -1,31 +1,27 @@
-"""The runtime's one lock, its counters, and what must happen outside the lock.
+"""The runtime's accounts: its one lock, its counters, and the warnings raised outside the lock.
 
 Every part of the runtime (pack and unpack, the write path, the read path, I/O callbacks) shares
 one :class:`Ledger`: its ``lock`` guards all block state, its ``cond`` is notified whenever a
 write or read completes or a capture settles, and its :class:`~offloadd.Stats` are the counters
-that ``Offloader.stats()`` snapshots.
+that ``Offloader.stats()`` snapshots. It also trims the C heap as CPU activations move
+(heap_trim.py), and its waits say when they take long (stall_watch.py).
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import platform
 import threading
-import time
 import warnings
 from collections import deque
 from collections.abc import Callable
 
+from offloadd.runtime.heap_trim import malloc_trim
+from offloadd.runtime.stall_watch import StallWatch
 from offloadd.runtime.stats import Stats
 
-__all__ = ["STALL_WARN_S", "Ledger", "StallWatch"]
+__all__ = ["Ledger"]
 
 log = logging.getLogger("offloadd")
-
-STALL_WARN_S = 30.0
-"""A wait of the training thread for I/O this long is logged at WARNING, and again each time it
-has doubled: a stopped daemon or a hung disk shows up in the log instead of as a silent hang."""
 
 
 class Ledger:
@@ -39,7 +35,7 @@ class Ledger:
         self._warn_lock = threading.Lock()  # warn_once runs on I/O threads too, lock or not
         self._warnings: deque[str] = deque()  # raised by flush_warnings, outside the lock
         self._trim_every = trim_host_bytes
-        self._trim = _malloc_trim() if trim_host_bytes else None
+        self._trim = malloc_trim() if trim_host_bytes else None
         self._moved_since_trim = 0  # CPU bytes moved out or in since the last trim
         self.window_peak = 0  # most resident + buffer bytes since the planner last reset it
         self.kept_now = 0  # resident bytes that are kept as saved (not in flight nor read back)
@@ -119,47 +115,3 @@ class Ledger:
         """Raise the queued warnings (the caller does not hold ``lock``)."""
         while self._warnings:
             warnings.warn(self._warnings.popleft(), RuntimeWarning, stacklevel=4)
-
-
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim``, or None elsewhere (musl, macOS)."""
-    if platform.libc_ver()[0] != "glibc":
-        return None
-    try:
-        fn = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_size_t]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-class StallWatch:
-    """Logs a wait that has gone on for :data:`STALL_WARN_S`, then 2x, 4x... as long: how long,
-    for what, and ``hint()`` (what the backend knows: which engine or daemon, and its state)."""
-
-    def __init__(self, what: str, hint: Callable[[], str]) -> None:
-        self.what, self.hint = what, hint
-        self.start = time.monotonic()
-        self.next = self.start + STALL_WARN_S
-
-    def timeout(self, most: float = 1.0) -> float:
-        """How long the next wait may block before :meth:`check` is due."""
-        return max(0.001, min(most, self.next - time.monotonic()))
-
-    def check(self) -> None:
-        now = time.monotonic()
-        if now < self.next:
-            return
-        waited = now - self.start
-        self.next = self.start + 2 * waited
-        try:
-            hint = self.hint()
-        except Exception as e:  # a hint must never turn a slow wait into a failure
-            hint = f"(its state could not be read: {e})"
-        log.warning(
-            "offloadd: the training thread has waited %.0f s for %s, and still waits; I/O by %s",
-            waited,
-            self.what,
-            hint,
-        )

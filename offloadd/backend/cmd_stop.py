@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from offloadd.backend.cmd_status import query, refusal
 from offloadd.backend.daemon import DaemonError
 from offloadd.config import load_daemon
-from offloadd.daemon import protocol as proto
-from offloadd.daemon.cmd_status import query, refusal
+from offloadd.wire import protocol as proto
 
 __all__ = ["add_arguments", "main"]
 

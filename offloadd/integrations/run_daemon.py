@@ -30,9 +30,9 @@ def session_for_run(env: dict[str, str]) -> Iterator[str]:
     variables in its environment, so it never offloads its own tensors; the other keys of the
     ``daemon`` section keep their defaults. Its log goes to a file next to the socket and is
     shown if it fails to start."""
+    from offloadd.backend.cmd_status import query
     from offloadd.backend.daemon import DaemonError
     from offloadd.config import Config
-    from offloadd.daemon.cmd_status import query
 
     cfg = Config.from_env(env)
 

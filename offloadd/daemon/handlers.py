@@ -1,7 +1,7 @@
 """The daemon's answer to each client message, and the sessions and blocks those act on.
 
 HELLO, STATS, STOP and CLOSE are answered at once (STATS and STOP as the client's uid may: see
-offloadd/daemon/trust.py [who trusts whom]); OPEN makes a session; WRITE and READ are
+offloadd/wire/trust.py [who trusts whom]); OPEN makes a session; WRITE and READ are
 checked here and queued with the scheduler, which hands them back done (:meth:`Handlers.done`);
 FREE gives a block's disk slot back.
 
@@ -24,11 +24,11 @@ import itertools
 import json
 import logging
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from offloadd.daemon import protocol as proto
 from offloadd.daemon.connection import Connection, close_all
-from offloadd.daemon.scheduler import Job
+from offloadd.daemon.scheduler import Job, Scheduler
 from offloadd.daemon.session import (
     Account,
     Block,
@@ -38,12 +38,14 @@ from offloadd.daemon.session import (
     create_memfd,
     read_only_descriptor,
 )
-from offloadd.daemon.trust import administers, own_uid
 from offloadd.io.buffers import ALIGN
 from offloadd.io.files import SlotFile
+from offloadd.wire import protocol as proto
+from offloadd.wire.trust import administers, own_uid
 
 if TYPE_CHECKING:
-    from offloadd.daemon.core import Server
+    from offloadd.config import DaemonConfig
+    from offloadd.daemon.status import Status
 
 __all__ = ["MAX_QUEUED", "Handlers"]
 
@@ -56,10 +58,29 @@ class Handlers:
     """Answers the messages of every connection; holds the sessions and who owns which block.
 
     Block ids are global, so that naming another session's block is told apart (EPERM) from
-    naming none (ENOENT)."""
+    naming none (ENOENT).
 
-    def __init__(self, server: Server) -> None:
-        self.server = server
+    ``status``: where the counters and recent errors go (STATS answers with its document);
+    ``stop()``: how a STOP shuts the daemon down; ``drop(conn, why, error=...)``: how a
+    connection is closed and its session ended. ``scheduler`` is set by the server once made
+    (it answers the jobs it ran through these handlers)."""
+
+    scheduler: Scheduler
+
+    def __init__(
+        self,
+        config: DaemonConfig,
+        dirs: list[str],
+        status: Status,
+        *,
+        stop: Callable[[], None],
+        drop: Callable[..., None],
+    ) -> None:
+        self.config = config
+        self.dirs = dirs
+        self.status = status
+        self.stop = stop
+        self.drop = drop
         self.sessions: dict[int, Session] = {}
         self.block_owner: dict[int, int] = {}  # block id -> session id
         # uid -> its sessions and their disk bytes (see session.py [sessions per user] and
@@ -95,7 +116,7 @@ class Handlers:
             return
         kind = msg.kind
         if kind is proto.Msg.STATS:  # see trust [who trusts whom]: others see their own only
-            view = self.server.status.document(None if administers(conn.uid) else conn.uid)
+            view = self.status.document(None if administers(conn.uid) else conn.uid)
             conn.reply(proto.Reply(msg.req, tail=json.dumps(view, separators=(",", ":")).encode()))
         elif kind is proto.Msg.STOP and not administers(conn.uid):
             why = (
@@ -107,10 +128,10 @@ class Handlers:
         elif kind is proto.Msg.STOP:
             log.info("stop requested by pid %d %r", conn.pid, conn.identity)
             conn.reply(proto.Reply(msg.req))
-            self.server.stop()
+            self.stop()
         elif kind is proto.Msg.CLOSE:
             conn.reply(proto.Reply(msg.req))
-            self.server.drop(conn, "session closed", error=False)
+            self.drop(conn, "session closed", error=False)
         else:
             s = conn.session
             if s is None:
@@ -123,7 +144,7 @@ class Handlers:
     # -- sessions --------------------------------------------------------------------------
 
     def _open(self, conn: Connection, msg: proto.Open, fds: list[int]) -> None:
-        cfg = self.server.config
+        cfg = self.config
         if conn.session is not None:
             raise proto.ProtocolError("OPEN sent twice")
         mine = self.accounts.get(conn.uid)  # see session.py [sessions per user]
@@ -168,7 +189,7 @@ class Handlers:
         theirs: list[int] = []  # the client's read-only descriptors of them
         account = mine or Account(conn.uid, cfg.quota_bytes)
         try:
-            for d in self.server.dirs:
+            for d in self.dirs:
                 files.append(SlotFile(d, chunk, cfg.direct_io))
                 theirs.append(read_only_descriptor(files[-1]))  # session [per-session files]
             s = Session(
@@ -194,7 +215,7 @@ class Handlers:
         self.sessions[sid] = s
         account.sessions += 1
         self.accounts[conn.uid] = account
-        self.server.scheduler.add(sid)
+        self.scheduler.add(sid)
         info = {
             "session": sid,
             "shm_bytes": shm_bytes,
@@ -215,7 +236,7 @@ class Handlers:
     def end_session(self, s: Session) -> None:
         """The client is gone (see [a session ends after its I/O])."""
         s.closing = True
-        self.server.scheduler.cancel(s)
+        self.scheduler.cancel(s)
         if s.inflight == 0:
             self.finish_session(s)
 
@@ -260,7 +281,7 @@ class Handlers:
             return
         else:
             raise proto.ProtocolError(f"unexpected {msg.kind.name}")
-        self.server.scheduler.submit(job)
+        self.scheduler.submit(job)
 
     def _own_block(self, s: Session, block_id: int) -> Block:
         block = s.blocks.get(block_id)
@@ -272,7 +293,7 @@ class Handlers:
 
     def _refuse(self, conn: Connection, s: Session, req: int, e: SessionError) -> None:
         s.refused += 1
-        self.server.status.totals["refused_requests"] += 1
+        self.status.totals["refused_requests"] += 1
         conn.reply(proto.Reply(req, e.errno, tail=str(e).encode()))
 
     # -- the scheduler's outcomes (see scheduler.Outcomes) ---------------------------------
@@ -284,7 +305,7 @@ class Handlers:
         s = job.session
         block = job.block
         assert block is not None
-        totals = self.server.status.totals
+        totals = self.status.totals
         if job.kind is proto.Msg.WRITE:
             if job.status != 0:
                 if not s.closing:
@@ -318,8 +339,8 @@ class Handlers:
     def _failed(self, job: Job) -> None:
         s = job.session
         s.errors += 1
-        self.server.status.totals["io_errors"] += 1
+        self.status.totals["io_errors"] += 1
         what = f"session {s.id} {job.kind.name.lower()}: {job.message}"
         log.error("%s", what)
-        self.server.status.error(what)
+        self.status.error(what)
         job.conn.reply(proto.Reply(job.req, job.status, job.block_id, tail=job.message.encode()))

@@ -10,8 +10,8 @@ from typing import Any
 
 from offloadd.backend.daemon_link import DaemonError, query
 from offloadd.config import load_daemon
-from offloadd.daemon import protocol as proto
-from offloadd.runtime.stats import format_bytes
+from offloadd.units import format_bytes
+from offloadd.wire import protocol as proto
 
 __all__ = ["add_arguments", "main", "query", "refusal"]
 

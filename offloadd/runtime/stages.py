@@ -1,0 +1,128 @@
+"""The optional stages of the pack path, as the runtime sees them: a budget planner and a codec.
+
+The runtime owns these interfaces and implements neither: :mod:`offloadd.auto` implements
+:class:`Planner` (keep, offload or recompute per block under ``Config.budget``) and
+:mod:`offloadd.codec` implements :class:`Coder` (lossy codes of some saved activations, opt-in
+with ``Config.codec``). They sit above the runtime and import it; the runtime never imports them.
+The wiring is done once, at the edge: ``offloadd.Offloader`` (offloadd/offloader.py) passes
+:class:`Stages` holding both factories to :class:`~offloadd.runtime.offloader.Offloader`, which
+builds a stage only when its config asks for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from offloadd.config import Config
+from offloadd.runtime.accounting import Ledger
+from offloadd.runtime.stats import Stats
+
+__all__ = ["Coder", "CoderFactory", "Planner", "PlannerFactory", "Stages"]
+
+
+class Planner(Protocol):
+    """Keep, offload or recompute per block (see [auto] in auto/planner.py).
+
+    It sets ``keep`` and ``tag`` on the offloader's thread-local around each block it hooks, and
+    reads the ledger's counters and peaks under its lock."""
+
+    root: nn.Module | None
+    """The model it plans (None until :meth:`attach`)."""
+    last_plan: Any
+    """The plan of the last step planned (None before the first)."""
+
+    @property
+    def plan_offloads(self) -> bool | None:
+        """Whether the last plan offloads any block (None before the first plan)."""
+
+    def attach(self, root: nn.Module) -> None:
+        """Find ``root``'s blocks and hook them."""
+
+    def detach(self) -> None:
+        """Remove its hooks (the offloader closes)."""
+
+    def forward_begins(self) -> None:
+        """An outermost scope is entered: a forward begins (it may refuse the budget)."""
+
+    def forward_ends(self) -> None:
+        """The outermost scope is left: the forward ended."""
+
+    def saved(self, tag: int, nbytes: int) -> None:
+        """A new storage of ``nbytes`` was saved while block ``tag`` ran."""
+
+    def settle(self) -> None:
+        """Plan now if a profile step's backward has run."""
+
+
+PlannerFactory = Callable[[Config, Ledger, Any], Planner]
+"""``(config, ledger, thread_local) -> Planner``, called when ``config.budget`` is set."""
+
+
+class Coder(Protocol):
+    """Lossy codes of saved activations, in the pack path (see [codes through the tiers] in
+    codec/coder.py). What :meth:`pack` returns is of type :attr:`handle_type`; unpack hands
+    exactly those back to :meth:`unpack`."""
+
+    @property
+    def handle_type(self) -> type:
+        """The type of the handles :meth:`pack` returns."""
+
+    def wants(self, t: torch.Tensor) -> bool:
+        """Whether the op saving ``t`` allows it to be encoded."""
+
+    def saved_exactly(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s storage is already saved exactly at its version."""
+
+    def note_exact(self, t: torch.Tensor) -> None:
+        """``t`` was saved exactly."""
+
+    def pack(
+        self,
+        t: torch.Tensor,
+        pack_codes: Callable[[torch.Tensor], Any],
+        pack_exact: Callable[[torch.Tensor], Any],
+    ) -> Any:
+        """The coded handle of ``t``, or None to save it exactly."""
+
+    def unpack(self, coded: Any, unpack_exact: Callable[[Any], torch.Tensor]) -> torch.Tensor:
+        """The decoded tensor of a handle :meth:`pack` returned."""
+
+    def begin_step(self) -> None:
+        """A step's first forward begins."""
+
+    def scope(self) -> AbstractContextManager[Any]:
+        """Entered with the hooks: notes which ops run while tensors are saved."""
+
+    def note_stats(self, stats: Stats) -> None:
+        """Copy its counters into ``stats``."""
+
+
+CoderFactory = Callable[[Config], Coder]
+"""``config -> Coder``, called when ``config.codec`` is not ``"none"``."""
+
+
+@dataclass(frozen=True)
+class Stages:
+    """The factories of the optional stages (None: a config that asks for one is refused)."""
+
+    planner: PlannerFactory | None = None
+    coder: CoderFactory | None = None
+
+    def check(self, cfg: Config) -> None:
+        """Refuse a config that asks for a stage not provided, naming its key."""
+        if cfg.budget is not None and self.planner is None:
+            raise ValueError(
+                f"offloadd: budget={cfg.budget!r} needs the budget planner, which this Offloader "
+                "was not given: build offloadd.Offloader, or pass stages=Stages(planner=...)"
+            )
+        if cfg.codec.name != "none" and self.coder is None:
+            raise ValueError(
+                f"offloadd: codec.name={cfg.codec.name!r} needs the codec, which this Offloader was not "
+                "given: build offloadd.Offloader, or pass stages=Stages(coder=...)"
+            )

@@ -1,0 +1,9 @@
+"""What the daemon and its clients share: the wire format, the chunk checksums, whom to trust.
+
+``protocol`` (the frames of a conversation), ``checksum`` (per-chunk checksums) and ``trust``
+(which uids a client or the daemon accepts, and the socket directory's checks). Standard
+library only: the server (:mod:`offloadd.daemon`) and the client (:mod:`offloadd.backend`) both
+import it, and neither imports the other.
+"""
+
+__all__: list[str] = []

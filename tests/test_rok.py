@@ -64,7 +64,9 @@ def test_quick_sweep_end_to_end(disk_dir: Path, tmp_path: Path) -> None:
         assert float(r["model_tflops"]) > 0 and int(r["activation_peak_bytes"]) > 0
     for b in (1, 2):
         keep, ssd = by["keep", b], by["offload-ssd", b]
-        assert int(ssd["bytes_written"]) > 0 and int(keep["bytes_written"]) == 0
+        # moved off (a tiny model's backward may take blocks from staging before their write)
+        assert int(ssd["offloaded_bytes"]) > 0 and int(keep["offloaded_bytes"]) == 0
+        assert int(keep["bytes_written"]) == 0
         assert int(keep["peak_resident_bytes"]) > 0 and int(ssd["peak_resident_bytes"]) > 0
         assert keep["weights_sha256"] == ssd["weights_sha256"]  # offloading is lossless
         assert by["recompute", b]["peak_resident_bytes"] == ""  # no hooks, no accounting
@@ -186,7 +188,7 @@ def test_transformers_families_train_losslessly(disk_dir: Path, family: str) -> 
     keep = run(RunSpec(strategy="keep", **common))  # type: ignore[arg-type]
     ssd = run(RunSpec(strategy="ssd", **common))  # type: ignore[arg-type]
     rec = run(RunSpec(strategy="recompute", **common))  # type: ignore[arg-type]
-    assert not keep["oom"] and ssd["stats"]["bytes_written"] > 0
+    assert not keep["oom"] and ssd["stats"]["offloaded_bytes"] > 0
     assert keep["losses"] == ssd["losses"]
     assert keep["weights_sha256"] == ssd["weights_sha256"]
     assert rec["losses"][0] == keep["losses"][0]  # same forward, recomputed in backward
@@ -286,7 +288,8 @@ def test_sweeps_from_before_the_race_column_still_read(tmp_path: Path) -> None:
     the missing columns as such sweeps ran: no race shown, exact, eager."""
     from offloadd.tools.rok_points import FIELDS, read_points
 
-    for missing in ({"race"}, {"compile", "race"}, {"codec", "compile", "race"}):
+    later = ({"race"}, {"compile", "race"}, {"codec", "compile", "race"})
+    for missing in (*later, {"offloaded_bytes"}, {"offloaded_bytes", "race"}):
         path = tmp_path / "rok.csv"
         names = [k for k in FIELDS if k not in missing]
         with path.open("w", newline="") as f:

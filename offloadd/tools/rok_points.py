@@ -58,6 +58,8 @@ FIELDS: dict[str, Callable[[str], Any]] = {
     "peak_live_above_base": int,  # CPU, offloadd's host cache: its peak live bytes above base
     "peak_resident_bytes": int,  # offloadd's own accounting (strategies with hooks)
     "saved_bytes": int,
+    "offloaded_bytes": int,  # of saved_bytes, those the hooks moved off (written, or taken back
+    # from staging before their write: a tiny model's backward can come first)
     "bytes_written": int,
     "bytes_read": int,
     "io_wait_s": float,
@@ -74,6 +76,10 @@ FIELDS: dict[str, Callable[[str], Any]] = {
 """The columns of rok.csv and their types (an empty cell reads back as None)."""
 
 
+ADDED: dict[str, Any] = {"codec": "none", "compile": False, "race": None, "offloaded_bytes": None}
+"""Columns later versions added, with what older sweeps ran: exact, eager, no race shown."""
+
+
 def _parse(name: str, text: str) -> Any:
     if text == "":
         return None
@@ -85,11 +91,13 @@ def read_points(path: Path) -> list[dict[str, Any]]:
     with path.open(newline="") as f:
         reader = csv.DictReader(f)
         names = list(reader.fieldnames or ())
-        # sweeps from before the race column, --compile, --codec
-        older = ({"race"}, {"compile", "race"}, {"codec", "compile", "race"})
-        if names != list(FIELDS) and all(names != [k for k in FIELDS if k not in o] for o in older):
+        # sweeps from before a later column (the race, --compile, --codec, offloaded bytes)
+        # read back with it as such sweeps ran
+        if names != [k for k in FIELDS if k in names] or not set(FIELDS) - set(names) <= set(
+            ADDED
+        ):
             raise ValueError(f"{path} does not have the columns of this offloadd version")
-        before = {"codec": "none", "compile": False, "race": None}  # exact, eager, not shown
+        before = {k: v for k, v in ADDED.items() if k not in names}
         return [before | {k: _parse(k, v) for k, v in row.items()} for row in reader]
 
 
@@ -271,6 +279,7 @@ def _results(res: dict[str, Any], batch: int, *, cuda: bool) -> dict[str, Any]:
         "peak_live_above_base": res.get("peak_live_above_base"),
         "peak_resident_bytes": st.get("peak_resident_bytes"),
         "saved_bytes": st.get("saved_bytes"),
+        "offloaded_bytes": st.get("offloaded_bytes"),
         "bytes_written": st.get("bytes_written"),
         "bytes_read": st.get("bytes_read"),
         "io_wait_s": st.get("io_wait_s"),

@@ -19,6 +19,8 @@ from offloadd.io.request import Op, Request
 from . import helpers
 from .helpers import SavePayload, make_engine, small_offloader
 
+pytestmark = pytest.mark.every_engine  # the engines' own tests: each engine, by default
+
 
 def test_o_direct_is_really_on(disk_dir: Path) -> None:
     """The test directory enforces O_DIRECT alignment (so the other tests mean something)."""

@@ -22,6 +22,7 @@ from offloadd.tools.train import RunFailed, RunSpec, run_in_subprocess, split_la
 from offloadd.units import format_bytes
 
 __all__ = [
+    "ADDED",
     "FIELDS",
     "RETRY_MARGIN",
     "auto_budget",
@@ -93,9 +94,7 @@ def read_points(path: Path) -> list[dict[str, Any]]:
         names = list(reader.fieldnames or ())
         # sweeps from before a later column (the race, --compile, --codec, offloaded bytes)
         # read back with it as such sweeps ran
-        if names != [k for k in FIELDS if k in names] or not set(FIELDS) - set(names) <= set(
-            ADDED
-        ):
+        if names != [k for k in FIELDS if k in names] or not set(FIELDS) - set(names) <= set(ADDED):
             raise ValueError(f"{path} does not have the columns of this offloadd version")
         before = {k: v for k, v in ADDED.items() if k not in names}
         return [before | {k: _parse(k, v) for k, v in row.items()} for row in reader]

@@ -3,6 +3,10 @@ engine.step on CPU (DS_ACCELERATOR=cpu), started by the ``deepspeed`` launcher, 
 on 2 ranks with ``--stage 1`` or ``--stage 2`` (ZeRO: optimizer states, then gradients too,
 partitioned over the ranks; gloo, as DeepSpeed picks on CPU without oneCCL).
 
+It turns off DeepSpeed's shared-memory comm op, the one line here a user would not write: on
+CPU each fresh machine JIT-builds it at the first launch (~1 min on 2 cores, and two ranks racing
+the build hung CI once), and ZeRO's collectives go through torch.distributed without it.
+
 Prints one JSON line per rank: losses and a digest of the final weights.
 """
 
@@ -16,6 +20,7 @@ from torch import nn
 
 
 def main():
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # DeepSpeed keeps the edit
     parser = argparse.ArgumentParser()
     parser.add_argument("--local_rank", type=int, default=0)
     parser.add_argument("--stage", type=int, default=0)

@@ -1,6 +1,9 @@
-"""The documentation's links resolve, and the README stays short.
+"""The documentation's links resolve, the docs build as a site, and the README stays short.
 
-The docs are plain Markdown, read on GitHub or in a checkout; this file is their build check.
+The docs are plain Markdown, read on GitHub, in a checkout, or as the site ``mkdocs build``
+makes of docs/ (mkdocs.yml); this file is their build check. The site builds with ``--strict``:
+a page that links out of docs/ (a source file, configs/), which the site would not hold, fails
+it, as does a broken link or anchor; such files are named in backticks instead.
 Every relative link in README.md and docs/**/*.md must name a file or folder of the repository,
 and a ``#fragment`` must name a heading of the Markdown file it points into (GitHub's slugs:
 lowercase, spaces to ``-``, punctuation other than ``-`` and ``_`` dropped, a repeated heading
@@ -9,7 +12,10 @@ numbered ``-1``, ``-2``, ...). Links inside code (fenced blocks, backticks) are 
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -196,3 +202,15 @@ def test_the_checker_sees_broken_links(tmp_path: Path) -> None:
     assert found == ["#daemon-mode-offloadd-serve", "#a-b-1", "#a-b-2", "nothing.md", ""]
     assert github_slug("Saving less: `memsave`") == "saving-less-memsave"
     assert github_slug("I/O engines, ≥ 0.95 of fio") == "io-engines--095-of-fio"
+
+
+def test_docs_site_builds_strict(tmp_path: Path) -> None:
+    """``mkdocs build --strict``: every page renders, no link or anchor is broken, none leaves
+    docs/ (mkdocs is in the test extra; the site goes to a temporary folder)."""
+    site = tmp_path / "site"
+    cmd = [sys.executable, "-m", "mkdocs", "build", "--strict", "-q"]
+    cmd += ["-f", str(ROOT / "mkdocs.yml"), "-d", str(site)]
+    env = os.environ | {"NO_MKDOCS_2_WARNING": "1"}  # material's notice of its successor
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (site / "index.html").is_file() and (site / "budget" / "index.html").is_file()

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from offloadd.memsave.replace import REPLACEMENTS, memsave
-from offloadd.tools.bench_memsave import count_saved_bytes
+from offloadd.tools.bench.memsave import count_saved_bytes
 
 DTYPES = [torch.float32, torch.bfloat16]
 GRADS = list(itertools.product([False, True], repeat=3))  # input, weight, bias require grad

@@ -64,7 +64,7 @@ def test_bench_io_bad_arguments(args: list[str], message: str) -> None:
 
 def test_fio_span_from_latency_logs(tmp_path: Path) -> None:
     """[fio's wall span]: two jobs that did not overlap span both, unlike fio's longest job."""
-    from offloadd.tools.bench_io_fio import lat_log_span
+    from offloadd.tools.bench.io_fio import lat_log_span
 
     a, b = tmp_path / "req_lat.1.log", tmp_path / "req_lat.2.log"
     # time_ms (completion), latency_ns, direction, size, offset

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from offloadd.tools import bench_memsave
+from offloadd.tools.bench import memsave as bench_memsave
 
 pytest.importorskip("transformers")
 

@@ -15,9 +15,9 @@ import pytest
 
 from offloadd import cli
 from offloadd.runtime.stats import Stats
-from offloadd.tools.bench_step_report import RATIOS, format_report, per_round
-from offloadd.tools.step_trace import StepTrace, medians, preload_path
-from offloadd.tools.train import RunSpec, run_in_subprocess
+from offloadd.tools.bench.step_report import RATIOS, format_report, per_round
+from offloadd.tools.harness.step_trace import StepTrace, medians, preload_path
+from offloadd.tools.harness.train import RunSpec, run_in_subprocess
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_PARAMS = ("default",)  # the benchmark runs the default engine (auto)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from offloadd.tools import demo
-from offloadd.tools.train import RunFailed, RunSpec
+from offloadd.tools.harness.train import RunFailed, RunSpec
 
 ENGINE_PARAMS = ("default",)  # the demo runs the default engine (auto)
 

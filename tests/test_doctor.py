@@ -27,9 +27,9 @@ from offloadd import cli
 from offloadd.config import Config
 from offloadd.io.engine_choice import open_host_engine
 from offloadd.io.files import MEMORY_FS, filesystem_type
-from offloadd.tools.doctor import SECTIONS, diagnose, format_report, verdict_line
-from offloadd.tools.doctor_checks import Check
-from offloadd.tools.doctor_paths import WARN_FACTOR, free_check
+from offloadd.tools.doctor.checks import Check
+from offloadd.tools.doctor.command import SECTIONS, diagnose, format_report, verdict_line
+from offloadd.tools.doctor.paths import WARN_FACTOR, free_check
 
 from .daemon_proc import DaemonProc
 

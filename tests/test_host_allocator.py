@@ -165,7 +165,7 @@ try:
 except HostAllocatorError as e:
     assert "pip install --no-build-isolation" in str(e), e  # how to build it
 # the demo, bench step and rok then hold glibc's heap equal instead (said on stderr)
-from offloadd.tools.step_trace import cpu_allocator
+from offloadd.tools.harness.step_trace import cpu_allocator
 assert cpu_allocator() == "system"
 print("ok")
 """

@@ -16,7 +16,7 @@ from torch import nn
 
 import offloadd
 from offloadd.memsave.replace import memsave, unmemsave
-from offloadd.tools.bench_memsave import Logits
+from offloadd.tools.bench.memsave import Logits
 
 from .helpers import small_offloader
 from .memsave_cases import DTYPES, compare, rand, run, same

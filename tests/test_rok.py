@@ -14,7 +14,8 @@ import psutil
 import pytest
 
 from offloadd import cli
-from offloadd.tools.rok_summary import (
+from offloadd.tools.harness.train import RunSpec, run
+from offloadd.tools.rok.summary import (
     aggregate,
     auto_rounds,
     compare,
@@ -23,7 +24,6 @@ from offloadd.tools.rok_summary import (
     pooled,
     summary_lines,
 )
-from offloadd.tools.train import RunSpec, run
 
 ENGINE_PARAMS = ("default",)  # the runs under test choose the engine (auto)
 
@@ -286,7 +286,7 @@ def test_auto_points_end_to_end(disk_dir: Path, tmp_path: Path) -> None:
 def test_sweeps_from_before_the_race_column_still_read(tmp_path: Path) -> None:
     """A rok.csv written before the race column (and before --compile, --codec) reads back,
     the missing columns as such sweeps ran: no race shown, exact, eager."""
-    from offloadd.tools.rok_points import FIELDS, read_points
+    from offloadd.tools.rok.points import FIELDS, read_points
 
     later = ({"race"}, {"compile", "race"}, {"codec", "compile", "race"})
     for missing in (*later, {"offloaded_bytes"}, {"offloaded_bytes", "race"}):
@@ -381,7 +381,7 @@ def test_auto_over_its_axis_budget_runs_once_more_with_a_margin(
     alone once left a second try 1.001x over); its plan says so."""
     from types import SimpleNamespace
 
-    from offloadd.tools import rok_points
+    from offloadd.tools.rok import points as rok_points
 
     specs: list[str | None] = []
     peaks = iter([1010, 990])  # the first try 10 bytes over the axis budget of 1000
@@ -408,9 +408,9 @@ def test_resume_takes_auto_rows_with_the_warmups_auto_needs() -> None:
     --resume must still see them as this sweep's (it refused every sweep with auto points)."""
     from types import SimpleNamespace
 
-    from offloadd.tools.rok import _sweep_key
-    from offloadd.tools.rok_sweep import KEY
-    from offloadd.tools.train import warmup_steps
+    from offloadd.tools.harness.train import warmup_steps
+    from offloadd.tools.rok.command import _sweep_key
+    from offloadd.tools.rok.sweep import KEY
 
     asked = {k: 0 for k in KEY} | {"warmup": 3, "compile": False}
     sw = SimpleNamespace(warmup=3, compile=False)
@@ -435,7 +435,7 @@ def test_auto_warms_up_until_its_planner_settled(disk_dir: Path) -> None:
     until the planner has settled and run one step under its final plan, so that every timed
     step is a settled plan's; the warm-ups that ran are recorded (rok's rows key on them)."""
     from offloadd.auto.planner import WARMUP_STEPS, WARMUP_STEPS_MAX
-    from offloadd.tools.train import RunSpec, run
+    from offloadd.tools.harness.train import RunSpec, run
 
     spec = RunSpec(
         strategy="auto", budget="0.6x", num_layers=2, d_model=64, num_heads=2, seq_len=32,

@@ -28,7 +28,7 @@ from offloadd.backend.daemon_link import DaemonError, query
 from offloadd.config import Config
 from offloadd.io.buffers import ALIGN, AlignedBuffer, address_view
 from offloadd.io.files import MEMORY_FS, SlotFile, default_offload_dir, filesystem_type
-from offloadd.tools.doctor_checks import Check, Status
+from offloadd.tools.doctor.checks import Check, Status
 from offloadd.units import format_bytes
 from offloadd.wire.trust import own_uid, peer_credentials, socket_dir_problem
 

@@ -6,7 +6,7 @@ the device's practical peak here. Then it alternates pairs (engine, fio-best) ``
 writing then reading back ``--total-bytes``, and reports medians, spreads and the ratios
 engine / fio. fio is timed like the engines, from the first request issued to the last
 completed (its latency log), not by its own ``--group_reporting`` figure, which divides by the
-longest single job's run time (see [fio's wall span] in bench_io_fio). Both sides write over
+longest single job's run time (see [fio's wall span] in io_fio). Both sides write over
 blocks written before (the engine's first pass lays its file out, an untimed fio pass lays out
 fio's files), so neither pays for allocating blocks in the timed runs. Content is verified
 once per engine (write, read back, compare) outside the timed runs. CPU cost is CPU-seconds per
@@ -23,8 +23,8 @@ idle throughput is reported.
 """
 
 # The docstring above is also the command's --help description (see bench.py). The command's
-# modules: this one (options, the summary table), bench_io_run (the measurement),
-# bench_io_engines (a timed pass through an engine) and bench_io_fio (one fio run).
+# modules: this one (options, the summary table), io_run (the measurement),
+# io_engines (a timed pass through an engine) and io_fio (one fio run).
 
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ from typing import Any
 from offloadd.cli_dirs import ready_dir, ready_parent
 from offloadd.config import parse_size
 from offloadd.io.files import default_offload_dir
-from offloadd.tools.bench_io_engines import ENGINES
-from offloadd.tools.bench_io_run import run_bench
+from offloadd.tools.bench.io_engines import ENGINES
+from offloadd.tools.bench.io_run import run_bench
 
 __all__ = ["HELP", "add_arguments", "format_summary", "main"]
 

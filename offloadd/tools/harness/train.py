@@ -1,6 +1,6 @@
 """One measured training run of a model: what the demo, ``offloadd rok`` and the benchmarks execute.
 
-Each strategy runs in its own process (``python -m offloadd.tools.train``) so that its peak RSS
+Each strategy runs in its own process (``python -m offloadd.tools.harness.train``) so that its peak RSS
 is its own; the parent compares the JSON each child prints. A run that runs out of memory
 reports ``"oom": true`` instead of failing.
 """
@@ -25,9 +25,8 @@ from offloadd.config import CodecConfig, Config
 from offloadd.io.buffers import address_view
 from offloadd.offloader import Offloader
 from offloadd.runtime import host_allocator
-from offloadd.tools.models.build import build_model, default_vocab
-from offloadd.tools.run_memory import is_oom, limit_memory, peak_rss, rss, unlimit_memory
-from offloadd.tools.step_trace import (
+from offloadd.tools.harness.memory import is_oom, limit_memory, peak_rss, rss, unlimit_memory
+from offloadd.tools.harness.step_trace import (
     ALLOCATORS,
     HOST_ALLOCATOR,
     StepTrace,
@@ -35,6 +34,7 @@ from offloadd.tools.step_trace import (
     medians,
     preload_env,
 )
+from offloadd.tools.models.build import build_model, default_vocab
 
 __all__ = [
     "STRATEGIES",
@@ -345,7 +345,7 @@ def run_in_subprocess(
         sys.executable,
         "-P",
         "-m",
-        "offloadd.tools.train",
+        "offloadd.tools.harness.train",
         "--json",
         json.dumps(_spec_dict(spec)),
     ]
@@ -373,8 +373,8 @@ def _spec_dict(spec: RunSpec) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m offloadd.tools.train --json SPEC``: run the spec, print its result as JSON."""
-    parser = argparse.ArgumentParser(prog="python -m offloadd.tools.train")
+    """``python -m offloadd.tools.harness.train --json SPEC``: run the spec, print its result as JSON."""
+    parser = argparse.ArgumentParser(prog="python -m offloadd.tools.harness.train")
     parser.add_argument("--json", required=True, help="RunSpec fields as a JSON object")
     parser.add_argument("--progress", action="store_true")
     ns = parser.parse_args(argv)

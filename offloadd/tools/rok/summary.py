@@ -1,6 +1,6 @@
 """What a ROK sweep says: offload against recompute and keep, at equal batch and equal memory.
 
-Works on the typed point rows of ``offloadd rok`` (see ``offloadd.tools.rok_points.FIELDS``).
+Works on the typed point rows of ``offloadd rok`` (see ``offloadd.tools.rok.points.FIELDS``).
 """
 
 from __future__ import annotations

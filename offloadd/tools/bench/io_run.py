@@ -20,8 +20,8 @@ import psutil
 
 from offloadd.io.files import filesystem_type
 from offloadd.io.request import Engine, Op
-from offloadd.tools.bench_io_engines import Target, Timing, make_engine, spin_while
-from offloadd.tools.bench_io_fio import (
+from offloadd.tools.bench.io_engines import Target, Timing, make_engine, spin_while
+from offloadd.tools.bench.io_fio import (
     FIO_GRID,
     FioConfig,
     lay_out_fio_files,

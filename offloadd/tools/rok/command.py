@@ -1,7 +1,7 @@
 """``offloadd rok``: recompute-offload-keep (ROK) curves of a model on this machine.
 
 One point per (strategy, batch size), each measured in its own process
-(``offloadd.tools.train``): 3 warm-up steps, then 8 timed steps, their median (the method of
+(``offloadd.tools.harness.train``): 3 warm-up steps, then 8 timed steps, their median (the method of
 ``bench step``; ``--quick``: 1 and 2). On a CPU machine every strategy runs on offloadd's host
 cache, the allocator tier ssd uses there, so that offloading is compared with keep on the same
 allocator. Points go to ``DIR/rok.csv`` as
@@ -10,8 +10,8 @@ figure to ``DIR/rok.png`` and a short comparison to ``DIR/summary.txt`` and stdo
 runs out of memory is a recorded point (status ``oom``), not the end of the sweep.
 
 The command's modules: this one (options, progress, the files written at the end),
-``rok_sweep`` (the options checked), ``rok_points`` (one point measured; rok.csv),
-``rok_summary`` (what the points say) and ``rok_plot`` (the figure).
+``sweep`` (the options checked), ``points`` (one point measured; rok.csv),
+``summary`` (what the points say) and ``plot`` (the figure).
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from typing import Any
 
 from offloadd.auto.planner import WARMUP_STEPS as AUTO_WARMUP
 from offloadd.auto.planner import WARMUP_STEPS_MAX as AUTO_WARMUP_MAX
-from offloadd.tools.machine import describe_machine, machine_line
+from offloadd.tools.harness.machine import describe_machine, machine_line
+from offloadd.tools.harness.train import warmup_steps
 from offloadd.tools.models.build import MODELS
-from offloadd.tools.rok_points import measure, point_line, read_points, write_points
-from offloadd.tools.rok_summary import aggregate, summary_lines
-from offloadd.tools.rok_sweep import KEY, Sweep, UsageError, resolve
-from offloadd.tools.train import warmup_steps
+from offloadd.tools.rok.points import measure, point_line, read_points, write_points
+from offloadd.tools.rok.summary import aggregate, summary_lines
+from offloadd.tools.rok.sweep import KEY, Sweep, UsageError, resolve
 
 __all__ = ["add_arguments", "main"]
 
@@ -261,7 +261,7 @@ def _write_results(
     }
     (sw.out / "rok.json").write_text(json.dumps(report, indent=2) + "\n")
     if sw.plot:
-        from offloadd.tools.rok_plot import plot
+        from offloadd.tools.rok.plot import plot
 
         plot(points, sw.out / "rok.png", f"{sw.title()}\n{machine_line(machine)}")
     return lines

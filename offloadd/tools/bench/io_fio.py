@@ -25,7 +25,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 
-from offloadd.tools.bench_io_engines import Timing
+from offloadd.tools.bench.io_engines import Timing
 
 __all__ = [
     "FIO_GRID",

@@ -1,7 +1,7 @@
 """The points of ``offloadd rok``: measuring one, the row it gives, and rok.csv, which holds them.
 
-One point is one (strategy, batch size, round) of a :class:`~offloadd.tools.rok_sweep.Sweep`,
-trained in its own process by ``offloadd.tools.train``. A point that runs out of memory gives a
+One point is one (strategy, batch size, round) of a :class:`~offloadd.tools.rok.sweep.Sweep`,
+trained in its own process by ``offloadd.tools.harness.train``. A point that runs out of memory gives a
 row with status ``oom``; one that fails otherwise or times out, status ``error``.
 """
 
@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from offloadd.config import parse_size
-from offloadd.tools.rok_sweep import AUTO, RECOMPUTE_BUDGET, Sweep, run_strategy
-from offloadd.tools.train import RunFailed, RunSpec, run_in_subprocess, split_label
+from offloadd.tools.harness.train import RunFailed, RunSpec, run_in_subprocess, split_label
+from offloadd.tools.rok.sweep import AUTO, RECOMPUTE_BUDGET, Sweep, run_strategy
 from offloadd.units import format_bytes
 
 __all__ = [
@@ -93,9 +93,7 @@ def read_points(path: Path) -> list[dict[str, Any]]:
         names = list(reader.fieldnames or ())
         # sweeps from before a later column (the race, --compile, --codec, offloaded bytes)
         # read back with it as such sweeps ran
-        if names != [k for k in FIELDS if k in names] or not set(FIELDS) - set(names) <= set(
-            ADDED
-        ):
+        if names != [k for k in FIELDS if k in names] or not set(FIELDS) - set(names) <= set(ADDED):
             raise ValueError(f"{path} does not have the columns of this offloadd version")
         before = {k: v for k, v in ADDED.items() if k not in names}
         return [before | {k: _parse(k, v) for k, v in row.items()} for row in reader]

@@ -2,7 +2,7 @@
 
 A :class:`Sweep` is one model shape on one device, run at every (strategy, batch size), in
 ``repeats`` rounds. :func:`resolve` builds it from the options of ``offloadd rok`` (see
-``offloadd.tools.rok.add_arguments``) and raises :class:`UsageError`, naming the option, before
+``offloadd.tools.rok.command.add_arguments``) and raises :class:`UsageError`, naming the option, before
 any point runs.
 """
 
@@ -20,10 +20,10 @@ import torch
 from offloadd.cli_dirs import ready_dir
 from offloadd.config import CodecConfig, Config, parse_size
 from offloadd.io.files import default_offload_dir
+from offloadd.tools.harness.step_trace import cpu_allocator
+from offloadd.tools.harness.train import split_label
 from offloadd.tools.models.build import default_vocab
 from offloadd.tools.models.hf import HF_FAMILIES
-from offloadd.tools.step_trace import cpu_allocator
-from offloadd.tools.train import split_label
 
 __all__ = [
     "AUTO",

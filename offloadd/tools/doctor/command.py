@@ -26,7 +26,7 @@ from typing import Any
 
 from offloadd import __version__
 from offloadd.config import ENV_PREFIX, RESERVED_ENV, Config, parse_size
-from offloadd.tools.doctor_checks import (
+from offloadd.tools.doctor.checks import (
     Check,
     choice_checks,
     gds_checks,
@@ -34,7 +34,7 @@ from offloadd.tools.doctor_checks import (
     memory_checks,
     version_checks,
 )
-from offloadd.tools.doctor_paths import daemon_checks, dir_checks, targets
+from offloadd.tools.doctor.paths import daemon_checks, dir_checks, targets
 
 __all__ = [
     "SECTIONS",

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from offloadd.tools import bench_io, bench_memsave, bench_step
+from offloadd.tools.bench import io as bench_io
+from offloadd.tools.bench import memsave as bench_memsave
+from offloadd.tools.bench import step as bench_step
 
 __all__ = ["add_arguments", "main"]
 

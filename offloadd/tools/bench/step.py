@@ -19,7 +19,7 @@ The defaults are the built-in GPT (12 layers, d=768, seq 512, batch 2); the HF G
 """
 
 # The docstring above is also the command's --help description (see bench.py). This module
-# holds the options and the measurement; bench_step_report turns the results into the report.
+# holds the options and the measurement; step_report turns the results into the report.
 
 from __future__ import annotations
 
@@ -36,12 +36,10 @@ import torch
 from offloadd.cli_dirs import ready_dir, ready_parent
 from offloadd.config import CodecConfig
 from offloadd.offloader import Offloader
-from offloadd.tools.bench_step_report import format_report
-from offloadd.tools.machine import command_line
-from offloadd.tools.models.build import MODELS
-from offloadd.tools.models.hf import HF_FAMILIES, require_transformers
-from offloadd.tools.step_trace import ALLOCATORS, PRELOADED, cpu_allocator, preload_path
-from offloadd.tools.train import (
+from offloadd.tools.bench.step_report import format_report
+from offloadd.tools.harness.machine import command_line
+from offloadd.tools.harness.step_trace import ALLOCATORS, PRELOADED, cpu_allocator, preload_path
+from offloadd.tools.harness.train import (
     STRATEGIES,
     RunSpec,
     add_model_arguments,
@@ -49,6 +47,8 @@ from offloadd.tools.train import (
     run_in_subprocess,
     split_label,
 )
+from offloadd.tools.models.build import MODELS
+from offloadd.tools.models.hf import HF_FAMILIES, require_transformers
 
 __all__ = ["HELP", "add_arguments", "default_allocator", "hook_cost_us", "main"]
 

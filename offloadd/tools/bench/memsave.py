@@ -57,7 +57,7 @@ from torch import nn
 from offloadd.cli_dirs import ready_dir, ready_parent
 from offloadd.memsave import memsave
 from offloadd.offloader import Offloader
-from offloadd.tools.machine import command_line
+from offloadd.tools.harness.machine import command_line
 from offloadd.tools.models.hf import require_transformers
 
 __all__ = [

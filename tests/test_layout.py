@@ -759,3 +759,34 @@ def test_tool_folder_is_a_package_named_once(folder: Path) -> None:
         if p.stem == folder.name or p.stem.startswith(f"{folder.name}_")
     ]
     assert not repeated, f"{where}: modules named after their package again: {repeated}"
+
+
+# -- the tests' own shape --------------------------------------------------------------------
+
+TESTS = ROOT / "tests"
+TEST_FOLDERS_BESIDE_ROOMS = {
+    "properties": "what every configuration keeps: equivalence, lossless, corpus, matrix",
+    "_support": "what the tests share, and the scripts they launch",
+}
+
+
+def test_tests_mirror_the_package() -> None:
+    """``tests/`` has one folder per room of ``offloadd/`` that has tests, plus
+    :data:`TEST_FOLDERS_BESIDE_ROOMS`; each is a package (unique module names); at the top only
+    ``conftest.py`` and the tests of the whole repository, no shared modules."""
+    folders = {
+        p.name
+        for p in TESTS.iterdir()
+        if p.is_dir() and p.name != "__pycache__" and not p.name.startswith(".")
+    }
+    rooms = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    strays = sorted(folders - rooms - set(TEST_FOLDERS_BESIDE_ROOMS))
+    assert not strays, f"folders of tests/ that name no room of offloadd/: {strays}"
+    missing = sorted(f for f in folders if not (TESTS / f / "__init__.py").is_file())
+    assert not missing, f"folders of tests/ without __init__.py: {missing}"
+    loose = sorted(
+        p.name
+        for p in TESTS.glob("*.py")
+        if p.name not in ("__init__.py", "conftest.py") and not p.name.startswith("test_")
+    )
+    assert not loose, f"shared modules at the top of tests/ (they go to tests/_support/): {loose}"

@@ -6,7 +6,7 @@ the same computation under ``Offloader(tier="keep", codec=...)``:
 
 * **op corpus**: every OpInfo of ``op_db`` with autograd and float32 backward on CPU, its first
   ``--max-samples`` float32 samples; the vector-Jacobian product with a fixed random cotangent
-  per output (as tests/corpus.py does). Two modes per lossy codec, both with
+  per output (as tests/_support/corpus.py does). Two modes per lossy codec, both with
   ``codec_min_bytes=1`` so that the corpus's small tensors qualify: *default* (``codec_ops``
   empty: the allow list of offloadd/codec/allowlist.py, what users get) and *forced* (``codec_ops`` =
   every torch function the op's forward calls at the outermost level, normally just the op

@@ -161,7 +161,7 @@ def _copy_layout(x: torch.Tensor) -> torch.Tensor:
 
 
 class _Fresh(torch.autograd.Function):
-    """Identity whose output is a non-leaf copy of its input: an activation, as in tests/corpus.py
+    """Identity whose output is a non-leaf copy of its input: an activation, as in tests/_support/corpus.py
     (an in-place variant in a sample may then change it)."""
 
     @staticmethod

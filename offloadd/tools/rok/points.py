@@ -22,6 +22,7 @@ from offloadd.tools.rok.sweep import AUTO, RECOMPUTE_BUDGET, Sweep, run_strategy
 from offloadd.units import format_bytes
 
 __all__ = [
+    "ADDED",
     "FIELDS",
     "RETRY_MARGIN",
     "auto_budget",

@@ -7,6 +7,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,27 +20,45 @@ from tests._support.daemon_proc import DaemonProc, held_descriptors
 _MEMORY_FS = {"tmpfs", "ramfs"}
 
 
-# Every test that does I/O (uses ``disk_dir``) runs once per engine: the native engine with each
+# Every test that does I/O (uses ``disk_dir``) runs on each engine: the native engine with each
 # backend, and the Python reference engine. Tests that also use the ``backend`` fixture run once
-# more through a real daemon (which does the I/O with its own engine).
+# more through a real daemon (which does the I/O with its own engine). By default only the first
+# engine that runs here (what ``engine = "auto"`` picks) is in the quick set: the others are
+# marked slow, but in the tests marked ``every_engine`` (the engines' own tests and the
+# equivalence suite), where they all run by default.
 ENGINES = ("native-uring", "native-threads", "python")
+
+
+def _first_engine() -> str:
+    if native.available()[0] and not native.uring_available()[0]:
+        return "native-threads"
+    return ENGINES[0]  # native-uring: where the native engine is missing, its fixture fails
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "engine_name" not in metafunc.fixturenames:
         return
     # a module that picks its engines itself sets ENGINE_PARAMS (e.g. io/test_native.py)
-    params = getattr(metafunc.module, "ENGINE_PARAMS", ENGINES)
+    params = getattr(metafunc.module, "ENGINE_PARAMS", None)
+    quick: tuple[str, ...] = ()
+    if params is None:
+        params = ENGINES
+        every = metafunc.definition.get_closest_marker("every_engine") is not None
+        quick = ENGINES if every else (_first_engine(),)
+
+    def param(engine: str, *values: str, name: str) -> Any:
+        marks = () if not quick or engine in quick else (pytest.mark.slow,)
+        return pytest.param(engine, *values, marks=marks, id=name)
+
     if "backend" in metafunc.fixturenames:
-        combos = [(e, "embedded") for e in params] + [(params[0], "daemon")]
+        combos = [(e, "embedded") for e in params] + [(quick[0] if quick else params[0], "daemon")]
         metafunc.parametrize(
             ("engine_name", "backend"),
-            combos,
+            [param(e, b, name=e if b == "embedded" else b) for e, b in combos],
             indirect=True,
-            ids=[e if b == "embedded" else b for e, b in combos],
         )
     else:
-        metafunc.parametrize("engine_name", params, indirect=True)
+        metafunc.parametrize("engine_name", [param(e, name=e) for e in params], indirect=True)
 
 
 @pytest.fixture

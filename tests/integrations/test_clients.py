@@ -63,7 +63,8 @@ def _torchrun(
         return run(cmd(), env, timeout=timeout).stdout
 
 
-@pytest.mark.parametrize("mode", ["loop", "trainer"])
+# the Trainer's run covers the same models and path; the plain loop is its slow sibling
+@pytest.mark.parametrize("mode", [pytest.param("loop", marks=pytest.mark.slow), "trainer"])
 def test_transformers_gpt2_bert_t5(mode: str, disk_dir: Path, tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     script = [PYTHON, str(CLIENTS / "hf_train.py"), mode, str(tmp_path / "out")]
@@ -124,7 +125,8 @@ def deepspeed_cpu() -> None:
     run([PYTHON, "-c", build], clean_env(DS_ACCELERATOR="cpu"), timeout=900)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+# ZeRO-2 differs from ZeRO-1 in DeepSpeed, not in what offloadd sees: its slow sibling
+@pytest.mark.parametrize("stage", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_deepspeed_zero_two_ranks(
     stage: int, deepspeed_cpu: None, disk_dir: Path, tmp_path: Path
 ) -> None:

@@ -18,6 +18,8 @@ from offloadd.io.request import Op, Request
 from tests._support import helpers
 from tests._support.helpers import SavePayload, make_engine, small_offloader
 
+pytestmark = pytest.mark.every_engine  # the engines' own tests: each engine, by default
+
 
 def test_o_direct_is_really_on(disk_dir: Path) -> None:
     """The test directory enforces O_DIRECT alignment (so the other tests mean something)."""

@@ -68,6 +68,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], tor
 }
 
 
+@pytest.mark.every_engine
 @pytest.mark.parametrize("dedup", [True, False], ids=["dedup", "nodedup"])
 @pytest.mark.parametrize("tier", ["keep", "ssd", "cpu"])
 @pytest.mark.parametrize("model", sorted(MODELS))

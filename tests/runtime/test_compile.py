@@ -698,8 +698,16 @@ def test_eager_code_inside_the_compiled_call(disk_dir: Path) -> None:
     off.close()
 
 
+@pytest.mark.parametrize(
+    "theirs",
+    [
+        "keyed pass",
+        pytest.param("none", marks=pytest.mark.slow),  # the path of every other test here
+        pytest.param("function", marks=pytest.mark.slow),  # the keyed pass's sibling
+    ],
+)
 def test_a_torch_that_runs_one_post_grad_pass(
-    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+    theirs: str, disk_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """torch < 2.12 has no list of post-grad passes (2.11 crashed at import on a GPU machine):
     offloadd's pass is the one pass, or runs after the pass set before it, keyed or not."""
@@ -720,16 +728,15 @@ def test_a_torch_that_runs_one_post_grad_pass(
     def plain_function(graph: torch.fx.Graph) -> None:
         seen.append(isinstance(config.post_grad_custom_post_pass, graph_ops._Both))
 
-    for first in (None, Theirs(), plain_function):
-        # every pass runs (a cached graph runs none)
-        with config.patch(post_grad_custom_post_pass=first, force_disable_caches=True):
-            seen.clear()
-            plain, mine = _pair(1)
-            before = graph_ops.ran[0]
-            _compare(plain, mine, _inputs(2, rows=256), disk_dir)
-            assert graph_ops.ran[0] > before
-            assert first is None or (False in seen and True in seen)  # alone, then before ours
-        torch._dynamo.reset()
+    first = {"none": None, "keyed pass": Theirs(), "function": plain_function}[theirs]
+    # every pass runs (a cached graph runs none)
+    with config.patch(post_grad_custom_post_pass=first, force_disable_caches=True):
+        plain, mine = _pair(1)
+        before = graph_ops.ran[0]
+        _compare(plain, mine, _inputs(2, rows=256), disk_dir)
+        assert graph_ops.ran[0] > before
+        assert first is None or (False in seen and True in seen)  # alone, then before ours
+    torch._dynamo.reset()
 
 
 def test_a_torch_without_what_the_pass_needs_warns_once(

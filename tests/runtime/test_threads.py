@@ -15,7 +15,7 @@ import torch
 from offloadd import Offloader
 from offloadd.io.buffers import SlotPool
 from offloadd.io.pools import PagePool, ReadPool
-from offloadd.runtime.offloader import _DRAIN_AT
+from offloadd.runtime.hooks import _DRAIN_AT
 from tests._support.helpers import SavePayload, small_offloader
 
 # Engine-independent: one embedded engine (tests/runtime/test_shutdown.py runs every engine).

@@ -1,0 +1,242 @@
+"""The hooks torch calls for each saved tensor: pack (keep it, or give it a block that moves)
+and unpack (check it, or have the reader bring it back), with and without a codec.
+
+:class:`SavedTensorHooks` holds only the hot path; :class:`~offloadd.runtime.offloader.Offloader`
+builds the parts it uses (see its ``__init__``) and is the public API.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+
+from offloadd.config import Config
+from offloadd.runtime import evicted, transforms
+from offloadd.runtime.accounting import Ledger
+from offloadd.runtime.blocks import PENDING, BlockMap
+from offloadd.runtime.compiled import is_traced, unseen
+from offloadd.runtime.dedup import StorageIndex, is_parameter
+from offloadd.runtime.evicted import Evicted
+from offloadd.runtime.handles import (
+    Kept,
+    Ref,
+    describe,
+    inplace_error,
+    movable_storage,
+    nbytes_of,
+    unlinked,
+    version_handle,
+)
+from offloadd.runtime.lifetime import Lifetime
+from offloadd.runtime.ordering import Ordering
+from offloadd.runtime.reader import Reader
+from offloadd.runtime.stages import Coder, Planner
+from offloadd.runtime.stats import Stats
+from offloadd.runtime.writer import Writer
+
+__all__ = ["SavedTensorHooks", "ThreadState"]
+
+
+class ThreadState(threading.local):
+    """The Offloader's per-thread state. Class defaults, so that the hooks' reads of an unset
+    one raise no AttributeError inside getattr (about 1.4 µs each, per saved tensor)."""
+
+    stack: list[Any] | None = None
+    tag: int | None = None  # auto: the block being run, while it is recorded
+    keep: bool = False  # auto: the running block's decision is to keep
+
+
+_DRAIN_AT = 4096  # events queued by the lock-free hot path before pack applies them itself
+
+
+class SavedTensorHooks:
+    """pack and unpack over the parts an Offloader builds (set by its ``__init__``)."""
+
+    config: Config
+    _min_bytes: int
+    _ledger: Ledger
+    _lock: Any
+    _stats: Stats
+    _blocks: BlockMap
+    _index: StorageIndex
+    _tls: ThreadState
+    _ordering: Ordering
+    _writer: Writer
+    _reader: Reader
+    _life: Lifetime
+    _released: Any
+    _captures: Any
+    _drain: Any
+    _closed: Any
+    _auto: Planner | None
+    _codec: Coder | None
+    _coded_type: type | None
+
+    def _hook_pair(self) -> tuple[Any, Any]:
+        """What torch calls; dynamo never traces them (see [invisible to dynamo] in compiled.py).
+        Made at each entry: kept on the Offloader, they would make a cycle with it, and an
+        Offloader must go when its last reference does (see [shutdown])."""
+        if self._codec is None:
+            pack = unseen(self._pack)
+            pack.offloader = self  # type: ignore[attr-defined]  # evict's (graph_ops.py)
+            return pack, unseen(self._unpack)
+        return unseen(self._pack_coded), unseen(self._unpack_coded)
+
+    # -- pack ------------------------------------------------------------------------------
+
+    def _pack(self, t: torch.Tensor, min_bytes: int = -1) -> Any:
+        if min_bytes < 0:
+            min_bytes = self._min_bytes
+        if self._captures.num_pending:  # the copies and writes of earlier saves (timed)
+            start = time.perf_counter()
+            self._life.capture_due()
+            self._stats.pack_s += time.perf_counter() - start
+        if evicted.pending() and type(t) is torch.Tensor:
+            claimed = evicted.claim(t)  # packed in a compiled graph (see graph_ops.py)
+            if claimed is not None:
+                return claimed
+        storage = None
+        if type(t) is torch.Tensor and t.layout is torch.strided and not t.is_meta:
+            nbytes = t.nbytes
+            if nbytes >= min_bytes and nbytes:
+                if transforms.holds_no_bytes(t):
+                    nbytes = 0  # forward AD's zero tangent: no storage (see [zero tangents])
+                else:
+                    host_to_host = self.config.tier == "cpu" and not self._ordering.is_async(
+                        t.device
+                    )
+                    storage = movable_storage(t, host_to_host)
+        else:  # subclasses (DTensor…), sparse, nested: kept as they are
+            if is_traced(t):
+                return t  # fake, functional, meta: untouched (see [invisible to dynamo])
+            nbytes = nbytes_of(t)
+        if storage is None:
+            # The hot path (most saved tensors are small): no lock. The save is queued as an
+            # event, in order with the releases, and counted at the next drain (see Lifetime.drain).
+            q = self._released
+            if is_parameter(t):
+                q.append(float(nbytes))  # held by the model anyway: not activation memory
+                nbytes = 0
+            else:
+                q.append(~nbytes)
+            if len(q) > _DRAIN_AT:
+                with self._lock:
+                    self._drain()
+            return Kept(t, nbytes, q)
+        # Timed from here on (Stats.pack_s): tensors that may move; a small one costs a few
+        # microseconds, and timing it would add a tenth of that (see bench step's hook cost).
+        start = time.perf_counter()
+        try:
+            return self._pack_block(t, storage, nbytes)
+        finally:
+            self._stats.pack_s += time.perf_counter() - start
+
+    def _pack_block(self, t: torch.Tensor, storage: torch.UntypedStorage, nbytes: int) -> Any:
+        """The pack of a tensor that may move: its block (new, or shared through dedup)."""
+        st = self._stats
+        keep = self.config.tier == "keep"
+        auto = self._auto
+        if auto is not None and not keep:
+            keep = getattr(self._tls, "keep", False)  # the block's decision
+        with self._lock:
+            st.saved_tensors += 1
+            st.saved_bytes += nbytes
+            self._drain()
+            self._writer.poll_copies()
+            index = self._index
+            if index.backs_parameter(t, storage):
+                # Held by the model anyway: kept, but not activation memory of ours.
+                st.kept_bytes += nbytes
+                return Kept(t, 0, self._released)
+            key = index.key(t, storage)
+            root = t._base if t._base is not None else t
+            block = index.lookup(key, root)  # see [dedup identity] in dedup.py
+            if block is not None:
+                block.refs += 1
+                st.deduplicated_bytes += nbytes
+                return Ref(block, t, self._released, keep=block.kept)  # its first save decides
+            skew = self._writer.skew_of(t.device, storage.data_ptr())
+            block = self._blocks.new(storage.nbytes(), t.device, self.config.chunk_bytes, skew)
+            index.remember(key, storage, root, block)
+            if auto is not None:
+                self._note_saved(auto, block.nbytes)
+            if keep:
+                block.kept = True
+                block.resident_bytes = block.nbytes
+                self._ledger.add_resident(block.nbytes, kept=True)
+                st.kept_bytes += nbytes
+                return Ref(block, t, self._released, keep=True)
+            # Pending until the op that saved it has returned (see capture.py).
+            block.state = PENDING
+            block.source = unlinked(t)
+            block.handle = version_handle(t)
+            block.source_ptr = storage.data_ptr()
+            block.version = t._version
+            if self._ordering.is_async(t.device):
+                block.stream = self._ordering.producer(t.device)
+            self._ledger.add_resident(block.nbytes)
+        self._captures.add(block)
+        return Ref(block, t, self._released, keep=False)
+
+    def _pack_coded(self, t: torch.Tensor) -> Any:
+        """pack with a codec: encoded where [what gets compressed] in codec/allowlist.py allows it
+        and the storage is not already saved exactly, else :meth:`_pack`."""
+        codec = self._codec
+        assert codec is not None
+        if codec.wants(t) and not codec.saved_exactly(t) and not self._backs_parameter(t):
+            big = t.nbytes >= self._min_bytes
+            coded = codec.pack(t, self._pack_codes if big else self._pack, self._pack)
+            if coded is not None:
+                return coded
+        packed = self._pack(t)
+        codec.note_exact(t)
+        return packed
+
+    def _pack_codes(self, codes: torch.Tensor) -> Any:
+        """The codes of an activation that is itself worth moving move whatever their size."""
+        return self._pack(codes, 1)
+
+    def _backs_parameter(self, t: torch.Tensor) -> bool:
+        storage = movable_storage(t, False)
+        if storage is None:
+            return False
+        with self._lock:
+            return self._index.backs_parameter(t, storage)
+
+    def _unpack_coded(self, packed: Any) -> torch.Tensor:
+        if type(packed) is self._coded_type:
+            assert self._codec is not None
+            return self._codec.unpack(packed, self._unpack)
+        return self._unpack(packed)
+
+    def _note_saved(self, auto: Planner, nbytes: int) -> None:
+        tag = getattr(self._tls, "tag", None)
+        if tag is not None:
+            auto.saved(tag, nbytes)
+
+    # -- unpack ----------------------------------------------------------------------------
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if type(packed) is Kept:
+            t = packed.tensor
+            if t._version != packed.version:
+                raise inplace_error(describe(t), packed.version, t._version)
+            return t
+        if type(packed) is not Ref:
+            if type(packed) is Evicted:
+                return evicted.placeholder(packed)  # its compiled backward fetches it
+            return packed  # a traced tensor pack passed through (see [invisible to dynamo])
+        ref: Ref = packed
+        if ref.tensor is not None:  # tier keep
+            t = ref.tensor
+            if t._version != ref.version:
+                raise inplace_error(ref.desc, ref.version, t._version)
+            return t
+        start = time.perf_counter()  # Stats.unpack_s: offloaded tensors only (see _pack)
+        try:
+            return self._reader.unpack(ref, self._drain, self._closed)
+        finally:
+            self._stats.unpack_s += time.perf_counter() - start

@@ -22,14 +22,14 @@ __all__ = ["main"]
 # name -> module, imported only when its command runs (or its own --help is asked for)
 _COMMANDS: dict[str, str] = {
     "demo": "offloadd.tools.demo",
-    "bench": "offloadd.tools.bench",
+    "bench": "offloadd.tools.bench.command",
     "run": "offloadd.integrations.launch",
     "serve": "offloadd.daemon.cmd_serve",
     "status": "offloadd.backend.cmd_status",
     "stop": "offloadd.backend.cmd_stop",
-    "rok": "offloadd.tools.rok",
+    "rok": "offloadd.tools.rok.command",
     "plan": "offloadd.tools.plan",
-    "doctor": "offloadd.tools.doctor",
+    "doctor": "offloadd.tools.doctor.command",
 }
 
 _HELP: dict[str, str] = {

@@ -1,5 +1,6 @@
 """Codec convergence over several seeds: one table from the CSVs of several
-``codec_convergence.py`` runs, each with its own ``--seed`` (other initial weights, other batches).
+``python -m scripts.codec_convergence`` runs, each with its own ``--seed`` (other initial
+weights, other batches).
 
 One run resolves a final-loss gap of about +-0.7 % (its control runs say so); whether a codec's
 gap is its own or that run's luck shows only over seeds. For every CSV (one seed) and codec, the

@@ -22,7 +22,7 @@ import torch
 
 import offloadd.codec.coder as coder
 from offloadd.codec.quant import CODECS
-from offloadd.tools.train import RunSpec, add_model_arguments, model_kwargs, run
+from offloadd.tools.harness.train import RunSpec, add_model_arguments, model_kwargs, run
 
 
 def measure(codec: str, args: argparse.Namespace) -> dict[str, float]:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The full corpus sweep: every sample of op_db and module_db, with and without offloadd.
 
-Runs the harness of the test suite (tests/corpus.py: the comparison rule is in its docstring)
+Runs the harness of the test suite (tests/_support/corpus.py: the comparison rule is in its docstring)
 over every entry, dtype, sample and configuration, with a progress line on stderr, and writes
 docs/corpus.md (counts per configuration and dtype, every failure, every skip grouped by its
 reason) and the same as JSON next to it. Exits 1 if any case failed.
@@ -25,13 +25,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the harness lives in the test suite: tests/corpus.py
+sys.path.insert(0, str(ROOT))  # the harness lives in the test suite: tests/_support/corpus.py
 
 import torch  # noqa: E402
 
-from tests import corpus  # noqa: E402
+from tests._support import corpus  # noqa: E402
+from tests._support.daemon_proc import DaemonProc  # noqa: E402
 from tests.conftest import _disk_root  # noqa: E402
-from tests.daemon_proc import DaemonProc  # noqa: E402
 
 REASONS_SHOWN = 12  # distinct failure reasons listed per entry in the markdown; the JSON has all
 
@@ -202,8 +202,8 @@ def markdown(doc: dict) -> str:
         "run on their own sample inputs without offloadd and inside an Offloader with",
         "`min_bytes=0`; forward outputs and gradients (inputs and parameters) must be",
         "bit-identical (NaN equals NaN). The rule, skips included, is the docstring of",
-        "[tests/corpus.py](../tests/corpus.py). The default test run checks a fixed subset",
-        "(tests/test_corpus.py); the full sweep is `python -m pytest -m slow tests/test_corpus.py`",
+        "[tests/_support/corpus.py](../tests/_support/corpus.py). The default test run checks a fixed subset",
+        "(tests/properties/test_corpus.py); the full sweep is `python -m pytest -m slow tests/properties/test_corpus.py`",
         "or, with this record, the command below.",
         "",
         "```sh",

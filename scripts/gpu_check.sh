@@ -41,11 +41,11 @@ pytest_args=(-q -rs -p no:cacheprovider --durations=10)
 for part in $parts; do
     case $part in
     tests)
-        timeout 200 $py -m pytest "${pytest_args[@]}" -s tests/test_compile_cuda.py \
+        timeout 200 $py -m pytest "${pytest_args[@]}" -s tests/runtime/test_compile_cuda.py \
             >"$out/compile_cuda.log" 2>&1
         echo "compile_cuda rc=$?" >>"$out/rc.txt"
-        timeout 150 $py -m pytest "${pytest_args[@]}" tests/test_cuda.py tests/test_gds.py \
-            tests/test_threads_device.py tests/test_doctor.py >"$out/cuda_tests.log" 2>&1
+        timeout 150 $py -m pytest "${pytest_args[@]}" tests/runtime/test_cuda.py tests/io/test_gds.py \
+            tests/runtime/test_threads_device.py tests/tools/test_doctor.py >"$out/cuda_tests.log" 2>&1
         echo "cuda_tests rc=$?" >>"$out/rc.txt"
         ;;
     bench)
@@ -55,7 +55,7 @@ for part in $parts; do
         echo "bench rc=$?" >>"$out/rc.txt"
         ;;
     floor)
-        KVIKIO_COMPAT_MODE=ON timeout 90 $py -m pytest "${pytest_args[@]}" tests/test_gds.py \
+        KVIKIO_COMPAT_MODE=ON timeout 90 $py -m pytest "${pytest_args[@]}" tests/io/test_gds.py \
             >"$out/gds_compat.log" 2>&1
         echo "gds_compat rc=$?" >>"$out/rc.txt"
         timeout 60 $py scripts/gpu_floor.py >"$out/floor.json" 2>"$out/floor.log"
@@ -66,7 +66,7 @@ for part in $parts; do
         echo "bench_d2048 rc=$?" >>"$out/rc.txt"
         ;;
     clients)
-        timeout 150 $py -m pytest "${pytest_args[@]}" tests/test_clients.py -k megatron \
+        timeout 150 $py -m pytest "${pytest_args[@]}" tests/integrations/test_clients.py -k megatron \
             >"$out/clients.log" 2>&1
         echo "clients rc=$?" >>"$out/rc.txt"
         ;;

@@ -2,7 +2,7 @@
 
 ``bench step`` and ``rok`` time 8 steps after 3 warm-ups; a user trains for thousands. This runs
 each strategy for ``--steps`` timed steps, each in its own process (the training loop of
-``offloadd bench step``: ``offloadd.tools.train``), strategies in turn, and reports the median
+``offloadd bench step``: ``offloadd.tools.harness.train``), strategies in turn, and reports the median
 step time of each tenth of the run, the last tenth over the first (drift), the ratio of each
 strategy's tenth to keep's (runs one after the other: the machine's drift between them is in
 it), and peak RSS above the model. A cost that grows with the process's age (files, pools, the host cache, fragmentation)
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from offloadd.tools.train import RunSpec, run_in_subprocess
+from offloadd.tools.harness.train import RunSpec, run_in_subprocess
 from offloadd.units import format_bytes
 
 TENTHS = 10

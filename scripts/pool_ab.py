@@ -17,7 +17,7 @@ from typing import Any
 
 from offloadd.runtime import host_allocator
 from offloadd.runtime.host_allocator import HostCacheCounters
-from offloadd.tools import step_trace, train
+from offloadd.tools.harness import step_trace, train
 
 
 def main() -> None:

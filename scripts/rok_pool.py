@@ -6,7 +6,7 @@ strategy ``offloadd rok`` judges it against. On a machine whose rounds differ by
 one point's two or three rounds cannot resolve the 2 % that the planner's target (within 2 % of the fastest) needs; pooling the
 ratios of every point of several sweeps narrows the interval (on this project's VM, 26 of them
 still did not resolve 2 %). Prints each ratio, their geometric mean and a 95 % bootstrap interval
-(``rok_summary.pooled``).
+(``offloadd.tools.rok.summary.pooled``).
 
     python scripts/rok_pool.py docs/benchmarks/rok-race_hf-gpt2_cpu-2core_2026-11-26.csv /tmp/rok/rok.csv
 """
@@ -17,8 +17,8 @@ import argparse
 import hashlib
 from pathlib import Path
 
-from offloadd.tools.rok_points import read_points
-from offloadd.tools.rok_summary import auto_rounds, pooled
+from offloadd.tools.rok.points import read_points
+from offloadd.tools.rok.summary import auto_rounds, pooled
 
 
 def main() -> int:

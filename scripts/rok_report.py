@@ -18,9 +18,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from offloadd.tools.machine import machine_line
-from offloadd.tools.rok_points import read_points
-from offloadd.tools.rok_summary import aggregate, auto_rounds, summary_lines
+from offloadd.tools.harness.machine import machine_line
+from offloadd.tools.rok.points import read_points
+from offloadd.tools.rok.summary import aggregate, auto_rounds, summary_lines
 from offloadd.units import format_bytes
 
 
@@ -108,7 +108,7 @@ def main() -> int:
         lines += [
             "",
             "auto points: the budget on the memory axis, what offloadd was given (the axis budget less offload-ssd's RSS above "
-            "the host cache's live peak, see [budgets on the axis] in rok_points.py), the "
+            "the host cache's live peak, see [budgets on the axis] in offloadd/tools/rok/points.py), the "
             "plan's blocks kept / offloaded / recomputed, the memory used against the budget, and "
             "the race that chose the plan (offloading every block's step over the profile's plan's, "
             "the 95 % interval, the blocks of A B B A counted)",

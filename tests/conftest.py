@@ -14,9 +14,8 @@ import torch
 
 from offloadd.io import native
 from offloadd.io.files import filesystem_type
-
-from . import helpers
-from .daemon_proc import DaemonProc, held_descriptors
+from tests._support import helpers
+from tests._support.daemon_proc import DaemonProc, held_descriptors
 
 _MEMORY_FS = {"tmpfs", "ramfs"}
 
@@ -39,7 +38,7 @@ def _first_engine() -> str:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "engine_name" not in metafunc.fixturenames:
         return
-    # a module that picks its engines itself sets ENGINE_PARAMS (e.g. test_native.py)
+    # a module that picks its engines itself sets ENGINE_PARAMS (e.g. io/test_native.py)
     params = getattr(metafunc.module, "ENGINE_PARAMS", None)
     quick: tuple[str, ...] = ()
     if params is None:

@@ -16,12 +16,14 @@ docs/architecture.md row for row, and the tests hold all three to each other:
 The subcommands of ``offloadd`` (``cli._COMMANDS``) and the package root's public names
 (``offloadd._HOMES``) are imported by name on first use; their tables count as imports.
 
-``offloadd.tools`` (demo, train, bench, rok, models) is built on offloadd and nothing imports it
+``offloadd.tools`` (demo, plan, bench/, rok/, doctor/, harness/, models/) is built on offloadd and
+nothing imports it
 but the tools and ``offloadd.cli``: checked statically (the table) and by running (a fresh
 interpreter imports every module outside the tools, runs each subcommand's ``--help``, or trains
 a step under ``OFFLOADD=1``, and then holds no ``offloadd.tools`` module). ``offloadd --help``
 and ``offloadd --version`` import no torch. Every module of the tools also stays under 400
-lines and declares its public names in ``__all__``.
+lines and declares its public names in ``__all__``; each folder of the tools is a package (an
+``__init__.py``), whose modules do not repeat its name (``rok/points.py``, not ``rok/rok_points.py``).
 """
 
 from __future__ import annotations
@@ -739,3 +741,52 @@ def test_tool_module_declares_its_public_names(path: Path) -> None:
     assert not undefined, f"{where}: __all__ names what the module does not define: {undefined}"
     unlisted = _public_definitions(tree) - set(names)
     assert not unlisted, f"{where}: public but not in __all__ (export it or prefix _): {unlisted}"
+
+
+def _tool_folders() -> list[Path]:
+    return sorted(p for p in TOOLS.rglob("*") if p.is_dir() and p.name != "__pycache__")
+
+
+@pytest.mark.parametrize("folder", _tool_folders(), ids=lambda p: str(p.relative_to(TOOLS)))
+def test_tool_folder_is_a_package_named_once(folder: Path) -> None:
+    """A folder of the tools is a package with its own ``__init__.py`` (its ``__all__`` is
+    checked above), and its modules are named by role inside it, without its name again."""
+    where = folder.relative_to(ROOT)
+    assert (folder / "__init__.py").is_file(), f"{where}: no __init__.py"
+    repeated = [
+        p.name
+        for p in folder.glob("*.py")
+        if p.stem == folder.name or p.stem.startswith(f"{folder.name}_")
+    ]
+    assert not repeated, f"{where}: modules named after their package again: {repeated}"
+
+
+# -- the tests' own shape --------------------------------------------------------------------
+
+TESTS = ROOT / "tests"
+TEST_FOLDERS_BESIDE_ROOMS = {
+    "properties": "what every configuration keeps: equivalence, lossless, corpus, matrix",
+    "_support": "what the tests share, and the scripts they launch",
+}
+
+
+def test_tests_mirror_the_package() -> None:
+    """``tests/`` has one folder per room of ``offloadd/`` that has tests, plus
+    :data:`TEST_FOLDERS_BESIDE_ROOMS`; each is a package (unique module names); at the top only
+    ``conftest.py`` and the tests of the whole repository, no shared modules."""
+    folders = {
+        p.name
+        for p in TESTS.iterdir()
+        if p.is_dir() and p.name != "__pycache__" and not p.name.startswith(".")
+    }
+    rooms = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    strays = sorted(folders - rooms - set(TEST_FOLDERS_BESIDE_ROOMS))
+    assert not strays, f"folders of tests/ that name no room of offloadd/: {strays}"
+    missing = sorted(f for f in folders if not (TESTS / f / "__init__.py").is_file())
+    assert not missing, f"folders of tests/ without __init__.py: {missing}"
+    loose = sorted(
+        p.name
+        for p in TESTS.glob("*.py")
+        if p.name not in ("__init__.py", "conftest.py") and not p.name.startswith("test_")
+    )
+    assert not loose, f"shared modules at the top of tests/ (they go to tests/_support/): {loose}"

@@ -35,7 +35,7 @@ saved-tensor hooks inlined by AOTAutograd, changed what the graph returns, and i
 one loop differently (one ulp on ``(h.t().contiguous().t() * h[:, ::2].sin().repeat(1,
 2)).cos().sum()``, now a test). Not by construction, though: the scheduler may still group
 kernels differently around an ``evict`` (a review saw one fused kernel become two on a
-``bmm`` model, with identical results). Every model tried is bit-identical (tests/test_compile.py
+``bmm`` model, with identical results). Every model tried is bit-identical (tests/runtime/test_compile.py
 and the sweep in docs/benchmarks/compile-evict_cpu-2core_2026-11-25.md); ``compile_ops=false``
 is the switch for a model that is not.
 

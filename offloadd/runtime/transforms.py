@@ -20,7 +20,7 @@ torch's error. Anything else passes through unchanged.
 The other transforms compose: ``vmap``, ``jvp``, ``jacfwd``, ``functionalize`` and
 ``functional_call`` leave the hooks alone, and the tensors autograd saves under them reach pack
 as plain tensors (the autograd level sits below functorch's wrappers), so they are moved and
-come back bit-identical like any other (tests/test_matrix.py), with one exception:
+come back bit-identical like any other (tests/properties/test_matrix.py), with one exception:
 
 Note [zero tangents]
 ~~~~~~~~~~~~~~~~~~~~

@@ -1,3 +1,4 @@
-"""The tools built on offloadd (demo, train, bench, rok, models). The runtime never imports them."""
+"""The tools built on offloadd (demo, plan, bench, rok, doctor, the training harness, models). The
+runtime never imports them."""
 
 __all__: list[str] = []

@@ -24,8 +24,8 @@ import torch
 
 from offloadd.cli_dirs import ready_dir
 from offloadd.runtime.stats import Stats
-from offloadd.tools.step_trace import cpu_allocator
-from offloadd.tools.train import (
+from offloadd.tools.harness.step_trace import cpu_allocator
+from offloadd.tools.harness.train import (
     RunFailed,
     RunSpec,
     add_model_arguments,

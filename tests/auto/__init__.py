@@ -1,0 +1,1 @@
+"""Tests of offloadd/auto/: the budget planner."""

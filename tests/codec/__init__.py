@@ -1,0 +1,1 @@
+"""Tests of offloadd/codec/: the lossy codes and what they must never do."""

@@ -1,0 +1,1 @@
+"""Tests of offloadd/config/: the one configuration and its renamed keys."""

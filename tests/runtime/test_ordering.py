@@ -1,0 +1,127 @@
+"""The device-ordering code, run without a GPU against a simulated asynchronous device.
+
+``SimulatedOrdering`` makes every CPU tensor behave like a CUDA one: its copy into a slot is only
+enqueued, and a worker thread does it later, after a random delay. The write path, the read path
+and the Offloader run the same ordering code as on CUDA (see [device ordering] in
+offloadd/runtime/ordering.py), so a missing wait reads bytes that are not there yet and the
+gradients differ. The last tests remove a wait on purpose and check that the simulation sees it.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from offloadd.runtime.ordering import StagedCopy
+from offloadd.runtime.simulated import SimulatedOrdering
+from tests._support.helpers import (
+    SavePayload,
+    assert_bitwise_equal,
+    small_offloader,
+    train,
+    train_and_compare,
+)
+from tests.properties.test_equivalence import MODELS
+
+
+@pytest.fixture
+def sim(request: pytest.FixtureRequest) -> Iterator[SimulatedOrdering]:
+    # A seed per test, the same in every run (str hashes differ between processes).
+    ordering = SimulatedOrdering(seed=zlib.crc32(request.node.name.encode()), max_delay_s=0.002)
+    yield ordering
+    ordering.close()
+
+
+# A staging pool of 4 chunks: most chunks are written and read back from disk, not forwarded.
+_TIGHT = {"chunk_bytes": 64 << 10, "staging_bytes": 256 << 10, "host_budget_bytes": 256 << 10}
+
+
+@pytest.mark.usefixtures("backend")
+@pytest.mark.parametrize("tier", ["ssd", "cpu"])
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_simulated_device_is_lossless(
+    model: str, tier: str, disk_dir: Path, sim: SimulatedOrdering
+) -> None:
+    off = small_offloader(disk_dir, tier=tier, ordering=sim, **_TIGHT)
+    st = train_and_compare(*MODELS[model], off)
+    assert sim.copies > 0, "the simulated device was not used"
+    if tier == "ssd":
+        assert st.bytes_read > 0, "nothing was read back: the test would not see wrong bytes"
+    assert st.resident_bytes == 0 and st.disk_bytes == 0
+
+
+def test_blocks_larger_than_the_pool_stream_through_it(disk_dir: Path) -> None:
+    """A block of 16 chunks through a pool of 2: slots are reused while copies are in flight."""
+    sim = SimulatedOrdering(seed=7, max_delay_s=0.004)
+    payload = torch.randn(16 * (64 << 10) // 4)
+    off = small_offloader(
+        disk_dir, ordering=sim, chunk_bytes=64 << 10, staging_bytes=128 << 10, prefetch_bytes=0
+    )
+    try:
+        SavePayload.seen.clear()
+        x = torch.ones(4, requires_grad=True)
+        with off:
+            y = SavePayload.apply(x, payload)
+        y.sum().backward()
+        st = off.stats()
+    finally:
+        off.close()
+        sim.close()
+    assert torch.equal(SavePayload.seen[-1], payload)
+    assert st.backpressure_waits > 0
+
+
+def test_inplace_change_before_the_copy_ran_raises(disk_dir: Path) -> None:
+    """Changed in place after capture, before the late copy ran: backward raises, never uses
+    the changed bytes (the version is checked once the copy completed)."""
+    sim = SimulatedOrdering(seed=3, max_delay_s=0.05)
+    off = small_offloader(disk_dir, ordering=sim)
+    try:
+        a = torch.randn(256, 256, requires_grad=True)
+        with off:
+            h = a * 2
+            y = h.sin()  # saves h
+        off.synchronize()  # captured: its copy is in flight on the simulated stream
+        with torch.no_grad():
+            h.add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+    finally:
+        off.close()
+        sim.close()
+
+
+def _train_with_writes_that_do_not_wait(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+    def chunk_without_event(self: StagedCopy, dst: torch.Tensor, src: torch.Tensor):  # type: ignore[no-untyped-def]
+        real_chunk(self, dst, src)
+        return lambda: None  # the write no longer waits for its copy
+
+    real_chunk = StagedCopy.chunk
+    monkeypatch.setattr(StagedCopy, "chunk", chunk_without_event)
+    make_model, make_input = MODELS["mlp"]
+    reference = train(make_model, make_input, None)
+    sim = SimulatedOrdering(seed=11, max_delay_s=0.005)
+    off = small_offloader(disk_dir, ordering=sim, min_bytes=64 << 10, **_TIGHT)
+    try:
+        got = train(make_model, make_input, off)
+    finally:
+        off.close()
+        sim.close()
+    return reference, got
+
+
+def test_the_simulation_catches_a_write_that_skips_its_event(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mutation test of the simulation: with the per-chunk event wait removed, writes take
+    slots before their copy filled them, and the gradients are wrong. If this ever passes
+    without the wait, the simulated device has lost its teeth."""
+    reference, got = _train_with_writes_that_do_not_wait(disk_dir, monkeypatch)
+    with pytest.raises(AssertionError, match="differs"):
+        assert_bitwise_equal(reference, got)

@@ -1,0 +1,1 @@
+"""Tests of offloadd/tools/: bench, rok, doctor and the demo."""

@@ -1,0 +1,1 @@
+"""Tests of offloadd/wire/: the frames the daemon and its clients exchange."""

@@ -6,12 +6,14 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from tests._support.corpus_run import map_tensors
 
 ROOT = Path(__file__).resolve().parents[2]
 SEED = 0
@@ -173,28 +175,6 @@ class _Fresh(torch.autograd.Function):
         return grad
 
 
-def _map(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_map(o, fn) for o in obj))
-    if isinstance(obj, list | tuple):
-        return type(obj)(_map(o, fn) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _map(v, fn) for k, v in obj.items()}
-    return obj
-
-
-def tensors_in(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, list | tuple):
-        return [t for o in obj for t in tensors_in(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in tensors_in(o)]
-    return []
-
-
 def fresh_inputs(*objs: Any) -> tuple[list[Any], list[torch.Tensor]]:
     """Fresh copies of ``objs`` (one per distinct tensor) and the leaves to differentiate."""
     memo: dict[int, torch.Tensor] = {}
@@ -209,7 +189,7 @@ def fresh_inputs(*objs: Any) -> tuple[list[Any], list[torch.Tensor]]:
                 memo[id(t)] = _copy_layout(t)
         return memo[id(t)]
 
-    return [_map(o, copy) for o in objs], leaves
+    return [map_tensors(o, copy) for o in objs], leaves
 
 
 def cotangent(t: torch.Tensor, index: int) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from offloadd import Offloader
+from tests._support.corpus_run import tensors_in
 
 from .common import (
     cotangent,
@@ -26,7 +27,6 @@ from .common import (
     identical,
     log,
     seed_rng,
-    tensors_in,
 )
 
 

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
@@ -160,3 +165,25 @@ class SavePayload(torch.autograd.Function):
         (payload,) = ctx.saved_tensors
         SavePayload.seen.append(payload.clone())
         return g, None
+
+
+@contextlib.contextmanager
+def loop_ext4(root: Path, mib: int = 16, *, reserved: bool = True) -> Iterator[Path]:
+    """A real ext4 file system of ``mib`` MiB, its image under ``root``, loop-mounted for the
+    ``with`` block: it fills up for real (ENOSPC). ``reserved=False``: no blocks kept for root.
+    Skips the test without root, mkfs.ext4 or loop mounts."""
+    if os.geteuid() != 0 or shutil.which("mkfs.ext4") is None:
+        pytest.skip("a loop-mounted file system needs root and mkfs.ext4")
+    image, mnt = root / "fs.img", root / "mnt"
+    with open(image, "wb") as f:
+        f.truncate(mib << 20)
+    mkfs = ["mkfs.ext4", "-q", "-F", *(() if reserved else ("-m", "0")), str(image)]
+    subprocess.run(mkfs, check=True, capture_output=True)
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-o", "loop", str(image), str(mnt)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot loop-mount here: {done.stderr.decode(errors='replace').strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)

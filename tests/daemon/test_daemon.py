@@ -7,7 +7,6 @@ import errno
 import json
 import os
 import re
-import shutil
 import socket
 import stat
 import subprocess
@@ -26,7 +25,13 @@ from offloadd import Config, Offloader
 from offloadd.config import DaemonConfig
 from offloadd.wire import protocol as proto
 from tests._support.daemon_proc import DaemonProc, RawSession, held_descriptors
-from tests._support.helpers import SavePayload, assert_bitwise_equal, small_offloader, train
+from tests._support.helpers import (
+    SavePayload,
+    assert_bitwise_equal,
+    loop_ext4,
+    small_offloader,
+    train,
+)
 from tests.properties.test_equivalence import MODELS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -323,16 +328,7 @@ def test_quota_exceeded_falls_back_other_sessions_unaffected(
 
 def test_real_disk_full_falls_back(tmp_path: Path, own_daemon: Callable[..., DaemonProc]) -> None:
     """The daemon's directory is a 16 MiB loop-mounted ext4 that really fills up."""
-    if os.geteuid() != 0 or not shutil.which("mkfs.ext4"):
-        pytest.skip("needs root and mkfs.ext4")
-    img, mnt = tmp_path / "fs.img", tmp_path / "mnt"
-    mnt.mkdir()
-    with open(img, "wb") as f:
-        f.truncate(16 << 20)
-    subprocess.run(["mkfs.ext4", "-q", "-F", str(img)], check=True)
-    if subprocess.run(["mount", "-o", "loop", str(img), str(mnt)], capture_output=True).returncode:
-        pytest.skip("loop mounts are not permitted here")
-    try:
+    with loop_ext4(tmp_path) as mnt:
         from tests.properties.test_equivalence import mlp
 
         def make_input(g: torch.Generator) -> torch.Tensor:
@@ -351,8 +347,6 @@ def test_real_disk_full_falls_back(tmp_path: Path, own_daemon: Callable[..., Dae
         assert d.status()["io_errors"] > 0
         assert d.stop() == 0
         assert not list(data.iterdir())
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 def test_status_json_and_metrics(

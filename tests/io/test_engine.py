@@ -16,7 +16,7 @@ from offloadd.io.files import DiskStore, SlotFile
 from offloadd.io.python_engine import PythonEngine
 from offloadd.io.request import Op, Request
 from tests._support import helpers
-from tests._support.helpers import SavePayload, make_engine, small_offloader
+from tests._support.helpers import SavePayload, loop_ext4, make_engine, small_offloader
 
 pytestmark = pytest.mark.every_engine  # the engines' own tests: each engine, by default
 
@@ -208,19 +208,7 @@ def test_read_error_raises_never_wrong_bytes(disk_dir: Path) -> None:
 def test_real_enospc_on_small_filesystem(tmp_path: Path, engine_name: str) -> None:
     """A 16 MiB loop-mounted ext4: the disk really fills up, and the engine says so (ENOSPC,
     not a generic EIO, even when the last write before the end was short)."""
-    import shutil
-    import subprocess
-
-    if os.geteuid() != 0 or not shutil.which("mkfs.ext4"):
-        pytest.skip("needs root and mkfs.ext4")
-    img, mnt = tmp_path / "fs.img", tmp_path / "mnt"
-    mnt.mkdir()
-    with open(img, "wb") as f:
-        f.truncate(16 << 20)
-    subprocess.run(["mkfs.ext4", "-q", "-F", str(img)], check=True)
-    if subprocess.run(["mount", "-o", "loop", str(img), str(mnt)], capture_output=True).returncode:
-        pytest.skip("loop mounts are not permitted here")
-    try:
+    with loop_ext4(tmp_path) as mnt:
         from tests._support.helpers import assert_bitwise_equal, train
         from tests.properties.test_equivalence import mlp
 
@@ -235,8 +223,6 @@ def test_real_enospc_on_small_filesystem(tmp_path: Path, engine_name: str) -> No
         assert off.stats().fallbacks > 0
         off.close()
         assert not [p for p in mnt.iterdir() if p.name != "lost+found"]
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 def test_buffered_fallback_when_o_direct_refused(

@@ -12,7 +12,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -31,6 +30,7 @@ from offloadd.tools.doctor.checks import Check
 from offloadd.tools.doctor.command import SECTIONS, diagnose, format_report, verdict_line
 from offloadd.tools.doctor.paths import WARN_FACTOR, free_check
 from tests._support.daemon_proc import DaemonProc
+from tests._support.helpers import loop_ext4
 
 ENGINE_PARAMS = ("default",)  # disk_dir once: the doctor probes engines itself
 
@@ -133,17 +133,7 @@ def test_tmpfs_dir_warns(capsys: pytest.CaptureFixture[str]) -> None:
 def full_fs(tmp_path: Path) -> Iterator[Path]:
     """A real full file system: an 8 MiB ext4 image (no blocks reserved for root), loop-mounted
     and filled with a file until write() reports ENOSPC. Needs root and loop devices."""
-    if os.geteuid() != 0 or shutil.which("mkfs.ext4") is None:
-        pytest.skip("a loop-mounted file system needs root and mkfs.ext4")
-    image, mnt = tmp_path / "fs.img", tmp_path / "mnt"
-    with open(image, "wb") as f:
-        f.truncate(8 << 20)
-    subprocess.run(["mkfs.ext4", "-q", "-m", "0", str(image)], check=True, capture_output=True)
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-o", "loop", str(image), str(mnt)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot loop-mount here: {done.stderr.decode(errors='replace').strip()}")
-    try:
+    with loop_ext4(tmp_path, 8, reserved=False) as mnt:
         fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
         try:
             for size in (1 << 20, 4096):
@@ -157,8 +147,6 @@ def full_fs(tmp_path: Path) -> Iterator[Path]:
         finally:
             os.close(fd)
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
 
 
 def test_full_file_system_fails(full_fs: Path, capsys: pytest.CaptureFixture[str]) -> None:

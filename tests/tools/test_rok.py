@@ -117,6 +117,24 @@ def test_out_of_memory_point_is_recorded(tmp_path: Path) -> None:
         assert r["step_time_s"] == ""
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--strategies", "keep,bogus"], "unknown strategy 'bogus'"),
+        (["--strategies", "keep:jemalloc"], "unknown strategy 'keep:jemalloc'"),
+        (["--strategies", ","], "--strategies must name at least one strategy"),
+        (["--batch-sizes", " , "], "--batch-sizes must list at least one batch size"),
+        (["--batch-sizes", "1,x"], "--batch-sizes must be comma-separated integers"),
+        (["--batch-sizes", "0,2"], "--batch-sizes must be positive"),
+        (["--hidden", "65"], "--heads (2) must divide --hidden (65)"),
+        (["--strategies", "keep,offload-cpu"], "offload-cpu needs --device cuda"),
+        (["--memory-limit", "lots"], "--memory-limit must be a byte count"),
+        (["--repeats", "0"], "--repeats must be positive"),
+        (["--codec", "int3"], "--codec: codec.name: 'int3'"),
+        (["--strategies", "keep,offload-ssd+int3"], "--strategies 'offload-ssd+int3'"),
+        (["--strategies", "recompute+int8"], "a codec after a plus is for keep and offload"),
+    ],
+)
 def test_bad_arguments_fail_before_any_work(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
 ) -> None:

@@ -14,6 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_defaults_work_and_match_default_toml() -> None:
     assert Config.from_toml(ROOT / "configs" / "default.toml") == Config()
+    # what changes a model or loses bits is asked for, never on by default
+    assert Config().memsave is False and Config().codec.name == "none" and Config().budget is None
 
 
 @pytest.mark.parametrize(

@@ -93,6 +93,7 @@ def test_bench_step_script_end_to_end(disk_dir: Path, tmp_path: Path) -> None:
     assert "round 1/1: ssd" in proc.stderr
 
 
+@pytest.mark.slow  # the end-to-end run's path with a codec strategy (the codec: tests/codec/)
 def test_bench_step_compares_a_codec_with_the_strategy_alone(disk_dir: Path) -> None:
     args = [*_TINY, "--steps", "1", "--warmup", "0", "--rounds", "1", "--deep-layers", "0"]
     args += ["--no-hook-cost", "--strategies", "ssd,ssd+int8"]

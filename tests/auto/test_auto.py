@@ -350,7 +350,9 @@ def test_the_measured_peak_of_a_planned_step_fits_the_budget(
     )  # fmt: skip
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     peaks = []
+    ran = []  # the plan each step ran (None: a profile step, everything kept)
     caplog.set_level(logging.WARNING, logger="offloadd")
+    assert off._auto is not None
     for x in batches:
         x = x % 2048
         cache = host_allocator.current()
@@ -359,6 +361,7 @@ def test_the_measured_peak_of_a_planned_step_fits_the_budget(
         level = cache.counters().live_bytes
         with off:
             loss = model(x[:, :-1], x[:, 1:])
+        ran.append(off._auto.plan)
         loss.backward()
         peaks.append(cache.counters().window_peak_live_bytes - level)
         opt.step()
@@ -367,8 +370,11 @@ def test_the_measured_peak_of_a_planned_step_fits_the_budget(
     plan = off.plan()
     assert plan is not None and plan.blocks[0].measured and plan.count(KEEP) < len(plan.blocks)
     assert off._auto is not None and off._auto.profiles >= 1  # more: forward times drifted
-    # every step over the budget was planned again (at the next forward: the last has none)
-    over = [k for k, p in enumerate(peaks[:-1]) if k >= 2 and p > plan.budget]
+    # every planned step over its plan's budget was planned again (at the next forward: the
+    # last has none); a busy machine's drift profiles again, and a profile step keeps all
+    assert sum(r is not None for r in ran) > len(ran) // 2, ran  # most steps ran a plan
+    steps = zip(peaks[:-1], ran[:-1], strict=True)
+    over = [k for k, (p, r) in enumerate(steps) if r is not None and p > r.budget]
     replans = [r for r in caplog.records if "planning again" in r.getMessage()]
     assert len(replans) >= len(over)
     assert peaks[-1] <= plan.budget and len(over) <= 3, (peaks, plan.budget, plan_table(plan))
@@ -535,9 +541,15 @@ def test_drift_is_measured_from_the_second_planned_step() -> None:
     followed by steady ones does not profile again."""
     planner = importlib.import_module("offloadd.auto.planner")
     off = Offloader(tier="cpu", min_bytes=1024, budget="100x")
-    _train(_gpt(), off, _batches(planner.WARMUP_STEPS_MAX + 2))
+    model = _gpt()
+    _train(model, off, _batches(planner.WARMUP_STEPS_MAX + 2))
     auto = off._auto
-    assert auto is not None and auto.settled and auto._sig is not None
+    assert auto is not None
+    for _ in range(2 * planner.WARMUP_STEPS_MAX):  # a busy machine's drift races again
+        if auto.settled:
+            break
+        _train(model, off, _batches(1))
+    assert auto.settled and auto._sig is not None
     sig, profiles = auto._sig, auto.profiles
     auto._ref_fwd.pop(sig, None)  # as after a new plan
     for t in (4.0, 1.0, 1.0, 1.0, 1.0):  # 4x: the first planned step

@@ -269,8 +269,10 @@ def test_a_slow_file_system_probe_never_stalls_sessions(
             if doc.get("dirs_probe_running_s") is not None:
                 running.append(doc["dirs_probe_running_s"])
             time.sleep(0.02)
-        assert worst_write < 0.5, f"a write and free took {worst_write:.2f} s"
-        assert worst_stats < 0.5, f"a status query took {worst_stats:.2f} s"
+        # a round trip behind the probe would take its 2 s; 1 s leaves room for a busy machine
+        # (0.52 s seen with both cores taken by other tests)
+        assert worst_write < 1.0, f"a write and free took {worst_write:.2f} s"
+        assert worst_stats < 1.0, f"a status query took {worst_stats:.2f} s"
         assert running, "no probe was seen running: the test did not exercise a slow probe"
         (entry,) = d.status()["dirs"]
         assert entry["free_bytes"] > 0 and entry["age_s"] >= 0

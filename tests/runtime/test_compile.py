@@ -242,7 +242,7 @@ def test_inductor_whole_model_streams_bit_exact(disk_dir: Path) -> None:
     # else ``mine`` may run the graph compiled for ``plain``, without the ops (torch 2.11 does:
     # its guards pass for another instance of the class; seen on the GPU machine)
     torch._dynamo.reset()
-    off = _offloader(disk_dir, prefetch_bytes=1 << 20, chunk_bytes=256 << 10)
+    off = _offloader(disk_dir, prefetch_bytes=1 << 20, chunk_bytes=256 << 10, staging_bytes=2 << 20)
     run = torch.compile(mine)
     got = _steps(run, mine, xs[:2], off)
     before = off.stats()
@@ -250,11 +250,13 @@ def test_inductor_whole_model_streams_bit_exact(disk_dir: Path) -> None:
     assert_bitwise_equal(want, got)
     st = off.stats()
     assert st.offloaded_bytes > 0
-    # About 0.4 on a quiet machine, 0.67 seen under load (writes lag); without the ops at least
-    # 1.0, every saved tensor of the step resident when the region returns. The benchmark, not
+    # 0.19 with the 2 MiB staging pool, on a quiet machine and with both cores taken by other
+    # work (forward waits for writes, so how far they lag does not matter; with the default
+    # pool, 0.4 quiet and 0.98 seen in CI's two test workers). Without the ops at least 1.0:
+    # every saved tensor of the step is resident when the region returns. The benchmark, not
     # this test, measures how far it streams (docs/benchmarks/compile-evict_*).
     step = st.saved_bytes - before.saved_bytes
-    assert st.peak_resident_bytes < 0.85 * step, (st.peak_resident_bytes, step)
+    assert st.peak_resident_bytes < 0.5 * step, (st.peak_resident_bytes, step)
     assert evicted.live() == 0
     with off:
         y = run(xs[1]).square().mean()  # a graph never backwarded

@@ -74,7 +74,16 @@ class Ending:
     _warn_ref: Callable[[], Callable[[str, str], None] | None]
 
     def _complete(self, req: Request, err: BaseException | None) -> None:
-        raise NotImplementedError  # DaemonBackend's
+        """Settle a request: run the Offloader's callback (never with our lock held)."""
+        req.error = err
+        req.state = RequestState.DONE
+        try:
+            req.callback(req)
+        except BaseException:
+            log.exception("offloadd: completion callback failed")
+        with self._lock:
+            self._outstanding -= 1
+            self._idle.notify_all()
 
     def close(self) -> None:
         """Wait for requests in flight, close the session, release memory and descriptors.

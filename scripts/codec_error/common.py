@@ -3,10 +3,9 @@ relative error of a set of gradients, and fresh copies of an op's inputs."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,17 +53,6 @@ def log(msg: str) -> None:
 
 def seed_rng() -> None:
     torch.default_generator.manual_seed(SEED)
-
-
-@contextlib.contextmanager
-def deterministic() -> Iterator[None]:
-    before = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before, warn_only=warn_only)
 
 
 # -- errors -----------------------------------------------------------------------------------

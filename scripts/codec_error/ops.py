@@ -17,11 +17,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from offloadd import Offloader
-from tests._support.corpus_run import tensors_in
+from tests._support.corpus_run import deterministic, tensors_in
 
 from .common import (
     cotangent,
-    deterministic,
     error_of,
     fresh_inputs,
     identical,

@@ -65,7 +65,7 @@ ROOMS: dict[str, tuple[str, ...]] = {
     "auto/": ("config/", "runtime/", "units.py"),
     "offloader.py": ("config/", "io/", "runtime/", "auto/", "codec/"),
     "memsave/": (),
-    "relay/": ("config/", "io/", "backend/", "units.py"),
+    "relay/": ("config/", "io/", "backend/", "runtime/", "units.py"),
     "integrations/": (
         "config/",
         "io/",

@@ -45,6 +45,7 @@ from offloadd.integrations.ranks import RankInfo, rank_info
 from offloadd.integrations.report import report_dict, summary_line, write_report
 from offloadd.integrations.scope import ModuleScope
 from offloadd.memsave import memsave
+from offloadd.relay import relay
 from offloadd.offloader import Offloader
 
 __all__ = ["AutoOffload", "EnvSettings", "activate", "current"]
@@ -132,6 +133,7 @@ class AutoOffload:
         self._started = time.monotonic()
         self._finished = False
         self._memsaved: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._relayed: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self.scope = ModuleScope(self._enter, self._leave)
 
     def install(self) -> None:
@@ -154,6 +156,12 @@ class AutoOffload:
             memsave(module)
             self._memsaved.add(module)
         off = self.offloader or self._create()
+        if self.settings.config.relay == "frozen" and module not in self._relayed:
+            # Once per root module (config ``relay``), before its hooks run for this call.
+            self._relayed.add(module)
+            dirs = self.ssd_dirs or self._rank_dirs(self.settings.config)
+            self.ssd_dirs = dirs
+            relay(module, config=replace(self.settings.config, tier="ssd", ssd_dirs=dirs))
         off.__enter__()
         # Offloader notes parameter storages from a global pre-hook that it registers on entry,
         # which is too late for the module whose call is starting.

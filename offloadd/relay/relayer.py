@@ -36,6 +36,7 @@ from offloadd.relay.groups import Group
 from offloadd.relay.placeholder import RelayError
 from offloadd.relay.slabs import Slabs
 from offloadd.relay.store import Transfer, WeightStore
+from offloadd.runtime.compiled import unseen
 
 __all__ = ["Relay", "WeightRef"]
 
@@ -60,7 +61,7 @@ class Relay:
     def __init__(
         self, model: nn.Module, groups: list[Group], store: WeightStore, window: int
     ) -> None:
-        self.model = model
+        self.model = weakref.ref(model)  # the model holds the relay (its hooks), not back
         self.groups = groups
         self.store = store
         self.window = window
@@ -183,7 +184,7 @@ class Relay:
                 return self._unpack(x)
             return outer_unpack(x) if outer_unpack is not None else x
 
-        return pack, unpack
+        return unseen(pack), unseen(unpack)
 
     def _ref(self, g: Group, t: torch.Tensor) -> WeightRef:
         ref = WeightRef(g, t)

@@ -13,6 +13,7 @@ warm for the next group of its size (up to ``keep`` idle slabs a size; more are 
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import threading
 import weakref
@@ -57,7 +58,7 @@ class Slabs:
             mm = mmap.mmap(-1, size)
         view = memoryview(mm)
         slab = torch.frombuffer(view, dtype=torch.uint8)
-        weakref.finalize(view, self._back, mm, size)
+        weakref.finalize(view, self._back, mm, size).atexit = False  # at exit it is still in use
         return slab
 
     def _back(self, mm: mmap.mmap, size: int) -> None:
@@ -81,4 +82,5 @@ class Slabs:
             self.idle_bytes = 0
         for slabs in idle.values():
             for mm in slabs:
-                mm.close()
+                with contextlib.suppress(BufferError):  # still viewed: unmapped when collected
+                    mm.close()

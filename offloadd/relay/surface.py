@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,14 +28,16 @@ import torch
 from torch import nn
 
 from offloadd.config import Config
+from offloadd.io.request import on_engine_thread
 from offloadd.relay.groups import Group, find_groups
 from offloadd.relay.placeholder import RelayError
 from offloadd.relay.relayer import Relay
 from offloadd.relay.store import WeightStore
+from offloadd.runtime.compiled import unseen
 
 __all__ = ["RelayStats", "relay", "relay_stats", "resident", "unrelay"]
 
-_RELAYS: weakref.WeakKeyDictionary[nn.Module, _Relayed] = weakref.WeakKeyDictionary()
+_ATTR = "_offloadd_relay"  # the model holds its relay's state: dropped with it, never kept alive
 
 MIN_GROUP_BYTES = 64 << 10
 
@@ -63,6 +66,7 @@ class _Relayed:
     kept: list[str]
     loading: set[int]
     converting: bool = False
+    finalizer: Any = None
 
 
 def relay(
@@ -72,7 +76,7 @@ def relay(
 
     ``window``: groups held at once (default ``config.relay_window``); ``config`` (default:
     ``Config.from_env()``) with ``overrides`` applied says the tier and the directories."""
-    if model in _RELAYS:
+    if _ATTR in model.__dict__:
         raise RelayError("offloadd relay: this model is relayed already")
     cfg = config if config is not None else Config.from_env()
     if overrides:
@@ -98,18 +102,30 @@ def relay(
             e.module._parameters[e.attr] = e.placeholder
             e.param.data = torch.empty(0, dtype=e.dtype, device=e.param.device)
     _hook(model, state)
-    _RELAYS[model] = state
+    model.__dict__[_ATTR] = state
+    # a model dropped without unrelay: its store's engine stops, its files (no names) close
+    state.finalizer = weakref.finalize(model, _close, store, r.slabs)
     return model
+
+
+def _close(store: WeightStore, slabs: Any) -> None:
+    if on_engine_thread():  # a collection on an engine thread: closing joins that thread
+        threading.Thread(target=_close, args=(store, slabs), daemon=True).start()
+        return
+    store.close()
+    slabs.close()
 
 
 def _hook(model: nn.Module, state: _Relayed) -> None:
     r = state.relay
     h = state.handles
-    h.append(model.register_forward_pre_hook(r.on_model_forward))
+    h.append(model.register_forward_pre_hook(unseen(r.on_model_forward)))
     owners: dict[nn.Module, list[Any]] = {}
     for g in r.groups:
-        h.append(g.module.register_forward_pre_hook(functools.partial(_pre, r, g)))
-        h.append(g.module.register_forward_hook(functools.partial(_post, r, g), always_call=True))
+        h.append(g.module.register_forward_pre_hook(unseen(functools.partial(_pre, r, g))))
+        h.append(
+            g.module.register_forward_hook(unseen(functools.partial(_post, r, g)), always_call=True)
+        )
         h.append(g.module.register_load_state_dict_pre_hook(functools.partial(_load_pre, state, g)))
         h.append(
             g.module.register_load_state_dict_post_hook(functools.partial(_load_post, state, g))
@@ -121,6 +137,16 @@ def _hook(model: nn.Module, state: _Relayed) -> None:
     for m in {model, *owners}:
         m.__dict__["_apply"] = functools.partial(_apply, state, m, m._apply)
         state.patched.append(m)
+    # pickle and deepcopy look these up on the instance: say why, before they meet a hook
+    model.__dict__["__reduce_ex__"] = _not_copied
+    model.__dict__["__deepcopy__"] = _not_copied
+
+
+def _not_copied(*args: Any) -> Any:
+    raise RelayError(
+        "offloadd relay: a relayed model cannot be pickled or deep-copied (its frozen weights "
+        "are in the store): save or copy its state_dict(), or call offloadd.unrelay(model) first"
+    )
 
 
 def _pre(r: Relay, g: Group, module: nn.Module, args: Any) -> None:
@@ -197,7 +223,7 @@ def _apply(
 ) -> Any:
     if state.converting:
         return original(fn, *args, **kw)
-    model = state.relay.model
+    model = state.relay.model()
     if module is not model:
         raise RelayError(
             "offloadd relay: convert the relayed model as a whole (model.to(...)), "
@@ -245,9 +271,10 @@ def unrelay(model: nn.Module) -> nn.Module:
         handle.remove()
     for m in state.patched:
         m.__dict__.pop("_apply", None)
-    del _RELAYS[model]
-    r.store.close()
-    r.slabs.close()
+    model.__dict__.pop("__reduce_ex__", None)
+    model.__dict__.pop("__deepcopy__", None)
+    del model.__dict__[_ATTR]
+    state.finalizer()
     return model
 
 
@@ -271,7 +298,7 @@ def relay_stats(model: nn.Module, *, reset_peak: bool = False) -> RelayStats:
 
 
 def _state(model: nn.Module) -> _Relayed:
-    state = _RELAYS.get(model)
+    state = model.__dict__.get(_ATTR)
     if state is None:
         raise RelayError("offloadd relay: this model is not relayed (call offloadd.relay(model))")
     return state

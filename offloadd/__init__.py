@@ -2,7 +2,9 @@
 
 What users need: :class:`Offloader` (a context manager around forward), :class:`Config` and
 :class:`Stats`; :func:`memsave` (modules that save for backward only what the gradients
-read); :func:`host_cache` (offloadd's CPU allocator, for training without offloading too). What
+read); :func:`host_cache` (offloadd's CPU allocator, for training without offloading too); :func:`relay`
+(frozen weights read in layer by layer from ssd), with :func:`unrelay`, :func:`resident` and
+:func:`relay_stats`. What
 extension writers need: :class:`Backend` (where chunks go), :class:`Engine` with
 :class:`Request` and :class:`Op` (how bytes move), :class:`Ordering` (how an asynchronous device
 orders its copies). See docs/architecture.md.
@@ -22,6 +24,7 @@ if TYPE_CHECKING:
     from offloadd.io import Engine, Op, Request
     from offloadd.memsave import memsave
     from offloadd.offloader import Offloader
+    from offloadd.relay import RelayError, RelayStats, relay, relay_stats, resident, unrelay
     from offloadd.runtime import Ordering, Stats
     from offloadd.runtime.host_allocator import host_cache
 
@@ -34,11 +37,17 @@ __all__ = [
     "Offloader",
     "Op",
     "Ordering",
+    "RelayError",
+    "RelayStats",
     "Request",
     "Stats",
     "__version__",
     "host_cache",
     "memsave",
+    "relay",
+    "relay_stats",
+    "resident",
+    "unrelay",
 ]
 
 __version__ = "0.1.0"
@@ -56,13 +65,21 @@ _HOMES = {
     "Stats": "offloadd.runtime",
     "host_cache": "offloadd.runtime.host_allocator",
     "memsave": "offloadd.memsave.replace",
+    "RelayError": "offloadd.relay.placeholder",
+    "RelayStats": "offloadd.relay.surface",
+    "relay": "offloadd.relay.surface",
+    "relay_stats": "offloadd.relay.surface",
+    "resident": "offloadd.relay.surface",
+    "unrelay": "offloadd.relay.surface",
 }
 
 # offloadd.memsave is a package and offloadd.memsave the function: the package is imported now
 # (it is light) and its name dropped, so that importing it later (or any module of it) does not
 # bind the package over the function, which __getattr__ returns.
-importlib.import_module("offloadd.memsave")
-del globals()["memsave"]
+for _light in ("memsave", "relay"):  # the packages, light; their names are the functions
+    importlib.import_module(f"offloadd.{_light}")
+    del globals()[_light]
+del _light
 
 
 def __getattr__(name: str) -> Any:

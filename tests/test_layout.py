@@ -65,6 +65,7 @@ ROOMS: dict[str, tuple[str, ...]] = {
     "auto/": ("config/", "runtime/", "units.py"),
     "offloader.py": ("config/", "io/", "runtime/", "auto/", "codec/"),
     "memsave/": (),
+    "relay/": ("config/", "io/", "backend/", "units.py"),
     "integrations/": (
         "config/",
         "io/",
@@ -72,13 +73,22 @@ ROOMS: dict[str, tuple[str, ...]] = {
         "runtime/",
         "auto/",
         "memsave/",
+        "relay/",
         "offloader.py",
         "units.py",
         "cli_dirs.py",
     ),
     "offloadd_boot.py": ("integrations/",),
     "integrations/_bootstrap/": ("offloadd_boot.py",),
-    "__init__.py": ("config/", "io/", "backend/", "runtime/", "memsave/", "offloader.py"),
+    "__init__.py": (
+        "config/",
+        "io/",
+        "backend/",
+        "runtime/",
+        "memsave/",
+        "relay/",
+        "offloader.py",
+    ),
     "cli.py": ("__init__.py", "backend/", "daemon/", "integrations/", "tools/"),
     "__main__.py": ("cli.py",),
     "tools/": ANYTHING,
@@ -659,7 +669,7 @@ def test_help_and_version_import_no_torch(flag: str) -> None:
         heavy = [m for m in result["modules"] if m.split(".")[0] in ("torch", "numpy")]
         assert not heavy, f"offloadd {flag} imported {heavy[:5]}"
         ours = [m for m in result["modules"] if under(m, "offloadd")]
-        assert set(ours) <= {"offloadd", "offloadd.cli", "offloadd.memsave"}, ours
+        assert set(ours) <= {"offloadd", "offloadd.cli", "offloadd.memsave", "offloadd.relay"}, ours
     assert min(walls) < 0.3, f"offloadd {flag}: {min(walls):.2f} s at best of {walls}"
 
 

@@ -40,6 +40,7 @@ Tier = Literal["keep", "cpu", "ssd"]
 EngineName = Literal["auto", "native", "python", "kvikio"]
 IoUring = Literal["auto", "on", "off"]
 HostAllocator = Literal["auto", "caching", "system"]
+RelayMode = Literal["off", "frozen"]
 
 _ALIGN = 4096
 
@@ -130,6 +131,15 @@ class Config(Settings):
     Dropout modules save for backward only what the gradients that will be computed need (bitwise
     the same gradients; less saved where gradients flow through frozen layers). In a program,
     call ``offloadd.memsave(model)`` yourself: an :class:`~offloadd.Offloader` does not apply it."""
+
+    relay: RelayMode = setting("off", Choice(get_args(RelayMode)))
+    """``"frozen"``: under ``OFFLOADD=1``, apply :func:`offloadd.relay` to the model (the root
+    module of the first forward) once: the weights of its frozen modules are written to the ssd
+    tier and read back layer by layer, just before each layer runs, in forward and in backward
+    (docs/relay.md). In a program, call ``offloadd.relay(model)`` yourself."""
+
+    relay_window: int = setting(2, Int(1, 1024))
+    """Relay groups (layers) held in memory at once: the one running and those read ahead."""
 
     codec: CodecConfig = section(CodecConfig)
     """Lossy compression of saved activations, opt-in (off by default): the ``[codec]`` table,

@@ -1,0 +1,49 @@
+"""Frozen weights relayed from the store layer by layer (L2L): :func:`relay`.
+
+A frozen-backbone or adapter fine-tune holds weights that never change; relay writes them once
+to the ssd tier and reads each layer's back just before it runs, in forward and again in
+backward, ``relay_window`` layers at a time (docs/relay.md). Losses and gradients are
+bit-identical to the model without relay.
+
+| module | role |
+|---|---|
+| ``placeholder`` | ``RelayedWeight``, what a module holds in a relayed weight's place; ``RelayError`` |
+| ``groups`` | what is read in at once (a layer), the slab layout, tied weights kept resident |
+| ``slabs`` | page-aligned memory the weights come back into, given back when its last user dies |
+| ``store`` | the records of weights over the runtime's ``Backend`` (embedded engine or daemon) |
+| ``relayer`` | the forward and backward schedule: swaps, prefetch, saved views as refs |
+| ``surface`` | :func:`relay`, :func:`unrelay`, :func:`resident`, :func:`relay_stats`; state_dict, load, ``.to()`` |
+
+The package itself is light (``import offloadd`` imports it): its names are imported on first
+use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from offloadd.relay.placeholder import RelayedWeight, RelayError
+    from offloadd.relay.surface import RelayStats, relay, relay_stats, resident, unrelay
+
+__all__ = [
+    "RelayError",
+    "RelayStats",
+    "RelayedWeight",
+    "relay",
+    "relay_stats",
+    "resident",
+    "unrelay",
+]
+
+_HOMES = {"RelayError": "placeholder", "RelayedWeight": "placeholder"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    home = _HOMES.get(name, "surface")
+    value = getattr(importlib.import_module(f"offloadd.relay.{home}"), name)
+    globals()[name] = value
+    return value

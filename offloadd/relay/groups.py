@@ -1,0 +1,146 @@
+"""What relay moves, and together: :func:`find_groups`.
+
+Note [relay groups]
+~~~~~~~~~~~~~~~~~~~
+A group is what is read in at once: a layer (each child of the model's outermost
+``ModuleList``: the decoder layers of a transformer, the blocks of a ResNet stage list), or,
+outside the layers, one module with frozen weights of its own (an embedding, a head). Its frozen
+weights are laid out in one record, each storage at a 64-byte-aligned offset, and come back as
+views of one slab with the strides and storage offsets they had (the kernels then see the same
+layout, and compute the same bits).
+
+A weight stays resident (and is reported as kept) when relaying it could change what another
+part of the model sees:
+- its storage is shared with a trainable parameter, a buffer or a weight of another group (tied
+  weights: an embedding tied to the head, views into one flat buffer);
+- its group holds fewer than ``min_bytes`` (a lone frozen LayerNorm: the read would cost more
+  than the bytes saved).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from offloadd.relay.placeholder import RelayedWeight
+
+__all__ = ["Entry", "Group", "find_groups"]
+
+ALIGN = 64
+
+
+@dataclass(eq=False)
+class Entry:
+    """One relayed weight: where it is registered and where it lies in its group's slab."""
+
+    module: nn.Module
+    attr: str
+    name: str
+    param: nn.Parameter
+    placeholder: RelayedWeight
+    offset: int  # storage offset of the view in the slab, in elements of its dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    version: int = 0
+
+
+@dataclass(eq=False)
+class Group:
+    index: int
+    name: str
+    module: nn.Module
+    entries: list[Entry] = field(default_factory=list)
+    nbytes: int = 0
+    generation: int = 0
+    record: object = None  # the store's Record
+
+    def view(self, slab: torch.Tensor, e: Entry) -> torch.Tensor:
+        return torch.empty(0, dtype=e.dtype, device=slab.device).set_(
+            slab.untyped_storage(), e.offset, e.size, e.stride
+        )
+
+
+def _layer_roots(model: nn.Module) -> set[nn.Module]:
+    roots: set[nn.Module] = set()
+
+    def walk(m: nn.Module) -> None:
+        for child in m.children():
+            if isinstance(child, nn.ModuleList):
+                roots.update(child.children())
+            else:
+                walk(child)
+
+    walk(model)
+    return roots
+
+
+def find_groups(model: nn.Module, min_bytes: int) -> tuple[list[Group], list[str]]:
+    """The groups of ``model``'s frozen weights, and the names of frozen weights kept resident."""
+    roots = _layer_roots(model)
+    owner_group: dict[nn.Module, nn.Module] = {}
+    for _, m in model.named_modules():
+        if m in roots:
+            for sub in m.modules():
+                owner_group.setdefault(sub, m)
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    # who uses each storage: the groups of frozen weights, or None for anything else
+    users: dict[int, set[object]] = {}
+    frozen: list[tuple[nn.Module, str, nn.Parameter, nn.Module]] = []
+    for _, m in model.named_modules(remove_duplicate=False):
+        for attr, p in m._parameters.items():
+            if p is None or isinstance(p, RelayedWeight) or p.is_meta:
+                continue
+            key = p.untyped_storage()._cdata
+            if p.requires_grad or p.layout is not torch.strided:
+                users.setdefault(key, set()).add(None)
+                continue
+            g = owner_group.get(m, m)
+            users.setdefault(key, set()).add(g)
+            frozen.append((m, attr, p, g))
+        for b in m._buffers.values():
+            if b is not None and not b.is_meta:
+                users.setdefault(b.untyped_storage()._cdata, set()).add(None)
+    kept: list[str] = []
+    by_group: dict[nn.Module, list[tuple[nn.Module, str, nn.Parameter]]] = {}
+    for m, attr, p, g in frozen:
+        name = f"{names[id(m)]}.{attr}" if names[id(m)] else attr
+        if len(users[p.untyped_storage()._cdata]) > 1:
+            kept.append(name)
+            continue
+        by_group.setdefault(g, []).append((m, attr, p))
+    groups: list[Group] = []
+    for g, members in by_group.items():
+        group = Group(len(groups), names[id(g)] or "<root>", g)
+        offsets: dict[int, int] = {}
+        pos = 0
+        for m, attr, p in members:
+            st = p.untyped_storage()
+            key = st._cdata
+            if key not in offsets:
+                offsets[key] = pos
+                pos += -(-st.nbytes() // ALIGN) * ALIGN
+            start = offsets[key] // p.element_size() + int(p.storage_offset())
+            name = f"{names[id(m)]}.{attr}" if names[id(m)] else attr
+            group.entries.append(
+                Entry(
+                    m,
+                    attr,
+                    name,
+                    p,
+                    RelayedWeight.make(p, name),
+                    start,
+                    tuple(p.shape),
+                    tuple(p.stride()),
+                    p.dtype,
+                )
+            )
+        group.nbytes = pos
+        if pos < min_bytes:
+            kept.extend(e.name for e in group.entries)
+            continue
+        group.index = len(groups)
+        groups.append(group)
+    return groups, kept

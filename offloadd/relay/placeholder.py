@@ -1,0 +1,117 @@
+"""What a relayed weight is between its uses: :class:`RelayedWeight`.
+
+Note [placeholder]
+~~~~~~~~~~~~~~~~~~
+A relayed weight's bytes live in the store (ssd, or the cpu tier's pinned pool on a GPU); its
+module holds a :class:`RelayedWeight` in their place. The placeholder is a parameter on the meta
+device that says its real shape, dtype and device, so that code that looks at weights
+(``named_parameters()``, counting parameters, ``model.device``, building an optimizer) works
+unchanged, and every other use raises :class:`RelayError` naming the weight: reading it, or
+changing it in place, outside its module's forward never sees stale or missing values.
+
+Storage resized to zero, the mechanism sharded training uses to free a parameter, was rejected:
+a CPU tensor whose storage has no bytes is read without a check, and reading it segfaults.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["RelayError", "RelayedWeight"]
+
+
+class RelayError(RuntimeError):
+    """A relayed weight was used where its bytes are not (or the relay cannot go on)."""
+
+
+_T: Any = torch.Tensor
+# What the placeholder answers: its metadata, never its values.
+_ALLOWED = {
+    _T.shape.__get__,
+    _T.dtype.__get__,
+    _T.requires_grad.__get__,
+    _T.is_leaf.__get__,
+    _T.grad.__get__,
+    _T.ndim.__get__,
+    _T.layout.__get__,
+    _T.is_sparse.__get__,
+    _T.is_quantized.__get__,
+    _T.is_meta.__get__,
+    torch.Tensor.size,
+    torch.Tensor.dim,
+    torch.Tensor.numel,
+    torch.Tensor.nelement,
+    torch.Tensor.element_size,
+    torch.Tensor.is_floating_point,
+    torch.Tensor.is_complex,
+    torch.Tensor.__hash__,
+    torch.Tensor.__format__,
+}
+
+
+class RelayedWeight(nn.Parameter):
+    """The stand-in for a relayed weight (see Note [placeholder])."""
+
+    relay_name: str
+    real_device: torch.device
+
+    @staticmethod
+    def make(like: torch.Tensor, name: str) -> RelayedWeight:
+        meta = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device="meta")
+        w: RelayedWeight = torch.Tensor._make_subclass(RelayedWeight, meta, False)
+        w.relay_name = name
+        w.real_device = like.device
+        return w
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> RelayedWeight:
+        raise TypeError("RelayedWeight is made by offloadd.relay(), not directly")
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():
+            if func == _T.device.__get__ or func == _T.is_cuda.__get__:
+                w = args[0]
+                return w.real_device if func == _T.device.__get__ else w.real_device.type == "cuda"
+            if func in _ALLOWED:
+                return func(*args, **kwargs)
+            if func is torch.Tensor.detach:  # state_dict(): the hooks put the values in
+                return args[0]
+            if func is torch.Tensor.requires_grad_ or func == _T.requires_grad.__set__:
+                wanted = kwargs.get("requires_grad", args[1] if len(args) > 1 else True)
+                if not wanted:
+                    return args[0] if func is torch.Tensor.requires_grad_ else None
+        w = next(a for a in args if isinstance(a, RelayedWeight)) if args else None
+        name = getattr(w, "relay_name", "?")
+        what = str(getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func)))
+        raise RelayError(
+            f"the weight {name!r} is relayed by offloadd (its bytes are in the store outside "
+            f"its module's forward), so {what} cannot use it here: use it inside the module's "
+            "forward, or within `with offloadd.resident(model):`, or call offloadd.unrelay(model)"
+            + (
+                " (a relayed weight stays frozen: unrelay it to train it)"
+                if "requires_grad" in what
+                else ""
+            )
+        )
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        with torch._C.DisableTorchFunctionSubclass():
+            shape = tuple(self.shape)
+            dtype = self.dtype
+        return f"RelayedWeight({self.relay_name!r}, shape={shape}, dtype={dtype}, device={self.real_device})"
+
+    def __reduce_ex__(self, proto: Any) -> Any:
+        raise RelayError(
+            f"the weight {self.relay_name!r} is relayed by offloadd: save the model's "
+            "state_dict() (relay reads the values in), or unrelay it first"
+        )
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        raise RelayError(
+            f"the weight {self.relay_name!r} is relayed by offloadd: copy the model after "
+            "offloadd.unrelay(model), or copy its state_dict()"
+        )

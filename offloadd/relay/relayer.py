@@ -1,0 +1,244 @@
+"""The relay of one model: :class:`Relay`, its forward and backward schedule.
+
+Note [relay schedule]
+~~~~~~~~~~~~~~~~~~~~~
+Forward: the model's pre-hook starts reading the first groups of the last forward's order
+(module order before the first forward). A group's pre-hook waits for its slab (or reads it
+now), swaps its weights in (``param.data`` becomes a view of the slab, and the parameter takes
+its placeholder's place in the module), and starts the read of the groups up to ``window - 1``
+ahead, so that at most ``window`` groups are held. Its post-hook (run even if forward raised)
+swaps the placeholders back and drops the slab; a weight whose version counter moved meanwhile
+was changed in place, and raises.
+
+Backward: while a group's forward runs, a saved-tensor hook (pushed above whatever hooks were
+on top, an Offloader's included, which get every other tensor) turns each saved tensor that
+lies in the group's slab into a :class:`WeightRef` (the view's offset, sizes, strides and
+dtype), so autograd holds no weight bytes between forward and backward. The first unpack of a
+group reads it back (or takes it from the prefetch), keeps the slab until its last ref is
+unpacked or dropped, and starts reading the ``window - 1`` groups before it in pack order.
+
+Exactness: the slab holds the bytes that were written, viewed with the strides and offsets the
+weights had, at the same 64-byte alignment torch's allocator gives; a weight replaced after
+forward (a load between forward and backward) bumps the group's generation, and its refs raise
+as PyTorch's in-place check would.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from offloadd.relay.groups import Group
+from offloadd.relay.placeholder import RelayError
+from offloadd.relay.slabs import Slabs
+from offloadd.relay.store import Transfer, WeightStore
+
+__all__ = ["Relay", "WeightRef"]
+
+
+class WeightRef:
+    """What autograd holds for a saved view of a relayed weight (see Note [relay schedule])."""
+
+    __slots__ = ("__weakref__", "dtype", "generation", "group", "offset", "size", "stride")
+
+    def __init__(self, group: Group, t: torch.Tensor) -> None:
+        self.group = group
+        self.generation = group.generation
+        self.offset = t.storage_offset()
+        self.size = tuple(t.shape)
+        self.stride = tuple(t.stride())
+        self.dtype = t.dtype
+
+
+class Relay:
+    """Moves one model's frozen weights between the store and slabs as it runs."""
+
+    def __init__(
+        self, model: nn.Module, groups: list[Group], store: WeightStore, window: int
+    ) -> None:
+        self.model = model
+        self.groups = groups
+        self.store = store
+        self.window = window
+        self.slabs = Slabs(keep=window + 1)
+        self.lock = threading.Lock()
+        self.order: list[int] = [g.index for g in groups]
+        self._seen: list[int] = []
+        self._fwd: dict[int, Transfer] = {}
+        self._installed: dict[int, torch.Tensor] = {}  # group -> its slab while swapped in
+        self._slab_group: dict[int, Group] = {}  # slab storage -> group, while swapped in
+        self._pushed: dict[int, list[Any]] = {}
+        self._bwd_order: list[int] = []
+        self._bwd: dict[int, Transfer] = {}
+        self._held: dict[int, torch.Tensor] = {}  # group -> slab kept for its pending refs
+        self._pending: dict[int, set[int]] = {}  # group -> ids of refs not yet unpacked
+        self.wait_s = 0.0
+        self.device = next((e.param.device for g in groups for e in g.entries), None)
+
+    # -- reading --------------------------------------------------------------------------
+    def _read(self, g: Group) -> Transfer:
+        slab = self.slabs.take(g.nbytes)
+        return self.store.read(g.record, slab)  # type: ignore[arg-type]
+
+    def _wait(self, t: Transfer) -> torch.Tensor:
+        waited = t.wait()
+        self.wait_s += waited
+        assert t.slab is not None
+        slab = t.slab
+        if self.device is not None and self.device.type != "cpu":
+            slab = slab.to(self.device)  # the host-to-device relay (unverified without a GPU)
+        return slab
+
+    def fetch(self, g: Group) -> torch.Tensor:
+        """``g``'s slab, read now (or taken from a read in flight)."""
+        t = self._fwd.pop(g.index, None) or self._bwd.pop(g.index, None) or self._read(g)
+        return self._wait(t)
+
+    # -- forward ----------------------------------------------------------------------------
+    def on_model_forward(self, module: nn.Module, args: Any) -> None:
+        if self._seen:
+            self.order = list(dict.fromkeys(self._seen))
+            self._seen = []
+        if not any(self._pending.values()):
+            self._bwd_order = []
+        for i in self.order[: self.window]:
+            self._prefetch_forward(i)
+
+    def _prefetch_forward(self, i: int) -> None:
+        if i not in self._fwd and i not in self._installed:
+            self._fwd[i] = self._read(self.groups[i])
+
+    def install(self, g: Group, slab: torch.Tensor) -> None:
+        for e in g.entries:
+            if e.param.requires_grad:
+                raise RelayError(
+                    f"the weight {e.name!r} was relayed as frozen and now requires grad: "
+                    "call offloadd.unrelay(model) before training it"
+                )
+            e.param.data = g.view(slab, e)
+            e.version = e.param._version
+            e.module._parameters[e.attr] = e.param
+        self._installed[g.index] = slab
+        self._slab_group[slab.untyped_storage()._cdata] = g
+
+    def uninstall(self, g: Group) -> list[str]:
+        """Swap the placeholders back; the names of weights changed in place meanwhile."""
+        slab = self._installed.pop(g.index, None)
+        if slab is None:
+            return []
+        self._slab_group.pop(slab.untyped_storage()._cdata, None)
+        changed = []
+        for e in g.entries:
+            if e.param._version != e.version:
+                changed.append(e.name)
+            e.module._parameters[e.attr] = e.placeholder
+            e.param.data = torch.empty(0, dtype=e.dtype, device=e.param.device)
+        return changed
+
+    def on_group_forward(self, g: Group) -> None:
+        self._seen.append(g.index)
+        if g.index not in self._installed:
+            self.install(g, self.fetch(g))
+        if torch.is_grad_enabled():
+            hooks = torch.autograd.graph.saved_tensors_hooks(*self._saved_hooks())
+            hooks.__enter__()
+            self._pushed.setdefault(g.index, []).append(hooks)
+        order = self.order
+        if g.index in order:
+            at = order.index(g.index)
+            for i in order[at + 1 : at + self.window]:
+                self._prefetch_forward(i)
+
+    def after_group_forward(self, g: Group) -> None:
+        pushed = self._pushed.get(g.index)
+        if pushed:
+            pushed.pop().__exit__(None, None, None)
+        changed = self.uninstall(g)
+        if changed:
+            raise RelayError(
+                f"relayed weights were changed in place during forward: {', '.join(changed)}. "
+                "A relayed weight is frozen; change it with load_state_dict(), or within "
+                "`with offloadd.resident(model):`, or unrelay the model"
+            )
+
+    # -- backward ---------------------------------------------------------------------------
+    def _saved_hooks(self) -> tuple[Any, Any]:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        outer_pack, outer_unpack = top if top is not None else (None, None)
+        slab_group = self._slab_group
+
+        def pack(t: torch.Tensor) -> Any:
+            if t.device.type in ("cpu", "cuda") and not t.is_meta:
+                g = slab_group.get(t.untyped_storage()._cdata)
+                if g is not None:
+                    return self._ref(g, t)
+            return outer_pack(t) if outer_pack is not None else t
+
+        def unpack(x: Any) -> torch.Tensor:
+            if type(x) is WeightRef:
+                return self._unpack(x)
+            return outer_unpack(x) if outer_unpack is not None else x
+
+        return pack, unpack
+
+    def _ref(self, g: Group, t: torch.Tensor) -> WeightRef:
+        ref = WeightRef(g, t)
+        with self.lock:
+            pending = self._pending.setdefault(g.index, set())
+            if not pending and (not self._bwd_order or self._bwd_order[-1] != g.index):
+                self._bwd_order.append(g.index)
+            pending.add(id(ref))
+        weakref.finalize(ref, self._forget, g.index, id(ref))
+        return ref
+
+    def _forget(self, i: int, ref_id: int) -> None:
+        t = None
+        with self.lock:
+            pending = self._pending.get(i)
+            if pending is None or ref_id not in pending:
+                return
+            pending.discard(ref_id)
+            if not pending:
+                self._held.pop(i, None)
+                t = self._bwd.pop(i, None)
+        if t is not None:
+            t.done.wait()  # a read in flight for refs that died: let it land, then drop it
+
+    def _unpack(self, ref: WeightRef) -> torch.Tensor:
+        g = ref.group
+        if ref.generation != g.generation:
+            raise RelayError(
+                f"the weights of {g.name!r} were replaced after forward saved them "
+                "(load_state_dict or offloadd.resident between forward and backward): "
+                "backward would use the new values"
+            )
+        slab = self._held.get(g.index)
+        if slab is None:
+            slab = self.fetch(g)
+        with self.lock:
+            pending = self._pending.get(g.index, set())
+            pending.discard(id(ref))
+            if pending:
+                self._held[g.index] = slab
+            else:
+                self._held.pop(g.index, None)
+        self._prefetch_backward(g.index)
+        return torch.empty(0, dtype=ref.dtype, device=slab.device).set_(
+            slab.untyped_storage(), ref.offset, ref.size, ref.stride
+        )
+
+    def _prefetch_backward(self, i: int) -> None:
+        order = self._bwd_order
+        if i not in order:
+            return
+        at = len(order) - 1 - order[::-1].index(i)
+        for j in reversed(order[max(0, at - self.window + 1) : at]):
+            if j not in self._held and j not in self._bwd and self._pending.get(j):
+                self._bwd[j] = self._read(self.groups[j])
+
+    def held_slabs(self) -> int:
+        return len(self._installed) + len(self._held) + len(self._fwd) + len(self._bwd)

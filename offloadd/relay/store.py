@@ -1,0 +1,187 @@
+"""Where relayed weights are kept: :class:`WeightStore`, over the runtime's :class:`Backend`.
+
+Each group's bytes are one record of ``chunk_bytes`` places that the backend hands out (the
+embedded engine's files, or the daemon's). A record is written once, from the staging pool (the
+daemon reads host memory from there only), and read back many times, straight into a
+page-aligned slab (Note [slabs]): each chunk is one request, and all of a record's requests are
+queued at once, so the engine reads a group ahead with its whole queue depth.
+
+The store has its own backend, apart from any :class:`~offloadd.Offloader`'s: its own engine
+(or daemon session) and a small staging pool, so that relayed weights and offloaded
+activations never wait on each other's slots.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from offloadd.backend import Backend, open_backend
+from offloadd.config import Config
+from offloadd.io.request import Op, Request
+from offloadd.relay.placeholder import RelayError
+
+__all__ = ["Record", "Transfer", "WeightStore"]
+
+log = logging.getLogger("offloadd")
+
+
+@dataclass(eq=False)
+class Record:
+    """One group's bytes in the store: its places, ``chunk_bytes`` each."""
+
+    name: str
+    nbytes: int
+    places: list[tuple[int, int]] = field(default_factory=list)
+
+
+class Transfer:
+    """Reads (or writes) of one record in flight; :meth:`wait` until all are done."""
+
+    __slots__ = ("done", "error", "nbytes", "pending", "record", "slab")
+
+    def __init__(self, record: Record, slab: torch.Tensor | None, pending: int) -> None:
+        self.record = record
+        self.slab = slab
+        self.pending = pending
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.nbytes = record.nbytes
+        if pending == 0:
+            self.done.set()
+
+    def wait(self) -> float:
+        """Wait for the transfer; the seconds waited. Raises :class:`RelayError` if it failed."""
+        t0 = time.perf_counter()
+        if not self.done.is_set():
+            self.done.wait()
+        waited = time.perf_counter() - t0
+        if self.error is not None:
+            raise RelayError(
+                f"offloadd relay: reading the weights of {self.record.name!r} failed: {self.error}"
+            ) from self.error
+        return waited
+
+
+class WeightStore:
+    """Records of relayed weights on the configured backend (ssd files or the daemon)."""
+
+    def __init__(self, cfg: Config) -> None:
+        if cfg.tier != "ssd":
+            raise RelayError(
+                f"tier: relay keeps frozen weights on ssd (tier = 'ssd'), not {cfg.tier!r}"
+            )
+        chunk = cfg.chunk_bytes
+        self.chunk_bytes = chunk
+        # writes go through staging: four slots keep the engine busy while relay() writes
+        self._cfg = cfg.replace(staging_bytes=4 * chunk)
+        self._backend: Backend | None = open_backend(self._cfg, None, self._warn)
+        assert self._backend is not None
+        self._lock = threading.Lock()
+        self._slot_free = threading.Condition(self._lock)
+        self.read_bytes = 0
+        self.written_bytes = 0
+        self.disk_bytes = 0
+
+    @staticmethod
+    def _warn(key: str, message: str) -> None:
+        log.warning("offloadd relay: %s", message)
+
+    @property
+    def backend(self) -> Backend:
+        if self._backend is None:
+            raise RelayError("offloadd relay: the weight store is closed (offloadd.unrelay ran)")
+        return self._backend
+
+    def _chunks(self, record: Record) -> list[tuple[int, int, int]]:
+        """``(file, offset, position in the record)`` of each chunk."""
+        c = self.chunk_bytes
+        return [(f, off, i * c) for i, (f, off) in enumerate(record.places)]
+
+    def write(self, name: str, data: torch.Tensor) -> Record:
+        """Write ``data`` (a uint8 CPU tensor) as a new record; returns when it is on disk."""
+        backend = self.backend
+        nbytes = data.numel()
+        c = self.chunk_bytes
+        record = Record(name, nbytes)
+        for i in range(-(-nbytes // c)):
+            record.places.append(backend.place(i))
+        self.disk_bytes += len(record.places) * c
+        pool = backend.staging()
+        t = Transfer(record, None, len(record.places))
+        for file, offset, pos in self._chunks(record):
+            with self._slot_free:
+                while (slot := pool.acquire()) is None:
+                    self._slot_free.wait()
+            n = min(c, nbytes - pos)
+            buf = pool.tensor(slot, c)
+            buf[:n].copy_(data[pos : pos + n])
+            if n < c:
+                buf[n:].zero_()
+            fd, path = backend.target(file)
+            io = -(-n // 4096) * 4096
+            req = Request(
+                Op.WRITE, fd, path, offset, pool.address(slot), io, self._written, context=(t, slot)
+            )
+            backend.submit(req)
+        t.wait()
+        self.written_bytes += nbytes
+        return record
+
+    def _written(self, req: Request) -> None:
+        t, slot = req.context
+        with self._slot_free:
+            self.backend.staging().release(slot)
+            self._slot_free.notify()
+        self._finish(t, req)
+
+    def read(self, record: Record, slab: torch.Tensor) -> Transfer:
+        """Start reading ``record`` into ``slab`` (page-aligned, padded); returns at once."""
+        backend = self.backend
+        c = self.chunk_bytes
+        chunks = self._chunks(record)
+        t = Transfer(record, slab, len(chunks))
+        base = slab.data_ptr()
+        for file, offset, pos in chunks:
+            n = min(c, slab.numel() - pos)
+            fd, path = backend.target(file)
+            req = Request(
+                Op.READ, fd, path, offset, base + pos, n, self._read, keepalive=slab, context=t
+            )
+            backend.submit(req)
+        return t
+
+    def _read(self, req: Request) -> None:
+        self._finish(req.context, req)
+
+    def _finish(self, t: Transfer, req: Request) -> None:
+        with self._lock:
+            if req.error is not None and t.error is None:
+                t.error = req.error
+            t.pending -= 1
+            last = t.pending == 0
+            if req.op is Op.READ and req.error is None:
+                self.read_bytes += req.nbytes
+        if last:
+            t.done.set()
+
+    def free(self, record: Record) -> None:
+        backend = self._backend
+        if backend is None:
+            return
+        with self._lock:
+            for file, offset in record.places:
+                backend.free(file, offset)
+            self.disk_bytes -= len(record.places) * self.chunk_bytes
+            record.places = []
+
+    def close(self) -> None:
+        """Finish what is in flight, then give the files back (idempotent)."""
+        backend, self._backend = self._backend, None
+        if backend is not None:
+            backend.close()
+            backend.release()

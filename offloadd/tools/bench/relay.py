@@ -288,14 +288,15 @@ def format_report(
         f"- {sizes['steps']} timed steps (their median) after {sizes['warmup']} warm-up, "
         f"{n} round(s) interleaved, one process per run; medians over rounds",
         "",
-        "| configuration | layers | step time | peak RSS above base | frozen weights "
-        "| peak resident weights | read per step | read wait per step |",
-        "|---|---|---|---|---|---|---|---|",
+        "| configuration | layers | step time | RSS above base after setup | peak RSS above base "
+        "| frozen weights | peak resident weights | read per step | read wait per step |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for label, rs in runs.items():
         wait = _med(rs, "wait_s_per_step")
         lines.append(
             f"| {label} | {rs[0]['layers']} | {_num(_med(rs, 'step_time_s'))} s | "
+            f"{_bytes(_med(rs, 'setup_rss_above_base'))} | "
             f"{_bytes(_med(rs, 'peak_rss_above_base'))} | {_bytes(rs[0]['frozen_bytes'])} | "
             f"{_bytes(_med(rs, 'peak_resident_bytes'))} | "
             f"{_bytes(_med(rs, 'read_bytes_per_step'))} | "

@@ -6,6 +6,7 @@ import argparse
 
 from offloadd.tools.bench import io as bench_io
 from offloadd.tools.bench import memsave as bench_memsave
+from offloadd.tools.bench import relay as bench_relay
 from offloadd.tools.bench import step as bench_step
 
 __all__ = ["add_arguments", "main"]
@@ -20,9 +21,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     bench_memsave.add_arguments(
         sub.add_parser("memsave", help=bench_memsave.HELP, description=bench_memsave.__doc__)
     )
+    bench_relay.add_arguments(
+        sub.add_parser("relay", help=bench_relay.HELP, description=bench_relay.__doc__)
+    )
 
 
 def main(ns: argparse.Namespace) -> int:
-    tools = {"step": bench_step, "memsave": bench_memsave}
+    tools = {"step": bench_step, "memsave": bench_memsave, "relay": bench_relay}
     status: int = tools.get(ns.bench, bench_io).main(ns)
     return status

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import statistics
 import sys
@@ -25,6 +24,7 @@ from offloadd.config import CodecConfig, Config
 from offloadd.io.buffers import address_view
 from offloadd.offloader import Offloader
 from offloadd.runtime import host_allocator
+from offloadd.tools.harness.child import RunFailed, child_main, run_module
 from offloadd.tools.harness.memory import is_oom, limit_memory, peak_rss, rss, unlimit_memory
 from offloadd.tools.harness.step_trace import (
     ALLOCATORS,
@@ -103,15 +103,6 @@ def split_label(label: str, codec: str, allocator: str = "auto") -> tuple[str, s
     rest, at, alloc = label.partition(":")
     base, plus, named = rest.partition("+")
     return base, named if plus else codec, alloc if at else allocator
-
-
-class RunFailed(RuntimeError):
-    """A run's process failed; ``returncode`` is negative when a signal killed it."""
-
-    def __init__(self, message: str, returncode: int, stderr: str) -> None:
-        super().__init__(message)
-        self.returncode = returncode
-        self.stderr = stderr
 
 
 _SIZE_ARGS = ("layers", "d_model", "heads", "seq", "batch", "steps")
@@ -338,34 +329,14 @@ def run_in_subprocess(
     spec: RunSpec, *, progress: bool = False, timeout: float | None = None
 ) -> dict[str, Any]:
     """Run ``spec`` in a fresh interpreter (clean peak RSS); raise with its stderr if it fails."""
-    import subprocess
-
-    # -P: import the installed offloadd, never a source tree that happens to be the cwd
-    args = [
-        sys.executable,
-        "-P",
-        "-m",
+    return run_module(
         "offloadd.tools.harness.train",
-        "--json",
-        json.dumps(_spec_dict(spec)),
-    ]
-    if progress:
-        args.append("--progress")
-    proc = subprocess.run(
-        args,
-        stdout=subprocess.PIPE,
-        stderr=None if progress else subprocess.PIPE,
-        text=True,
+        _spec_dict(spec),
+        what=f"training run {spec.strategy}",
+        progress=progress,
         timeout=timeout,
         env=preload_env(spec.allocator, os.environ),
     )
-    if proc.returncode != 0:
-        raise RunFailed(
-            f"training run {spec.strategy} failed (exit {proc.returncode}): {proc.stderr}",
-            proc.returncode,
-            proc.stderr or "",
-        )
-    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
 def _spec_dict(spec: RunSpec) -> dict[str, Any]:
@@ -374,13 +345,11 @@ def _spec_dict(spec: RunSpec) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m offloadd.tools.harness.train --json SPEC``: run the spec, print its result as JSON."""
-    parser = argparse.ArgumentParser(prog="python -m offloadd.tools.harness.train")
-    parser.add_argument("--json", required=True, help="RunSpec fields as a JSON object")
-    parser.add_argument("--progress", action="store_true")
-    ns = parser.parse_args(argv)
-    spec = RunSpec(**json.loads(ns.json))
-    print(json.dumps(run(spec, progress=ns.progress)), flush=True)
-    return 0
+    return child_main(
+        "offloadd.tools.harness.train",
+        lambda spec, progress: run(RunSpec(**spec), progress=progress),
+        argv,
+    )
 
 
 if __name__ == "__main__":

@@ -45,8 +45,8 @@ from offloadd.integrations.ranks import RankInfo, rank_info
 from offloadd.integrations.report import report_dict, summary_line, write_report
 from offloadd.integrations.scope import ModuleScope
 from offloadd.memsave import memsave
-from offloadd.relay import relay
 from offloadd.offloader import Offloader
+from offloadd.relay import relay
 
 __all__ = ["AutoOffload", "EnvSettings", "activate", "current"]
 

@@ -149,10 +149,10 @@ def test_misuse_raises_naming_the_weight(disk_dir: Path) -> None:
         lambda: copy.deepcopy(model),
         lambda: model.layers[0].to(torch.float64),
     ):
-        with pytest.raises(RelayError, match="layers.0.weight|as a whole|pickled or deep-copied"):
+        with pytest.raises(RelayError, match=r"layers\.0\.weight|as a whole|pickled or deep-copied"):
             misuse()
     model.layers[1].bump = True
-    with pytest.raises(RelayError, match="changed in place during forward: layers.1.weight"):
+    with pytest.raises(RelayError, match=r"changed in place during forward: layers\.1\.weight"):
         model(torch.ones(3, 256))
     model.layers[1].bump = False
     assert type(model.layers[1].weight).__name__ == "RelayedWeight"  # swapped back

@@ -45,6 +45,7 @@ from offloadd.auto.profile import HEAD, StepProfile
 from offloadd.auto.race import PATIENCE, RACE_STEPS_MAX, RACE_STEPS_MIN
 from offloadd.auto.solver import OFFLOAD, RECOMPUTE, Plan
 from offloadd.runtime.accounting import Ledger
+from offloadd.runtime.stages import held_elsewhere
 
 __all__ = ["WARMUP_STEPS", "WARMUP_STEPS_MAX", "AutoPlanner"]
 
@@ -121,6 +122,7 @@ class AutoPlanner:
         if self.root is not None:
             return
         self.root = root
+        self.shapes.held = lambda: held_elsewhere(root)
         sample = next(root.parameters(), None)
         self.probe = open_probe(sample, lambda: self.ledger.stats.buffer_bytes)
         found = find_blocks(root)

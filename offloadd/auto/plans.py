@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from offloadd.auto.plan_report import plan_table
@@ -44,6 +45,7 @@ class ShapePlans:
         self.race: Race | None = None
         self.waiting: dict[Sig, tuple[Plan, Plan]] = {}  # races to run when this one is done
         self.measure: str | None = None  # the probe measuring peaks (None: offloadd's accounting)
+        self.held: Callable[[], int] = lambda: 0  # what the model holds elsewhere (relay)
 
     def learn(self, sig: Sig, costs: list[BlockCost], base: int, kept: int) -> Plan:
         """A profile's costs, ``base`` and ``kept`` its peaks held and kept: the first plan."""
@@ -62,6 +64,7 @@ class ShapePlans:
         costs, base, kept = self.costs[sig]
         budget = self.budget
         nbytes = int(budget * self.keep_footprint(sig)) if isinstance(budget, float) else budget
+        nbytes = max(0, nbytes - self.held())  # relayed weights count in the budget
         if self.race is not None and self.race.signature == sig:
             self.race = None  # a replan: the race's plans are stale; it races again below
             self.verdicts.pop(sig, None)

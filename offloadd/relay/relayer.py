@@ -241,5 +241,8 @@ class Relay:
             if j not in self._held and j not in self._bwd and self._pending.get(j):
                 self._bwd[j] = self._read(self.groups[j])
 
-    def held_slabs(self) -> int:
-        return len(self._installed) + len(self._held) + len(self._fwd) + len(self._bwd)
+    def held_for_budget(self) -> int:
+        """What a budget counts of relay (see ``HELD_ELSEWHERE`` in runtime/stages.py): the host
+        slabs' peak on CPU; on a GPU the weights' device copies are the allocator's, measured."""
+        on_host = self.device is None or self.device.type == "cpu"
+        return self.slabs.peak_bytes if on_host else 0

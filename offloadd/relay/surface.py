@@ -34,6 +34,8 @@ from offloadd.relay.placeholder import RelayError
 from offloadd.relay.relayer import Relay
 from offloadd.relay.store import WeightStore
 from offloadd.runtime.compiled import unseen
+from offloadd.runtime.heap_trim import malloc_trim
+from offloadd.runtime.stages import HELD_ELSEWHERE
 
 __all__ = ["RelayStats", "relay", "relay_stats", "resident", "unrelay"]
 
@@ -101,8 +103,11 @@ def relay(
         for e in g.entries:
             e.module._parameters[e.attr] = e.placeholder
             e.param.data = torch.empty(0, dtype=e.dtype, device=e.param.device)
+    if groups and (trim := malloc_trim()) is not None:
+        trim(0)  # the weights' storages went back to glibc's heap: give the pages back too
     _hook(model, state)
     model.__dict__[_ATTR] = state
+    model.__dict__[HELD_ELSEWHERE] = r.held_for_budget
     # a model dropped without unrelay: its store's engine stops, its files (no names) close
     state.finalizer = weakref.finalize(model, _close, store, r.slabs)
     return model
@@ -274,6 +279,7 @@ def unrelay(model: nn.Module) -> nn.Module:
     model.__dict__.pop("__reduce_ex__", None)
     model.__dict__.pop("__deepcopy__", None)
     del model.__dict__[_ATTR]
+    model.__dict__.pop(HELD_ELSEWHERE, None)
     state.finalizer()
     return model
 

@@ -23,7 +23,25 @@ from offloadd.config import Config
 from offloadd.runtime.accounting import Ledger
 from offloadd.runtime.stats import Stats
 
-__all__ = ["Coder", "CoderFactory", "Planner", "PlannerFactory", "Stages"]
+__all__ = [
+    "HELD_ELSEWHERE",
+    "Coder",
+    "CoderFactory",
+    "Planner",
+    "PlannerFactory",
+    "Stages",
+    "held_elsewhere",
+]
+
+HELD_ELSEWHERE = "_offloadd_held_elsewhere"
+"""A model's attribute: a callable giving the bytes it holds outside offloadd's accounting and
+the allocator's counts, that a budget must leave room for (relay's weights in host memory)."""
+
+
+def held_elsewhere(model: nn.Module | None) -> int:
+    """What ``model`` holds that the budget counts beside its activations (0 if nothing)."""
+    held = getattr(model, "__dict__", {}).get(HELD_ELSEWHERE)
+    return int(held()) if held is not None else 0
 
 
 class Planner(Protocol):

@@ -149,7 +149,9 @@ def test_misuse_raises_naming_the_weight(disk_dir: Path) -> None:
         lambda: copy.deepcopy(model),
         lambda: model.layers[0].to(torch.float64),
     ):
-        with pytest.raises(RelayError, match=r"layers\.0\.weight|as a whole|pickled or deep-copied"):
+        with pytest.raises(
+            RelayError, match=r"layers\.0\.weight|as a whole|pickled or deep-copied"
+        ):
             misuse()
     model.layers[1].bump = True
     with pytest.raises(RelayError, match=r"changed in place during forward: layers\.1\.weight"):

@@ -1,0 +1,174 @@
+"""offloadd.relay with the rest of offloadd and with what users combine it with: activation
+offload, memsave, torch.compile, PEFT LoRA, and ``OFFLOADD_RELAY=frozen`` in an unmodified
+script. Every combination is bit-identical to the same model without relay."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import offloadd
+from offloadd.config import Config
+from offloadd.runtime.compiled import unseen
+from tests._support import helpers
+from tests._support.envrun import CLIENTS, PYTHON, clean_env, last_json, offload_env, run
+from tests.relay.cases import (
+    Convs,
+    Layered,
+    freeze_layers,
+    llama,
+    llama_loss,
+    relay_config,
+    same,
+    square_loss,
+    step,
+)
+
+
+def test_with_activation_offload(disk_dir: Path, backend: str) -> None:
+    """Relay's saved-tensor hook sits above the Offloader's: weights become refs, every other
+    saved tensor goes on to the Offloader, which moves as much as without relay."""
+    x = torch.randn(6, 16)
+    torch.manual_seed(0)
+    ref = freeze_layers(Layered())
+    plain = helpers.small_offloader(disk_dir)
+    with plain:
+        loss = square_loss(ref, x)
+    loss.backward()
+    want_moved = plain.stats().offloaded_bytes
+    plain.close()
+    torch.manual_seed(0)
+    want = step(freeze_layers(Layered()), x, square_loss)
+
+    torch.manual_seed(0)
+    model = offloadd.relay(freeze_layers(Layered()), config=relay_config(disk_dir))
+    off = helpers.small_offloader(disk_dir)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        xi = x.detach().requires_grad_(True)
+        with off:
+            loss = square_loss(model, xi)
+        loss.backward()
+        got = (
+            loss.detach(),
+            {
+                **{n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+                "<input>": xi.grad.clone(),
+            },
+        )
+        assert same(want, got)
+    assert off.stats().offloaded_bytes == 2 * want_moved
+    off.close()
+    offloadd.unrelay(model)
+
+
+def test_with_memsave(disk_dir: Path) -> None:
+    x = torch.randn(2, 3, 12, 12)
+    torch.manual_seed(0)
+    want = step(Convs(), x, square_loss)
+    torch.manual_seed(0)
+    model = offloadd.relay(offloadd.memsave(Convs()), config=relay_config(disk_dir))
+    assert type(model.trunk[0]).__name__ == "MemsaveConv2d"
+    for _ in range(2):
+        assert same(want, step(model, x, square_loss))
+    offloadd.unrelay(model)
+
+
+def test_compiled(disk_dir: Path) -> None:
+    """Under torch.compile, relay's hooks run eagerly: a graph break at each group's forward.
+    The same model compiled with a no-op hook at the same places computes the same bits."""
+    noop = unseen(lambda *args: None)
+
+    def reference() -> nn.Module:
+        torch.manual_seed(0)
+        m = freeze_layers(Layered())
+        m.register_forward_pre_hook(noop)
+        for layer in m.layers:
+            layer.register_forward_pre_hook(noop)
+            layer.register_forward_hook(noop, always_call=True)
+        return m
+
+    xs = [torch.randn(6, 16, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    ref = torch.compile(reference())
+    want = [step(ref, x, square_loss) for x in xs]
+    torch.manual_seed(0)
+    model = torch.compile(offloadd.relay(freeze_layers(Layered()), config=relay_config(disk_dir)))
+    for x, w in zip(xs, want, strict=True):
+        assert same(w, step(model, x, square_loss))
+    offloadd.unrelay(model._orig_mod)  # type: ignore[arg-type]
+
+
+def test_lora(disk_dir: Path) -> None:
+    """A PEFT LoRA model: the base weights PEFT froze are relayed; the adapters train."""
+    peft = pytest.importorskip("peft")
+    ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(3))
+
+    def lora() -> nn.Module:
+        torch.manual_seed(0)
+        cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+        return peft.get_peft_model(llama(), cfg)
+
+    want = step(lora(), ids, llama_loss)
+    model = offloadd.relay(lora(), config=relay_config(disk_dir))
+    st = offloadd.relay_stats(model)
+    assert st.groups >= 3
+    assert (
+        type(model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight).__name__
+        == "RelayedWeight"
+    )
+    got = step(model, ids, llama_loss)
+    assert same(want, got)
+    assert any("lora_A" in k for k in got[1])
+    offloadd.unrelay(model)
+
+
+def test_budget_counts_relayed_weights(disk_dir: Path) -> None:
+    """On CPU the planner leaves room in the budget for what relay holds (its slabs' peak)."""
+    torch.manual_seed(0)
+    model = offloadd.relay(freeze_layers(Layered(layers=6)), config=relay_config(disk_dir))
+    budget = 8 << 20
+    off = helpers.small_offloader(disk_dir, budget=budget)
+    torch.manual_seed(0)
+    ref = freeze_layers(Layered(layers=6))
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(4):
+        x = torch.randn(32, 16, generator=gen)
+        want = step(ref, x, square_loss)
+        model.zero_grad(set_to_none=True)
+        xi = x.detach().requires_grad_(True)
+        with off:
+            loss = square_loss(model, xi)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        assert same(want, (loss.detach(), {**grads, "<input>": xi.grad.clone()}))
+    plan = off.plan()
+    assert plan is not None
+    held = offloadd.relay_stats(model).peak_resident_bytes
+    assert held > 0 and plan.budget <= budget - held
+    off.close()
+    offloadd.unrelay(model)
+
+
+def test_relay_key() -> None:
+    assert Config().relay == "off" and Config().relay_window == 2
+    assert (
+        Config.from_env({"OFFLOADD_RELAY": "frozen", "OFFLOADD_RELAY_WINDOW": "3"}).relay_window
+        == 3
+    )
+    with pytest.raises(ValueError, match="relay"):
+        Config.from_env({"OFFLOADD_RELAY": "weights"})
+    with pytest.raises(ValueError, match="relay_window"):
+        Config.from_env({"OFFLOADD_RELAY_WINDOW": "0"})
+
+
+def test_env_var_relay_is_identical(disk_dir: Path, tmp_path: Path) -> None:
+    client = str(CLIENTS / "relay_train.py")
+    base = last_json(run([PYTHON, client, "3"], clean_env()).stdout)
+    assert base["frozen_weight"] == "Parameter"
+    env = offload_env(disk_dir, tmp_path / "report.json", OFFLOADD_RELAY="frozen")
+    got = last_json(run([PYTHON, client, "3"], env).stdout)
+    assert (got["losses"], got["weights"]) == (base["losses"], base["weights"])
+    assert got["frozen_weight"] == "RelayedWeight"

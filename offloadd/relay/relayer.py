@@ -35,7 +35,7 @@ from torch import nn
 from offloadd.relay.groups import Group
 from offloadd.relay.placeholder import RelayError
 from offloadd.relay.slabs import Slabs
-from offloadd.relay.store import Transfer, WeightStore
+from offloadd.relay.store import HostStore, Transfer, WeightStore
 from offloadd.runtime.compiled import unseen
 
 __all__ = ["Relay", "WeightRef"]
@@ -59,7 +59,7 @@ class Relay:
     """Moves one model's frozen weights between the store and slabs as it runs."""
 
     def __init__(
-        self, model: nn.Module, groups: list[Group], store: WeightStore, window: int
+        self, model: nn.Module, groups: list[Group], store: WeightStore | HostStore, window: int
     ) -> None:
         self.model = weakref.ref(model)  # the model holds the relay (its hooks), not back
         self.groups = groups
@@ -82,8 +82,7 @@ class Relay:
 
     # -- reading --------------------------------------------------------------------------
     def _read(self, g: Group) -> Transfer:
-        slab = self.slabs.take(g.nbytes)
-        return self.store.read(g.record, slab)  # type: ignore[arg-type]
+        return self.store.read(g.record, self.slabs)  # type: ignore[arg-type]
 
     def _wait(self, t: Transfer) -> torch.Tensor:
         waited = t.wait()
@@ -91,7 +90,8 @@ class Relay:
         assert t.slab is not None
         slab = t.slab
         if self.device is not None and self.device.type != "cpu":
-            slab = slab.to(self.device)  # the host-to-device relay (unverified without a GPU)
+            # the host-to-device relay, on the current stream (unverified without a GPU)
+            slab = slab.to(self.device, non_blocking=slab.is_pinned())
         return slab
 
     def fetch(self, g: Group) -> torch.Tensor:

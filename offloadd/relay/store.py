@@ -24,8 +24,9 @@ from offloadd.backend import Backend, open_backend
 from offloadd.config import Config
 from offloadd.io.request import Op, Request
 from offloadd.relay.placeholder import RelayError
+from offloadd.relay.slabs import Slabs
 
-__all__ = ["Record", "Transfer", "WeightStore"]
+__all__ = ["HostStore", "Record", "Transfer", "WeightStore", "open_store"]
 
 log = logging.getLogger("offloadd")
 
@@ -71,10 +72,6 @@ class WeightStore:
     """Records of relayed weights on the configured backend (ssd files or the daemon)."""
 
     def __init__(self, cfg: Config) -> None:
-        if cfg.tier != "ssd":
-            raise RelayError(
-                f"tier: relay keeps frozen weights on ssd (tier = 'ssd'), not {cfg.tier!r}"
-            )
         chunk = cfg.chunk_bytes
         self.chunk_bytes = chunk
         # writes go through staging: four slots keep the engine busy while relay() writes
@@ -139,8 +136,9 @@ class WeightStore:
             self._slot_free.notify()
         self._finish(t, req)
 
-    def read(self, record: Record, slab: torch.Tensor) -> Transfer:
-        """Start reading ``record`` into ``slab`` (page-aligned, padded); returns at once."""
+    def read(self, record: Record, slabs: Slabs) -> Transfer:
+        """Start reading ``record`` into a slab taken from ``slabs``; returns at once."""
+        slab = slabs.take(record.nbytes)
         backend = self.backend
         c = self.chunk_bytes
         chunks = self._chunks(record)
@@ -185,3 +183,47 @@ class WeightStore:
         if backend is not None:
             backend.close()
             backend.release()
+
+
+class HostStore:
+    """The cpu tier's relay, for a model on a GPU: each record is a tensor in pinned host memory,
+    and a read hands it out as it is (the relayer copies it to the device). Unverified here: no
+    GPU was lent to the sessions that wrote it."""
+
+    def __init__(self) -> None:
+        self.read_bytes = 0
+        self.written_bytes = 0
+        self.disk_bytes = 0
+
+    def write(self, name: str, data: torch.Tensor) -> Record:
+        record = Record(name, data.numel())
+        held = torch.empty(data.numel(), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        held.copy_(data)
+        record.places = [held]  # type: ignore[list-item]
+        self.written_bytes += record.nbytes
+        return record
+
+    def read(self, record: Record, slabs: Slabs) -> Transfer:
+        self.read_bytes += record.nbytes
+        return Transfer(record, record.places[0], 0)  # type: ignore[arg-type]
+
+    def free(self, record: Record) -> None:
+        record.places = []
+
+    def close(self) -> None:
+        pass
+
+
+def open_store(cfg: Config, device: torch.device | None) -> WeightStore | HostStore:
+    """The store ``cfg``'s tier names for weights on ``device``."""
+    on_gpu = device is not None and device.type == "cuda"
+    if cfg.tier == "ssd":
+        return WeightStore(cfg)
+    if cfg.tier == "cpu" and on_gpu:
+        return HostStore()
+    where = "a GPU model's weights" if on_gpu else "a CPU model's weights (already in host memory)"
+    raise RelayError(
+        f"tier: relay keeps {where} on ssd (tier = 'ssd')"
+        + (" or in pinned host memory (tier = 'cpu')" if on_gpu else "")
+        + f", not {cfg.tier!r}"
+    )

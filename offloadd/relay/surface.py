@@ -32,7 +32,7 @@ from offloadd.io.request import on_engine_thread
 from offloadd.relay.groups import Group, find_groups
 from offloadd.relay.placeholder import RelayError
 from offloadd.relay.relayer import Relay
-from offloadd.relay.store import WeightStore
+from offloadd.relay.store import HostStore, WeightStore, open_store
 from offloadd.runtime.compiled import unseen
 from offloadd.runtime.heap_trim import malloc_trim
 from offloadd.runtime.stages import HELD_ELSEWHERE
@@ -87,7 +87,8 @@ def relay(
     if win < 1:
         raise RelayError(f"relay_window: at least 1 group must be held, got {win}")
     groups, kept = find_groups(model, MIN_GROUP_BYTES)
-    store = WeightStore(cfg)
+    device = next((e.param.device for g in groups for e in g.entries), None)
+    store = open_store(cfg, device)
     try:
         for g in groups:
             slab = torch.empty(g.nbytes, dtype=torch.uint8)
@@ -113,7 +114,7 @@ def relay(
     return model
 
 
-def _close(store: WeightStore, slabs: Any) -> None:
+def _close(store: WeightStore | HostStore, slabs: Any) -> None:
     if on_engine_thread():  # a collection on an engine thread: closing joins that thread
         threading.Thread(target=_close, args=(store, slabs), daemon=True).start()
         return

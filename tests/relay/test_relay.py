@@ -239,3 +239,20 @@ def test_dropped_model_stops_its_store(disk_dir: Path) -> None:
     gc.collect()
     assert threading.active_count() <= before
     assert not list(disk_dir.iterdir())
+
+
+def test_host_store_round_trip() -> None:
+    """The cpu tier's store (a GPU model's pinned host copies) hands out what it was given."""
+    from offloadd.relay.slabs import Slabs
+    from offloadd.relay.store import HostStore, open_store
+
+    store = HostStore()
+    data = torch.randint(0, 255, (10_000,), dtype=torch.uint8)
+    rec = store.write("g", data)
+    t = store.read(rec, Slabs(keep=1))
+    t.wait()
+    assert t.slab is not None and torch.equal(t.slab, data)
+    cpu_tier = offloadd.Config(tier="cpu")
+    assert isinstance(open_store(cpu_tier, torch.device("cuda")), HostStore)
+    with pytest.raises(RelayError, match="CPU model"):
+        open_store(cpu_tier, torch.device("cpu"))

@@ -69,7 +69,7 @@ _HOMES = {
     "RelayStats": "offloadd.relay.surface",
     "relay": "offloadd.relay.surface",
     "relay_stats": "offloadd.relay.surface",
-    "resident": "offloadd.relay.surface",
+    "resident": "offloadd.relay.model_ops",
     "unrelay": "offloadd.relay.surface",
 }
 

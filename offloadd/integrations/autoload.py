@@ -47,6 +47,7 @@ from offloadd.integrations.scope import ModuleScope
 from offloadd.memsave import memsave
 from offloadd.offloader import Offloader
 from offloadd.relay import relay
+from offloadd.relay.state import is_relayed
 
 __all__ = ["AutoOffload", "EnvSettings", "activate", "current"]
 
@@ -157,11 +158,13 @@ class AutoOffload:
             self._memsaved.add(module)
         off = self.offloader or self._create()
         if self.settings.config.relay == "frozen" and module not in self._relayed:
-            # Once per root module (config ``relay``), before its hooks run for this call.
+            # Once per root module (config ``relay``), before its hooks run for this call;
+            # not a model the script relayed itself.
             self._relayed.add(module)
-            dirs = self.ssd_dirs or self._rank_dirs(self.settings.config)
-            self.ssd_dirs = dirs
-            relay(module, config=replace(self.settings.config, tier="ssd", ssd_dirs=dirs))
+            if not is_relayed(module):
+                dirs = self.ssd_dirs or self._rank_dirs(self.settings.config)
+                self.ssd_dirs = dirs
+                relay(module, config=replace(self.settings.config, tier="ssd", ssd_dirs=dirs))
         off.__enter__()
         # Offloader notes parameter storages from a global pre-hook that it registers on entry,
         # which is too late for the module whose call is starting.

@@ -11,8 +11,10 @@ bit-identical to the model without relay.
 | ``groups`` | what is read in at once (a layer), the slab layout, tied weights kept resident |
 | ``slabs`` | page-aligned memory the weights come back into, given back when its last user dies |
 | ``store`` | the records of weights over the runtime's ``Backend`` (embedded engine or daemon) |
-| ``relayer`` | the forward and backward schedule: swaps, prefetch, saved views as refs |
-| ``surface`` | :func:`relay`, :func:`unrelay`, :func:`resident`, :func:`relay_stats`; state_dict, load, ``.to()`` |
+| ``relayer`` | the forward and backward schedule: swaps, prefetch, saved views as refs, weights read on demand |
+| ``state`` | a relayed model's state, kept on the model |
+| ``model_ops`` | ``state_dict()``, ``load_state_dict()``, :func:`resident`, ``.to()`` on a relayed model |
+| ``surface`` | :func:`relay`, :func:`unrelay`, :func:`relay_stats`; the hooks that run it |
 
 The package itself is light (``import offloadd`` imports it): its names are imported on first
 use.
@@ -24,8 +26,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from offloadd.relay.model_ops import resident
     from offloadd.relay.placeholder import RelayedWeight, RelayError
-    from offloadd.relay.surface import RelayStats, relay, relay_stats, resident, unrelay
+    from offloadd.relay.surface import RelayStats, relay, relay_stats, unrelay
 
 __all__ = [
     "RelayError",
@@ -37,7 +40,7 @@ __all__ = [
     "unrelay",
 ]
 
-_HOMES = {"RelayError": "placeholder", "RelayedWeight": "placeholder"}
+_HOMES = {"RelayError": "placeholder", "RelayedWeight": "placeholder", "resident": "model_ops"}
 
 
 def __getattr__(name: str) -> Any:

@@ -26,7 +26,7 @@ from torch import nn
 
 from offloadd.relay.placeholder import RelayedWeight
 
-__all__ = ["Entry", "Group", "find_groups"]
+__all__ = ["Entry", "Group", "find_groups", "lay_out"]
 
 ALIGN = 64
 
@@ -63,13 +63,38 @@ class Group:
         )
 
 
+def lay_out(group: Group, tensors: list[torch.Tensor]) -> None:
+    """Place ``tensors`` (the group's weights, in entry order) in one slab: each storage once,
+    at a 64-byte-aligned offset, each weight with its own strides and storage offset."""
+    offsets: dict[int, int] = {}
+    pos = 0
+    for e, t in zip(group.entries, tensors, strict=True):
+        st = t.untyped_storage()
+        key = st._cdata
+        if key not in offsets:
+            offsets[key] = pos
+            pos += -(-st.nbytes() // ALIGN) * ALIGN
+        e.offset = offsets[key] // t.element_size() + int(t.storage_offset())
+        e.size, e.stride, e.dtype = tuple(t.shape), tuple(t.stride()), t.dtype
+    group.nbytes = pos
+
+
 def _layer_roots(model: nn.Module) -> set[nn.Module]:
+    """The children of the outermost ``ModuleList``s; a child that is itself a container (a
+    ``ModuleList`` of ``ModuleList``s, iterated rather than called) gives its children."""
     roots: set[nn.Module] = set()
+
+    def take(m: nn.Module) -> None:
+        if isinstance(m, nn.ModuleList | nn.ModuleDict):
+            for child in m.children():
+                take(child)
+        else:
+            roots.add(m)
 
     def walk(m: nn.Module) -> None:
         for child in m.children():
             if isinstance(child, nn.ModuleList):
-                roots.update(child.children())
+                take(child)
             else:
                 walk(child)
 
@@ -77,25 +102,62 @@ def _layer_roots(model: nn.Module) -> set[nn.Module]:
     return roots
 
 
+def _owners(
+    model: nn.Module, roots: set[nn.Module]
+) -> tuple[dict[nn.Module, nn.Module], set[nn.Module]]:
+    """Each module's group root, and the modules reachable from two roots (shared: resident).
+
+    Inside a layer, the layer; outside the layers, the largest subtree that holds the module and
+    no layer (a standalone attention module whose projection's forward is never called, an
+    embeddings module whose parent reads its weights): called as a whole, it is one group."""
+    owner: dict[nn.Module, nn.Module] = {}
+    shared: set[nn.Module] = set()
+    for root in roots:
+        for sub in root.modules():
+            if owner.setdefault(sub, root) is not root:
+                shared.add(sub)
+    holds_layer: set[nn.Module] = set()
+
+    def mark(m: nn.Module) -> bool:
+        found = m in roots
+        for child in m.children():
+            found = mark(child) or found
+        if found:
+            holds_layer.add(m)
+        return found
+
+    mark(model)
+
+    def assign(m: nn.Module, top: nn.Module | None) -> None:
+        if m in roots:
+            return
+        here = top if top is not None else (m if m not in holds_layer else None)
+        if here is not None:
+            owner.setdefault(m, here)
+        for child in m.children():
+            assign(child, here)
+
+    assign(model, None)
+    return owner, shared
+
+
 def find_groups(model: nn.Module, min_bytes: int) -> tuple[list[Group], list[str]]:
     """The groups of ``model``'s frozen weights, and the names of frozen weights kept resident."""
     roots = _layer_roots(model)
-    owner_group: dict[nn.Module, nn.Module] = {}
-    for _, m in model.named_modules():
-        if m in roots:
-            for sub in m.modules():
-                owner_group.setdefault(sub, m)
+    owner_group, shared = _owners(model, roots)
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     # who uses each storage: the groups of frozen weights, or None for anything else
     users: dict[int, set[object]] = {}
-    frozen: list[tuple[nn.Module, str, nn.Parameter, nn.Module]] = []
+    frozen: list[tuple[nn.Module, str, nn.Parameter, nn.Module | None]] = []
     for _, m in model.named_modules(remove_duplicate=False):
         for attr, p in m._parameters.items():
             if p is None or isinstance(p, RelayedWeight) or p.is_meta:
                 continue
             key = p.untyped_storage()._cdata
-            if p.requires_grad or p.layout is not torch.strided:
+            if p.requires_grad or p.layout is not torch.strided or m in shared:
                 users.setdefault(key, set()).add(None)
+                if not p.requires_grad:
+                    frozen.append((m, attr, p, None))  # listed as kept below
                 continue
             g = owner_group.get(m, m)
             users.setdefault(key, set()).add(g)
@@ -107,37 +169,21 @@ def find_groups(model: nn.Module, min_bytes: int) -> tuple[list[Group], list[str
     by_group: dict[nn.Module, list[tuple[nn.Module, str, nn.Parameter]]] = {}
     for m, attr, p, g in frozen:
         name = f"{names[id(m)]}.{attr}" if names[id(m)] else attr
-        if len(users[p.untyped_storage()._cdata]) > 1:
-            kept.append(name)
+        if g is None or len(users[p.untyped_storage()._cdata]) > 1:
+            if name not in kept:
+                kept.append(name)
             continue
         by_group.setdefault(g, []).append((m, attr, p))
     groups: list[Group] = []
     for g, members in by_group.items():
         group = Group(len(groups), names[id(g)] or "<root>", g)
-        offsets: dict[int, int] = {}
-        pos = 0
         for m, attr, p in members:
-            st = p.untyped_storage()
-            key = st._cdata
-            if key not in offsets:
-                offsets[key] = pos
-                pos += -(-st.nbytes() // ALIGN) * ALIGN
-            start = offsets[key] // p.element_size() + int(p.storage_offset())
             name = f"{names[id(m)]}.{attr}" if names[id(m)] else attr
             group.entries.append(
-                Entry(
-                    m,
-                    attr,
-                    name,
-                    p,
-                    RelayedWeight.make(p, name),
-                    start,
-                    tuple(p.shape),
-                    tuple(p.stride()),
-                    p.dtype,
-                )
+                Entry(m, attr, name, p, RelayedWeight.make(p, name), 0, (), (), p.dtype)
             )
-        group.nbytes = pos
+        lay_out(group, [p for _, _, p in members])
+        pos = group.nbytes
         if pos < min_bytes:
             kept.extend(e.name for e in group.entries)
             continue

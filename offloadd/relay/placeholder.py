@@ -52,11 +52,34 @@ _ALLOWED = {
 }
 
 
+def _swap_in(args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]] | None:
+    """``args`` and ``kwargs`` with each placeholder replaced by its weight read in on demand
+    (Note [on demand] in relayer.py), or None where one cannot be."""
+    ok = True
+
+    def real(x: Any) -> Any:
+        nonlocal ok
+        if isinstance(x, RelayedWeight):
+            use = x.relay_use
+            w = use(x) if use is not None else None
+            if w is None:
+                ok = False
+            return w
+        if isinstance(x, list | tuple):
+            return type(x)(real(y) for y in x)
+        return x
+
+    new_args = tuple(real(a) for a in args)
+    new_kwargs = {k: real(v) for k, v in kwargs.items()}
+    return (new_args, new_kwargs) if ok else None
+
+
 class RelayedWeight(nn.Parameter):
     """The stand-in for a relayed weight (see Note [placeholder])."""
 
     relay_name: str
     real_device: torch.device
+    relay_use: Any = None  # the relay's ``use``: the real weight, read in on demand, or None
 
     @staticmethod
     def make(like: torch.Tensor, name: str) -> RelayedWeight:
@@ -84,6 +107,9 @@ class RelayedWeight(nn.Parameter):
                 wanted = kwargs.get("requires_grad", args[1] if len(args) > 1 else True)
                 if not wanted:
                     return args[0] if func is torch.Tensor.requires_grad_ else None
+        real = _swap_in(args, kwargs)
+        if real is not None:
+            return func(*real[0], **real[1])
         w = next(a for a in args if isinstance(a, RelayedWeight)) if args else None
         name = getattr(w, "relay_name", "?")
         what = str(getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func)))

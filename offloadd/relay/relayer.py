@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import deque
 from typing import Any
 
 import torch
@@ -40,14 +41,17 @@ from offloadd.runtime.compiled import unseen
 
 __all__ = ["Relay", "WeightRef"]
 
+Key = tuple[int, int]  # (group, forward): see Relay.forwards
+
 
 class WeightRef:
     """What autograd holds for a saved view of a relayed weight (see Note [relay schedule])."""
 
-    __slots__ = ("__weakref__", "dtype", "generation", "group", "offset", "size", "stride")
+    __slots__ = ("__weakref__", "dtype", "generation", "group", "key", "offset", "size", "stride")
 
-    def __init__(self, group: Group, t: torch.Tensor) -> None:
+    def __init__(self, group: Group, t: torch.Tensor, forward: int) -> None:
         self.group = group
+        self.key = (group.index, forward)  # a group's refs of one forward are held together
         self.generation = group.generation
         self.offset = t.storage_offset()
         self.size = tuple(t.shape)
@@ -59,13 +63,18 @@ class Relay:
     """Moves one model's frozen weights between the store and slabs as it runs."""
 
     def __init__(
-        self, model: nn.Module, groups: list[Group], store: WeightStore | HostStore, window: int
+        self,
+        model: nn.Module,
+        groups: list[Group],
+        store: WeightStore | HostStore,
+        window: int,
+        slabs: Slabs,
     ) -> None:
         self.model = weakref.ref(model)  # the model holds the relay (its hooks), not back
         self.groups = groups
         self.store = store
         self.window = window
-        self.slabs = Slabs(keep=window + 1)
+        self.slabs = slabs
         self.lock = threading.Lock()
         self.order: list[int] = [g.index for g in groups]
         self._seen: list[int] = []
@@ -73,12 +82,23 @@ class Relay:
         self._installed: dict[int, torch.Tensor] = {}  # group -> its slab while swapped in
         self._slab_group: dict[int, Group] = {}  # slab storage -> group, while swapped in
         self._pushed: dict[int, list[Any]] = {}
-        self._bwd_order: list[int] = []
-        self._bwd: dict[int, Transfer] = {}
-        self._held: dict[int, torch.Tensor] = {}  # group -> slab kept for its pending refs
-        self._pending: dict[int, set[int]] = {}  # group -> ids of refs not yet unpacked
+        # Backward's bookkeeping is per (group, forward): two forwards before one backward (summed
+        # micro-batches, a pair of passes) hold each group's slab for its own refs only.
+        self.forwards = 0
+        self._bwd_order: list[Key] = []
+        self._bwd: dict[Key, Transfer] = {}
+        self._held: dict[Key, torch.Tensor] = {}  # slab kept for the key's pending refs
+        self._pending: dict[Key, set[int]] = {}  # ids of the key's refs not yet unpacked
+        self._dead: deque[tuple[Key, int]] = deque()  # refs collected (finalizers only append)
+        self.pinned: set[int] = set()  # swapped in by resident() or a load: forward leaves them
+        self._on_demand: deque[int] = deque()  # swapped in at a placeholder's use (Note below)
+        self.depth = 0  # the model's forwards running (its pre- and post-hook)
         self.wait_s = 0.0
         self.device = next((e.param.device for g in groups for e in g.entries), None)
+        self._by_placeholder: dict[int, tuple[Group, Any]] = {}
+        for g in groups:
+            for e in g.entries:
+                self.note_placeholder(g, e)
 
     # -- reading --------------------------------------------------------------------------
     def _read(self, g: Group) -> Transfer:
@@ -96,11 +116,19 @@ class Relay:
 
     def fetch(self, g: Group) -> torch.Tensor:
         """``g``'s slab, read now (or taken from a read in flight)."""
-        t = self._fwd.pop(g.index, None) or self._bwd.pop(g.index, None) or self._read(g)
+        t = self._fwd.pop(g.index, None) or self._read(g)
         return self._wait(t)
 
     # -- forward ----------------------------------------------------------------------------
     def on_model_forward(self, module: nn.Module, args: Any) -> None:
+        self.depth += 1
+        if self.depth > 1:
+            return
+        self.store.begin_step()  # the daemon's client reconnects after a loss
+        self.forwards += 1
+        self._drop_on_demand()
+        with self.lock:
+            self._drain()
         if self._seen:
             self.order = list(dict.fromkeys(self._seen))
             self._seen = []
@@ -109,12 +137,68 @@ class Relay:
         for i in self.order[: self.window]:
             self._prefetch_forward(i)
 
+    def after_model_forward(self, module: nn.Module, args: Any, out: Any) -> None:
+        self.depth = max(0, self.depth - 1)
+        if self.depth == 0:
+            self._drop_on_demand()
+
+    # Note [on demand]
+    # ~~~~~~~~~~~~~~~~
+    # A group's weights are swapped in by its pre-hook, which runs only when the group's module
+    # is called. Code that reaches a weight another way while the model runs (a layer
+    # recomputed in backward by calling its ``forward`` directly, as transformers' gradient
+    # checkpointing does; a module whose parent reads its weight) meets the placeholder, which
+    # asks :meth:`use`: during the model's forward or a backward, the group is read in now and
+    # stays in, with the ``window`` last groups swapped in so, until the next forward begins.
+    # Anywhere else the placeholder raises.
+    def use(self, placeholder: Any) -> torch.Tensor | None:
+        if self.depth == 0 and torch._C._current_graph_task_id() == -1:
+            return None
+        found = self._by_placeholder.get(id(placeholder))
+        if found is None:
+            return None
+        g, e = found
+        if g.index not in self._installed:
+            self.install(g, self.fetch(g))
+            self._on_demand.append(g.index)
+            while len(self._on_demand) > self.window:
+                self._swap_out(self._on_demand.popleft())
+        return e.param
+
+    def note_placeholder(self, g: Group, e: Any) -> None:
+        self._by_placeholder[id(e.placeholder)] = (g, e)
+        e.placeholder.relay_use = self.use
+
+    def forget_placeholder(self, e: Any) -> None:
+        self._by_placeholder.pop(id(e.placeholder), None)
+        e.placeholder.relay_use = None
+
+    def _drop_on_demand(self) -> None:
+        while self._on_demand:
+            self._swap_out(self._on_demand.popleft())
+
+    def _swap_out(self, i: int) -> None:
+        if i in self.pinned or self._pushed.get(i):
+            return
+        changed = self.uninstall(self.groups[i])
+        if changed:
+            raise RelayError(
+                f"relayed weights were changed in place while the model ran: {', '.join(changed)}"
+            )
+
     def _prefetch_forward(self, i: int) -> None:
         if i not in self._fwd and i not in self._installed:
             self._fwd[i] = self._read(self.groups[i])
 
     def install(self, g: Group, slab: torch.Tensor) -> None:
         for e in g.entries:
+            now = e.module._parameters.get(e.attr)
+            if now is not e.placeholder and now is not e.param:
+                raise RelayError(
+                    f"the weight {e.name!r} was replaced after offloadd.relay() (a new "
+                    "parameter assigned to the module): unrelay the model first, or load new "
+                    "values with load_state_dict()"
+                )
             if e.param.requires_grad:
                 raise RelayError(
                     f"the weight {e.name!r} was relayed as frozen and now requires grad: "
@@ -141,7 +225,11 @@ class Relay:
         return changed
 
     def on_group_forward(self, g: Group) -> None:
-        self._seen.append(g.index)
+        in_backward = torch._C._current_graph_task_id() != -1  # a recomputation (checkpointing)
+        if not in_backward:
+            self._seen.append(g.index)
+        if g.index in self._on_demand:
+            self._on_demand.remove(g.index)  # its post-hook swaps it out now
         if g.index not in self._installed:
             self.install(g, self.fetch(g))
         if torch.is_grad_enabled():
@@ -149,7 +237,7 @@ class Relay:
             hooks.__enter__()
             self._pushed.setdefault(g.index, []).append(hooks)
         order = self.order
-        if g.index in order:
+        if g.index in order and not in_backward:
             at = order.index(g.index)
             for i in order[at + 1 : at + self.window]:
                 self._prefetch_forward(i)
@@ -158,6 +246,8 @@ class Relay:
         pushed = self._pushed.get(g.index)
         if pushed:
             pushed.pop().__exit__(None, None, None)
+        if g.index in self.pinned or pushed:  # pinned, or an outer call of it still runs
+            return
         changed = self.uninstall(g)
         if changed:
             raise RelayError(
@@ -173,7 +263,13 @@ class Relay:
         slab_group = self._slab_group
 
         def pack(t: torch.Tensor) -> Any:
-            if t.device.type in ("cpu", "cuda") and not t.is_meta:
+            if (
+                t.device.type in ("cpu", "cuda")
+                and t.layout is torch.strided
+                and not t.is_meta
+                and not t.is_conj()  # a ref keeps the view's geometry, not these bits
+                and not t.is_neg()
+            ):
                 g = slab_group.get(t.untyped_storage()._cdata)
                 if g is not None:
                     return self._ref(g, t)
@@ -187,27 +283,34 @@ class Relay:
         return unseen(pack), unseen(unpack)
 
     def _ref(self, g: Group, t: torch.Tensor) -> WeightRef:
-        ref = WeightRef(g, t)
+        ref = WeightRef(g, t, self.forwards)
+        key = ref.key
         with self.lock:
-            pending = self._pending.setdefault(g.index, set())
-            if not pending and (not self._bwd_order or self._bwd_order[-1] != g.index):
-                self._bwd_order.append(g.index)
+            self._drain()
+            pending = self._pending.setdefault(key, set())
+            if not pending and (not self._bwd_order or self._bwd_order[-1] != key):
+                self._bwd_order.append(key)
             pending.add(id(ref))
-        weakref.finalize(ref, self._forget, g.index, id(ref))
+        weakref.finalize(ref, self._forget, key, id(ref))
         return ref
 
-    def _forget(self, i: int, ref_id: int) -> None:
-        t = None
-        with self.lock:
+    def _forget(self, i: Key, ref_id: int) -> None:
+        # A finalizer: it may run in any thread, within any allocation (a collection), even
+        # one made while this thread holds the lock; so it only appends (see _drain).
+        self._dead.append((i, ref_id))
+
+    def _drain(self) -> None:
+        """Forget the refs autograd dropped unused (lock held)."""
+        dead = self._dead
+        while dead:
+            i, ref_id = dead.popleft()
             pending = self._pending.get(i)
             if pending is None or ref_id not in pending:
-                return
+                continue
             pending.discard(ref_id)
             if not pending:
                 self._held.pop(i, None)
-                t = self._bwd.pop(i, None)
-        if t is not None:
-            t.done.wait()  # a read in flight for refs that died: let it land, then drop it
+                self._bwd.pop(i, None)  # a read in flight keeps its slab until it lands
 
     def _unpack(self, ref: WeightRef) -> torch.Tensor:
         g = ref.group
@@ -217,29 +320,32 @@ class Relay:
                 "(load_state_dict or offloadd.resident between forward and backward): "
                 "backward would use the new values"
             )
-        slab = self._held.get(g.index)
+        key = ref.key
+        slab = self._held.get(key)
         if slab is None:
-            slab = self.fetch(g)
+            t = self._bwd.pop(key, None)
+            slab = self._wait(t) if t is not None else self.fetch(g)
         with self.lock:
-            pending = self._pending.get(g.index, set())
+            self._drain()
+            pending = self._pending.get(key, set())
             pending.discard(id(ref))
             if pending:
-                self._held[g.index] = slab
+                self._held[key] = slab
             else:
-                self._held.pop(g.index, None)
-        self._prefetch_backward(g.index)
+                self._held.pop(key, None)
+        self._prefetch_backward(key)
         return torch.empty(0, dtype=ref.dtype, device=slab.device).set_(
             slab.untyped_storage(), ref.offset, ref.size, ref.stride
         )
 
-    def _prefetch_backward(self, i: int) -> None:
+    def _prefetch_backward(self, key: Key) -> None:
         order = self._bwd_order
-        if i not in order:
+        if key not in order:
             return
-        at = len(order) - 1 - order[::-1].index(i)
+        at = len(order) - 1 - order[::-1].index(key)
         for j in reversed(order[max(0, at - self.window + 1) : at]):
             if j not in self._held and j not in self._bwd and self._pending.get(j):
-                self._bwd[j] = self._read(self.groups[j])
+                self._bwd[j] = self._read(self.groups[j[0]])
 
     def held_for_budget(self) -> int:
         """What a budget counts of relay (see ``HELD_ELSEWHERE`` in runtime/stages.py): the host

@@ -17,6 +17,7 @@ import contextlib
 import mmap
 import threading
 import weakref
+from collections import deque
 
 import torch
 
@@ -36,24 +37,33 @@ class Slabs:
         self.keep = keep
         self._lock = threading.Lock()
         self._idle: dict[int, list[mmap.mmap]] = {}
+        # Slabs given back by finalizers, which may run in any thread, within any allocation
+        # (a collection), even one made while this thread holds the lock: they only append.
+        self._returned: deque[tuple[mmap.mmap, int]] = deque()
         self.live_bytes = 0
         self.idle_bytes = 0
         self.peak_bytes = 0
 
     @property
     def held_bytes(self) -> int:
-        return self.live_bytes + self.idle_bytes
+        with self._lock:
+            self._drain()
+            return self.live_bytes + self.idle_bytes
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of ``padded(nbytes)`` bytes, page-aligned."""
         size = padded(nbytes)
+        extra: list[mmap.mmap] = []
         with self._lock:
+            extra = self._drain()
             idle = self._idle.get(size)
             mm = idle.pop() if idle else None
             if mm is not None:
                 self.idle_bytes -= size
             self.live_bytes += size
-            self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes + self.idle_bytes)
+        for old in extra:
+            old.close()
         if mm is None:
             mm = mmap.mmap(-1, size)
         view = memoryview(mm)
@@ -62,24 +72,36 @@ class Slabs:
         return slab
 
     def _back(self, mm: mmap.mmap, size: int) -> None:
-        with self._lock:
+        self._returned.append((mm, size))
+
+    def _drain(self) -> list[mmap.mmap]:
+        """Take back the slabs returned (lock held); the ones beyond ``keep`` to unmap."""
+        extra = []
+        while self._returned:
+            mm, size = self._returned.popleft()
             self.live_bytes -= size
             idle = self._idle.setdefault(size, [])
             if len(idle) < self.keep:
                 idle.append(mm)
                 self.idle_bytes += size
-                return
-        mm.close()
+            else:
+                extra.append(mm)
+        return extra
 
     def reset_peak(self) -> None:
         with self._lock:
-            self.peak_bytes = self.held_bytes
+            extra = self._drain()
+            self.peak_bytes = self.live_bytes + self.idle_bytes
+        for mm in extra:
+            mm.close()
 
     def close(self) -> None:
         """Unmap the idle slabs (live ones are unmapped when their last tensor dies)."""
         with self._lock:
+            extra = self._drain()
             idle, self._idle = self._idle, {}
             self.idle_bytes = 0
+        idle.setdefault(0, []).extend(extra)
         for slabs in idle.values():
             for mm in slabs:
                 with contextlib.suppress(BufferError):  # still viewed: unmapped when collected

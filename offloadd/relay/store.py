@@ -177,6 +177,10 @@ class WeightStore:
             self.disk_bytes -= len(record.places) * self.chunk_bytes
             record.places = []
 
+    def begin_step(self) -> None:
+        if self._backend is not None:
+            self._backend.begin_step()
+
     def close(self) -> None:
         """Finish what is in flight, then give the files back (idempotent)."""
         backend, self._backend = self._backend, None
@@ -209,6 +213,9 @@ class HostStore:
 
     def free(self, record: Record) -> None:
         record.places = []
+
+    def begin_step(self) -> None:
+        pass
 
     def close(self) -> None:
         pass

@@ -73,7 +73,7 @@ def test_gradients_bit_identical(case: str, window: int, disk_dir: Path, backend
     model = offloadd.relay(build(case), window=window, config=relay_config(disk_dir))
     got = train(model, case)
     st = offloadd.relay_stats(model)
-    assert st.groups > 0 and st.written_bytes == st.relayed_bytes
+    assert st.groups > 0 and st.written_bytes >= st.relayed_bytes  # records are whole pages
     assert st.read_bytes >= 3 * st.relayed_bytes  # read back every step, forward at least
     for i, (a, b) in enumerate(zip(want, got, strict=True)):
         assert same(a, b), f"step {i}: losses or gradients differ"  # type: ignore[arg-type]

@@ -1,0 +1,222 @@
+"""What changes or reads a relayed model as a whole: ``state_dict()``, ``load_state_dict()``,
+:func:`resident`, and ``.to()`` (its ``_apply``).
+
+Note [relay surface]
+~~~~~~~~~~~~~~~~~~~~
+- ``state_dict()``: a post-hook on each module that owns relayed weights puts their values in,
+  one copy per weight (so that savers refusing shared storage work), each group read once a
+  call (the model's pre- and post-hooks clear the cache).
+- ``load_state_dict()``: a pre-hook on each group swaps its weights in and pins them, the load
+  copies into them (or, with ``assign=True``, replaces them), and a post-hook writes the group
+  again and bumps its generation (refs saved before raise, see Note [relay schedule]). A write
+  that fails swaps the group out with its old record and raises: the store never holds half.
+- ``.to()``, ``.half()``, ``.cuda()``: the model's ``_apply`` converts what is not relayed as
+  usual, then each group in turn: read, convert, laid out again, written; one group in memory at
+  a time, none if the conversion changes nothing. On a module inside the model it raises (it
+  would convert part of a group).
+- :func:`resident`: every group swapped in and pinned for the block; what changed is written
+  again on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from offloadd.relay.groups import Entry, Group, lay_out
+from offloadd.relay.placeholder import RelayedWeight, RelayError
+from offloadd.relay.relayer import Relay
+from offloadd.relay.state import RelayState, state_of
+
+__all__ = ["hook_model_ops", "resident", "unpatch", "write_group"]
+
+
+def hook_model_ops(model: nn.Module, state: RelayState) -> None:
+    r = state.relay
+    h = state.handles
+    owners: dict[nn.Module, list[tuple[Group, Entry]]] = {}
+    for g in r.groups:
+        h.append(g.module.register_load_state_dict_pre_hook(functools.partial(_load_pre, state, g)))
+        h.append(
+            g.module.register_load_state_dict_post_hook(functools.partial(_load_post, state, g))
+        )
+        for e in g.entries:
+            owners.setdefault(e.module, []).append((g, e))
+    h.append(model.register_state_dict_pre_hook(functools.partial(_clear_cache, state)))
+    for m, entries in owners.items():
+        h.append(m.register_state_dict_post_hook(functools.partial(_state_post, state, entries)))
+    h.append(model.register_state_dict_post_hook(functools.partial(_clear_cache, state)))
+    ref = weakref.ref(state)
+    for m in {model, *owners}:
+        m.__dict__["_apply"] = functools.partial(_apply, ref, weakref.ref(m))
+        state.patched.append(weakref.ref(m))
+
+
+def unpatch(state: RelayState) -> None:
+    for handle in state.handles:
+        handle.remove()
+    for m_ref in state.patched:
+        m = m_ref()
+        if m is not None:
+            m.__dict__.pop("_apply", None)
+
+
+def _clear_cache(state: RelayState, *args: Any) -> None:
+    state.sd_cache.clear()
+
+
+def _state_post(
+    state: RelayState,
+    entries: list[tuple[Group, Entry]],
+    module: nn.Module,
+    sd: dict[str, Any],
+    prefix: str,
+    meta: Any,
+) -> None:
+    r = state.relay
+    cache = state.sd_cache
+    for g, e in entries:
+        key = prefix + e.attr
+        if key not in sd:
+            continue
+        slab = r._installed.get(g.index, cache.get(g.index))
+        if slab is None:
+            cache.clear()  # groups come in order: one held at a time
+            slab = cache[g.index] = r.fetch(g)
+        sd[key] = g.view(slab, e).clone(memory_format=torch.preserve_format)
+
+
+def _load_pre(state: RelayState, g: Group, module: nn.Module, *args: Any) -> None:
+    r = state.relay
+    if g.index not in r._installed:
+        r.install(g, r.fetch(g))
+        r.pinned.add(g.index)
+        state.loading.add(g.index)
+
+
+def _load_post(state: RelayState, g: Group, module: nn.Module, incompatible: Any) -> None:
+    if g.index in state.loading:
+        state.loading.discard(g.index)
+        state.relay.pinned.discard(g.index)
+        rewrite(state.relay, g)
+
+
+def rewrite(r: Relay, g: Group) -> None:
+    """Write ``g`` again from its weights as they are now (swapped in), then swap it out."""
+    replaced = False
+    for e in g.entries:
+        now = e.module._parameters[e.attr]
+        if now is not e.param:  # load_state_dict(assign=True) put a new parameter there
+            if now is None or tuple(now.shape) != e.size or now.dtype != e.dtype:
+                r.uninstall(g)
+                raise RelayError(
+                    f"offloadd relay: load_state_dict replaced {e.name!r} with a tensor of "
+                    "another shape or dtype; unrelay the model first"
+                )
+            e.param.data = now.detach()
+            e.module._parameters[e.attr] = e.param
+            replaced = True
+    if not replaced and all(e.param._version == e.version for e in g.entries):
+        r.uninstall(g)
+        return
+    old = g.record
+    try:
+        write_group(r, g, [e.param.detach() for e in g.entries])
+    except BaseException as err:
+        g.record = old
+        r.uninstall(g)
+        raise RelayError(
+            f"offloadd relay: writing the new weights of {g.name!r} failed ({err}); the "
+            "store keeps the old ones, and the model uses them"
+        ) from err
+    g.generation += 1
+    r.store.free(old)  # type: ignore[arg-type]
+    r.uninstall(g)
+
+
+def write_group(r: Relay, g: Group, tensors: list[torch.Tensor]) -> None:
+    """Write ``tensors`` (``g``'s weights, laid out as its entries say) as ``g``'s new record."""
+    slab = r.slabs.take(g.nbytes)
+    for e, t in zip(g.entries, tensors, strict=True):
+        g.view(slab, e).copy_(t.detach().cpu())
+    g.record = r.store.write(g.name, slab)
+
+
+def _apply(state_ref: Any, module_ref: Any, fn: Any, *args: Any, **kw: Any) -> Any:
+    state: RelayState = state_ref()
+    module: nn.Module = module_ref()
+    original = type(module)._apply.__get__(module)
+    if state is None or state.converting:
+        return original(fn, *args, **kw)
+    r = state.relay
+    if module is not r.model():
+        raise RelayError(
+            "offloadd relay: convert the relayed model as a whole (model.to(...)), "
+            "or unrelay it first: converting a part of it would split a relay group"
+        )
+    if r._installed:
+        raise RelayError("offloadd relay: convert the model outside its forward and resident()")
+    hidden = [e for g in r.groups for e in g.entries]
+    state.converting = True
+    try:
+        for e in hidden:
+            e.module._parameters[e.attr] = None  # Module._apply skips them
+        out = original(fn, *args, **kw)
+    finally:
+        for e in hidden:
+            e.module._parameters[e.attr] = e.placeholder
+        state.converting = False
+    with torch.no_grad():
+        for g in r.groups:
+            _convert_group(r, g, fn)
+    return out
+
+
+def _convert_group(r: Relay, g: Group, fn: Any) -> None:
+    probes = [torch.zeros(1, dtype=e.dtype, device=e.param.device) for e in g.entries]
+    if all(fn(p) is p for p in probes):
+        return  # nothing changes: nothing to read
+    slab = r.fetch(g)
+    new = [fn(g.view(slab, e)) for e in g.entries]
+    del slab
+    old = g.record
+    lay_out(g, new)
+    write_group(r, g, new)
+    r.store.free(old)  # type: ignore[arg-type]
+    g.generation += 1
+    for e, t in zip(g.entries, new, strict=True):
+        e.param.data = torch.empty(0, dtype=t.dtype, device=t.device)
+        r.forget_placeholder(e)
+        e.placeholder = RelayedWeight.make(t, e.name)
+        r.note_placeholder(g, e)
+        e.module._parameters[e.attr] = e.placeholder
+    r.device = new[0].device if new else r.device
+
+
+@contextlib.contextmanager
+def resident(model: nn.Module) -> Iterator[nn.Module]:
+    """Every relayed weight of ``model`` swapped in for the block (all of them held); weights
+    changed inside are written to the store again on exit."""
+    r = state_of(model).relay
+    mine = [g for g in r.groups if g.index not in r._installed]
+    for g in mine:
+        r.install(g, r.fetch(g))
+        r.pinned.add(g.index)
+    try:
+        yield model
+    finally:
+        errors = []
+        for g in mine:
+            r.pinned.discard(g.index)
+            try:
+                rewrite(r, g)
+            except RelayError as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]

@@ -1,0 +1,42 @@
+"""A relayed model's state, kept on the model itself: :class:`RelayState`, :func:`state_of`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from offloadd.config import Config
+from offloadd.relay.placeholder import RelayError
+from offloadd.relay.relayer import Relay
+
+__all__ = ["ATTR", "RelayState", "is_relayed", "state_of"]
+
+ATTR = "_offloadd_relay"  # the model holds its relay's state: dropped with it, never kept alive
+
+
+@dataclass(eq=False)
+class RelayState:
+    relay: Relay
+    window: int
+    config: Config
+    kept: list[str]
+    handles: list[Any] = field(default_factory=list)
+    patched: list[Any] = field(default_factory=list)  # weak references to patched modules
+    loading: set[int] = field(default_factory=set)
+    sd_cache: dict[int, torch.Tensor] = field(default_factory=dict)  # one state_dict() call's
+    converting: bool = False
+    finalizer: Any = None
+
+
+def is_relayed(model: nn.Module) -> bool:
+    return ATTR in model.__dict__
+
+
+def state_of(model: nn.Module) -> RelayState:
+    state: RelayState | None = model.__dict__.get(ATTR)
+    if state is None:
+        raise RelayError("offloadd relay: this model is not relayed (call offloadd.relay(model))")
+    return state

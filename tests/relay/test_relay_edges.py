@@ -1,0 +1,199 @@
+"""offloadd.relay where models reach their weights in unusual ways, and where autograd runs
+in unusual orders: each case bit-identical to the model without relay, with what relay holds
+still bounded by its window."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import offloadd
+from offloadd.relay import RelayError
+from tests.relay.cases import (
+    Layered,
+    freeze_layers,
+    llama,
+    llama_loss,
+    relay_config,
+    same,
+    square_loss,
+    step,
+)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_hf_gradient_checkpointing(reentrant: bool, disk_dir: Path) -> None:
+    """transformers recomputes a checkpointed layer by calling its forward directly: relay's
+    hooks do not run, and the weights are read in on demand (Note [on demand])."""
+    ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(3))
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        m = llama(4)
+        m.gradient_checkpointing_enable({"use_reentrant": reentrant})
+        m.train()
+        return m
+
+    want = [step(m := build(), ids, llama_loss) for _ in range(2)]
+    del m
+    model = offloadd.relay(build(), config=relay_config(disk_dir))
+    got = [step(model, ids, llama_loss) for _ in range(2)]
+    assert all(same(a, b) for a, b in zip(want, got, strict=True))
+    offloadd.unrelay(model)
+
+
+class Shapes(nn.Module):
+    """Weights reached other ways: a ModuleList of ModuleLists (iterated, never called), one
+    frozen module used by two layers, a standalone MultiheadAttention (its out_proj's forward
+    never runs), a complex weight used through conj()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        d = 128
+        shared = nn.Linear(d, d)
+        self.layers = nn.ModuleList(
+            nn.ModuleList([nn.Linear(d, d), nn.Sequential(nn.GELU(), nn.Linear(d, d))])
+            for _ in range(3)
+        )
+        self.pair = nn.ModuleList([nn.Sequential(shared, nn.Tanh()), nn.Sequential(shared)])
+        self.attn = nn.MultiheadAttention(d, 4, batch_first=True)
+        self.cw = nn.Parameter(torch.randn(d, d, dtype=torch.complex64))
+        self.head = nn.Linear(d, 2)
+        for m in (self.layers, self.pair, self.attn):
+            m.requires_grad_(False)
+        self.cw.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for a, b in self.layers:
+            x = x + b(a(x))
+        for layer in self.pair:
+            x = layer(x)
+        x = x + self.attn(x, x, x, need_weights=False)[0]
+        x = (x.to(torch.complex64) @ self.cw.conj()).real
+        return self.head(x)
+
+
+def test_weights_reached_other_ways(disk_dir: Path) -> None:
+    x = torch.randn(2, 5, 128)
+    torch.manual_seed(0)
+    want = step(Shapes(), x, square_loss)
+    torch.manual_seed(0)
+    model = offloadd.relay(Shapes(), config=relay_config(disk_dir))
+    st = offloadd.relay_stats(model)
+    assert {"pair.1.0.weight", "pair.1.0.bias"} <= set(st.kept)  # one module, two layers: kept
+    assert type(model.attn.out_proj.weight).__name__ == "RelayedWeight"
+    assert type(model.layers[1][1][1].weight).__name__ == "RelayedWeight"
+    for _ in range(2):
+        assert same(want, step(model, x, square_loss))
+    offloadd.unrelay(model)
+
+
+def test_assigned_weight_is_refused(disk_dir: Path) -> None:
+    torch.manual_seed(0)
+    model = offloadd.relay(freeze_layers(Layered()), config=relay_config(disk_dir))
+    model.layers[1][1].weight = nn.Parameter(torch.zeros(384, 128), requires_grad=False)
+    with pytest.raises(RelayError, match=r"layers\.1\.1\.weight.*replaced"):
+        model(torch.randn(2, 16))
+    del model.layers[1][1]._parameters["weight"]
+
+
+def test_forward_inside_resident(disk_dir: Path) -> None:
+    torch.manual_seed(0)
+    ref = freeze_layers(Layered())
+    torch.manual_seed(0)
+    model = offloadd.relay(freeze_layers(Layered()), config=relay_config(disk_dir))
+    x = torch.randn(3, 16)
+    with offloadd.resident(model):
+        assert same(step(ref, x, square_loss), step(model, x, square_loss))
+        assert type(model.layers[0][1].weight) is nn.Parameter  # still in after forward
+        with torch.no_grad():
+            model.layers[0][1].weight.mul_(0.5)
+            ref.layers[0][1].weight.mul_(0.5)
+    assert same(step(ref, x, square_loss), step(model, x, square_loss))
+    offloadd.unrelay(model)
+
+
+def _held_peak(model: nn.Module, run: object) -> int:
+    offloadd.relay_stats(model, reset_peak=True)
+    run()  # type: ignore[operator]
+    return offloadd.relay_stats(model).peak_resident_bytes
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_layers_keep_the_window(reentrant: bool, disk_dir: Path) -> None:
+    class Ckpt(Layered):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.inp(x)
+            for layer in self.layers:
+                x = x + checkpoint(layer, x, use_reentrant=reentrant)
+            return self.head(x)
+
+    x = torch.randn(4, 16)
+    torch.manual_seed(0)
+    want = step(freeze_layers(Ckpt(layers=8)), x, square_loss)
+    torch.manual_seed(0)
+    model = offloadd.relay(freeze_layers(Ckpt(layers=8)), window=2, config=relay_config(disk_dir))
+    got: list[object] = []
+    peak = _held_peak(model, lambda: got.append(step(model, x, square_loss)))
+    assert same(want, got[0])  # type: ignore[arg-type]
+    st = offloadd.relay_stats(model)
+    assert peak <= 4 * st.relayed_bytes // st.groups, (peak, st)
+    offloadd.unrelay(model)
+
+
+def test_two_forwards_one_backward(disk_dir: Path) -> None:
+    """Summed micro-batches: each forward's refs hold their own slab, not every layer."""
+    xs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+
+    def two(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return square_loss(m, xs[0]) + square_loss(m, xs[1])
+
+    torch.manual_seed(0)
+    want = step(freeze_layers(Layered(layers=8)), xs[0], two)
+    torch.manual_seed(0)
+    model = offloadd.relay(
+        freeze_layers(Layered(layers=8)), window=2, config=relay_config(disk_dir)
+    )
+    got: list[object] = []
+    peak = _held_peak(model, lambda: got.append(step(model, xs[0], two)))
+    assert same(want, got[0])  # type: ignore[arg-type]
+    st = offloadd.relay_stats(model)
+    assert peak <= 4 * st.relayed_bytes // st.groups, (peak, st)
+    offloadd.unrelay(model)
+
+
+def test_reads_once_where_once_is_enough(disk_dir: Path) -> None:
+    """state_dict() reads each group once; a conversion that changes nothing reads nothing;
+    one that changes the dtype holds one group at a time and stays exact."""
+    torch.manual_seed(0)
+    model = offloadd.relay(freeze_layers(Layered()), config=relay_config(disk_dir))
+    st = offloadd.relay_stats(model)
+    model.state_dict()
+    read = offloadd.relay_stats(model).read_bytes - st.read_bytes
+    assert read <= st.written_bytes, (read, st)
+    before = offloadd.relay_stats(model, reset_peak=True)
+    model.to(torch.float32).cpu().float()
+    after = offloadd.relay_stats(model)
+    assert after.read_bytes == before.read_bytes and after.written_bytes == before.written_bytes
+    model.double()
+    assert offloadd.relay_stats(model).peak_resident_bytes <= 4 * st.relayed_bytes // st.groups
+    torch.manual_seed(0)
+    ref = freeze_layers(Layered()).double()
+    x = torch.randn(2, 16, dtype=torch.float64)
+    assert same(step(ref, x, square_loss), step(model, x, square_loss))
+    offloadd.unrelay(model)
+
+
+def test_dropped_without_collection(disk_dir: Path) -> None:
+    """No reference cycle keeps a dropped relayed model (and its store's threads) alive."""
+    before = threading.active_count()
+    torch.manual_seed(0)
+    model = offloadd.relay(freeze_layers(Layered()), config=relay_config(disk_dir))
+    step(model, torch.randn(2, 16), square_loss)
+    del model
+    assert threading.active_count() <= before

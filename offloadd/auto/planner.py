@@ -40,7 +40,7 @@ from torch import nn
 from offloadd.auto import recompute
 from offloadd.auto.discover import find_blocks
 from offloadd.auto.plans import ShapePlans
-from offloadd.auto.probe import HostCacheProbe, MemoryProbe, open_probe
+from offloadd.auto.probe import CudaProbe, HostCacheProbe, MemoryProbe, open_probe
 from offloadd.auto.profile import HEAD, StepProfile
 from offloadd.auto.race import PATIENCE, RACE_STEPS_MAX, RACE_STEPS_MIN
 from offloadd.auto.solver import OFFLOAD, RECOMPUTE, Plan
@@ -331,6 +331,11 @@ class AutoPlanner:
         if prof.complete() or prof.later_forwards > _STALE:
             self._profile = None
             self._learn(prof)
+
+    def write_room(self) -> int | None:
+        """The room of this step's plan (None: no plan runs, or its budget is CUDA's)."""
+        plan = self.plan
+        return None if plan is None or plan.measure == CudaProbe.name else plan.room
 
     def _io_wait(self) -> float:
         return self.ledger.stats.io_wait_s

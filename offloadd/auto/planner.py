@@ -333,9 +333,13 @@ class AutoPlanner:
             self._learn(prof)
 
     def write_room(self) -> int | None:
-        """The room of this step's plan (None: no plan runs, or its budget is CUDA's)."""
-        plan = self.plan
-        return None if plan is None or plan.measure == CudaProbe.name else plan.room
+        """The room of this step's plan; none in a profile step, so that its peaks hold the
+        plan's own memory (None: warm-up, or a budget of CUDA's memory)."""
+        if self.probe is not None and self.probe.name == CudaProbe.name:
+            return None  # device memory: the sources held are host memory
+        if self.plan is None:
+            return 0 if self._profile is not None else None
+        return self.plan.room
 
     def _io_wait(self) -> float:
         return self.ledger.stats.io_wait_s

@@ -68,8 +68,8 @@ class Config(Settings):
     staging_bytes: int = setting(128 << 20, Size())
     """Size of the pre-allocated, page-aligned staging pool that writes go through, and the most
     bytes of CPU tensors held while they are written in place (ssd tier); with a ``budget``, those
-    are held only up to what the plan leaves of it, where that is less (at least one chunk; see
-    docs/budget.md). When either is full, forward waits for writes to finish (backpressure,
+    are held only up to what the plan leaves of it, where that is less (at least one chunk, one
+    in a profile step; see docs/budget.md). When either is full, forward waits for writes to finish (backpressure,
     counted in stats)."""
 
     host_budget_bytes: int = setting(2 << 30, Size())

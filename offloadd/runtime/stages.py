@@ -60,9 +60,9 @@ class Planner(Protocol):
         """Plan now if a profile step's backward has run."""
 
     def write_room(self) -> int | None:
-        """The bytes the plan that runs leaves for sources held while they are written (see
-        [room for writes] in writer_in_place.py); None: no such bound (no plan runs, or its
-        budget is not host memory)."""
+        """The bytes the plan that runs leaves for sources held while they are written (0 in a
+        profile step; see [room for writes] in writer_in_place.py); None: no such bound (the
+        warm-up step, or a budget of device memory)."""
 
 
 PlannerFactory = Callable[[Config, Ledger, Any], Planner]

@@ -21,8 +21,10 @@ Note: [room for writes] The sources held are memory a budget must count, and a s
 more of them. With a budget, the plan that runs says what its budget leaves over its predicted
 peak (``Planner.write_room`` in stages.py, ``Plan.room`` in auto/solver.py), and the bytes held
 are bounded by that where it is less than ``staging_bytes``, but never below one chunk (and
-one block, however large, may always be held alone), so that writes go on. The bound is read at
-each wait, so it follows the plan of the step that runs. The staging pool needs no such bound:
+one block, however large, may always be held alone), so that writes go on. A profile step
+leaves no room: its writes hold one chunk (or one block), so that the peaks it measures are the
+plan's own and not what a slow disk held then, which the room would count twice. The bound is
+read at each wait, so it follows the step that runs. The staging pool needs no such bound:
 its slots are one buffer of ``staging_bytes``, counted whole from its creation, and a slow disk
 makes forward wait for a slot rather than hold more.
 """

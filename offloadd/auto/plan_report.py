@@ -15,7 +15,8 @@ def plan_table(plan: Plan) -> str:
     how = "held by offloadd" if plan.measure == "held" else f"measured by {plan.measure}"
     head = (
         f"plan for a budget of {format_bytes(plan.budget)}: predicted peak "
-        f"{format_bytes(plan.peak)} ({how}; base {format_bytes(plan.base)}), "
+        f"{format_bytes(plan.peak)} ({how}; base {format_bytes(plan.base)}; room for writes "
+        f"{format_bytes(plan.room)}), "
         f"+{plan.extra_s * 1e3:.1f} ms per step over keeping every block; "
         f"{plan.count('keep')} keep, {plan.count(OFFLOAD)} offload, "
         f"{plan.count(RECOMPUTE)} recompute"
@@ -47,6 +48,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         "budget_bytes": plan.budget,
         "base_bytes": plan.base,
         "predicted_peak_bytes": plan.peak,
+        "write_room_bytes": plan.room,  # see [room for writes] in runtime/writer_in_place.py
         "predicted_extra_s": plan.extra_s,
         "measure": plan.measure,
         # the race that chose it: the profile's plan's median step, offloading all's (paired),

@@ -40,7 +40,7 @@ from torch import nn
 from offloadd.auto import recompute
 from offloadd.auto.discover import find_blocks
 from offloadd.auto.plans import ShapePlans
-from offloadd.auto.probe import HostCacheProbe, MemoryProbe, open_probe
+from offloadd.auto.probe import CudaProbe, HostCacheProbe, MemoryProbe, open_probe
 from offloadd.auto.profile import HEAD, StepProfile
 from offloadd.auto.race import PATIENCE, RACE_STEPS_MAX, RACE_STEPS_MIN
 from offloadd.auto.solver import OFFLOAD, RECOMPUTE, Plan
@@ -333,6 +333,15 @@ class AutoPlanner:
         if prof.complete() or prof.later_forwards > _STALE:
             self._profile = None
             self._learn(prof)
+
+    def write_room(self) -> int | None:
+        """The room of this step's plan; none in a profile step, so that its peaks hold the
+        plan's own memory (None: warm-up, or a budget of CUDA's memory)."""
+        if self.probe is not None and self.probe.name == CudaProbe.name:
+            return None  # device memory: the sources held are host memory
+        if self.plan is None:
+            return 0 if self._profile is not None else None
+        return self.plan.room
 
     def _io_wait(self) -> float:
         return self.ledger.stats.io_wait_s

@@ -138,6 +138,12 @@ class Plan:
     race: RaceTimes | None = None
     """The race that chose this plan (see [race] in race.py); None: no race (yet)."""
 
+    @property
+    def room(self) -> int:
+        """What the budget leaves over the predicted peak: the most bytes a step may hold in
+        sources being written (see [room for writes] in runtime/writer_in_place.py)."""
+        return max(0, self.budget - self.peak)
+
     def count(self, decision: str) -> int:
         return sum(d == decision for d in self.decisions)
 

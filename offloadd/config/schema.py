@@ -67,8 +67,11 @@ class Config(Settings):
     """Move a storage once even when several saved tensors (views, transposes, expands) share it."""
 
     staging_bytes: int = setting(128 << 20, Size())
-    """Size of the pre-allocated, page-aligned staging pool that writes go through. When it is full,
-    forward waits for writes to finish (backpressure, counted in stats)."""
+    """Size of the pre-allocated, page-aligned staging pool that writes go through, and the most
+    bytes of CPU tensors held while they are written in place (ssd tier); with a ``budget``, those
+    are held only up to what the plan leaves of it, where that is less (at least one chunk, one
+    in a profile step; see docs/budget.md). When either is full, forward waits for writes to finish (backpressure,
+    counted in stats)."""
 
     host_budget_bytes: int = setting(2 << 30, Size())
     """cpu tier: bytes of pinned host memory to hold activations in before spilling to ssd."""

@@ -171,6 +171,8 @@ class Offloader(SavedTensorHooks):
         self._auto: Planner | None = None
         if cfg.budget is not None and stages.planner is not None:
             self._auto = stages.planner(cfg, ledger, self._tls)
+            if self._writer.in_place is not None:  # see [room for writes]
+                self._writer.in_place.room = self._auto.write_room
         # Lossy codes of some saved activations, opt-in (see [codes through the tiers]).
         self._codec: Coder | None = None
         self._coded_type: type | None = None

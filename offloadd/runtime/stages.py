@@ -77,6 +77,11 @@ class Planner(Protocol):
     def settle(self) -> None:
         """Plan now if a profile step's backward has run."""
 
+    def write_room(self) -> int | None:
+        """The bytes the plan that runs leaves for sources held while they are written (0 in a
+        profile step; see [room for writes] in writer_in_place.py); None: no such bound (the
+        warm-up step, or a budget of device memory)."""
+
 
 PlannerFactory = Callable[[Config, Ledger, Any], Planner]
 """``(config, ledger, thread_local) -> Planner``, called when ``config.budget`` is set."""

@@ -12,10 +12,21 @@ page and zeros (an engine request's ``head``/``tail``, see io/request.py).
 The tensor is held until its last chunk is written (``block.direct_source``), then released:
 that is when its memory goes back to the allocator. Its version counter is compared then, as for
 every copy taken after capture: a change in place while the write ran makes unpack raise. Bytes
-held this way are bounded by ``staging_bytes``; past it forward waits (backpressure), as it
-does for staging slots. Backward that needs a block whose source is still held takes the source
-itself (no copy, no read) and cancels the writes that have not started (see [forwarding] in
-reader.py).
+held this way are bounded by ``staging_bytes`` (with a budget, by its plan's room: [room for
+writes]); past it forward waits (backpressure), as it does for staging slots. Backward that
+needs a block whose source is still held takes the source itself (no copy, no read) and
+cancels the writes that have not started (see [forwarding] in reader.py).
+
+Note: [room for writes] The sources held are memory a budget must count, and a slow disk holds
+more of them. With a budget, the plan that runs says what its budget leaves over its predicted
+peak (``Planner.write_room`` in stages.py, ``Plan.room`` in auto/solver.py), and the bytes held
+are bounded by that where it is less than ``staging_bytes``, but never below one chunk (and
+one block, however large, may always be held alone), so that writes go on. A profile step
+leaves no room: its writes hold one chunk (or one block), so that the peaks it measures are the
+plan's own and not what a slow disk held then, which the room would count twice. The bound is
+read at each wait, so it follows the step that runs. The staging pool needs no such bound:
+its slots are one buffer of ``staging_bytes``, counted whole from its creation, and a slow disk
+makes forward wait for a slot rather than hold more.
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ from offloadd.io.buffers import ALIGN
 from offloadd.io.pools import PagePool
 from offloadd.runtime.blocks import Block, Chunk
 from offloadd.runtime.handles import storage_bytes
+from offloadd.units import format_bytes
 
 if TYPE_CHECKING:
     from offloadd.config import Config
@@ -61,7 +73,8 @@ class InPlace:
         self.note_buffers = note_buffers
         self.stall_hint = stall_hint
         self.pages = PagePool()
-        self.held_bytes = 0  # sources held until written (bounded by staging_bytes)
+        self.held_bytes = 0  # sources held until written (bounded by limit())
+        self.room: Callable[[], int | None] = lambda: None  # a plan's room (see [room for writes])
 
     def write_out(self, block: Block, t: torch.Tensor) -> None:
         """Start the writes of ``block`` from ``t``'s own pages (no lock held)."""
@@ -111,9 +124,17 @@ class InPlace:
         page[a - at : b - at].copy_(src[a - block.skew : b - block.skew])
         return address
 
+    def limit(self) -> int:
+        """The most bytes of sources held for writing: ``staging_bytes``, or what a budget's
+        plan leaves where that is less, at least one chunk (see [room for writes])."""
+        cfg, room = self.config, self.room()
+        if room is None:
+            return cfg.staging_bytes
+        return min(cfg.staging_bytes, max(cfg.chunk_bytes, room))
+
     def _wait_room(self, nbytes: int) -> None:
-        """Backpressure: wait while the sources held for writing exceed ``staging_bytes``."""
-        limit = self.config.staging_bytes
+        """Backpressure: wait while the sources held for writing exceed :meth:`limit`."""
+        limit = self.limit()
         if self.held_bytes == 0 or self.held_bytes + nbytes <= limit:
             return
         st = self.ledger.stats
@@ -121,7 +142,7 @@ class InPlace:
         start = time.perf_counter()
         self.ledger.wait_while(
             lambda: bool(self.held_bytes and self.held_bytes + nbytes > limit),
-            "writes to finish (staging_bytes of sources held)",
+            f"writes to finish ({format_bytes(limit)} of sources held)",
             self.stall_hint,
         )
         waited = time.perf_counter() - start

@@ -18,8 +18,8 @@ profiled once each. Where the allocator counts memory (see [measured peaks] in p
 budget bounds the step's measured activation peak, and planned steps are measured too (on CPU
 every one; on CUDA, whose peak statistics are the user's as well, the first under each new plan);
 without it, the budget bounds what offloadd holds (its own accounting). After a planned step the
-planner checks its predictions: if the step used more than the budget (measured, or held: writes
-in flight hold their tensors, and slower I/O holds more), it adds the excess to what every unit
+planner checks its predictions: if the step used more than the budget (measured, or held: what
+writes in flight hold is capped at the plan's room, Note [room for writes]), it adds the excess to what every unit
 needs and plans again (logged at WARNING), so the plan learns the worst it has seen; if the
 blocks' forward time moved by more than 2x from the second planned step's (the first warms
 caches) for three steps in a row (CPU only: CUDA is asynchronous), it profiles again. The first plan for a shape then races

@@ -30,6 +30,8 @@ __all__ = ["HostStore", "Record", "Transfer", "WeightStore", "open_store"]
 
 log = logging.getLogger("offloadd")
 
+MIB = 1 << 20
+
 
 @dataclass(eq=False)
 class Record:
@@ -221,11 +223,16 @@ class HostStore:
         pass
 
 
-def open_store(cfg: Config, device: torch.device | None) -> WeightStore | HostStore:
-    """The store ``cfg``'s tier names for weights on ``device``."""
+def open_store(
+    cfg: Config, device: torch.device | None, largest: int = 0
+) -> WeightStore | HostStore:
+    """The store ``cfg``'s tier names for weights on ``device``; ``largest``: the largest
+    group's bytes, read in one request where ``chunk_bytes`` is smaller (up to 32 MiB): each
+    request costs a completion, and on a machine whose cores all compute that is a stall."""
     on_gpu = device is not None and device.type == "cuda"
     if cfg.tier == "ssd":
-        return WeightStore(cfg)
+        chunk = min(max(cfg.chunk_bytes, -(-largest // MIB) * MIB), 32 * MIB)
+        return WeightStore(cfg.replace(chunk_bytes=chunk) if chunk != cfg.chunk_bytes else cfg)
     if cfg.tier == "cpu" and on_gpu:
         return HostStore()
     where = "a GPU model's weights" if on_gpu else "a CPU model's weights (already in host memory)"

@@ -61,7 +61,7 @@ def relay(
         raise RelayError(f"relay_window: at least 1 group must be held, got {win}")
     groups, kept = find_groups(model, MIN_GROUP_BYTES)
     device = next((e.param.device for g in groups for e in g.entries), None)
-    store = open_store(cfg, device)
+    store = open_store(cfg, device, max((g.nbytes for g in groups), default=0))
     # Staged in slabs, not torch's allocator: freeing a 10 MiB buffer would raise glibc's mmap
     # threshold to 10 MiB, and training's activations below it would then fragment its heap.
     r = Relay(model, groups, store, win, Slabs(keep=win + 1))

@@ -76,8 +76,10 @@ class WeightStore:
     def __init__(self, cfg: Config) -> None:
         chunk = cfg.chunk_bytes
         self.chunk_bytes = chunk
-        # writes go through staging: four slots keep the engine busy while relay() writes
-        self._cfg = cfg.replace(staging_bytes=4 * chunk)
+        # The daemon reads host memory from its staging pool only: writes go through two of its
+        # slots. The embedded engine writes a page-aligned slab where it lies (no staging).
+        self._staged = bool(cfg.daemon.socket)
+        self._cfg = cfg.replace(staging_bytes=2 * chunk)
         self._backend: Backend | None = open_backend(self._cfg, None, self._warn)
         assert self._backend is not None
         self._lock = threading.Lock()
@@ -110,8 +112,28 @@ class WeightStore:
         for i in range(-(-nbytes // c)):
             record.places.append(backend.place(i))
         self.disk_bytes += len(record.places) * c
-        pool = backend.staging()
         t = Transfer(record, None, len(record.places))
+        base = data.data_ptr()
+        if not self._staged and base % 4096 == 0 and nbytes % 4096 == 0:
+            for file, offset, pos in self._chunks(record):
+                fd, path = backend.target(file)
+                n = min(c, nbytes - pos)
+                req = Request(
+                    Op.WRITE,
+                    fd,
+                    path,
+                    offset,
+                    base + pos,
+                    n,
+                    self._done,
+                    keepalive=data,
+                    context=t,
+                )
+                backend.submit(req)
+            t.wait()
+            self.written_bytes += nbytes
+            return record
+        pool = backend.staging()
         for file, offset, pos in self._chunks(record):
             with self._slot_free:
                 while (slot := pool.acquire()) is None:
@@ -150,12 +172,12 @@ class WeightStore:
             n = min(c, slab.numel() - pos)
             fd, path = backend.target(file)
             req = Request(
-                Op.READ, fd, path, offset, base + pos, n, self._read, keepalive=slab, context=t
+                Op.READ, fd, path, offset, base + pos, n, self._done, keepalive=slab, context=t
             )
             backend.submit(req)
         return t
 
-    def _read(self, req: Request) -> None:
+    def _done(self, req: Request) -> None:
         self._finish(req.context, req)
 
     def _finish(self, t: Transfer, req: Request) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -43,6 +44,7 @@ from offloadd.cli_dirs import ready_dir, ready_parent
 from offloadd.tools.bench.relay_run import MODULE, RelaySpec
 from offloadd.tools.harness.child import RunFailed, run_module
 from offloadd.tools.harness.machine import command_line, describe_machine, machine_line
+from offloadd.tools.harness.step_trace import preload_env
 from offloadd.tools.models.hf import require_transformers
 from offloadd.units import format_bytes
 
@@ -173,6 +175,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--plain-shallow", action="store_true", help="also run no relay at --shallow-layers"
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument(
+        "--allocator",
+        choices=("system", "caching", "jemalloc", "tcmalloc"),
+        default="system",
+        help="torch's CPU allocator in every run (held equal): glibc's heap, offloadd's host cache, "
+        "or jemalloc/tcmalloc preloaded",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--progress", action="store_true", help="each run's steps on stderr")
     p.add_argument(
@@ -197,6 +206,7 @@ def _options(ns: argparse.Namespace) -> tuple[dict[str, Any], int, list[str]]:
         raise ValueError(f"--window must be at least 1, got {ns.window}")
     if ns.threads < 0:
         raise ValueError(f"--threads must be 0 or more, got {ns.threads}")
+    preload_env(ns.allocator, {})  # --allocator jemalloc/tcmalloc: ValueError naming the package
     require_transformers()
     # last, so that a bad option creates nothing (Note [directories of the command line])
     if ns.tier == "ssd":
@@ -219,6 +229,7 @@ def _spec(label: str, sizes: Mapping[str, Any], ns: argparse.Namespace) -> Relay
         tier=ns.tier,
         ssd_dir=ns.ssd_dir if ns.tier == "ssd" else None,
         threads=ns.threads,
+        allocator=ns.allocator,
     )
 
 
@@ -283,7 +294,7 @@ def format_report(
         f"- model: HF Llama, hidden {sizes['hidden']}, intermediate {sizes['intermediate']}, "
         f"{sizes['heads']} heads, vocabulary {sizes['vocab']}; decoder Linear weights frozen, "
         f"the rest trained (AdamW); batch {sizes['batch']} x {sizes['seq']}",
-        f"- relay: window {ns.window}, tier {ns.tier}"
+        f"- allocator: {ns.allocator} (every run); relay: window {ns.window}, tier {ns.tier}"
         + (f" in {ns.ssd_dir}" if ns.tier == "ssd" else ""),
         f"- {sizes['steps']} timed steps (their median) after {sizes['warmup']} warm-up, "
         f"{n} round(s) interleaved, one process per run; medians over rounds",
@@ -341,6 +352,7 @@ def main(ns: argparse.Namespace) -> int:
                         dataclasses.asdict(spec),
                         what=f"bench relay run {c}",
                         progress=ns.progress,
+                        env=preload_env(ns.allocator, os.environ),
                     )
                 )
             except RunFailed as e:

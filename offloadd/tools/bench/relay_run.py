@@ -25,6 +25,7 @@ from torch import nn
 
 import offloadd
 from offloadd.config import Config
+from offloadd.runtime import host_allocator
 from offloadd.tools.harness.child import child_main
 from offloadd.tools.harness.memory import peak_rss_since_reset, reset_peak_rss, rss
 from offloadd.tools.harness.step_trace import StepTrace, medians
@@ -56,6 +57,9 @@ class RelaySpec:
     ssd_dir: str | None = None
     threads: int = 0
     """torch's threads (0: torch's default)."""
+    allocator: str = "system"
+    """torch's CPU allocator: system (glibc), caching (offloadd's host cache, installed once the
+    model is built and relayed, where an Offloader would), jemalloc or tcmalloc (preloaded)."""
 
 
 def build_llama(spec: RelaySpec) -> nn.Module:
@@ -98,6 +102,14 @@ def _relay_stats(model: nn.Module, *, reset_peak: bool = False) -> dict[str, Any
 
 
 def run(spec: RelaySpec, *, progress: bool = False) -> dict[str, Any]:
+    try:
+        return _run(spec, progress)
+    finally:
+        if spec.allocator == "caching":
+            host_allocator.release()
+
+
+def _run(spec: RelaySpec, progress: bool) -> dict[str, Any]:
     """Build, freeze, relay (with ``spec.relay``), train ``spec.warmup`` untimed steps and
     ``spec.steps`` timed ones; return the timings, memory, relay's counters and the losses."""
     if spec.threads:
@@ -114,6 +126,8 @@ def run(spec: RelaySpec, *, progress: bool = False) -> dict[str, Any]:
     if spec.relay:
         cfg = Config(tier=spec.tier, ssd_dirs=(spec.ssd_dir,) if spec.ssd_dir else ())  # type: ignore[arg-type]
         model = offloadd.relay(model, window=spec.window, config=cfg)
+    if spec.allocator == "caching":
+        host_allocator.acquire()
     gen = torch.Generator().manual_seed(spec.seed + 1)
     gc.collect()
     setup_rss = rss()

@@ -65,7 +65,6 @@ def build(case: str) -> nn.Module:
     return CASES[case][0]()
 
 
-@pytest.mark.every_engine
 @pytest.mark.parametrize("window", [1, 2, 64])
 @pytest.mark.parametrize("case", list(CASES))
 def test_gradients_bit_identical(case: str, window: int, disk_dir: Path, backend: str) -> None:

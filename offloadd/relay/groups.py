@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from offloadd.io.buffers import round_up
 from offloadd.relay.placeholder import RelayedWeight
 
 __all__ = ["Entry", "Group", "find_groups", "lay_out"]
@@ -73,7 +74,7 @@ def lay_out(group: Group, tensors: list[torch.Tensor]) -> None:
         key = st._cdata
         if key not in offsets:
             offsets[key] = pos
-            pos += -(-st.nbytes() // ALIGN) * ALIGN
+            pos += round_up(st.nbytes(), ALIGN)
         e.offset = offsets[key] // t.element_size() + int(t.storage_offset())
         e.size, e.stride, e.dtype = tuple(t.shape), tuple(t.stride()), t.dtype
     group.nbytes = pos

@@ -21,13 +21,13 @@ from collections import deque
 
 import torch
 
-__all__ = ["Slabs"]
+from offloadd.io.buffers import ALIGN, round_up
 
-PAGE = 4096
+__all__ = ["Slabs"]
 
 
 def padded(nbytes: int) -> int:
-    return max(PAGE, -(-nbytes // PAGE) * PAGE)
+    return max(ALIGN, round_up(nbytes))
 
 
 class Slabs:

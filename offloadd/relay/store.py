@@ -22,6 +22,7 @@ import torch
 
 from offloadd.backend import Backend, open_backend
 from offloadd.config import Config
+from offloadd.io.buffers import ALIGN, round_up
 from offloadd.io.request import Op, Request
 from offloadd.relay.placeholder import RelayError
 from offloadd.relay.slabs import Slabs
@@ -114,7 +115,7 @@ class WeightStore:
         self.disk_bytes += len(record.places) * c
         t = Transfer(record, None, len(record.places))
         base = data.data_ptr()
-        if not self._staged and base % 4096 == 0 and nbytes % 4096 == 0:
+        if not self._staged and base % ALIGN == 0 and nbytes % ALIGN == 0:
             for file, offset, pos in self._chunks(record):
                 fd, path = backend.target(file)
                 n = min(c, nbytes - pos)
@@ -144,7 +145,7 @@ class WeightStore:
             if n < c:
                 buf[n:].zero_()
             fd, path = backend.target(file)
-            io = -(-n // 4096) * 4096
+            io = round_up(n)
             req = Request(
                 Op.WRITE, fd, path, offset, pool.address(slot), io, self._written, context=(t, slot)
             )
@@ -253,7 +254,7 @@ def open_store(
     request costs a completion, and on a machine whose cores all compute that is a stall."""
     on_gpu = device is not None and device.type == "cuda"
     if cfg.tier == "ssd":
-        chunk = min(max(cfg.chunk_bytes, -(-largest // MIB) * MIB), 32 * MIB)
+        chunk = min(max(cfg.chunk_bytes, round_up(largest, MIB)), 32 * MIB)
         return WeightStore(cfg.replace(chunk_bytes=chunk) if chunk != cfg.chunk_bytes else cfg)
     if cfg.tier == "cpu" and on_gpu:
         return HostStore()

@@ -38,6 +38,7 @@ from offloadd.relay.placeholder import RelayError
 from offloadd.relay.slabs import Slabs
 from offloadd.relay.store import HostStore, Transfer, WeightStore
 from offloadd.runtime.compiled import unseen
+from offloadd.runtime.handles import storage_of
 
 __all__ = ["Relay", "WeightRef"]
 
@@ -47,16 +48,22 @@ Key = tuple[int, int]  # (group, forward): see Relay.forwards
 class WeightRef:
     """What autograd holds for a saved view of a relayed weight (see Note [relay schedule])."""
 
-    __slots__ = ("__weakref__", "dtype", "generation", "group", "key", "offset", "size", "stride")
+    __slots__ = ("dtype", "generation", "group", "key", "offset", "relay", "size", "stride")
 
-    def __init__(self, group: Group, t: torch.Tensor, forward: int) -> None:
+    def __init__(self, relay: Relay, group: Group, t: torch.Tensor) -> None:
+        self.relay = relay
         self.group = group
-        self.key = (group.index, forward)  # a group's refs of one forward are held together
+        self.key = (group.index, relay.forwards)  # a group's refs of one forward are held together
         self.generation = group.generation
         self.offset = t.storage_offset()
         self.size = tuple(t.shape)
         self.stride = tuple(t.stride())
         self.dtype = t.dtype
+
+    def __del__(self) -> None:
+        # It may run in any thread, within any allocation (a collection), even one made while
+        # that thread holds the relay's lock: so it only appends (see Relay._drain).
+        self.relay._dead.append((self.key, id(self)))
 
 
 class Relay:
@@ -77,6 +84,7 @@ class Relay:
         self.slabs = slabs
         self.lock = threading.Lock()
         self.order: list[int] = [g.index for g in groups]
+        self._order_at: dict[int, int] = {i: i for i in self.order}  # each group's place in it
         self._seen: list[int] = []
         self._fwd: dict[int, Transfer] = {}
         self._installed: dict[int, torch.Tensor] = {}  # group -> its slab while swapped in
@@ -85,7 +93,8 @@ class Relay:
         # Backward's bookkeeping is per (group, forward): two forwards before one backward (summed
         # micro-batches, a pair of passes) hold each group's slab for its own refs only.
         self.forwards = 0
-        self._bwd_order: list[Key] = []
+        self._bwd_order: list[Key] = []  # keys in the order their first ref was packed
+        self._bwd_at: dict[Key, int] = {}  # each key's place in it
         self._bwd: dict[Key, Transfer] = {}
         self._held: dict[Key, torch.Tensor] = {}  # slab kept for the key's pending refs
         self._pending: dict[Key, set[int]] = {}  # ids of the key's refs not yet unpacked
@@ -131,9 +140,10 @@ class Relay:
             self._drain()
         if self._seen:
             self.order = list(dict.fromkeys(self._seen))
+            self._order_at = {i: at for at, i in enumerate(self.order)}
             self._seen = []
         if not any(self._pending.values()):
-            self._bwd_order = []
+            self._bwd_order, self._bwd_at = [], {}
         for i in self.order[: self.window]:
             self._prefetch_forward(i)
 
@@ -236,10 +246,9 @@ class Relay:
             hooks = torch.autograd.graph.saved_tensors_hooks(*self._saved_hooks())
             hooks.__enter__()
             self._pushed.setdefault(g.index, []).append(hooks)
-        order = self.order
-        if g.index in order and not in_backward:
-            at = order.index(g.index)
-            for i in order[at + 1 : at + self.window]:
+        at = self._order_at.get(g.index)
+        if at is not None and not in_backward:
+            for i in self.order[at + 1 : at + self.window]:
                 self._prefetch_forward(i)
 
     def after_group_forward(self, g: Group) -> None:
@@ -263,16 +272,11 @@ class Relay:
         slab_group = self._slab_group
 
         def pack(t: torch.Tensor) -> Any:
-            if (
-                t.device.type in ("cpu", "cuda")
-                and t.layout is torch.strided
-                and not t.is_meta
-                and not t.is_conj()  # a ref keeps the view's geometry, not these bits
-                and not t.is_neg()
-            ):
-                g = slab_group.get(t.untyped_storage()._cdata)
-                if g is not None:
-                    return self._ref(g, t)
+            s = storage_of(t)
+            g = slab_group.get(s._cdata) if s is not None else None
+            # a ref keeps the view's geometry, not its conjugate or negative bit
+            if g is not None and not t.is_conj() and not t.is_neg():
+                return self._ref(g, t)
             return outer_pack(t) if outer_pack is not None else t
 
         def unpack(x: Any) -> torch.Tensor:
@@ -283,21 +287,16 @@ class Relay:
         return unseen(pack), unseen(unpack)
 
     def _ref(self, g: Group, t: torch.Tensor) -> WeightRef:
-        ref = WeightRef(g, t, self.forwards)
+        ref = WeightRef(self, g, t)
         key = ref.key
         with self.lock:
             self._drain()
             pending = self._pending.setdefault(key, set())
-            if not pending and (not self._bwd_order or self._bwd_order[-1] != key):
+            if key not in self._bwd_at:
+                self._bwd_at[key] = len(self._bwd_order)
                 self._bwd_order.append(key)
             pending.add(id(ref))
-        weakref.finalize(ref, self._forget, key, id(ref))
         return ref
-
-    def _forget(self, i: Key, ref_id: int) -> None:
-        # A finalizer: it may run in any thread, within any allocation (a collection), even
-        # one made while this thread holds the lock; so it only appends (see _drain).
-        self._dead.append((i, ref_id))
 
     def _drain(self) -> None:
         """Forget the refs autograd dropped unused (lock held)."""
@@ -322,9 +321,10 @@ class Relay:
             )
         key = ref.key
         slab = self._held.get(key)
-        if slab is None:
+        if slab is None:  # the key's first unpack: read it (or take its prefetch), read ahead
             t = self._bwd.pop(key, None)
             slab = self._wait(t) if t is not None else self.fetch(g)
+            self._prefetch_backward(key)
         with self.lock:
             self._drain()
             pending = self._pending.get(key, set())
@@ -333,16 +333,15 @@ class Relay:
                 self._held[key] = slab
             else:
                 self._held.pop(key, None)
-        self._prefetch_backward(key)
         return torch.empty(0, dtype=ref.dtype, device=slab.device).set_(
             slab.untyped_storage(), ref.offset, ref.size, ref.stride
         )
 
     def _prefetch_backward(self, key: Key) -> None:
         order = self._bwd_order
-        if key not in order:
+        at = self._bwd_at.get(key)
+        if at is None:
             return
-        at = len(order) - 1 - order[::-1].index(key)
         for j in reversed(order[max(0, at - self.window + 1) : at]):
             if j not in self._held and j not in self._bwd and self._pending.get(j):
                 self._bwd[j] = self._read(self.groups[j[0]])

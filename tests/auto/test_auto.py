@@ -29,6 +29,7 @@ from offloadd.auto import (
 from offloadd.auto.profile import HEAD, StepProfile
 from offloadd.auto.solver import KEEP, OFFLOAD, RECOMPUTE
 from offloadd.tools.models.gpt import GPT, GPTConfig
+from tests._support.auto_train import set_plans, train
 
 MiB = 1 << 20
 
@@ -270,32 +271,8 @@ def _train(
     force: tuple[str, ...] | None = None,
 ) -> tuple[list[torch.Tensor], list[float]]:
     """Plain SGD steps; ``force``: once the planner has planned, replace its plan's decisions."""
-    torch.manual_seed(123)  # dropout masks
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for x in batches:
-        if off is None:
-            loss = model(x[:, :-1], x[:, 1:])
-        else:
-            if force is not None and off._auto is not None and off._auto.plans:
-                _no_race(off)
-                for sig, plan in off._auto.plans.items():
-                    off._auto.plans[sig] = dataclasses.replace(plan, decisions=force)
-            with off:
-                loss = model(x[:, :-1], x[:, 1:])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        del loss
-    return [p.detach().clone() for p in model.parameters()], losses
-
-
-def _no_race(off: Offloader) -> None:
-    """No race ([race] in auto/race.py): the plans as the test sets them, every step."""
-    assert off._auto is not None
-    off._auto.shapes.race = None
-    off._auto.shapes.waiting.clear()
+    change = None if force is None else (lambda p: dataclasses.replace(p, decisions=force))
+    return train(model, off, batches, change)
 
 
 def _batches(n: int, seq: int = 32, batch: int = 2) -> list[torch.Tensor]:
@@ -717,12 +694,7 @@ def test_keyword_called_blocks_recompute_bit_identically(disk_dir: Path) -> None
         model = build()
         torch.manual_seed(9)
         for i, x in enumerate(xs):
-            if off is not None and off._auto is not None and off._auto.plans:
-                _no_race(off)
-                for sig, p in off._auto.plans.items():
-                    off._auto.plans[sig] = dataclasses.replace(
-                        p, decisions=(RECOMPUTE,) * 3 + (KEEP,)
-                    )
+            set_plans(off, lambda p: dataclasses.replace(p, decisions=(RECOMPUTE,) * 3 + (KEEP,)))
             if off is None:
                 loss = model(x)
             else:

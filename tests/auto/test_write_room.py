@@ -20,6 +20,7 @@ from offloadd.auto.probe import CudaProbe
 from offloadd.auto.solver import OFFLOAD, BlockCost, Plan
 from offloadd.runtime.accounting import Ledger
 from offloadd.tools.models.gpt import GPT, GPTConfig
+from tests._support.auto_train import train
 from tests._support.helpers import SlowEngine
 
 MiB = 1 << 20
@@ -73,29 +74,15 @@ def _train(
 ) -> tuple[list[float], list[torch.Tensor]]:
     """SGD steps; with ``room``, once a plan exists it offloads every block and leaves ``room``
     of its budget (no race: the plan as set here, every step)."""
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for x in batches:
-        if off is None:
-            loss = model(x[:, :-1], x[:, 1:])
-        else:
-            planner = off._auto
-            if room is not None and planner is not None and planner.plans:
-                planner.shapes.race = None
-                planner.shapes.waiting.clear()
-                for sig, plan in planner.plans.items():
-                    planner.plans[sig] = dataclasses.replace(
-                        plan, decisions=(OFFLOAD,) * len(plan.decisions), peak=plan.budget - room
-                    )
-            with off:
-                loss = model(x[:, :-1], x[:, 1:])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        del loss
-    return losses, [p.detach().clone() for p in model.parameters()]
+
+    def offload_all(plan: Plan) -> Plan:
+        assert room is not None
+        return dataclasses.replace(
+            plan, decisions=(OFFLOAD,) * len(plan.decisions), peak=plan.budget - room
+        )
+
+    weights, losses = train(_model(), off, batches, None if room is None else offload_all)
+    return losses, weights
 
 
 @pytest.mark.parametrize("room", [2 * MiB, 0], ids=["2MiB", "none-left"])

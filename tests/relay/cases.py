@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from offloadd import Offloader
 from offloadd.config import Config
 from tests._support import helpers
 
@@ -121,13 +123,18 @@ def llama_loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def step(
-    model: nn.Module, x: torch.Tensor, loss_of: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    model: nn.Module,
+    x: torch.Tensor,
+    loss_of: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+    off: Offloader | None = None,
 ) -> Step:
-    """One forward and backward: the loss and every gradient (the input's too if it has one)."""
+    """One forward (in ``off``'s scope if given) and backward: the loss and every gradient (the
+    input's too if it has one)."""
     model.zero_grad(set_to_none=True)
     if x.is_floating_point():
         x = x.detach().requires_grad_(True)
-    loss = loss_of(model, x)
+    with off if off is not None else contextlib.nullcontext():
+        loss = loss_of(model, x)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     if x.grad is not None:

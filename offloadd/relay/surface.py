@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import functools
-import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -13,7 +12,6 @@ import torch
 from torch import nn
 
 from offloadd.config import Config
-from offloadd.io.request import on_engine_thread
 from offloadd.relay.groups import Group, find_groups
 from offloadd.relay.model_ops import hook_model_ops, resident, unpatch, write_group
 from offloadd.relay.placeholder import RelayError
@@ -23,6 +21,7 @@ from offloadd.relay.state import ATTR, RelayState, is_relayed, state_of
 from offloadd.relay.store import HostStore, WeightStore, open_store
 from offloadd.runtime.compiled import unseen
 from offloadd.runtime.heap_trim import malloc_trim
+from offloadd.runtime.shutdown import moved_off_engine_thread
 from offloadd.runtime.stages import HELD_ELSEWHERE
 
 __all__ = ["RelayStats", "is_relayed", "relay", "relay_stats", "resident", "unrelay"]
@@ -88,8 +87,7 @@ def relay(
 
 
 def _close(store: WeightStore | HostStore, slabs: Slabs) -> None:
-    if on_engine_thread():  # a collection on an engine thread: closing joins that thread
-        threading.Thread(target=_close, args=(store, slabs), daemon=True).start()
+    if moved_off_engine_thread(_close, store, slabs, name="offloadd-relay-close"):
         return
     store.close()
     slabs.close()

@@ -215,8 +215,10 @@ def test_step_trace_splits_a_step() -> None:
     st = Stats(pack_s=1.0, unpack_s=2.0, read_wait_s=0.5)
     trace = StepTrace()
     trace.begin(st)
-    end = time.perf_counter() + 0.05
-    while time.perf_counter() < end:
+    # 50 ms of this thread's CPU (so at least 50 ms of wall): with another test process on the
+    # cores, 50 ms of wall could hold less than the 30 ms of CPU asserted below
+    end = time.thread_time() + 0.05
+    while time.thread_time() < end:
         pass
     trace.mark()
     st.pack_s += 0.01

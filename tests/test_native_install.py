@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EXTENSIONS = {
     "offloadd.io._native": "csrc/io_native",
     "offloadd.codec._kernels": "csrc/codec",
+    "offloadd.relay._write_guard": "csrc/write_guard",
     "offloadd.runtime._host_cache": "csrc/host_allocator",
     "offloadd.memsave._kernels": "csrc/memsave",
 }

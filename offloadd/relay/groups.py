@@ -47,6 +47,15 @@ class Entry:
     dtype: torch.dtype
     version: int = 0
 
+    def span(self) -> tuple[int, int]:
+        """The bytes of the slab the weight's view covers, [start, end)."""
+        size = torch.empty(0, dtype=self.dtype).element_size()
+        start = self.offset * size
+        if 0 in self.size:
+            return start, start
+        last = sum((n - 1) * st for n, st in zip(self.size, self.stride, strict=True))
+        return start, start + (last + 1) * size
+
 
 @dataclass(eq=False)
 class Group:

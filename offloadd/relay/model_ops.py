@@ -122,8 +122,9 @@ def rewrite(r: Relay, g: Group) -> None:
             e.param.data = now.detach()
             e.module._parameters[e.attr] = e.param
             replaced = True
-    if not replaced and all(e.param._version == e.version for e in g.entries):
-        r.uninstall(g)
+    written = r.slabs.written(r._installed[g.index])
+    if not replaced and r.sees_writes(g) and not r.changes(g, written):
+        r.uninstall(g)  # unguarded and unwritten: nothing to write (Note [write guard])
         return
     old = g.record
     try:

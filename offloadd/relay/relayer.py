@@ -88,6 +88,7 @@ class Relay:
         self._seen: list[int] = []
         self._fwd: dict[int, Transfer] = {}
         self._installed: dict[int, torch.Tensor] = {}  # group -> its slab while swapped in
+        self._guarded: set[int] = set()  # groups whose installed slab is guarded
         self._slab_group: dict[int, Group] = {}  # slab storage -> group, while swapped in
         self._pushed: dict[int, list[Any]] = {}
         # Backward's bookkeeping is per (group, forward): two forwards before one backward (summed
@@ -219,17 +220,45 @@ class Relay:
             e.module._parameters[e.attr] = e.param
         self._installed[g.index] = slab
         self._slab_group[slab.untyped_storage()._cdata] = g
+        if self.slabs.guard(slab):  # Note [write guard] in slabs.py
+            self._guarded.add(g.index)
 
-    def uninstall(self, g: Group) -> list[str]:
-        """Swap the placeholders back; the names of weights changed in place meanwhile."""
-        slab = self._installed.pop(g.index, None)
-        if slab is None:
-            return []
-        self._slab_group.pop(slab.untyped_storage()._cdata, None)
+    def sees_writes(self, g: Group) -> bool:
+        """Whether :meth:`changes` sees every write to ``g`` (its slab is guarded)."""
+        return g.index in self._guarded
+
+    def changes(self, g: Group, written: int | None = None) -> list[str]:
+        """The names of ``g``'s weights changed while swapped in: in place (their version
+        counter), through ``.data`` (a write the guard saw at byte ``written`` of the slab), or
+        replaced by an assignment to ``.data``."""
+        slab = self._installed[g.index]
+        base = slab.untyped_storage().data_ptr()
         changed = []
         for e in g.entries:
-            if e.param._version != e.version:
+            p = e.param
+            start, end = e.span()
+            if (
+                p._version != e.version
+                or p.untyped_storage().data_ptr() != base
+                or p.storage_offset() != e.offset
+                or tuple(p.shape) != e.size
+                or (written is not None and start <= written < end)
+            ):
                 changed.append(e.name)
+        if written is not None and not changed:
+            changed.append(f"{g.name} (byte {written} of its weights)")
+        return changed
+
+    def uninstall(self, g: Group) -> list[str]:
+        """Swap the placeholders back; the names of weights changed meanwhile (:meth:`changes`)."""
+        slab = self._installed.get(g.index)
+        if slab is None:
+            return []
+        self._guarded.discard(g.index)
+        changed = self.changes(g, self.slabs.unguard(slab))
+        del self._installed[g.index]
+        self._slab_group.pop(slab.untyped_storage()._cdata, None)
+        for e in g.entries:
             e.module._parameters[e.attr] = e.placeholder
             e.param.data = torch.empty(0, dtype=e.dtype, device=e.param.device)
         return changed
@@ -261,7 +290,8 @@ class Relay:
         if changed:
             raise RelayError(
                 f"relayed weights were changed in place during forward: {', '.join(changed)}. "
-                "A relayed weight is frozen; change it with load_state_dict(), or within "
+                "A relayed weight is frozen (a write through .data or a new .data counts too); "
+                "change it with load_state_dict(), or within "
                 "`with offloadd.resident(model):`, or unrelay the model"
             )
 

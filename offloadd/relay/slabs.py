@@ -9,11 +9,23 @@ that view until the last tensor on it dies (a parameter swapped out after forwar
 weight autograd let go of in backward), and a finalizer on the view then gives the slab back.
 So what relay holds is known exactly, whoever held the weights last, and a slab's pages stay
 warm for the next group of its size (up to ``keep`` idle slabs a size; more are unmapped).
+
+Note [write guard]
+~~~~~~~~~~~~~~~~~~
+A write through ``weight.data`` bumps no version counter, so autograd cannot see it. While a
+slab is swapped in, relay guards it (:meth:`Slabs.guard`): its pages are read-only, and the
+first write faults into csrc/write_guard's handler, which records the address and makes the
+slab writable again, so the write goes ahead. :meth:`Slabs.unguard` tells relay whether and
+where the slab was written: in forward it raises naming the weight, in ``resident()`` it writes
+the group back. A slab is unguarded before it goes back to the pool, so a slab is never read into
+or unmapped while guarded. Without the native module (not built) nothing is guarded: relay then
+cannot see such writes in forward, and ``resident()`` writes every group back (docs/relay.md).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import threading
 import weakref
@@ -23,7 +35,27 @@ import torch
 
 from offloadd.io.buffers import ALIGN, round_up
 
+try:
+    from offloadd.relay import _write_guard
+except ImportError:  # not built (docs/native.md)
+    _write_guard = None  # type: ignore[assignment]
+
 __all__ = ["Slabs"]
+
+log = logging.getLogger("offloadd")
+_warned: list[bool] = []
+
+
+def can_guard() -> bool:
+    """Whether slabs can be guarded (the native module is built); warns once if not."""
+    if _write_guard is None and not _warned:
+        _warned.append(True)
+        log.warning(
+            "offloadd relay: offloadd.relay._write_guard is not built, so a write through "
+            "weight.data to a relayed weight goes unseen, and resident() writes every group "
+            "back; reinstall offloadd to build it (docs/native.md)"
+        )
+    return _write_guard is not None
 
 
 def padded(nbytes: int) -> int:
@@ -43,6 +75,8 @@ class Slabs:
         self.live_bytes = 0
         self.idle_bytes = 0
         self.peak_bytes = 0
+        self._slots: dict[int, int] = {}  # a guarded slab's address -> its guard slot
+        self.guarding = can_guard()
 
     @property
     def held_bytes(self) -> int:
@@ -68,11 +102,41 @@ class Slabs:
             mm = mmap.mmap(-1, size)
         view = memoryview(mm)
         slab = torch.frombuffer(view, dtype=torch.uint8)
-        weakref.finalize(view, self._back, mm, size).atexit = False  # at exit it is still in use
+        fin = weakref.finalize(view, self._back, mm, size, slab.data_ptr())
+        fin.atexit = False  # at exit it is still in use
         return slab
 
-    def _back(self, mm: mmap.mmap, size: int) -> None:
+    def _back(self, mm: mmap.mmap, size: int, address: int) -> None:
+        slot = self._slots.pop(address, None)
+        if slot is not None:  # dropped while guarded (a model dropped mid-forward)
+            _write_guard.release(slot)
         self._returned.append((mm, size))
+
+    def guard(self, slab: torch.Tensor) -> bool:
+        """Make ``slab`` (one of this pool's, in use) read-only until :meth:`unguard`, noting the
+        first write (Note [write guard]); False where it cannot be guarded."""
+        address = slab.data_ptr()
+        if not self.guarding or slab.device.type != "cpu" or address in self._slots:
+            return False
+        if address % mmap.PAGESIZE or slab.nbytes % mmap.PAGESIZE:
+            return False
+        self._slots[address] = _write_guard.protect(address, slab.nbytes)
+        return True
+
+    def written(self, slab: torch.Tensor) -> int | None:
+        """The offset of the first write into guarded ``slab`` so far, or None."""
+        slot = self._slots.get(slab.data_ptr())
+        at = _write_guard.fault(slot) if slot is not None else 0
+        return at - slab.data_ptr() if at else None
+
+    def unguard(self, slab: torch.Tensor) -> int | None:
+        """Make ``slab`` writable again: the offset of the first write into it since
+        :meth:`guard`, or None if it was not written (or not guarded)."""
+        slot = self._slots.pop(slab.data_ptr(), None)
+        if slot is None:
+            return None
+        at = _write_guard.release(slot)
+        return at - slab.data_ptr() if at else None
 
     def _drain(self) -> list[mmap.mmap]:
         """Take back the slabs returned (lock held); the ones beyond ``keep`` to unmap."""

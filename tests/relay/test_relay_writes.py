@@ -1,0 +1,142 @@
+"""Writes to relayed weights that autograd cannot see (Note [write guard] in relay/slabs.py):
+through ``.data``, through numpy, from torch's worker threads. In forward they raise naming the
+weight, never leaving a stale value; inside ``resident()`` they are written back. A fault that
+is not relay's still crashes as it would without relay."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import offloadd
+from offloadd.relay import RelayError, slabs
+from tests.relay.cases import Layered, freeze_layers, relay_config, same, square_loss, step
+
+pytestmark = pytest.mark.skipif(slabs._write_guard is None, reason="write guard not built")
+
+WRITES: dict[str, Callable[[nn.Parameter], None]] = {
+    "data in place": lambda w: w.data.mul_(2),
+    "data assigned": lambda w: setattr(w, "data", w.data * 2),
+    "numpy": lambda w: w.detach().numpy().__setitem__((0, 0), 1.0),
+    # a kernel big enough to run on torch's worker threads: they fault, not the main thread
+    "worker threads": lambda w: w.data.fill_(0.5),
+}
+
+
+@pytest.mark.parametrize("how", list(WRITES))
+def test_writes_in_forward_raise(how: str, disk_dir: Path) -> None:
+    torch.manual_seed(0)
+    model = offloadd.relay(freeze_layers(Layered(d=256)), config=relay_config(disk_dir))
+    lin = model.layers[1][1]
+    handle = lin.register_forward_pre_hook(lambda m, args: WRITES[how](m.weight))
+    with pytest.raises(RelayError, match=r"changed in place during forward: layers\.1\.1\.weight"):
+        model(torch.randn(2, 16))
+    handle.remove()
+    assert type(lin.weight).__name__ == "RelayedWeight"  # swapped back, the store unchanged
+    torch.manual_seed(0)
+    ref = freeze_layers(Layered(d=256))
+    x = torch.randn(3, 16)
+    assert same(step(ref, x, square_loss), step(model, x, square_loss))
+    offloadd.unrelay(model)
+
+
+@pytest.mark.parametrize("how", ["data in place", "data assigned", "worker threads"])
+def test_writes_inside_resident_are_kept(how: str, disk_dir: Path) -> None:
+    torch.manual_seed(0)
+    ref = freeze_layers(Layered(d=256))
+    torch.manual_seed(0)
+    model = offloadd.relay(freeze_layers(Layered(d=256)), config=relay_config(disk_dir))
+    before = offloadd.relay_stats(model).written_bytes
+    with offloadd.resident(model):
+        pass
+    assert offloadd.relay_stats(model).written_bytes == before  # nothing written: nothing back
+    with offloadd.resident(model):
+        WRITES[how](model.layers[2][3].weight)
+    WRITES[how](ref.layers[2][3].weight)
+    wrote = offloadd.relay_stats(model).written_bytes - before
+    assert 0 < wrote < offloadd.relay_stats(model).relayed_bytes  # that group only
+    x = torch.randn(3, 16)
+    assert same(step(ref, x, square_loss), step(model, x, square_loss))
+    offloadd.unrelay(model)
+
+
+def test_without_the_guard_resident_writes_back(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Built without csrc/write_guard: one warning, and resident() writes every group back."""
+    monkeypatch.setattr(slabs, "_write_guard", None)
+    monkeypatch.setattr(slabs, "_warned", [])
+    torch.manual_seed(0)
+    ref = freeze_layers(Layered())
+    torch.manual_seed(0)
+    with caplog.at_level("WARNING", logger="offloadd"):
+        model = offloadd.relay(freeze_layers(Layered()), config=relay_config(disk_dir))
+    assert "offloadd.relay._write_guard is not built" in caplog.text
+    st = offloadd.relay_stats(model)
+    with offloadd.resident(model):
+        model.layers[0][1].weight.data.mul_(0.5)
+    ref.layers[0][1].weight.data.mul_(0.5)
+    assert offloadd.relay_stats(model).written_bytes == 2 * st.written_bytes  # all, again
+    x = torch.randn(3, 16)
+    assert same(step(ref, x, square_loss), step(model, x, square_loss))
+    offloadd.unrelay(model)
+
+
+def test_a_slab_dropped_while_guarded_is_unguarded() -> None:
+    pool = slabs.Slabs(keep=1)
+    slab = pool.take(3 * 4096)
+    assert pool.guard(slab)
+    address = slab.data_ptr()
+    del slab  # dropped without unguard (a model dropped mid-forward)
+    again = pool.take(3 * 4096)
+    assert again.data_ptr() == address and not pool._slots
+    again.fill_(1)  # writable: an O_DIRECT read into it would not fail with EFAULT
+    assert pool.guard(again) and pool.written(again) is None
+    again[5000] = 2
+    assert pool.unguard(again) == 5000 and int(again[5000]) == 2
+
+
+CRASH = """
+import ctypes, faulthandler, sys
+import torch
+import offloadd
+from offloadd.config import Config
+from tests.relay.cases import Layered, freeze_layers
+if sys.argv[1] == "after":
+    faulthandler.disable()
+model = offloadd.relay(freeze_layers(Layered()), config=Config().replace(
+    tier="ssd", ssd_dirs=(sys.argv[2],)))
+if sys.argv[1] == "after":
+    faulthandler.enable()  # replaces relay's handler: the next swap-in chains to it
+model(torch.randn(2, 16))
+def crash(m, args):
+    ctypes.string_at(0)
+model.layers[1].register_forward_pre_hook(crash)
+model(torch.randn(2, 16))
+"""
+
+
+CODE = textwrap.dedent(CRASH)
+
+
+@pytest.mark.parametrize("faulthandler_on", ["before", "after"])
+def test_a_real_crash_still_crashes(faulthandler_on: str, disk_dir: Path) -> None:
+    """A segfault that is not a guarded write reaches faulthandler (its traceback), then the
+    default action: relay's handler never swallows it."""
+    out = subprocess.run(
+        [sys.executable, "-X", "faulthandler", "-c", CODE, faulthandler_on, str(disk_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert out.returncode == -11, out
+    assert "Fatal Python error: Segmentation fault" in out.stderr
+    assert "in crash" in out.stderr, out.stderr

@@ -16,6 +16,8 @@ lies in the group's slab into a :class:`WeightRef` (the view's offset, sizes, st
 dtype), so autograd holds no weight bytes between forward and backward. The first unpack of a
 group reads it back (or takes it from the prefetch), keeps the slab until its last ref is
 unpacked or dropped, and starts reading the ``window - 1`` groups before it in pack order.
+The last ``window`` groups of forward keep their slabs into backward instead (``_carry``):
+backward needs them first, and would otherwise begin with a read it waits for.
 
 Exactness: the slab holds the bytes that were written, viewed with the strides and offsets the
 weights had, at the same 64-byte alignment torch's allocator gives; a weight replaced after
@@ -98,6 +100,7 @@ class Relay:
         self._bwd_at: dict[Key, int] = {}  # each key's place in it
         self._bwd: dict[Key, Transfer] = {}
         self._held: dict[Key, torch.Tensor] = {}  # slab kept for the key's pending refs
+        self._carried: set[Key] = set()  # held from forward on (see _carry), not yet unpacked
         self._pending: dict[Key, set[int]] = {}  # ids of the key's refs not yet unpacked
         self._dead: deque[tuple[Key, int]] = deque()  # refs collected (finalizers only append)
         self.pinned: set[int] = set()  # swapped in by resident() or a load: forward leaves them
@@ -139,6 +142,9 @@ class Relay:
         self._drop_on_demand()
         with self.lock:
             self._drain()
+            for key in self._carried:  # a second forward before backward: it carries its own
+                self._held.pop(key, None)
+            self._carried.clear()
         if self._seen:
             self.order = list(dict.fromkeys(self._seen))
             self._order_at = {i: at for at, i in enumerate(self.order)}
@@ -286,7 +292,10 @@ class Relay:
             pushed.pop().__exit__(None, None, None)
         if g.index in self.pinned or pushed:  # pinned, or an outer call of it still runs
             return
+        slab = self._installed.get(g.index)
         changed = self.uninstall(g)
+        if slab is not None and not changed:
+            self._carry(g, slab)
         if changed:
             raise RelayError(
                 f"relayed weights were changed in place during forward: {', '.join(changed)}. "
@@ -294,6 +303,22 @@ class Relay:
                 "change it with load_state_dict(), or within "
                 "`with offloadd.resident(model):`, or unrelay the model"
             )
+
+    def _carry(self, g: Group, slab: torch.Tensor) -> None:
+        """Keep the slab of one of forward's last ``window`` groups for its refs: backward needs
+        these groups first, and reading them again would start it with a wait. While forward
+        runs the groups after ``g``, they and the ones carried are at most ``window``."""
+        at = self._order_at.get(g.index)
+        if at is None or at < len(self.order) - self.window:
+            return
+        if torch._C._current_graph_task_id() != -1:  # a recomputation in backward
+            return
+        key = (g.index, self.forwards)
+        with self.lock:
+            self._drain()
+            if self._pending.get(key):
+                self._held[key] = slab
+                self._carried.add(key)
 
     # -- backward ---------------------------------------------------------------------------
     def _saved_hooks(self) -> tuple[Any, Any]:
@@ -339,6 +364,7 @@ class Relay:
             pending.discard(ref_id)
             if not pending:
                 self._held.pop(i, None)
+                self._carried.discard(i)
                 self._bwd.pop(i, None)  # a read in flight keeps its slab until it lands
 
     def _unpack(self, ref: WeightRef) -> torch.Tensor:
@@ -355,6 +381,9 @@ class Relay:
             t = self._bwd.pop(key, None)
             slab = self._wait(t) if t is not None else self.fetch(g)
             self._prefetch_backward(key)
+        elif key in self._carried:  # carried from forward: its first unpack reads ahead
+            self._carried.discard(key)
+            self._prefetch_backward(key)
         with self.lock:
             self._drain()
             pending = self._pending.get(key, set())
@@ -363,6 +392,7 @@ class Relay:
                 self._held[key] = slab
             else:
                 self._held.pop(key, None)
+                self._carried.discard(key)
         return torch.empty(0, dtype=ref.dtype, device=slab.device).set_(
             slab.untyped_storage(), ref.offset, ref.size, ref.stride
         )

@@ -7,8 +7,9 @@ setting of torch:
 
 - ``plain``: the frozen weights resident;
 - ``plain-reads``: the same, while relay's reads of the same bytes run at the same points of
-  the step (each layer's group read before its forward and again before its backward, ``window``
-  groups ahead, into slabs dropped unused): the disk reads alone, none of relay's mechanics;
+  the step (each layer's group read before its forward and again before its backward but the
+  last ``window``, which relay carries, ``window`` groups ahead, into slabs dropped unused): the
+  disk reads alone, none of relay's mechanics;
 - ``relay``: relayed through the ssd tier (O_DIRECT reads into slabs, as shipped);
 - ``relay-memory``: relayed through a store that keeps each group in host memory and hands it
   out without I/O (the cpu tier's store, which relay takes only for GPU models): every hook,
@@ -83,7 +84,7 @@ class Reads:
             )
             layer.register_forward_hook(lambda m, a, out, k=k: self.on_output(out, k))
 
-    def ahead(self, reads: dict[int, Any], ks: range) -> None:
+    def ahead(self, reads: dict[int, Any], ks: range | list[int]) -> None:
         for k in ks:
             if k not in reads:
                 reads[k] = self.r._read(self.r.groups[k])
@@ -95,8 +96,14 @@ class Reads:
 
     def on_output(self, out: Any, k: int) -> None:
         t = out[0] if isinstance(out, tuple) else out
-        if t.requires_grad:
-            back = range(k - 1, max(-1, k - self.window), -1)
+        if not t.requires_grad:
+            return
+        back = range(k - 1, max(-1, k - self.window), -1)
+        if k >= len(self.r.groups) - self.window:  # relay carries these from forward
+            carried = range(k - 1, max(-1, len(self.r.groups) - self.window - 1), -1)
+            later = [j for j in back if j not in carried]
+            t.register_hook(lambda grad: self.ahead(self.bwd, later))
+        else:
             t.register_hook(lambda grad: self.take(self.bwd, k, back))
 
 

@@ -42,6 +42,7 @@ def _bench(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow  # three training processes, ~45 s of two cores: the default run keeps to 8 min
 def test_bench_relay_quick_end_to_end(disk_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "relay.json"
     proc = _bench("--quick", "--ssd-dir", str(disk_dir), "--out", str(out))

@@ -50,6 +50,7 @@ def hook_model_ops(model: nn.Module, state: RelayState) -> None:
             owners.setdefault(e.module, []).append((g, e))
     h.append(model.register_state_dict_pre_hook(functools.partial(_clear_cache, state)))
     for m, entries in owners.items():
+        h.append(m.register_state_dict_pre_hook(functools.partial(_saving, entries, True)))
         h.append(m.register_state_dict_post_hook(functools.partial(_state_post, state, entries)))
     h.append(model.register_state_dict_post_hook(functools.partial(_clear_cache, state)))
     ref = weakref.ref(state)
@@ -71,6 +72,11 @@ def _clear_cache(state: RelayState, *args: Any) -> None:
     state.sd_cache.clear()
 
 
+def _saving(entries: list[tuple[Group, Entry]], on: bool, *args: Any) -> None:
+    for _, e in entries:
+        e.placeholder.relay_saving = on
+
+
 def _state_post(
     state: RelayState,
     entries: list[tuple[Group, Entry]],
@@ -79,6 +85,7 @@ def _state_post(
     prefix: str,
     meta: Any,
 ) -> None:
+    _saving(entries, False)
     r = state.relay
     cache = state.sd_cache
     for g, e in entries:

@@ -8,6 +8,9 @@ device that says its real shape, dtype and device, so that code that looks at we
 (``named_parameters()``, counting parameters, ``model.device``, building an optimizer) works
 unchanged, and every other use raises :class:`RelayError` naming the weight: reading it, or
 changing it in place, outside its module's forward never sees stale or missing values.
+``detach()`` too, except within its module's ``state_dict()``: C++ code that takes the detached
+meta tensor (DistributedDataParallel's first broadcast of every parameter) would otherwise skip
+it silently.
 
 Storage resized to zero, the mechanism sharded training uses to free a parameter, was rejected:
 a CPU tensor whose storage has no bytes is read without a check, and reading it segfaults.
@@ -52,6 +55,15 @@ _ALLOWED = {
 }
 
 
+_HINTS = {
+    "requires_grad_": " (a relayed weight stays frozen: unrelay it to train it)",
+    "detach": (
+        " (DistributedDataParallel reads every weight as it wraps the model: wrap it within "
+        "`with offloadd.resident(model):`, or relay the wrapped model)"
+    ),
+}
+
+
 def _swap_in(args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]] | None:
     """``args`` and ``kwargs`` with each placeholder replaced by its weight read in on demand
     (Note [on demand] in relayer.py), or None where one cannot be."""
@@ -80,6 +92,7 @@ class RelayedWeight(nn.Parameter):
     relay_name: str
     real_device: torch.device
     relay_use: Any = None  # the relay's ``use``: the real weight, read in on demand, or None
+    relay_saving = False  # its module's state_dict() runs: detach() may hand out the placeholder
 
     @staticmethod
     def make(like: torch.Tensor, name: str) -> RelayedWeight:
@@ -101,8 +114,8 @@ class RelayedWeight(nn.Parameter):
                 return w.real_device if func == _T.device.__get__ else w.real_device.type == "cuda"
             if func in _ALLOWED:
                 return func(*args, **kwargs)
-            if func is torch.Tensor.detach:  # state_dict(): the hooks put the values in
-                return args[0]
+            if func is torch.Tensor.detach and args[0].relay_saving:
+                return args[0]  # within state_dict(): its hooks put the values in
             if func is torch.Tensor.requires_grad_ or func == _T.requires_grad.__set__:
                 wanted = kwargs.get("requires_grad", args[1] if len(args) > 1 else True)
                 if not wanted:
@@ -117,11 +130,7 @@ class RelayedWeight(nn.Parameter):
             f"the weight {name!r} is relayed by offloadd (its bytes are in the store outside "
             f"its module's forward), so {what} cannot use it here: use it inside the module's "
             "forward, or within `with offloadd.resident(model):`, or call offloadd.unrelay(model)"
-            + (
-                " (a relayed weight stays frozen: unrelay it to train it)"
-                if "requires_grad" in what
-                else ""
-            )
+            + _HINTS.get(what.rsplit(".", 1)[-1], "")
         )
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]

@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
 CLIENTS = Path(__file__).resolve().parent / "clients"
+RANKS = Path(__file__).resolve().parent / "ranks"
 PYTHON = sys.executable
 BIN = Path(sys.executable).parent
 
@@ -82,3 +85,35 @@ def summary_lines(stderr: str) -> list[str]:
     return [
         ln for ln in stderr.splitlines() if ln.startswith("offloadd") and "forwards offloaded" in ln
     ]
+
+
+_TORCH_ABORT = "terminate called without an active exception"
+
+
+def free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def torchrun(
+    script: list[str], env: dict[str, str], timeout: float, before_retry: Any = None
+) -> str:
+    """Launch ``script`` (its path and arguments) on 2 gloo ranks under torchrun; its stdout.
+    torch 2.13's CPU wheel: on a loaded machine a rank sometimes aborts in C++ (gloo/c10d) while
+    the group starts, with or without offloadd (seen in launches without it). One retry for that
+    signature only; it is no numerical outcome, and the launches' results must still match bit
+    for bit."""
+
+    def cmd() -> list[str]:  # a free port for each launch
+        return ["torchrun", "--nproc_per_node=2", f"--master_port={free_port()}", *script]
+
+    try:
+        return run(cmd(), env, timeout=timeout).stdout
+    except AssertionError as e:
+        if _TORCH_ABORT not in str(e):
+            raise
+        warnings.warn(f"torchrun rank aborted in C++; retrying once: {script}", stacklevel=2)
+        if before_retry is not None:
+            before_retry()
+        return run(cmd(), env, timeout=timeout).stdout

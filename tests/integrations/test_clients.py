@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -22,45 +20,15 @@ from tests._support.envrun import (
     CLIENTS,
     PYTHON,
     clean_env,
+    free_port,
     last_json,
     offload_env,
     run,
     summary_lines,
+    torchrun,
 )
 
 ENGINE_PARAMS = ("default",)  # the processes under test choose the engine (auto)
-
-
-_TORCH_ABORT = "terminate called without an active exception"
-
-
-def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
-def _torchrun(
-    script: list[str], env: dict[str, str], timeout: float, before_retry: Any = None
-) -> str:
-    """Launch ``script`` (its path and arguments) on 2 gloo ranks under torchrun; its stdout.
-    torch 2.13's CPU wheel: on a loaded machine a rank sometimes aborts in C++ (gloo/c10d) while
-    the group starts, with or without offloadd (seen in launches without it). One retry for that
-    signature only; it is no numerical outcome, and the launches' results must still match bit
-    for bit."""
-
-    def cmd() -> list[str]:  # a free port for each launch
-        return ["torchrun", "--nproc_per_node=2", f"--master_port={_free_port()}", *script]
-
-    try:
-        return run(cmd(), env, timeout=timeout).stdout
-    except AssertionError as e:
-        if _TORCH_ABORT not in str(e):
-            raise
-        warnings.warn(f"torchrun rank aborted in C++; retrying once: {script}", stacklevel=2)
-        if before_retry is not None:
-            before_retry()
-        return run(cmd(), env, timeout=timeout).stdout
 
 
 # the Trainer's run covers the same models and path; the plain loop is its slow sibling
@@ -92,7 +60,7 @@ def test_torchrun_ddp_two_ranks(disk_dir: Path, tmp_path: Path) -> None:
             for p in out.iterdir():
                 p.unlink()
 
-        _torchrun(script, env, 300, before_retry=clear)
+        torchrun(script, env, 300, before_retry=clear)
         results = [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))]
         return {int(r["rank"]): r for r in results}
 
@@ -139,9 +107,9 @@ def test_deepspeed_zero_two_ranks(
             at = text.find('{"rank"', end)
         return out
 
-    base = ranks(_torchrun(cmd, clean_env(DS_ACCELERATOR="cpu"), 300))
+    base = ranks(torchrun(cmd, clean_env(DS_ACCELERATOR="cpu"), 300))
     report = tmp_path / "report-{rank}.json"
-    got = ranks(_torchrun(cmd, offload_env(disk_dir, report, DS_ACCELERATOR="cpu"), 300))
+    got = ranks(torchrun(cmd, offload_env(disk_dir, report, DS_ACCELERATOR="cpu"), 300))
     assert set(base) == set(got) == {0, 1}
     assert got == base
     assert base[0]["losses"] != base[1]["losses"]  # each rank its own batches
@@ -158,7 +126,7 @@ def test_deepspeed_launcher(deepspeed_cpu: None, disk_dir: Path, tmp_path: Path)
         "--num_gpus",
         "1",
         "--master_port",
-        _free_port(),
+        free_port(),
         str(CLIENTS / "ds_train.py"),
     ]
     base = last_json(run(cmd, clean_env(DS_ACCELERATOR="cpu"), timeout=900).stdout)
@@ -175,7 +143,7 @@ def test_megatron_core_gpt(disk_dir: Path, tmp_path: Path) -> None:
     cmd = [
         "torchrun",
         "--nproc_per_node=1",
-        f"--master_port={_free_port()}",
+        f"--master_port={free_port()}",
         str(CLIENTS / "megatron_train.py"),
     ]
     extra = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}

@@ -16,11 +16,10 @@ from typing import Any
 
 import torch
 
-from tests._support.envrun import clean_env, run
+from tests._support.envrun import RANKS, clean_env, run
 from tests._support.helpers import small_offloader
 
 # scripts that use offloadd explicitly (not clients)
-RANKS = Path(__file__).resolve().parents[1] / "_support" / "ranks"
 
 ENGINE_PARAMS = ("default",)  # the ranks choose the engine (auto), as users get it
 

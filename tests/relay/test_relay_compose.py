@@ -4,6 +4,8 @@ script. Every combination is bit-identical to the same model without relay."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,16 @@ import offloadd
 from offloadd.config import Config
 from offloadd.runtime.compiled import unseen
 from tests._support import helpers
-from tests._support.envrun import CLIENTS, PYTHON, clean_env, last_json, offload_env, run
+from tests._support.envrun import (
+    CLIENTS,
+    PYTHON,
+    RANKS,
+    clean_env,
+    last_json,
+    offload_env,
+    run,
+    torchrun,
+)
 from tests.relay.cases import (
     Convs,
     Layered,
@@ -153,3 +164,47 @@ def test_env_var_relay_is_identical(disk_dir: Path, tmp_path: Path) -> None:
     got = last_json(run([PYTHON, client, "3"], env).stdout)
     assert (got["losses"], got["weights"]) == (base["losses"], base["weights"])
     assert got["frozen_weight"] == "RelayedWeight"
+
+
+def test_env_var_relay_under_torchrun_ddp(disk_dir: Path, tmp_path: Path) -> None:
+    """Two gloo ranks, DistributedDataParallel around the model, OFFLOADD_RELAY=frozen in the
+    unmodified script: each rank's losses and final weights are the ones without offloadd."""
+
+    def launch(env: dict[str, str], out: Path) -> dict[str, dict[str, object]]:
+        out.mkdir()
+        env["CLIENT_OUT"] = str(out)
+
+        def clear() -> None:
+            for p in out.iterdir():
+                p.unlink()
+
+        torchrun([str(CLIENTS / "relay_train.py"), "3"], env, 300, before_retry=clear)
+        return {p.name: json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))}
+
+    base = launch(clean_env(), tmp_path / "base")
+    env = offload_env(disk_dir, tmp_path / "report-{rank}.json", OFFLOADD_RELAY="frozen")
+    got = launch(env, tmp_path / "relay")
+    assert set(got) == set(base) == {"rank-0.json", "rank-1.json"}
+    for rank, want in base.items():
+        assert want["frozen_weight"] == "Parameter"
+        assert got[rank]["frozen_weight"] == "RelayedWeight", rank
+        assert (got[rank]["losses"], got[rank]["weights"]) == (want["losses"], want["weights"])
+
+
+def test_ddp_broadcast_reaches_relayed_weights(tmp_path: Path) -> None:
+    """DDP's first broadcast makes every rank's weights rank 0's. Wrapped within resident(), a
+    relayed model trains bit-identically to the same DDP without relay on each rank, its frozen
+    weights included, though the ranks' frozen weights started different; wrapped outside it,
+    the broadcast raises instead of skipping the relayed weights."""
+
+    def clear() -> None:
+        shutil.rmtree(tmp_path / "relay", ignore_errors=True)
+
+    cmd = [str(RANKS / "relay_ddp.py"), str(tmp_path / "relay")]
+    out = torchrun(cmd, clean_env(), 300, before_retry=clear)
+    ranks = [json.loads(ln) for ln in out.splitlines() if ln.startswith('{"rank"')]
+    assert sorted(r["rank"] for r in ranks) == [0, 1]
+    for r in ranks:
+        assert r["relay"] == r["plain"], r["rank"]
+        assert r["plain"]["weights"] == ranks[0]["plain"]["weights"]  # synced: rank 0's
+        assert "DistributedDataParallel" in r["relay_first"] and "resident" in r["relay_first"]

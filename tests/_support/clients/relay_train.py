@@ -1,15 +1,20 @@
 """A plain PyTorch script tuning the head of a frozen residual stack; never imports offloadd.
 
 Prints one JSON line: the losses, a SHA-256 of the final state_dict, and the class of one frozen
-weight after training (``OFFLOADD_RELAY=frozen`` makes it offloadd's placeholder).
+weight after training (``OFFLOADD_RELAY=frozen`` makes it offloadd's placeholder). Under
+torchrun it trains DistributedDataParallel on gloo, each rank on its own data, and each rank
+writes that JSON to CLIENT_OUT/rank-<N>.json instead (ranks share stdout).
 """
 
 import hashlib
 import json
+import os
 import sys
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 
 class Stack(nn.Module):
@@ -28,16 +33,23 @@ class Stack(nn.Module):
 
 def main() -> None:
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+    ranked = "WORLD_SIZE" in os.environ
+    rank = 0
+    if ranked:
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        torch.set_num_threads(1)
     torch.manual_seed(0)
     model = Stack(6, 256)
     model.layers.requires_grad_(False)
+    net = DistributedDataParallel(model) if ranked else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # frozen ones included: they have no grad
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(1 + rank)
     losses = []
     for _ in range(steps):
         x = torch.randn(16, 256, generator=gen)
         y = torch.randint(0, 10, (16,), generator=gen)
-        loss = nn.functional.cross_entropy(model(x), y)
+        loss = nn.functional.cross_entropy(net(x), y)
         loss.backward()
         losses.append(loss.item())
         opt.step()
@@ -47,7 +59,14 @@ def main() -> None:
         digest.update(k.encode())
         digest.update(t.contiguous().numpy().tobytes())
     kind = type(model.layers[0][0].weight).__name__
-    print(json.dumps({"losses": losses, "weights": digest.hexdigest(), "frozen_weight": kind}))
+    result = {"losses": losses, "weights": digest.hexdigest(), "frozen_weight": kind}
+    if not ranked:
+        print(json.dumps(result))
+        return
+    with open(os.path.join(os.environ["CLIENT_OUT"], f"rank-{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.barrier()  # both ranks leave their last collective before either tears gloo down
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -46,8 +46,9 @@ from offloadd.integrations.report import report_dict, summary_line, write_report
 from offloadd.integrations.scope import ModuleScope
 from offloadd.memsave import memsave
 from offloadd.offloader import Offloader
-from offloadd.relay import relay
+from offloadd.relay import relay, relay_stats
 from offloadd.relay.state import is_relayed
+from offloadd.relay.surface import RelayStats, keep_final_stats
 
 __all__ = ["AutoOffload", "EnvSettings", "activate", "current"]
 
@@ -135,6 +136,9 @@ class AutoOffload:
         self._finished = False
         self._memsaved: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._relayed: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        # what relay moved for the exit report: the models relayed here, live and dropped
+        self._relay_live: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._relay_done: list[RelayStats] = []
         self.scope = ModuleScope(self._enter, self._leave)
 
     def install(self) -> None:
@@ -165,6 +169,8 @@ class AutoOffload:
                 dirs = self.ssd_dirs or self._rank_dirs(self.settings.config)
                 self.ssd_dirs = dirs
                 relay(module, config=replace(self.settings.config, tier="ssd", ssd_dirs=dirs))
+                self._relay_live.add(module)
+                keep_final_stats(module, self._relay_done)
         off.__enter__()
         # Offloader notes parameter storages from a global pre-hook that it registers on entry,
         # which is too late for the module whose call is starting.
@@ -224,10 +230,12 @@ class AutoOffload:
         try:
             stats = off.stats()
             plan = off.plan()
+            live = [relay_stats(m) for m in list(self._relay_live) if is_relayed(m)]
+            relayed = (*self._relay_done, *live)
             off.close()
             wall = time.monotonic() - self._started
             print(
-                summary_line(stats, self.settings.ranks, self.scope.scopes, wall),
+                summary_line(stats, self.settings.ranks, self.scope.scopes, wall, relayed),
                 file=sys.stderr,
                 flush=True,
             )
@@ -240,6 +248,7 @@ class AutoOffload:
                     forwards=self.scope.scopes,
                     wall_s=wall,
                     plan=plan_dict(plan) if plan is not None else None,
+                    relayed=relayed,
                 )
                 write_report(st.report, data)
         except Exception as e:  # never change how the program exits

@@ -2,28 +2,48 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from offloadd.config import Config
 from offloadd.integrations.ranks import RankInfo
 from offloadd.runtime.stats import Stats
 from offloadd.units import format_bytes
 
+if TYPE_CHECKING:
+    from offloadd.relay.surface import RelayStats
+
 __all__ = ["report_dict", "summary_line", "write_report"]
 
 
-def summary_line(stats: Stats, ranks: RankInfo, forwards: int, wall_s: float) -> str:
-    """``offloadd [rank r/n]: <N> forwards offloaded, <Stats.summary()>, disk peak ..., <t>s``."""
+def summary_line(
+    stats: Stats,
+    ranks: RankInfo,
+    forwards: int,
+    wall_s: float,
+    relayed: tuple[RelayStats, ...] = (),
+) -> str:
+    """``offloadd [rank r/n]: <N> forwards offloaded, <Stats.summary()>, disk peak ..., <t>s``,
+    and what relay moved (``relayed``: each relayed model's stats), if any."""
     who = f"offloadd [{ranks.label()}]" if ranks.multi else "offloadd"
-    return (
+    line = (
         f"{who}: {forwards} forwards offloaded in {wall_s:.1f}s; {stats.summary()}, "
         f"peak disk {format_bytes(stats.peak_disk_bytes)}"
         + (", buffered I/O" if stats.buffered_io else "")
     )
+    if relayed:
+        line += (
+            f"; relayed {format_bytes(sum(r.relayed_bytes for r in relayed))} of frozen "
+            f"weights in {sum(r.groups for r in relayed)} groups, "
+            f"peak held {format_bytes(sum(r.peak_resident_bytes for r in relayed))}, "
+            f"read {format_bytes(sum(r.read_bytes for r in relayed))}, "
+            f"read wait {sum(r.wait_s for r in relayed):.3f}s"
+        )
+    return line
 
 
 def report_dict(
@@ -34,9 +54,11 @@ def report_dict(
     forwards: int,
     wall_s: float,
     plan: dict[str, Any] | None = None,
+    relayed: tuple[RelayStats, ...] = (),
 ) -> dict[str, Any]:
     return {
         "plan": plan,  # with a budget: the last plan (auto.plan_dict), else None
+        "relay": [dataclasses.asdict(r) for r in relayed],  # each relayed model's
         "rank": ranks.rank,
         "world_size": ranks.world_size,
         "local_rank": ranks.local_rank,

@@ -106,7 +106,6 @@ class Relay:
         self.pinned: set[int] = set()  # swapped in by resident() or a load: forward leaves them
         self._on_demand: deque[int] = deque()  # swapped in at a placeholder's use (Note below)
         self.depth = 0  # the model's forwards running (its pre- and post-hook)
-        self.wait_s = 0.0
         self.device = next((e.param.device for g in groups for e in g.entries), None)
         self._by_placeholder: dict[int, tuple[Group, Any]] = {}
         for g in groups:
@@ -119,7 +118,7 @@ class Relay:
 
     def _wait(self, t: Transfer) -> torch.Tensor:
         waited = t.wait()
-        self.wait_s += waited
+        self.store.wait_s += waited
         assert t.slab is not None
         slab = t.slab
         if self.device is not None and self.device.type != "cpu":

@@ -88,6 +88,7 @@ class WeightStore:
         self.read_bytes = 0
         self.written_bytes = 0
         self.disk_bytes = 0
+        self.wait_s = 0.0  # the relayer's waits for reads
 
     @staticmethod
     def _warn(key: str, message: str) -> None:
@@ -223,6 +224,7 @@ class HostStore:
         self.read_bytes = 0
         self.written_bytes = 0
         self.disk_bytes = 0
+        self.wait_s = 0.0
 
     def write(self, name: str, data: torch.Tensor) -> Record:
         record = Record(name, data.numel())

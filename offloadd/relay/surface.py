@@ -24,7 +24,15 @@ from offloadd.runtime.heap_trim import malloc_trim
 from offloadd.runtime.shutdown import moved_off_engine_thread
 from offloadd.runtime.stages import HELD_ELSEWHERE
 
-__all__ = ["RelayStats", "is_relayed", "relay", "relay_stats", "resident", "unrelay"]
+__all__ = [
+    "RelayStats",
+    "is_relayed",
+    "keep_final_stats",
+    "relay",
+    "relay_stats",
+    "resident",
+    "unrelay",
+]
 
 MIN_GROUP_BYTES = 64 << 10
 
@@ -149,16 +157,36 @@ def relay_stats(model: nn.Module, *, reset_peak: bool = False) -> RelayStats:
     """What ``model``'s relay holds and moved; ``reset_peak`` starts the peak again from now."""
     state = state_of(model)
     r = state.relay
-    st = RelayStats(
-        relayed_bytes=sum(g.nbytes for g in r.groups),
-        resident_bytes=r.slabs.held_bytes,
-        peak_resident_bytes=r.slabs.peak_bytes,
-        read_bytes=r.store.read_bytes,
-        written_bytes=r.store.written_bytes,
-        wait_s=r.wait_s,
-        groups=len(r.groups),
-        kept=tuple(state.kept),
-    )
+    st = _stats(r.store, r.slabs, sum(g.nbytes for g in r.groups), len(r.groups), state.kept)
     if reset_peak:
         r.slabs.reset_peak()
     return st
+
+
+def keep_final_stats(model: nn.Module, into: list[RelayStats]) -> None:
+    """Append ``model``'s :func:`relay_stats` to ``into`` when the model is dropped (the exit
+    report of ``OFFLOADD_RELAY=frozen`` outlives a script's models)."""
+    r = state_of(model).relay
+    nbytes = sum(g.nbytes for g in r.groups)
+    kept = list(state_of(model).kept)
+    fin = weakref.finalize(model, _final, into, r.store, r.slabs, nbytes, len(r.groups), kept)
+    fin.atexit = False  # at exit the model's stats are read live
+
+
+def _final(into: list[RelayStats], *args: Any) -> None:
+    into.append(_stats(*args))
+
+
+def _stats(
+    store: WeightStore | HostStore, slabs: Slabs, nbytes: int, groups: int, kept: list[str]
+) -> RelayStats:
+    return RelayStats(
+        relayed_bytes=nbytes,
+        resident_bytes=slabs.held_bytes,
+        peak_resident_bytes=slabs.peak_bytes,
+        read_bytes=store.read_bytes,
+        written_bytes=store.written_bytes,
+        wait_s=store.wait_s,
+        groups=groups,
+        kept=tuple(kept),
+    )

@@ -161,9 +161,16 @@ def test_env_var_relay_is_identical(disk_dir: Path, tmp_path: Path) -> None:
     base = last_json(run([PYTHON, client, "3"], clean_env()).stdout)
     assert base["frozen_weight"] == "Parameter"
     env = offload_env(disk_dir, tmp_path / "report.json", OFFLOADD_RELAY="frozen")
-    got = last_json(run([PYTHON, client, "3"], env).stdout)
+    proc = run([PYTHON, client, "3"], env)
+    got = last_json(proc.stdout)
     assert (got["losses"], got["weights"]) == (base["losses"], base["weights"])
     assert got["frozen_weight"] == "RelayedWeight"
+    # the exit summary and the report say what relay moved: 6 layers of 2 x 256 x 512 fp32
+    frozen = 6 * (2 * 256 * 512 + 512 + 256) * 4
+    assert "; relayed 6.0 MiB of frozen weights in 6 groups, peak held" in proc.stderr
+    (relayed,) = json.loads((tmp_path / "report.json").read_text())["relay"]
+    assert relayed["groups"] == 6 and relayed["relayed_bytes"] >= frozen
+    assert relayed["read_bytes"] >= (2 * 6 - 2) * 2 * relayed["relayed_bytes"] // 6 // 2
 
 
 def test_env_var_relay_under_torchrun_ddp(disk_dir: Path, tmp_path: Path) -> None:

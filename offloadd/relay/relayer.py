@@ -101,6 +101,7 @@ class Relay:
         self._bwd: dict[Key, Transfer] = {}
         self._held: dict[Key, torch.Tensor] = {}  # slab kept for the key's pending refs
         self._carried: set[Key] = set()  # held from forward on (see _carry), not yet unpacked
+        self._again: dict[Key, torch.Tensor] = {}  # read for refs unpacked again (_again_view)
         self._pending: dict[Key, set[int]] = {}  # ids of the key's refs not yet unpacked
         self._dead: deque[tuple[Key, int]] = deque()  # refs collected (finalizers only append)
         self.pinned: set[int] = set()  # swapped in by resident() or a load: forward leaves them
@@ -144,6 +145,7 @@ class Relay:
             for key in self._carried:  # a second forward before backward: it carries its own
                 self._held.pop(key, None)
             self._carried.clear()
+            self._again.clear()
         if self._seen:
             self.order = list(dict.fromkeys(self._seen))
             self._order_at = {i: at for at, i in enumerate(self.order)}
@@ -375,6 +377,8 @@ class Relay:
                 "backward would use the new values"
             )
         key = ref.key
+        if id(ref) not in self._pending.get(key, ()):  # unpacked before: a retained graph's
+            return self._again_view(ref)
         slab = self._held.get(key)
         if slab is None:  # the key's first unpack: read it (or take its prefetch), read ahead
             t = self._bwd.pop(key, None)
@@ -392,9 +396,17 @@ class Relay:
             else:
                 self._held.pop(key, None)
                 self._carried.discard(key)
-        return torch.empty(0, dtype=ref.dtype, device=slab.device).set_(
-            slab.untyped_storage(), ref.offset, ref.size, ref.stride
-        )
+        return _view(slab, ref)
+
+    def _again_view(self, ref: WeightRef) -> torch.Tensor:
+        """A ref unpacked again (a second backward through a retained graph): each group is read
+        once for all its refs, the ``window`` last ones kept until the next forward."""
+        slab = self._again.get(ref.key)
+        if slab is None:
+            while len(self._again) >= self.window:
+                del self._again[next(iter(self._again))]
+            slab = self._again[ref.key] = self.fetch(ref.group)
+        return _view(slab, ref)
 
     def _prefetch_backward(self, key: Key) -> None:
         order = self._bwd_order
@@ -410,3 +422,9 @@ class Relay:
         slabs' peak on CPU; on a GPU the weights' device copies are the allocator's, measured."""
         on_host = self.device is None or self.device.type == "cpu"
         return self.slabs.peak_bytes if on_host else 0
+
+
+def _view(slab: torch.Tensor, ref: WeightRef) -> torch.Tensor:
+    return torch.empty(0, dtype=ref.dtype, device=slab.device).set_(
+        slab.untyped_storage(), ref.offset, ref.size, ref.stride
+    )

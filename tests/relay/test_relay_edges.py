@@ -197,3 +197,28 @@ def test_dropped_without_collection(disk_dir: Path) -> None:
     step(model, torch.randn(2, 16), square_loss)
     del model
     assert threading.active_count() <= before
+
+
+def test_retained_graph_backward_twice(disk_dir: Path) -> None:
+    """A second backward through a retained graph unpacks every saved weight again: the same
+    gradients as without relay, each group read once, not once per saved view."""
+    x = torch.randn(3, 16)
+
+    def twice(m: nn.Module) -> list[torch.Tensor]:
+        loss = square_loss(m, x)
+        loss.backward(retain_graph=True)
+        loss.backward()
+        return [p.grad.clone() for p in m.parameters() if p.grad is not None]
+
+    torch.manual_seed(0)
+    want = twice(freeze_layers(Layered(layers=6)))
+    torch.manual_seed(0)
+    model = offloadd.relay(freeze_layers(Layered(layers=6)), config=relay_config(disk_dir))
+    before = offloadd.relay_stats(model, reset_peak=True)
+    got = twice(model)
+    after = offloadd.relay_stats(model)
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    group = before.written_bytes // 6
+    assert after.read_bytes - before.read_bytes == (3 * 6 - 2) * group  # fwd, bwd, bwd again
+    assert after.peak_resident_bytes <= 2 * group
+    offloadd.unrelay(model)

@@ -230,7 +230,8 @@ class Relay:
     def changes(self, g: Group, written: int | None = None) -> list[str]:
         """The names of ``g``'s weights changed while swapped in: in place (their version
         counter), through ``.data`` (a write the guard saw at byte ``written`` of the slab), or
-        replaced by an assignment to ``.data``."""
+        replaced by an assignment to ``.data`` (other memory, or the same bytes viewed another
+        way)."""
         slab = self._installed[g.index]
         base = slab.untyped_storage().data_ptr()
         changed = []
@@ -242,6 +243,8 @@ class Relay:
                 or p.untyped_storage().data_ptr() != base
                 or p.storage_offset() != e.offset
                 or tuple(p.shape) != e.size
+                or tuple(p.stride()) != e.stride  # w.data = w.data.t(), square: no byte moved
+                or p.dtype != e.dtype
                 or (written is not None and start <= written < end)
             ):
                 changed.append(e.name)

@@ -17,7 +17,15 @@ from torch import nn
 
 import offloadd
 from offloadd.relay import RelayError, slabs
-from tests.relay.cases import Layered, freeze_layers, relay_config, same, square_loss, step
+from tests.relay.cases import (
+    Layered,
+    Strided,
+    freeze_layers,
+    relay_config,
+    same,
+    square_loss,
+    step,
+)
 
 pytestmark = pytest.mark.skipif(slabs._write_guard is None, reason="write guard not built")
 
@@ -101,6 +109,38 @@ def test_a_slab_dropped_while_guarded_is_unguarded() -> None:
     assert pool.guard(again) and pool.written(again) is None
     again[5000] = 2
     assert pool.unguard(again) == 5000 and int(again[5000]) == 2
+
+
+def test_a_new_data_over_the_same_bytes_is_seen(disk_dir: Path) -> None:
+    """``w.data = w.data.t()`` on a square weight writes nothing and keeps its storage, offset
+    and shape: only its strides say it changed."""
+    torch.manual_seed(0)
+    ref = Strided()
+    torch.manual_seed(0)
+    model = offloadd.relay(Strided(), config=relay_config(disk_dir))
+    handle = model.register_forward_pre_hook(lambda m, args: setattr(m.a, "data", m.a.data.t()))
+    with pytest.raises(RelayError, match=r"changed in place during forward: a\."):
+        model(torch.randn(5, 96))
+    handle.remove()
+    with offloadd.resident(model):
+        model.a.data = model.a.data.t()
+    ref.a.data = ref.a.data.t()
+    assert torch.equal(model.state_dict()["a"], ref.a)  # written back, not lost
+    offloadd.unrelay(model)
+
+
+def test_a_write_names_only_the_weight_written(disk_dir: Path) -> None:
+    """``a`` and ``b`` were views of one storage at offsets: a write into ``b`` names ``b``."""
+    model = offloadd.relay(Strided(), config=relay_config(disk_dir))
+
+    def write_b(m: nn.Module, args: object) -> None:
+        m.b.data[3, 5] = 0
+
+    handle = model.register_forward_pre_hook(write_b)
+    with pytest.raises(RelayError, match=r"during forward: b\. "):
+        model(torch.randn(5, 96))
+    handle.remove()
+    offloadd.unrelay(model)
 
 
 CRASH = """

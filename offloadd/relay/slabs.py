@@ -118,9 +118,22 @@ class Slabs:
         address = slab.data_ptr()
         if not self.guarding or slab.device.type != "cpu" or address in self._slots:
             return False
-        if address % mmap.PAGESIZE or slab.nbytes % mmap.PAGESIZE:
+        if address % mmap.PAGESIZE:
             return False
-        self._slots[address] = _write_guard.protect(address, slab.nbytes)
+        nbytes = round_up(slab.nbytes, mmap.PAGESIZE)  # its mapping's (64 KiB pages: > padded)
+        try:
+            self._slots[address] = _write_guard.protect(address, nbytes)
+        except (RuntimeError, OSError) as err:  # every slot in use; mprotect failed
+            if not _warned:
+                _warned.append(True)
+                log.warning(
+                    "offloadd relay: a slab of %d bytes cannot be guarded (%s), so a write "
+                    "through weight.data to its weights goes unseen, and resident() writes "
+                    "its group back",
+                    slab.nbytes,
+                    err,
+                )
+            return False
         return True
 
     def written(self, slab: torch.Tensor) -> int | None:

@@ -143,6 +143,19 @@ def test_a_write_names_only_the_weight_written(disk_dir: Path) -> None:
     offloadd.unrelay(model)
 
 
+def test_a_slab_that_cannot_be_guarded_stays_unguarded() -> None:
+    """Every slot of the native module in use: the next slab is not guarded (relay then writes
+    its group back from resident()), rather than install() failing half done."""
+    pool = slabs.Slabs(keep=0)
+    held = [pool.take(4096) for _ in range(slabs._write_guard.SLOTS + 1)]
+    guarded = [pool.guard(s) for s in held]
+    assert not guarded[-1] and guarded[0]
+    held[-1][0] = 1  # writable
+    assert pool.written(held[-1]) is None and pool.unguard(held[-1]) is None
+    for s in held:
+        pool.unguard(s)
+
+
 CRASH = """
 import ctypes, faulthandler, sys
 import torch

@@ -2,9 +2,10 @@
 
 Note [slabs]
 ~~~~~~~~~~~~
-A group's weights come back into a slab: page-aligned anonymous memory (``mmap``) that the
-engine reads into with O_DIRECT, and that the weights' tensors are views of. A slab is handed
-out as a tensor made by ``torch.frombuffer`` over a ``memoryview``; the tensor's storage holds
+A group's weights come back into a slab: page-aligned private anonymous memory (``mmap``; a
+forked child's writes stay in its copy) that the engine reads into with O_DIRECT, and that the
+weights' tensors are views of. A slab is handed out as a tensor made by ``torch.frombuffer``
+over a ``memoryview``; the tensor's storage holds
 that view until the last tensor on it dies (a parameter swapped out after forward, an unpacked
 weight autograd let go of in backward), and a finalizer on the view then gives the slab back.
 So what relay holds is known exactly, whoever held the weights last, and a slab's pages stay
@@ -98,8 +99,8 @@ class Slabs:
             self.peak_bytes = max(self.peak_bytes, self.live_bytes + self.idle_bytes)
         for old in extra:
             old.close()
-        if mm is None:
-            mm = mmap.mmap(-1, size)
+        if mm is None:  # private: a forked child writing its copy leaves this one as it is
+            mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         view = memoryview(mm)
         slab = torch.frombuffer(view, dtype=torch.uint8)
         fin = weakref.finalize(view, self._back, mm, size, slab.data_ptr())

@@ -5,6 +5,8 @@ is not relay's still crashes as it would without relay."""
 
 from __future__ import annotations
 
+import ctypes
+import os
 import subprocess
 import sys
 import textwrap
@@ -154,6 +156,33 @@ def test_a_slab_that_cannot_be_guarded_stays_unguarded() -> None:
     assert pool.written(held[-1]) is None and pool.unguard(held[-1]) is None
     for s in held:
         pool.unguard(s)
+
+
+def test_a_forked_child_writes_into_its_own_slabs() -> None:
+    """A child forked while slabs are held (a DataLoader worker, a forked server) writing into
+    its copy of a slab, guarded or idle in the pool, changes nothing in the parent's."""
+    pool = slabs.Slabs(keep=1)
+    idle = pool.take(2 * 4096)
+    idle.fill_(1)
+    address = idle.data_ptr()
+    del idle
+    guarded = pool.take(3 * 4096)
+    guarded.fill_(1)
+    assert pool.guard(guarded)
+    pid = os.fork()
+    if pid == 0:  # the child: no torch kernels (its thread pool did not survive the fork)
+        code = 1
+        try:
+            ctypes.memset(guarded.data_ptr(), 7, guarded.nbytes)
+            ctypes.memset(pool.take(2 * 4096).data_ptr(), 7, 2 * 4096)
+            code = 0
+        finally:
+            os._exit(code)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert int(guarded.max()) == 1 and pool.written(guarded) is None
+    again = pool.take(2 * 4096)
+    assert again.data_ptr() == address and int(again.max()) == 1
+    pool.unguard(guarded)
 
 
 CRASH = """

@@ -85,7 +85,10 @@ def _state_post(
         key = prefix + e.attr
         if key not in sd:
             continue
-        slab = r._installed.get(g.index, cache.get(g.index))
+        if g.index in r._installed:  # swapped in: the weight as it is (a new .data included)
+            sd[key] = e.param.detach().clone(memory_format=torch.preserve_format)
+            continue
+        slab = cache.get(g.index)
         if slab is None:
             cache.clear()  # groups come in order: one held at a time
             slab = cache[g.index] = r.fetch(g)

@@ -131,6 +131,20 @@ def test_a_new_data_over_the_same_bytes_is_seen(disk_dir: Path) -> None:
     offloadd.unrelay(model)
 
 
+def test_state_dict_inside_resident_sees_a_new_data(disk_dir: Path) -> None:
+    """Inside resident() a weight given a new ``.data`` is that tensor: state_dict() says so, and
+    loading that state_dict back keeps it."""
+    model = offloadd.relay(freeze_layers(Layered(d=256)), config=relay_config(disk_dir))
+    with offloadd.resident(model):
+        w = model.layers[1][1].weight
+        w.data = torch.zeros_like(w)
+        sd = model.state_dict()
+        assert torch.equal(sd["layers.1.1.weight"], w)
+        model.load_state_dict(sd)
+    assert not model.state_dict()["layers.1.1.weight"].any()
+    offloadd.unrelay(model)
+
+
 def test_a_write_names_only_the_weight_written(disk_dir: Path) -> None:
     """``a`` and ``b`` were views of one storage at offsets: a write into ``b`` names ``b``."""
     model = offloadd.relay(Strided(), config=relay_config(disk_dir))

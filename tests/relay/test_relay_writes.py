@@ -200,7 +200,7 @@ def test_a_forked_child_writes_into_its_own_slabs() -> None:
 
 
 CRASH = """
-import ctypes, faulthandler, sys
+import ctypes, faulthandler, os, signal, sys
 import torch
 import offloadd
 from offloadd.config import Config
@@ -213,6 +213,8 @@ if sys.argv[1] == "after":
     faulthandler.enable()  # replaces relay's handler: the next swap-in chains to it
 model(torch.randn(2, 16))
 def crash(m, args):
+    if sys.argv[3] == "kill":
+        os.kill(os.getpid(), signal.SIGSEGV)
     ctypes.string_at(0)
 model.layers[1].register_forward_pre_hook(crash)
 model(torch.randn(2, 16))
@@ -222,12 +224,13 @@ model(torch.randn(2, 16))
 CODE = textwrap.dedent(CRASH)
 
 
+@pytest.mark.parametrize("how", ["fault", "kill"])
 @pytest.mark.parametrize("faulthandler_on", ["before", "after"])
-def test_a_real_crash_still_crashes(faulthandler_on: str, disk_dir: Path) -> None:
-    """A segfault that is not a guarded write reaches faulthandler (its traceback), then the
-    default action: relay's handler never swallows it."""
+def test_a_real_crash_still_crashes(how: str, faulthandler_on: str, disk_dir: Path) -> None:
+    """A segfault that is not a guarded write, or a SIGSEGV sent by kill, reaches faulthandler
+    (its traceback), then the default action: relay's handler never swallows it."""
     out = subprocess.run(
-        [sys.executable, "-X", "faulthandler", "-c", CODE, faulthandler_on, str(disk_dir)],
+        [sys.executable, "-X", "faulthandler", "-c", CODE, faulthandler_on, str(disk_dir), how],
         capture_output=True,
         text=True,
         timeout=120,

@@ -201,7 +201,7 @@ class Relay:
         if i not in self._fwd and i not in self._installed:
             self._fwd[i] = self._read(self.groups[i])
 
-    def install(self, g: Group, slab: torch.Tensor) -> None:
+    def install(self, g: Group, slab: torch.Tensor, guard: bool = True) -> None:
         for e in g.entries:
             now = e.module._parameters.get(e.attr)
             if now is not e.placeholder and now is not e.param:
@@ -220,7 +220,7 @@ class Relay:
             e.module._parameters[e.attr] = e.param
         self._installed[g.index] = slab
         self._slab_group[slab.untyped_storage()._cdata] = g
-        if self.slabs.guard(slab):  # Note [write guard] in slabs.py
+        if guard and self.slabs.guard(slab):  # Note [write guard] in slabs.py
             self._guarded.add(g.index)
 
     def sees_writes(self, g: Group) -> bool:

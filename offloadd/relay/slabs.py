@@ -17,10 +17,12 @@ A write through ``weight.data`` bumps no version counter, so autograd cannot see
 slab is swapped in, relay guards it (:meth:`Slabs.guard`): its pages are read-only, and the
 first write faults into csrc/write_guard's handler, which records the address and makes the
 slab writable again, so the write goes ahead. :meth:`Slabs.unguard` tells relay whether and
-where the slab was written: in forward it raises naming the weight, in ``resident()`` it writes
-the group back. A slab is unguarded before it goes back to the pool, so a slab is never read into
-or unmapped while guarded. Without the native module (not built) nothing is guarded: relay then
-cannot see such writes in forward, and ``resident()`` writes every group back (docs/relay.md).
+where the slab was written: in forward it raises naming the weight, in a load it writes the
+group again. ``resident()`` guards nothing (a system call writing into a guarded weight fails
+with EFAULT): it compares each group with the store on exit. A slab is unguarded before it goes
+back to the pool, so a slab is never read into or unmapped while guarded. Without the native
+module (not built) nothing is guarded: relay then cannot see such writes in forward
+(docs/relay.md).
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ def can_guard() -> bool:
         _warned.append(True)
         log.warning(
             "offloadd relay: offloadd.relay._write_guard is not built, so a write through "
-            "weight.data to a relayed weight goes unseen, and resident() writes every group "
-            "back; reinstall offloadd to build it (docs/native.md)"
+            "weight.data to a relayed weight in its forward goes unseen; reinstall offloadd to "
+            "build it (docs/native.md)"
         )
     return _write_guard is not None
 
@@ -129,8 +131,7 @@ class Slabs:
                 _warned.append(True)
                 log.warning(
                     "offloadd relay: a slab of %d bytes cannot be guarded (%s), so a write "
-                    "through weight.data to its weights goes unseen, and resident() writes "
-                    "its group back",
+                    "through weight.data to its weights in forward goes unseen",
                     slab.nbytes,
                     err,
                 )

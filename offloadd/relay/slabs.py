@@ -2,14 +2,14 @@
 
 Note [slabs]
 ~~~~~~~~~~~~
-A group's weights come back into a slab: page-aligned private anonymous memory (``mmap``; a
-forked child's writes stay in its copy) that the engine reads into with O_DIRECT, and that the
-weights' tensors are views of. A slab is handed out as a tensor made by ``torch.frombuffer``
-over a ``memoryview``; the tensor's storage holds
-that view until the last tensor on it dies (a parameter swapped out after forward, an unpacked
-weight autograd let go of in backward), and a finalizer on the view then gives the slab back.
-So what relay holds is known exactly, whoever held the weights last, and a slab's pages stay
-warm for the next group of its size (up to ``keep`` idle slabs a size; more are unmapped).
+A group's weights come back into a slab: page-aligned private anonymous memory (``mmap``; a forked
+child's writes stay in its copy) that the engine reads into with O_DIRECT, and that the weights'
+tensors are views of. A slab is handed out as a tensor made by ``torch.frombuffer`` over a
+``memoryview``; the tensor's storage holds that view until the last tensor on it dies (a parameter
+swapped out after forward, an unpacked weight autograd let go of in backward), and a finalizer on
+the view then gives the slab back. So what relay holds is known exactly, whoever held the weights
+last, and a slab's pages stay warm for the next group of its size (up to ``keep`` idle slabs a
+size; more are unmapped).
 
 Note [write guard]
 ~~~~~~~~~~~~~~~~~~

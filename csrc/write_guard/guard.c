@@ -10,11 +10,13 @@
  * A fault outside every protected slab is not ours: the handler puts the previous handler back
  * (Python's faulthandler, or the default action) and returns; the instruction faults again and
  * meets that handler as if this one had never been installed. A SIGSEGV not raised by a fault
- * (kill, raise) ends the process with the default action. protect() installs the handler
+ * (kill, raise) goes to that handler too, then ends the process with the default action (a
+ * faulthandler enabled after relay raises it again, back here). protect() installs the handler
  * again if something replaced it (faulthandler.enable() after relay), chaining to that one.
  *
- * The handler calls only mprotect and atomic operations; slots are claimed and freed with
- * atomics, so a slot is never seen half written: its start is published last and cleared first.
+ * The handler makes only async-signal-safe calls (mprotect, sigaction, raise); slots are claimed
+ * and freed with atomics, so a slot is never seen half written: its start is published last and
+ * cleared first.
  */
 #define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
@@ -38,6 +40,7 @@ typedef struct {
 
 static Range ranges[SLOTS];
 static struct sigaction previous;
+static volatile sig_atomic_t passed_on; /* a sent SIGSEGV went to the previous handler */
 static PyThread_type_lock install_lock;
 
 static void on_segv(int sig, siginfo_t *info, void *context) {
@@ -57,7 +60,14 @@ static void on_segv(int sig, siginfo_t *info, void *context) {
         }
     }
     if (info->si_code <= 0) { /* sent, not a fault: nothing to return to */
-        signal(sig, SIG_DFL);
+        /* Raised again on return, once under the previous handler (faulthandler's traceback),
+         * then under the default action: a faulthandler enabled after relay raises it back here. */
+        if (!passed_on) {
+            passed_on = 1;
+            sigaction(sig, &previous, NULL);
+        } else {
+            signal(sig, SIG_DFL);
+        }
         raise(sig);
         return;
     }

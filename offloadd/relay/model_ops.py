@@ -15,7 +15,9 @@ Note [relay surface]
   a time, none if the conversion changes nothing. On a module inside the model it raises (it
   would convert part of a group).
 - :func:`resident`: every group swapped in and pinned for the block; what changed is written
-  again on exit.
+  again on exit. Its groups are not guarded (Note [write guard] in slabs.py): a system call
+  writing into a weight would fail with EFAULT, or hang a collective; on exit each group is read
+  again and compared instead.
 """
 
 from __future__ import annotations
@@ -92,7 +94,10 @@ def _state_post(
         key = prefix + e.attr
         if key not in sd:
             continue
-        slab = r._installed.get(g.index, cache.get(g.index))
+        if g.index in r._installed:  # swapped in: the weight as it is (a new .data included)
+            sd[key] = e.param.detach().clone(memory_format=torch.preserve_format)
+            continue
+        slab = cache.get(g.index)
         if slab is None:
             cache.clear()  # groups come in order: one held at a time
             slab = cache[g.index] = r.fetch(g)
@@ -130,8 +135,8 @@ def rewrite(r: Relay, g: Group) -> None:
             e.module._parameters[e.attr] = e.param
             replaced = True
     written = r.slabs.written(r._installed[g.index])
-    if not replaced and r.sees_writes(g) and not r.changes(g, written):
-        r.uninstall(g)  # unguarded and unwritten: nothing to write (Note [write guard])
+    if not replaced and not r.changes(g, written) and (r.sees_writes(g) or _as_stored(r, g)):
+        r.uninstall(g)  # unchanged: nothing to write (Note [write guard])
         return
     old = g.record
     try:
@@ -146,6 +151,13 @@ def rewrite(r: Relay, g: Group) -> None:
     g.generation += 1
     r.store.free(old)  # type: ignore[arg-type]
     r.uninstall(g)
+
+
+def _as_stored(r: Relay, g: Group) -> bool:
+    """Whether swapped-in ``g`` holds its record's bytes (read again to compare): for a group no
+    guard watched, which a write by the kernel (a ``readinto``, a collective) would not fault."""
+    stored = r.fetch(g)
+    return torch.equal(r._installed[g.index][: g.nbytes], stored[: g.nbytes])
 
 
 def write_group(r: Relay, g: Group, tensors: list[torch.Tensor]) -> None:
@@ -214,7 +226,7 @@ def resident(model: nn.Module) -> Iterator[nn.Module]:
     r = state_of(model).relay
     mine = [g for g in r.groups if g.index not in r._installed]
     for g in mine:
-        r.install(g, r.fetch(g))
+        r.install(g, r.fetch(g), guard=False)  # compared with the store on exit instead
         r.pinned.add(g.index)
     try:
         yield model

@@ -208,7 +208,7 @@ class Relay:
         if i not in self._fwd and i not in self._installed:
             self._fwd[i] = self._read(self.groups[i])
 
-    def install(self, g: Group, slab: torch.Tensor) -> None:
+    def install(self, g: Group, slab: torch.Tensor, guard: bool = True) -> None:
         for e in g.entries:
             now = e.module._parameters.get(e.attr)
             if now is not e.placeholder and now is not e.param:
@@ -227,7 +227,7 @@ class Relay:
             e.module._parameters[e.attr] = e.param
         self._installed[g.index] = slab
         self._slab_group[slab.untyped_storage()._cdata] = g
-        if self.slabs.guard(slab):  # Note [write guard] in slabs.py
+        if guard and self.slabs.guard(slab):  # Note [write guard] in slabs.py
             self._guarded.add(g.index)
 
     def sees_writes(self, g: Group) -> bool:
@@ -237,7 +237,8 @@ class Relay:
     def changes(self, g: Group, written: int | None = None) -> list[str]:
         """The names of ``g``'s weights changed while swapped in: in place (their version
         counter), through ``.data`` (a write the guard saw at byte ``written`` of the slab), or
-        replaced by an assignment to ``.data``."""
+        replaced by an assignment to ``.data`` (other memory, or the same bytes viewed another
+        way)."""
         slab = self._installed[g.index]
         base = slab.untyped_storage().data_ptr()
         changed = []
@@ -249,6 +250,8 @@ class Relay:
                 or p.untyped_storage().data_ptr() != base
                 or p.storage_offset() != e.offset
                 or tuple(p.shape) != e.size
+                or tuple(p.stride()) != e.stride  # w.data = w.data.t(), square: no byte moved
+                or p.dtype != e.dtype
                 or (written is not None and start <= written < end)
             ):
                 changed.append(e.name)

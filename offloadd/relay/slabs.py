@@ -2,13 +2,14 @@
 
 Note [slabs]
 ~~~~~~~~~~~~
-A group's weights come back into a slab: page-aligned anonymous memory (``mmap``) that the
-engine reads into with O_DIRECT, and that the weights' tensors are views of. A slab is handed
-out as a tensor made by ``torch.frombuffer`` over a ``memoryview``; the tensor's storage holds
-that view until the last tensor on it dies (a parameter swapped out after forward, an unpacked
-weight autograd let go of in backward), and a finalizer on the view then gives the slab back.
-So what relay holds is known exactly, whoever held the weights last, and a slab's pages stay
-warm for the next group of its size (up to ``keep`` idle slabs a size; more are unmapped).
+A group's weights come back into a slab: page-aligned private anonymous memory (``mmap``; a forked
+child's writes stay in its copy) that the engine reads into with O_DIRECT, and that the weights'
+tensors are views of. A slab is handed out as a tensor made by ``torch.frombuffer`` over a
+``memoryview``; the tensor's storage holds that view until the last tensor on it dies (a parameter
+swapped out after forward, an unpacked weight autograd let go of in backward), and a finalizer on
+the view then gives the slab back. So what relay holds is known exactly, whoever held the weights
+last, and a slab's pages stay warm for the next group of its size (up to ``keep`` idle slabs a
+size; more are unmapped).
 
 Note [write guard]
 ~~~~~~~~~~~~~~~~~~
@@ -16,10 +17,12 @@ A write through ``weight.data`` bumps no version counter, so autograd cannot see
 slab is swapped in, relay guards it (:meth:`Slabs.guard`): its pages are read-only, and the
 first write faults into csrc/write_guard's handler, which records the address and makes the
 slab writable again, so the write goes ahead. :meth:`Slabs.unguard` tells relay whether and
-where the slab was written: in forward it raises naming the weight, in ``resident()`` it writes
-the group back. A slab is unguarded before it goes back to the pool, so a slab is never read into
-or unmapped while guarded. Without the native module (not built) nothing is guarded: relay then
-cannot see such writes in forward, and ``resident()`` writes every group back (docs/relay.md).
+where the slab was written: in forward it raises naming the weight, in a load it writes the
+group again. ``resident()`` guards nothing (a system call writing into a guarded weight fails
+with EFAULT): it compares each group with the store on exit. A slab is unguarded before it goes
+back to the pool, so a slab is never read into or unmapped while guarded. Without the native
+module (not built) nothing is guarded: relay then cannot see such writes in forward
+(docs/relay.md).
 """
 
 from __future__ import annotations
@@ -52,8 +55,8 @@ def can_guard() -> bool:
         _warned.append(True)
         log.warning(
             "offloadd relay: offloadd.relay._write_guard is not built, so a write through "
-            "weight.data to a relayed weight goes unseen, and resident() writes every group "
-            "back; reinstall offloadd to build it (docs/native.md)"
+            "weight.data to a relayed weight in its forward goes unseen; reinstall offloadd to "
+            "build it (docs/native.md)"
         )
     return _write_guard is not None
 
@@ -98,8 +101,8 @@ class Slabs:
             self.peak_bytes = max(self.peak_bytes, self.live_bytes + self.idle_bytes)
         for old in extra:
             old.close()
-        if mm is None:
-            mm = mmap.mmap(-1, size)
+        if mm is None:  # private: a forked child writing its copy leaves this one as it is
+            mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         view = memoryview(mm)
         slab = torch.frombuffer(view, dtype=torch.uint8)
         fin = weakref.finalize(view, self._back, mm, size, slab.data_ptr())
@@ -118,9 +121,21 @@ class Slabs:
         address = slab.data_ptr()
         if not self.guarding or slab.device.type != "cpu" or address in self._slots:
             return False
-        if address % mmap.PAGESIZE or slab.nbytes % mmap.PAGESIZE:
+        if address % mmap.PAGESIZE:
             return False
-        self._slots[address] = _write_guard.protect(address, slab.nbytes)
+        nbytes = round_up(slab.nbytes, mmap.PAGESIZE)  # its mapping's (64 KiB pages: > padded)
+        try:
+            self._slots[address] = _write_guard.protect(address, nbytes)
+        except (RuntimeError, OSError) as err:  # every slot in use; mprotect failed
+            if not _warned:
+                _warned.append(True)
+                log.warning(
+                    "offloadd relay: a slab of %d bytes cannot be guarded (%s), so a write "
+                    "through weight.data to its weights in forward goes unseen",
+                    slab.nbytes,
+                    err,
+                )
+            return False
         return True
 
     def written(self, slab: torch.Tensor) -> int | None:

@@ -87,10 +87,10 @@ class Reads:
     def ahead(self, reads: dict[int, Any], ks: range | list[int]) -> None:
         for k in ks:
             if k not in reads:
-                reads[k] = self.r._read(self.r.groups[k])
+                reads[k] = self.r.read(self.r.groups[k])
 
     def take(self, reads: dict[int, Any], k: int, then: range) -> None:
-        t = reads.pop(k, None) or self.r._read(self.r.groups[k])
+        t = reads.pop(k, None) or self.r.read(self.r.groups[k])
         self.ahead(reads, then)
         t.wait()
 
@@ -150,14 +150,14 @@ def io_cpu(model: torch.nn.Module, reps: int) -> dict[str, float]:
     used = resource.getrusage(resource.RUSAGE_SELF)
     t0, nbytes = time.perf_counter(), 0
     for _ in range(reps):
-        pending = [r._read(g) for g in r.groups[:2]]
+        pending = [r.read(g) for g in r.groups[:2]]
         for i, _g in enumerate(r.groups):
             t = pending.pop(0)
             t.wait()
             nbytes += t.nbytes
             del t
             if i + 2 < len(r.groups):
-                pending.append(r._read(r.groups[i + 2]))
+                pending.append(r.read(r.groups[i + 2]))
     wall = time.perf_counter() - t0
     now = resource.getrusage(resource.RUSAGE_SELF)
     cpu = now.ru_utime + now.ru_stime - used.ru_utime - used.ru_stime

@@ -12,11 +12,11 @@ was changed in place, and raises.
 
 Backward: while a group's forward runs, a saved-tensor hook (pushed above whatever hooks were
 on top, an Offloader's included, which get every other tensor) turns each saved tensor that
-lies in the group's slab into a :class:`WeightRef` (the view's offset, sizes, strides and
+lies in the group's slab into a :class:`~offloadd.relay.backward.WeightRef` (the view's offset, sizes, strides and
 dtype), so autograd holds no weight bytes between forward and backward. The first unpack of a
 group reads it back (or takes it from the prefetch), keeps the slab until its last ref is
 unpacked or dropped, and starts reading the ``window - 1`` groups before it in pack order.
-The last ``window`` groups of forward keep their slabs into backward instead (``_carry``):
+The last ``window`` groups of forward keep their slabs into backward instead (``Saved.carry``):
 backward needs them first, and would otherwise begin with a read it waits for.
 
 Exactness: the slab holds the bytes that were written, viewed with the strides and offsets the
@@ -35,37 +35,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from offloadd.relay.backward import Saved
 from offloadd.relay.groups import Group
 from offloadd.relay.placeholder import RelayError
 from offloadd.relay.slabs import Slabs
 from offloadd.relay.store import HostStore, Transfer, WeightStore
-from offloadd.runtime.compiled import unseen
-from offloadd.runtime.handles import storage_of
 
-__all__ = ["Relay", "WeightRef"]
-
-Key = tuple[int, int]  # (group, forward): see Relay.forwards
-
-
-class WeightRef:
-    """What autograd holds for a saved view of a relayed weight (see Note [relay schedule])."""
-
-    __slots__ = ("dtype", "generation", "group", "key", "offset", "relay", "size", "stride")
-
-    def __init__(self, relay: Relay, group: Group, t: torch.Tensor) -> None:
-        self.relay = relay
-        self.group = group
-        self.key = (group.index, relay.forwards)  # a group's refs of one forward are held together
-        self.generation = group.generation
-        self.offset = t.storage_offset()
-        self.size = tuple(t.shape)
-        self.stride = tuple(t.stride())
-        self.dtype = t.dtype
-
-    def __del__(self) -> None:
-        # It may run in any thread, within any allocation (a collection), even one made while
-        # that thread holds the relay's lock: so it only appends (see Relay._drain).
-        self.relay._dead.append((self.key, id(self)))
+__all__ = ["Relay"]
 
 
 class Relay:
@@ -86,24 +62,14 @@ class Relay:
         self.slabs = slabs
         self.lock = threading.Lock()
         self.order: list[int] = [g.index for g in groups]
-        self._order_at: dict[int, int] = {i: i for i in self.order}  # each group's place in it
+        self.order_at: dict[int, int] = {i: i for i in self.order}  # each group's place in it
         self._seen: list[int] = []
         self._fwd: dict[int, Transfer] = {}
         self._installed: dict[int, torch.Tensor] = {}  # group -> its slab while swapped in
         self._guarded: set[int] = set()  # groups whose installed slab is guarded
-        self._slab_group: dict[int, Group] = {}  # slab storage -> group, while swapped in
+        self.slab_group: dict[int, Group] = {}  # slab storage -> group, while swapped in
         self._pushed: dict[int, list[Any]] = {}
-        # Backward's bookkeeping is per (group, forward): two forwards before one backward (summed
-        # micro-batches, a pair of passes) hold each group's slab for its own refs only.
-        self.forwards = 0
-        self._bwd_order: list[Key] = []  # keys in the order their first ref was packed
-        self._bwd_at: dict[Key, int] = {}  # each key's place in it
-        self._bwd: dict[Key, Transfer] = {}
-        self._held: dict[Key, torch.Tensor] = {}  # slab kept for the key's pending refs
-        self._carried: set[Key] = set()  # held from forward on (see _carry), not yet unpacked
-        self._again: dict[Key, torch.Tensor] = {}  # read for refs unpacked again (_again_view)
-        self._pending: dict[Key, set[int]] = {}  # ids of the key's refs not yet unpacked
-        self._dead: deque[tuple[Key, int]] = deque()  # refs collected (finalizers only append)
+        self.saved = Saved(self)  # backward's side (backward.py)
         self.pinned: set[int] = set()  # swapped in by resident() or a load: forward leaves them
         self._on_demand: deque[int] = deque()  # swapped in at a placeholder's use (Note below)
         self.depth = 0  # the model's forwards running (its pre- and post-hook)
@@ -114,10 +80,10 @@ class Relay:
                 self.note_placeholder(g, e)
 
     # -- reading --------------------------------------------------------------------------
-    def _read(self, g: Group) -> Transfer:
+    def read(self, g: Group) -> Transfer:
         return self.store.read(g.record, self.slabs)  # type: ignore[arg-type]
 
-    def _wait(self, t: Transfer) -> torch.Tensor:
+    def wait_for(self, t: Transfer) -> torch.Tensor:
         waited = t.wait()
         self.store.wait_s += waited
         assert t.slab is not None
@@ -129,8 +95,8 @@ class Relay:
 
     def fetch(self, g: Group) -> torch.Tensor:
         """``g``'s slab, read now (or taken from a read in flight)."""
-        t = self._fwd.pop(g.index, None) or self._read(g)
-        return self._wait(t)
+        t = self._fwd.pop(g.index, None) or self.read(g)
+        return self.wait_for(t)
 
     # -- forward ----------------------------------------------------------------------------
     def on_model_forward(self, module: nn.Module, args: Any) -> None:
@@ -138,20 +104,12 @@ class Relay:
         if self.depth > 1:
             return
         self.store.begin_step()  # the daemon's client reconnects after a loss
-        self.forwards += 1
         self._drop_on_demand()
-        with self.lock:
-            self._drain()
-            for key in self._carried:  # a second forward before backward: it carries its own
-                self._held.pop(key, None)
-            self._carried.clear()
-            self._again.clear()
+        self.saved.new_forward()
         if self._seen:
             self.order = list(dict.fromkeys(self._seen))
-            self._order_at = {i: at for at, i in enumerate(self.order)}
+            self.order_at = {i: at for at, i in enumerate(self.order)}
             self._seen = []
-        if not any(self._pending.values()):
-            self._bwd_order, self._bwd_at = [], {}
         for i in self.order[: self.window]:
             self._prefetch_forward(i)
 
@@ -206,7 +164,7 @@ class Relay:
 
     def _prefetch_forward(self, i: int) -> None:
         if i not in self._fwd and i not in self._installed:
-            self._fwd[i] = self._read(self.groups[i])
+            self._fwd[i] = self.read(self.groups[i])
 
     def install(self, g: Group, slab: torch.Tensor, guard: bool = True) -> None:
         for e in g.entries:
@@ -226,7 +184,7 @@ class Relay:
             e.version = e.param._version
             e.module._parameters[e.attr] = e.param
         self._installed[g.index] = slab
-        self._slab_group[slab.untyped_storage()._cdata] = g
+        self.slab_group[slab.untyped_storage()._cdata] = g
         if guard and self.slabs.guard(slab):  # Note [write guard] in slabs.py
             self._guarded.add(g.index)
 
@@ -267,7 +225,7 @@ class Relay:
         self._guarded.discard(g.index)
         changed = self.changes(g, self.slabs.unguard(slab))
         del self._installed[g.index]
-        self._slab_group.pop(slab.untyped_storage()._cdata, None)
+        self.slab_group.pop(slab.untyped_storage()._cdata, None)
         for e in g.entries:
             e.module._parameters[e.attr] = e.placeholder
             e.param.data = torch.empty(0, dtype=e.dtype, device=e.param.device)
@@ -282,10 +240,10 @@ class Relay:
         if g.index not in self._installed:
             self.install(g, self.fetch(g))
         if torch.is_grad_enabled():
-            hooks = torch.autograd.graph.saved_tensors_hooks(*self._saved_hooks())
+            hooks = torch.autograd.graph.saved_tensors_hooks(*self.saved.hooks())
             hooks.__enter__()
             self._pushed.setdefault(g.index, []).append(hooks)
-        at = self._order_at.get(g.index)
+        at = self.order_at.get(g.index)
         if at is not None and not in_backward:
             for i in self.order[at + 1 : at + self.window]:
                 self._prefetch_forward(i)
@@ -299,7 +257,7 @@ class Relay:
         slab = self._installed.get(g.index)
         changed = self.uninstall(g)
         if slab is not None and not changed:
-            self._carry(g, slab)
+            self.saved.carry(g, slab)
         if changed:
             raise RelayError(
                 f"relayed weights were changed in place during forward: {', '.join(changed)}. "
@@ -308,126 +266,8 @@ class Relay:
                 "`with offloadd.resident(model):`, or unrelay the model"
             )
 
-    def _carry(self, g: Group, slab: torch.Tensor) -> None:
-        """Keep the slab of one of forward's last ``window`` groups for its refs: backward needs
-        these groups first, and reading them again would start it with a wait. While forward
-        runs the groups after ``g``, they and the ones carried are at most ``window``."""
-        at = self._order_at.get(g.index)
-        if at is None or at < len(self.order) - self.window:
-            return
-        if torch._C._current_graph_task_id() != -1:  # a recomputation in backward
-            return
-        key = (g.index, self.forwards)
-        with self.lock:
-            self._drain()
-            if self._pending.get(key):
-                self._held[key] = slab
-                self._carried.add(key)
-
-    # -- backward ---------------------------------------------------------------------------
-    def _saved_hooks(self) -> tuple[Any, Any]:
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        outer_pack, outer_unpack = top if top is not None else (None, None)
-        slab_group = self._slab_group
-
-        def pack(t: torch.Tensor) -> Any:
-            s = storage_of(t)
-            g = slab_group.get(s._cdata) if s is not None else None
-            # a ref keeps the view's geometry, not its conjugate or negative bit
-            if g is not None and not t.is_conj() and not t.is_neg():
-                return self._ref(g, t)
-            return outer_pack(t) if outer_pack is not None else t
-
-        def unpack(x: Any) -> torch.Tensor:
-            if type(x) is WeightRef:
-                return self._unpack(x)
-            return outer_unpack(x) if outer_unpack is not None else x
-
-        return unseen(pack), unseen(unpack)
-
-    def _ref(self, g: Group, t: torch.Tensor) -> WeightRef:
-        ref = WeightRef(self, g, t)
-        key = ref.key
-        with self.lock:
-            self._drain()
-            pending = self._pending.setdefault(key, set())
-            if key not in self._bwd_at:
-                self._bwd_at[key] = len(self._bwd_order)
-                self._bwd_order.append(key)
-            pending.add(id(ref))
-        return ref
-
-    def _drain(self) -> None:
-        """Forget the refs autograd dropped unused (lock held)."""
-        dead = self._dead
-        while dead:
-            i, ref_id = dead.popleft()
-            pending = self._pending.get(i)
-            if pending is None or ref_id not in pending:
-                continue
-            pending.discard(ref_id)
-            if not pending:
-                self._held.pop(i, None)
-                self._carried.discard(i)
-                self._bwd.pop(i, None)  # a read in flight keeps its slab until it lands
-
-    def _unpack(self, ref: WeightRef) -> torch.Tensor:
-        g = ref.group
-        if ref.generation != g.generation:
-            raise RelayError(
-                f"the weights of {g.name!r} were replaced after forward saved them "
-                "(load_state_dict or offloadd.resident between forward and backward): "
-                "backward would use the new values"
-            )
-        key = ref.key
-        if id(ref) not in self._pending.get(key, ()):  # unpacked before: a retained graph's
-            return self._again_view(ref)
-        slab = self._held.get(key)
-        if slab is None:  # the key's first unpack: read it (or take its prefetch), read ahead
-            t = self._bwd.pop(key, None)
-            slab = self._wait(t) if t is not None else self.fetch(g)
-            self._prefetch_backward(key)
-        elif key in self._carried:  # carried from forward: its first unpack reads ahead
-            self._carried.discard(key)
-            self._prefetch_backward(key)
-        with self.lock:
-            self._drain()
-            pending = self._pending.get(key, set())
-            pending.discard(id(ref))
-            if pending:
-                self._held[key] = slab
-            else:
-                self._held.pop(key, None)
-                self._carried.discard(key)
-        return _view(slab, ref)
-
-    def _again_view(self, ref: WeightRef) -> torch.Tensor:
-        """A ref unpacked again (a second backward through a retained graph): each group is read
-        once for all its refs, the ``window`` last ones kept until the next forward."""
-        slab = self._again.get(ref.key)
-        if slab is None:
-            while len(self._again) >= self.window:
-                del self._again[next(iter(self._again))]
-            slab = self._again[ref.key] = self.fetch(ref.group)
-        return _view(slab, ref)
-
-    def _prefetch_backward(self, key: Key) -> None:
-        order = self._bwd_order
-        at = self._bwd_at.get(key)
-        if at is None:
-            return
-        for j in reversed(order[max(0, at - self.window + 1) : at]):
-            if j not in self._held and j not in self._bwd and self._pending.get(j):
-                self._bwd[j] = self._read(self.groups[j[0]])
-
     def held_for_budget(self) -> int:
         """What a budget counts of relay (see ``HELD_ELSEWHERE`` in runtime/stages.py): the host
         slabs' peak on CPU; on a GPU the weights' device copies are the allocator's, measured."""
         on_host = self.device is None or self.device.type == "cpu"
         return self.slabs.peak_bytes if on_host else 0
-
-
-def _view(slab: torch.Tensor, ref: WeightRef) -> torch.Tensor:
-    return torch.empty(0, dtype=ref.dtype, device=slab.device).set_(
-        slab.untyped_storage(), ref.offset, ref.size, ref.stride
-    )

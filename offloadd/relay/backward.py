@@ -1,0 +1,206 @@
+"""Backward's side of a relay: :class:`Saved` turns saved views of relayed weights into
+:class:`WeightRef` s and brings their groups back in backward (Note [relay schedule] in
+relayer.py)."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Any, Protocol
+
+import torch
+
+from offloadd.relay.groups import Group
+from offloadd.relay.placeholder import RelayError
+from offloadd.relay.store import Transfer
+from offloadd.runtime.compiled import unseen
+from offloadd.runtime.handles import storage_of
+
+__all__ = ["Reader", "Saved", "WeightRef"]
+
+
+class Reader(Protocol):
+    """What :class:`Saved` needs of its relay (:class:`~offloadd.relay.relayer.Relay`)."""
+
+    lock: threading.Lock
+    window: int
+    groups: list[Group]
+    order: list[int]  # the groups in the last forward's order
+    order_at: dict[int, int]  # each group's place in it
+    slab_group: dict[int, Group]  # the storage of a slab swapped in -> its group
+
+    def read(self, g: Group) -> Transfer: ...
+    def wait_for(self, t: Transfer) -> torch.Tensor: ...
+    def fetch(self, g: Group) -> torch.Tensor: ...
+
+
+Key = tuple[int, int]  # (group, forward): see Saved.forwards
+
+
+class WeightRef:
+    """What autograd holds for a saved view of a relayed weight (see Note [relay schedule])."""
+
+    __slots__ = ("dtype", "generation", "group", "key", "offset", "saved", "size", "stride")
+
+    def __init__(self, saved: Saved, group: Group, t: torch.Tensor) -> None:
+        self.saved = saved
+        self.group = group
+        self.key = (group.index, saved.forwards)  # a group's refs of one forward are held together
+        self.generation = group.generation
+        self.offset = t.storage_offset()
+        self.size = tuple(t.shape)
+        self.stride = tuple(t.stride())
+        self.dtype = t.dtype
+
+    def __del__(self) -> None:
+        # It may run in any thread, within any allocation (a collection), even one made while
+        # that thread holds the relay's lock: so it only appends (see Saved._drain).
+        self.saved._dead.append((self.key, id(self)))
+
+
+class Saved:
+    """A relay's weights saved for backward: refs, the slabs held for them, reads ahead."""
+
+    def __init__(self, relay: Reader) -> None:
+        self.relay = relay
+        # Backward's bookkeeping is per (group, forward): two forwards before one backward (summed
+        # micro-batches, a pair of passes) hold each group's slab for its own refs only.
+        self.forwards = 0
+        self._bwd_order: list[Key] = []  # keys in the order their first ref was packed
+        self._bwd_at: dict[Key, int] = {}  # each key's place in it
+        self._bwd: dict[Key, Transfer] = {}
+        self._held: dict[Key, torch.Tensor] = {}  # slab kept for the key's pending refs
+        self._carried: set[Key] = set()  # held from forward on (see carry), not yet unpacked
+        self._again: dict[Key, torch.Tensor] = {}  # read for refs unpacked again (_again_view)
+        self._pending: dict[Key, set[int]] = {}  # ids of the key's refs not yet unpacked
+        self._dead: deque[tuple[Key, int]] = deque()  # refs collected (finalizers only append)
+
+    def new_forward(self) -> None:
+        """The model's forward begins: its refs are a new key for each group."""
+        self.forwards += 1
+        with self.relay.lock:
+            self._drain()
+            for key in self._carried:  # a second forward before backward: it carries its own
+                self._held.pop(key, None)
+            self._carried.clear()
+            self._again.clear()
+        if not any(self._pending.values()):
+            self._bwd_order, self._bwd_at = [], {}
+
+    def carry(self, g: Group, slab: torch.Tensor) -> None:
+        """Keep the slab of one of forward's last ``window`` groups for its refs: backward needs
+        these groups first, and reading them again would start it with a wait. While forward
+        runs the groups after ``g``, they and the ones carried are at most ``window``."""
+        r = self.relay
+        at = r.order_at.get(g.index)
+        if at is None or at < len(r.order) - r.window:
+            return
+        if torch._C._current_graph_task_id() != -1:  # a recomputation in backward
+            return
+        key = (g.index, self.forwards)
+        with self.relay.lock:
+            self._drain()
+            if self._pending.get(key):
+                self._held[key] = slab
+                self._carried.add(key)
+
+    def hooks(self) -> tuple[Any, Any]:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        outer_pack, outer_unpack = top if top is not None else (None, None)
+        slab_group = self.relay.slab_group
+
+        def pack(t: torch.Tensor) -> Any:
+            s = storage_of(t)
+            g = slab_group.get(s._cdata) if s is not None else None
+            # a ref keeps the view's geometry, not its conjugate or negative bit
+            if g is not None and not t.is_conj() and not t.is_neg():
+                return self._ref(g, t)
+            return outer_pack(t) if outer_pack is not None else t
+
+        def unpack(x: Any) -> torch.Tensor:
+            if type(x) is WeightRef:
+                return self._unpack(x)
+            return outer_unpack(x) if outer_unpack is not None else x
+
+        return unseen(pack), unseen(unpack)
+
+    def _ref(self, g: Group, t: torch.Tensor) -> WeightRef:
+        ref = WeightRef(self, g, t)
+        key = ref.key
+        with self.relay.lock:
+            self._drain()
+            pending = self._pending.setdefault(key, set())
+            if key not in self._bwd_at:
+                self._bwd_at[key] = len(self._bwd_order)
+                self._bwd_order.append(key)
+            pending.add(id(ref))
+        return ref
+
+    def _drain(self) -> None:
+        """Forget the refs autograd dropped unused (lock held)."""
+        dead = self._dead
+        while dead:
+            i, ref_id = dead.popleft()
+            pending = self._pending.get(i)
+            if pending is None or ref_id not in pending:
+                continue
+            pending.discard(ref_id)
+            if not pending:
+                self._held.pop(i, None)
+                self._carried.discard(i)
+                self._bwd.pop(i, None)  # a read in flight keeps its slab until it lands
+
+    def _unpack(self, ref: WeightRef) -> torch.Tensor:
+        g = ref.group
+        if ref.generation != g.generation:
+            raise RelayError(
+                f"the weights of {g.name!r} were replaced after forward saved them "
+                "(load_state_dict or offloadd.resident between forward and backward): "
+                "backward would use the new values"
+            )
+        key = ref.key
+        if id(ref) not in self._pending.get(key, ()):  # unpacked before: a retained graph's
+            return self._again_view(ref)
+        slab = self._held.get(key)
+        if slab is None:  # the key's first unpack: read it (or take its prefetch), read ahead
+            t = self._bwd.pop(key, None)
+            slab = self.relay.wait_for(t) if t is not None else self.relay.fetch(g)
+            self._prefetch_backward(key)
+        elif key in self._carried:  # carried from forward: its first unpack reads ahead
+            self._carried.discard(key)
+            self._prefetch_backward(key)
+        with self.relay.lock:
+            self._drain()
+            pending = self._pending.get(key, set())
+            pending.discard(id(ref))
+            if pending:
+                self._held[key] = slab
+            else:
+                self._held.pop(key, None)
+                self._carried.discard(key)
+        return _view(slab, ref)
+
+    def _again_view(self, ref: WeightRef) -> torch.Tensor:
+        """A ref unpacked again (a second backward through a retained graph): each group is read
+        once for all its refs, the ``window`` last ones kept until the next forward."""
+        slab = self._again.get(ref.key)
+        if slab is None:
+            while len(self._again) >= self.relay.window:
+                del self._again[next(iter(self._again))]
+            slab = self._again[ref.key] = self.relay.fetch(ref.group)
+        return _view(slab, ref)
+
+    def _prefetch_backward(self, key: Key) -> None:
+        order = self._bwd_order
+        at = self._bwd_at.get(key)
+        if at is None:
+            return
+        for j in reversed(order[max(0, at - self.relay.window + 1) : at]):
+            if j not in self._held and j not in self._bwd and self._pending.get(j):
+                self._bwd[j] = self.relay.read(self.relay.groups[j[0]])
+
+
+def _view(slab: torch.Tensor, ref: WeightRef) -> torch.Tensor:
+    return torch.empty(0, dtype=ref.dtype, device=slab.device).set_(
+        slab.untyped_storage(), ref.offset, ref.size, ref.stride
+    )

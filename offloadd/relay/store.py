@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +27,7 @@ from offloadd.io.buffers import ALIGN, round_up
 from offloadd.io.request import Op, Request
 from offloadd.relay.placeholder import RelayError
 from offloadd.relay.slabs import Slabs
+from offloadd.runtime.stall_watch import StallWatch
 
 __all__ = ["HostStore", "Record", "Transfer", "WeightStore", "open_store"]
 
@@ -46,12 +48,19 @@ class Record:
 class Transfer:
     """Reads (or writes) of one record in flight; :meth:`wait` until all are done."""
 
-    __slots__ = ("done", "error", "nbytes", "pending", "record", "slab")
+    __slots__ = ("done", "error", "hint", "nbytes", "pending", "record", "slab")
 
-    def __init__(self, record: Record, slab: torch.Tensor | None, pending: int) -> None:
+    def __init__(
+        self,
+        record: Record,
+        slab: torch.Tensor | None,
+        pending: int,
+        hint: Callable[[], str] = lambda: "the host store",
+    ) -> None:
         self.record = record
         self.slab = slab
         self.pending = pending
+        self.hint = hint  # who does the I/O, for a long wait's warning (StallWatch)
         self.error: BaseException | None = None
         self.done = threading.Event()
         self.nbytes = record.nbytes
@@ -59,10 +68,14 @@ class Transfer:
             self.done.set()
 
     def wait(self) -> float:
-        """Wait for the transfer; the seconds waited. Raises :class:`RelayError` if it failed."""
+        """Wait for the transfer; the seconds waited. Raises :class:`RelayError` if it failed.
+        A long wait (a hung disk, a stopped daemon) is logged, and again as it doubles."""
         t0 = time.perf_counter()
         if not self.done.is_set():
-            self.done.wait()
+            what = f"relay's read of the weights of {self.record.name!r}"
+            watch = StallWatch(what, self.hint)
+            while not self.done.wait(watch.timeout()):
+                watch.check()
         waited = time.perf_counter() - t0
         if self.error is not None:
             raise RelayError(
@@ -94,6 +107,10 @@ class WeightStore:
     def _warn(key: str, message: str) -> None:
         log.warning("offloadd relay: %s", message)
 
+    def _hint(self) -> str:
+        backend = self._backend
+        return "the weight store (closed)" if backend is None else backend.stall_hint()
+
     @property
     def backend(self) -> Backend:
         if self._backend is None:
@@ -107,6 +124,7 @@ class WeightStore:
 
     def write(self, name: str, data: torch.Tensor) -> Record:
         """Write ``data`` (a uint8 CPU tensor) as a new record; returns when it is on disk."""
+        self.begin_step()  # after a daemon's loss, the new one takes the write
         backend = self.backend
         nbytes = data.numel()
         c = self.chunk_bytes
@@ -114,7 +132,7 @@ class WeightStore:
         for i in range(-(-nbytes // c)):
             record.places.append(backend.place(i))
         self.disk_bytes += len(record.places) * c
-        t = Transfer(record, None, len(record.places))
+        t = Transfer(record, None, len(record.places), self._hint)
         base = data.data_ptr()
         if not self._staged and base % ALIGN == 0 and nbytes % ALIGN == 0:
             for file, offset, pos in self._chunks(record):
@@ -168,7 +186,7 @@ class WeightStore:
         backend = self.backend
         c = self.chunk_bytes
         chunks = self._chunks(record)
-        t = Transfer(record, slab, len(chunks))
+        t = Transfer(record, slab, len(chunks), self._hint)
         base = slab.data_ptr()
         for file, offset, pos in chunks:
             n = min(c, slab.numel() - pos)

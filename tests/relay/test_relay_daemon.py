@@ -1,0 +1,136 @@
+"""Relay through a real daemon that is lost, restarted or wedged: between steps, while reads
+are in flight, before a load. Every step stays bit-identical to the model without relay (the
+lost session's files are read locally, new writes go to the new daemon), and a wedged daemon
+is said in the log instead of hanging the run silently."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import offloadd
+from offloadd.relay.state import state_of
+from offloadd.runtime import stall_watch
+from tests._support.daemon_proc import DaemonProc
+from tests.relay.cases import Layered, freeze_layers, relay_config, same, square_loss, step
+
+ENGINE_PARAMS = ("default",)  # the daemon does the I/O with its own engine
+
+pytestmark = pytest.mark.filterwarnings("ignore:offloadd. lost the daemon:RuntimeWarning")
+
+
+def _pair(proc: DaemonProc) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    ref = freeze_layers(Layered(layers=6))
+    torch.manual_seed(0)
+    cfg = relay_config(proc.dirs[0], daemon={"socket": proc.socket})
+    return ref, offloadd.relay(freeze_layers(Layered(layers=6)), config=cfg)
+
+
+def _lost(model: nn.Module) -> None:
+    backend = state_of(model).relay.store.backend
+    deadline = time.monotonic() + 10
+    while backend.connected:  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, "the client did not notice the daemon's loss"
+        time.sleep(0.01)
+
+
+def _inputs(n: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randn(4, 16, generator=gen) for _ in range(n)]
+
+
+def test_daemon_lost_between_steps(own_daemon: Callable[..., DaemonProc]) -> None:
+    """Killed, then stopped, between steps, a new daemon started each time; then a load
+    right after a loss (its write goes to the new daemon) and training on."""
+    first = own_daemon().start()
+    ref, model = _pair(first)
+    current = [first]
+
+    def restart(kill: bool) -> None:
+        old = current[0]
+        if kill:
+            old.kill()
+        else:
+            assert old.stop() == 0
+        _lost(model)
+        current[0] = own_daemon(dirs=old.dirs).start()
+
+    for i, x in enumerate(_inputs(6)):
+        assert same(step(ref, x, square_loss), step(model, x, square_loss)), i
+        if i in (0, 1):
+            restart(kill=i == 0)
+        if i == 3:
+            restart(kill=True)
+            new = {k: v * 0.5 for k, v in ref.state_dict().items()}
+            ref.load_state_dict(new)
+            model.load_state_dict(new)
+    assert state_of(model).relay.store.backend.connected  # type: ignore[attr-defined]
+    offloadd.unrelay(model)
+
+
+def test_daemon_killed_while_reads_are_in_flight(
+    own_daemon: Callable[..., DaemonProc],
+) -> None:
+    """The daemon dies in a layer's forward (the next layers' reads queued or in flight) and in
+    backward; no daemon is started again: the reads finish from the lost session's files."""
+    proc = own_daemon().start()
+    ref, model = _pair(proc)
+    xs = _inputs(4)
+    assert same(step(ref, xs[0], square_loss), step(model, xs[0], square_loss))
+
+    def kill_once(*args: object) -> None:
+        handle.remove()
+        proc.kill()
+        _lost(model)
+
+    handle = model.layers[2].register_forward_pre_hook(kill_once)
+    assert same(step(ref, xs[1], square_loss), step(model, xs[1], square_loss))
+    for x in xs[2:]:
+        assert same(step(ref, x, square_loss), step(model, x, square_loss))
+    offloadd.unrelay(model)
+
+
+def test_wedged_daemon_is_said(
+    own_daemon: Callable[..., DaemonProc],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A stopped (SIGSTOP) daemon holds relay's reads: the wait is logged, naming the weights
+    and the daemon, and training goes on, bit-identical, once it resumes."""
+    monkeypatch.setattr(stall_watch, "STALL_WARN_S", 0.3)
+    proc = own_daemon().start()
+    ref, model = _pair(proc)
+    xs = _inputs(3)
+    assert same(step(ref, xs[0], square_loss), step(model, xs[0], square_loss))
+
+    def wedge(*args: object) -> None:
+        handle.remove()
+        proc.pause()
+        threading.Timer(1.5, proc.resume).start()
+
+    handle = model.layers[1].register_forward_pre_hook(wedge)
+    with caplog.at_level("WARNING", logger="offloadd"):
+        assert same(step(ref, xs[1], square_loss), step(model, xs[1], square_loss))
+    said = [
+        r.getMessage() for r in caplog.records if "relay's read of the weights" in r.getMessage()
+    ]
+    assert said and proc.socket in said[0], caplog.text
+    assert same(step(ref, xs[2], square_loss), step(model, xs[2], square_loss))
+    offloadd.unrelay(model)
+
+
+def test_daemon_dirs_left_clean(own_daemon: Callable[..., DaemonProc], tmp_path: Path) -> None:
+    """Unrelay through a daemon gives its files back: own_daemon checks nothing is left."""
+    proc = own_daemon().start()
+    ref, model = _pair(proc)
+    x = _inputs(1)[0]
+    assert same(step(ref, x, square_loss), step(model, x, square_loss))
+    offloadd.unrelay(model)
+    assert not proc.wait_idle()["sessions"]

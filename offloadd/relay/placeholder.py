@@ -42,7 +42,6 @@ _ALLOWED = {
     _T.layout.__get__,
     _T.is_sparse.__get__,
     _T.is_quantized.__get__,
-    _T.is_meta.__get__,
     torch.Tensor.size,
     torch.Tensor.dim,
     torch.Tensor.numel,
@@ -54,6 +53,15 @@ _ALLOWED = {
     torch.Tensor.__format__,
 }
 
+
+# What the placeholder answers from the weight's real device: code that skips meta tensors as
+# uninitialised (deferred-init loaders, sharding wrappers) must meet RelayError, not skip it.
+_WHERE = {
+    _T.device.__get__: lambda d: d,
+    _T.is_cuda.__get__: lambda d: d.type == "cuda",
+    _T.is_cpu.__get__: lambda d: d.type == "cpu",
+    _T.is_meta.__get__: lambda d: d.type == "meta",
+}
 
 _HINTS = {
     "requires_grad_": " (a relayed weight stays frozen: unrelay it to train it)",
@@ -109,9 +117,8 @@ class RelayedWeight(nn.Parameter):
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         with torch._C.DisableTorchFunctionSubclass():
-            if func == _T.device.__get__ or func == _T.is_cuda.__get__:
-                w = args[0]
-                return w.real_device if func == _T.device.__get__ else w.real_device.type == "cuda"
+            if func in _WHERE:  # the real device, not the meta tensor's
+                return _WHERE[func](args[0].real_device)
             if func in _ALLOWED:
                 return func(*args, **kwargs)
             if func is torch.Tensor.detach and args[0].relay_saving:

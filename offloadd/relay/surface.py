@@ -67,7 +67,14 @@ def relay(
     if win < 1:
         raise RelayError(f"relay_window: at least 1 group must be held, got {win}")
     groups, kept = find_groups(model, MIN_GROUP_BYTES)
-    device = next((e.param.device for g in groups for e in g.entries), None)
+    devices = list(dict.fromkeys(e.param.device for g in groups for e in g.entries))
+    if len(devices) > 1:  # a model split across devices (device_map="auto", pipeline stages)
+        raise RelayError(
+            "offloadd relay: the frozen weights are on several devices "
+            f"({', '.join(map(str, devices))}); relay takes a model whose frozen weights share "
+            "one device: relay each device's part as its own module"
+        )
+    device = devices[0] if devices else None
     store = open_store(cfg, device, max((g.nbytes for g in groups), default=0))
     # Staged in slabs, not torch's allocator: freeing a 10 MiB buffer would raise glibc's mmap
     # threshold to 10 MiB, and training's activations below it would then fragment its heap.

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import copy
 import gc
+import importlib
 import io
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -155,6 +158,7 @@ def test_misuse_raises_naming_the_weight(disk_dir: Path) -> None:
     model = offloadd.relay(InPlace(), config=relay_config(disk_dir, chunk_bytes=4096))
     w = model.layers[0].weight
     assert w.shape == (256, 256) and w.dtype == torch.float32 and w.device.type == "cpu"
+    assert w.is_cpu and not w.is_meta and not w.is_cuda  # the real device's answers
     assert sum(p.numel() for p in model.parameters()) == 2 * (256 * 256 + 256)
     for misuse in (
         lambda: w.sum(),
@@ -274,3 +278,22 @@ def test_host_store_round_trip() -> None:
     assert isinstance(open_store(cpu_tier, torch.device("cuda")), HostStore)
     with pytest.raises(RelayError, match="CPU model"):
         open_store(cpu_tier, torch.device("cpu"))
+
+
+def test_weights_on_several_devices_are_refused(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model split across devices (device_map="auto") is refused before anything is written.
+    This machine has one device: the groups found are made to say two."""
+    surface = importlib.import_module("offloadd.relay.surface")
+
+    def two_devices(model: nn.Module, min_bytes: int) -> tuple[list[Any], list[str]]:
+        on = [
+            SimpleNamespace(param=SimpleNamespace(device=torch.device(d)))
+            for d in ("cpu", "cuda:1")
+        ]
+        return [SimpleNamespace(entries=[e]) for e in on], []
+
+    monkeypatch.setattr(surface, "find_groups", two_devices)
+    with pytest.raises(RelayError, match=r"several devices \(cpu, cuda:1\)"):
+        offloadd.relay(InPlace(), config=relay_config(disk_dir))

@@ -208,8 +208,8 @@ def test_ddp_broadcast_reaches_relayed_weights(tmp_path: Path) -> None:
         shutil.rmtree(tmp_path / "relay", ignore_errors=True)
 
     cmd = [str(RANKS / "relay_ddp.py"), str(tmp_path / "relay")]
-    out = torchrun(cmd, clean_env(), 300, before_retry=clear)
-    ranks = [json.loads(ln) for ln in out.splitlines() if ln.startswith('{"rank"')]
+    torchrun(cmd, clean_env(), 300, before_retry=clear)
+    ranks = [json.loads(p.read_text()) for p in sorted((tmp_path / "relay").glob("rank-*.json"))]
     assert sorted(r["rank"] for r in ranks) == [0, 1]
     for r in ranks:
         assert r["relay"] == r["plain"], r["rank"]

@@ -10,7 +10,7 @@ Each rank trains the same model three ways, 3 SGD steps on its own data:
   (it would skip the relayed weights silently), and the text is reported.
 
 Usage: ``torchrun --nproc_per_node=2 relay_ddp.py DIR``; each rank relays into ``DIR/rank-<N>``
-and prints one JSON line: {"rank", "plain": {"losses", "weights"}, "relay": {...},
+and writes ``DIR/rank-<N>.json``: {"rank", "plain": {"losses", "weights"}, "relay": {...},
 "relay_first": error text or null}.
 """
 
@@ -77,7 +77,7 @@ def main() -> None:
     except offloadd.RelayError as e:
         out["relay_first"] = str(e)
     offloadd.unrelay(model)
-    print(json.dumps(out), flush=True)
+    (Path(sys.argv[1]) / f"rank-{rank}.json").write_text(json.dumps(out))  # ranks share stdout
     dist.barrier()  # both ranks leave their last collective before either tears gloo down
     dist.destroy_process_group()
 

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from offloadd.runtime.handles import HoldsNoBytes
+
 __all__ = ["RelayError", "RelayedWeight"]
 
 
@@ -94,7 +96,7 @@ def _swap_in(args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]] | 
     return (new_args, new_kwargs) if ok else None
 
 
-class RelayedWeight(nn.Parameter):
+class RelayedWeight(nn.Parameter, HoldsNoBytes):
     """The stand-in for a relayed weight (see Note [placeholder])."""
 
     relay_name: str

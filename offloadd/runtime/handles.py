@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from offloadd.runtime.blocks import Block
 
 __all__ = [
+    "HoldsNoBytes",
     "Kept",
     "Ref",
     "describe",
@@ -140,9 +141,14 @@ def view(buf: torch.Tensor, ref: Ref) -> torch.Tensor:
     return out
 
 
+class HoldsNoBytes:
+    """A mixin for tensor subclasses whose bytes are elsewhere and must not be asked for
+    (``offloadd.relay``'s placeholder): :func:`storage_of` gives None for them, untouched."""
+
+
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
     """The storage of a materialized, strided, non-meta tensor, else None (never raises)."""
-    if is_lazy(t) or t.layout is not torch.strided or t.is_meta:
+    if isinstance(t, HoldsNoBytes) or is_lazy(t) or t.layout is not torch.strided or t.is_meta:
         return None
     try:
         return t.untyped_storage()

@@ -19,6 +19,7 @@ from torch import nn
 
 import offloadd
 from offloadd.relay import RelayError
+from offloadd.runtime.handles import storage_of
 from tests.relay.cases import (
     Convs,
     Layered,
@@ -159,6 +160,7 @@ def test_misuse_raises_naming_the_weight(disk_dir: Path) -> None:
     w = model.layers[0].weight
     assert w.shape == (256, 256) and w.dtype == torch.float32 and w.device.type == "cpu"
     assert w.is_cpu and not w.is_meta and not w.is_cuda  # the real device's answers
+    assert storage_of(w) is None  # the Offloader's parameter notes never ask for its bytes
     assert sum(p.numel() for p in model.parameters()) == 2 * (256 * 256 + 256)
     for misuse in (
         lambda: w.sum(),

@@ -222,3 +222,32 @@ def test_retained_graph_backward_twice(disk_dir: Path) -> None:
     assert after.read_bytes - before.read_bytes == (3 * 6 - 2) * group  # fwd, bwd, bwd again
     assert after.peak_resident_bytes <= 2 * group
     offloadd.unrelay(model)
+
+
+def test_detach_refused_after_a_state_dict_that_raised(disk_dir: Path) -> None:
+    """detach() of a relayed weight is let through only while its module saves it into a
+    state_dict(): one that raised half-way (a child's hook, a read that failed) leaves it
+    refused, so DDP's broadcast cannot skip the weight silently afterwards."""
+
+    class Root(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = nn.Parameter(torch.randn(256, 128), requires_grad=False)  # relayed
+            self.child = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.child(x) + self.table[:1, :4]
+
+    model = offloadd.relay(Root(), config=relay_config(disk_dir))
+    placeholder = model._parameters["table"]
+
+    def fail(*args: object) -> None:
+        raise KeyError("child")
+
+    handle = model.child.register_state_dict_pre_hook(fail)
+    with pytest.raises(KeyError):
+        model.state_dict()
+    handle.remove()
+    with pytest.raises(RelayError, match=r"'table'.*DistributedDataParallel"):
+        placeholder.detach()
+    assert torch.equal(model.state_dict()["table"], offloadd.unrelay(model).table)

@@ -251,3 +251,69 @@ def test_detach_refused_after_a_state_dict_that_raised(disk_dir: Path) -> None:
     with pytest.raises(RelayError, match=r"'table'.*DistributedDataParallel"):
         placeholder.detach()
     assert torch.equal(model.state_dict()["table"], offloadd.unrelay(model).table)
+
+
+@pytest.mark.parametrize("window", [1, 2, 3])
+def test_a_forward_in_another_order_keeps_the_window(window: int, disk_dir: Path) -> None:
+    """A forward that runs the layers in another order than the last one (routing, a model
+    that picks its path) reads ahead for places it has passed: those reads are dropped, and
+    what forward carries into backward is trimmed, so relay holds about ``window`` groups (the
+    reads started for the old order land first), not every group."""
+
+    class Turned(Layered):
+        backwards = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.inp(x)
+            for layer in reversed(self.layers) if self.backwards else self.layers:
+                x = x + layer(x)
+            return self.head(x)
+
+    x = torch.randn(3, 16)
+    torch.manual_seed(0)
+    plain = freeze_layers(Turned(layers=8))
+    torch.manual_seed(0)
+    model = offloadd.relay(
+        freeze_layers(Turned(layers=8)), window=window, config=relay_config(disk_dir)
+    )
+    group = offloadd.relay_stats(model).written_bytes // 8
+    assert same(step(plain, x, square_loss), step(model, x, square_loss))
+    plain.backwards = model.backwards = True
+    offloadd.relay_stats(model, reset_peak=True)
+    assert same(step(plain, x, square_loss), step(model, x, square_loss))
+    assert offloadd.relay_stats(model).peak_resident_bytes <= 2 * window * group
+    offloadd.relay_stats(model, reset_peak=True)  # the order is the last forward's again
+    assert same(step(plain, x, square_loss), step(model, x, square_loss))
+    # window groups, and the idle slab the dropped reads left warm (Note [slabs]: keep)
+    assert offloadd.relay_stats(model).peak_resident_bytes <= (window + 1) * group
+    offloadd.unrelay(model)
+
+
+@pytest.mark.parametrize("window", [1, 2])
+def test_a_layer_called_again_takes_the_slab_forward_carries(window: int, disk_dir: Path) -> None:
+    """The last layer called twice in a row (a weight used at two places): its second call
+    swaps in the slab forward carries for backward, not a second read of it beside that one,
+    so what relay holds stays ``window`` groups."""
+
+    class Again(Layered):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.inp(x)
+            for layer in [*self.layers, self.layers[-1]]:
+                x = x + layer(x)
+            return self.head(x)
+
+    x = torch.randn(3, 16)
+    torch.manual_seed(0)
+    plain = freeze_layers(Again(layers=6))
+    torch.manual_seed(0)
+    model = offloadd.relay(
+        freeze_layers(Again(layers=6)), window=window, config=relay_config(disk_dir)
+    )
+    assert same(step(plain, x, square_loss), step(model, x, square_loss))
+    before = offloadd.relay_stats(model, reset_peak=True)
+    assert same(step(plain, x, square_loss), step(model, x, square_loss))
+    after = offloadd.relay_stats(model)
+    group = before.written_bytes // 6
+    assert after.read_bytes - before.read_bytes == (2 * 6 - window) * group
+    assert after.peak_resident_bytes <= window * group
+    offloadd.unrelay(model)

@@ -110,6 +110,13 @@ class Saved:
         key = (g.index, self.forwards)
         return self._held.get(key) if key in self._carried else None
 
+    def drop_carried(self, g: Group) -> None:
+        """Carry nothing for ``g`` in this forward: its slab was written."""
+        key = (g.index, self.forwards)
+        with self.relay.lock:
+            if self._carried.pop(key, 0) is None:
+                self._held.pop(key, None)
+
     def trim_carried(self, g: Group, room: int) -> None:
         """Carry at most ``room`` groups besides ``g`` (which runs now), dropping the first
         carried: a forward in another order than the last one's runs groups after those it

@@ -280,6 +280,7 @@ class Relay:
         if slab is not None and not changed:
             self.saved.carry(g, slab)
         if changed:
+            self.saved.drop_carried(g)  # written (called again): backward reads the store's
             raise RelayError(
                 f"relayed weights were changed in place during forward: {', '.join(changed)}. "
                 "A relayed weight is frozen (a write through .data or a new .data counts too); "

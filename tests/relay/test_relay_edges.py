@@ -317,3 +317,44 @@ def test_a_layer_called_again_takes_the_slab_forward_carries(window: int, disk_d
     assert after.read_bytes - before.read_bytes == (2 * 6 - window) * group
     assert after.peak_resident_bytes <= window * group
     offloadd.unrelay(model)
+
+
+def test_a_write_in_a_second_call_leaves_the_first_calls_weights(disk_dir: Path) -> None:
+    """A layer called twice, its weight written through .data in the second call: that forward
+    raises, and the first call's graph, kept by the caller, still gets the stored weights in
+    backward (the slab forward carried for it was the one written: it is not used)."""
+
+    class Twice(Layered):
+        kept: torch.Tensor
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.inp(x)
+            for layer in self.layers:
+                x = x + layer(x)
+            self.kept = x
+            return self.head(x + self.layers[-1](x))
+
+    x = torch.randn(3, 16)
+    torch.manual_seed(0)
+    plain = freeze_layers(Twice(layers=4))
+    plain(x)
+    plain.kept.square().sum().backward()
+    torch.manual_seed(0)
+    model = offloadd.relay(freeze_layers(Twice(layers=4)), config=relay_config(disk_dir))
+    step(model, x, square_loss)  # the order: the last layer carried
+    model.zero_grad(set_to_none=True)
+    calls = []
+
+    def write_in_second_call(module: nn.Module, args: object) -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            module[1].weight.data.mul_(2)
+
+    model.layers[-1].register_forward_pre_hook(write_in_second_call)
+    with pytest.raises(RelayError, match=r"layers\.3\.1\.weight"):
+        model(x)
+    model.kept.square().sum().backward()
+    for (name, a), b in zip(plain.named_parameters(), model.parameters(), strict=True):
+        assert (a.grad is None) == (b.grad is None) and (
+            a.grad is None or torch.equal(a.grad, b.grad)
+        ), name

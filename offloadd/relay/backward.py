@@ -169,7 +169,8 @@ class Saved:
             if pending is None or ref_id not in pending:
                 continue
             pending.discard(ref_id)
-            if not pending:
+            if not pending:  # a key per group and forward: forgotten once its refs are
+                del self._pending[i]
                 self._held.pop(i, None)
                 self._carried.pop(i, None)
                 self._bwd.pop(i, None)  # a read in flight keeps its slab until it lands
@@ -200,6 +201,7 @@ class Saved:
             if pending:
                 self._held[key] = slab
             else:
+                self._pending.pop(key, None)
                 self._held.pop(key, None)
                 self._carried.pop(key, None)
         return _view(slab, ref)

@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 import offloadd
 from offloadd.relay import RelayError
+from offloadd.relay.state import state_of
 from tests.relay.cases import (
     Layered,
     freeze_layers,
@@ -358,3 +359,16 @@ def test_a_write_in_a_second_call_leaves_the_first_calls_weights(disk_dir: Path)
         assert (a.grad is None) == (b.grad is None) and (
             a.grad is None or torch.equal(a.grad, b.grad)
         ), name
+
+
+def test_backward_bookkeeping_stays_flat_over_steps(disk_dir: Path) -> None:
+    """Backward's refs are kept per group and forward: a key whose refs are all unpacked is
+    forgotten, so neither memory nor each forward's look over them grows with the steps."""
+    torch.manual_seed(0)
+    model = offloadd.relay(freeze_layers(Layered()), window=2, config=relay_config(disk_dir))
+    saved = state_of(model).relay.saved
+    x = torch.randn(2, 16)
+    for _ in range(20):
+        step(model, x, square_loss)
+    assert not saved._pending and not saved._held and not saved._bwd, saved._pending
+    offloadd.unrelay(model)

@@ -114,7 +114,8 @@ class Saved:
         """Carry nothing for ``g`` in this forward: its slab was written."""
         key = (g.index, self.forwards)
         with self.relay.lock:
-            if self._carried.pop(key, 0) is None:
+            if key in self._carried:
+                del self._carried[key]
                 self._held.pop(key, None)
 
     def trim_carried(self, g: Group, room: int) -> None:

@@ -244,7 +244,7 @@ class Relay:
 
     def on_group_forward(self, g: Group) -> None:
         in_backward = torch._C._current_graph_task_id() != -1  # a recomputation (checkpointing)
-        if not in_backward:
+        if not in_backward and self.depth:  # calls to layers without the model: never cleared
             self._seen.append(g.index)
         if g.index in self._on_demand:
             self._on_demand.remove(g.index)  # its post-hook swaps it out now

@@ -372,3 +372,30 @@ def test_backward_bookkeeping_stays_flat_over_steps(disk_dir: Path) -> None:
         step(model, x, square_loss)
     assert not saved._pending and not saved._held and not saved._bwd, saved._pending
     offloadd.unrelay(model)
+
+
+def test_layers_called_without_the_model(disk_dir: Path) -> None:
+    """A loop that calls the relayed model's layers itself, never the model (an inner model
+    of a wrapper called directly): the same gradients, and nothing kept grows with the steps
+    (the order of the last forward is learned from the model's forwards only)."""
+
+    def run(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        h = m.inp(x)
+        for layer in m.layers:
+            h = h + layer(h)
+        return m.head(h).square().mean()
+
+    torch.manual_seed(0)
+    plain = freeze_layers(Layered())
+    torch.manual_seed(0)
+    model = offloadd.relay(freeze_layers(Layered()), window=2, config=relay_config(disk_dir))
+    for _ in range(10):
+        x = torch.randn(2, 16)
+        run(plain, x).backward()
+        run(model, x).backward()
+    for a, b in zip(plain.parameters(), model.parameters(), strict=True):
+        assert (a.grad is None) == (b.grad is None) and (
+            a.grad is None or torch.equal(a.grad, b.grad)
+        )
+    assert len(state_of(model).relay._seen) == 0
+    offloadd.unrelay(model)

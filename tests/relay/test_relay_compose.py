@@ -219,6 +219,9 @@ def test_ddp_broadcast_reaches_relayed_weights(tmp_path: Path) -> None:
 
 _TWO_MODELS = """
 import gc
+import sys
+
+sys.path.insert(0, {root!r})  # this checkout's offloadd, imported with torch (OFFLOADD=1)
 import torch
 from torch import nn
 
@@ -249,7 +252,7 @@ def test_exit_report_counts_dropped_and_unrelayed_models(disk_dir: Path, tmp_pat
     """OFFLOADD_RELAY=frozen relays each model the script calls; the exit report has what each
     relay moved: a model dropped before exit, and one the script unrelayed and kept."""
     script = tmp_path / "two_models.py"
-    script.write_text(_TWO_MODELS)
+    script.write_text(_TWO_MODELS.format(root=str(Path(__file__).resolve().parents[2])))
     env = offload_env(disk_dir, tmp_path / "report.json", OFFLOADD_RELAY="frozen")
     proc = run([PYTHON, str(script)], env)
     assert proc.stdout.split() == ["Parameter"]

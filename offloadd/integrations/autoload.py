@@ -36,6 +36,7 @@ import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
@@ -46,7 +47,7 @@ from offloadd.integrations.report import report_dict, summary_line, write_report
 from offloadd.integrations.scope import ModuleScope
 from offloadd.memsave import memsave
 from offloadd.offloader import Offloader
-from offloadd.relay import relay, relay_stats
+from offloadd.relay import relay
 from offloadd.relay.state import is_relayed
 from offloadd.relay.surface import RelayStats, keep_final_stats
 
@@ -136,8 +137,9 @@ class AutoOffload:
         self._finished = False
         self._memsaved: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._relayed: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-        # what relay moved for the exit report: the models relayed here, live and dropped
-        self._relay_live: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        # what relay moved for the exit report: the stats of the models relayed here, appended
+        # when each is dropped, or at exit by its finalizer (relayed still, or unrelayed since)
+        self._relay_final: list[weakref.finalize[Any, Any]] = []
         self._relay_done: list[RelayStats] = []
         self.scope = ModuleScope(self._enter, self._leave)
 
@@ -169,8 +171,7 @@ class AutoOffload:
                 dirs = self.ssd_dirs or self._rank_dirs(self.settings.config)
                 self.ssd_dirs = dirs
                 relay(module, config=replace(self.settings.config, tier="ssd", ssd_dirs=dirs))
-                self._relay_live.add(module)
-                keep_final_stats(module, self._relay_done)
+                self._relay_final.append(keep_final_stats(module, self._relay_done))
         off.__enter__()
         # Offloader notes parameter storages from a global pre-hook that it registers on entry,
         # which is too late for the module whose call is starting.
@@ -230,8 +231,9 @@ class AutoOffload:
         try:
             stats = off.stats()
             plan = off.plan()
-            live = [relay_stats(m) for m in list(self._relay_live) if is_relayed(m)]
-            relayed = (*self._relay_done, *live)
+            for fin in self._relay_final:
+                fin()  # a model alive: its stats now (a dropped one's were appended then)
+            relayed = tuple(self._relay_done)
             off.close()
             wall = time.monotonic() - self._started
             print(

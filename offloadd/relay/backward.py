@@ -29,7 +29,7 @@ class Reader(Protocol):
     order_at: dict[int, int]  # each group's place in it
     slab_group: dict[int, Group]  # the storage of a slab swapped in -> its group
 
-    def read(self, g: Group) -> Transfer: ...
+    def read_ahead(self, g: Group) -> Transfer: ...
     def wait_for(self, t: Transfer) -> torch.Tensor: ...
     def fetch(self, g: Group) -> torch.Tensor: ...
 
@@ -70,7 +70,7 @@ class Saved:
         self._bwd_at: dict[Key, int] = {}  # each key's place in it
         self._bwd: dict[Key, Transfer] = {}
         self._held: dict[Key, torch.Tensor] = {}  # slab kept for the key's pending refs
-        self._carried: set[Key] = set()  # held from forward on (see carry), not yet unpacked
+        self._carried: dict[Key, None] = {}  # held from forward on (see carry), in carry order
         self._again: dict[Key, torch.Tensor] = {}  # read for refs unpacked again (_again_view)
         self._pending: dict[Key, set[int]] = {}  # ids of the key's refs not yet unpacked
         self._dead: deque[tuple[Key, int]] = deque()  # refs collected (finalizers only append)
@@ -102,7 +102,32 @@ class Saved:
             self._drain()
             if self._pending.get(key):
                 self._held[key] = slab
-                self._carried.add(key)
+                self._carried.pop(key, None)  # carried again (called twice): now the last
+                self._carried[key] = None
+
+    def carried(self, g: Group) -> torch.Tensor | None:
+        """The slab this forward carries for ``g``, if any (``g`` is called again)."""
+        key = (g.index, self.forwards)
+        return self._held.get(key) if key in self._carried else None
+
+    def drop_carried(self, g: Group) -> None:
+        """Carry nothing for ``g`` in this forward: its slab was written."""
+        key = (g.index, self.forwards)
+        with self.relay.lock:
+            if key in self._carried:
+                del self._carried[key]
+                self._held.pop(key, None)
+
+    def trim_carried(self, g: Group, room: int) -> None:
+        """Carry at most ``room`` groups besides ``g`` (which runs now), dropping the first
+        carried: a forward in another order than the last one's runs groups after those it
+        carries, and what it holds must stay ``window`` groups."""
+        now = (g.index, self.forwards)
+        with self.relay.lock:
+            others = [key for key in self._carried if key != now]
+            for key in others[: max(0, len(others) - room)]:
+                del self._carried[key]
+                self._held.pop(key, None)
 
     def hooks(self) -> tuple[Any, Any]:
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
@@ -145,9 +170,10 @@ class Saved:
             if pending is None or ref_id not in pending:
                 continue
             pending.discard(ref_id)
-            if not pending:
+            if not pending:  # a key per group and forward: forgotten once its refs are
+                del self._pending[i]
                 self._held.pop(i, None)
-                self._carried.discard(i)
+                self._carried.pop(i, None)
                 self._bwd.pop(i, None)  # a read in flight keeps its slab until it lands
 
     def _unpack(self, ref: WeightRef) -> torch.Tensor:
@@ -167,7 +193,7 @@ class Saved:
             slab = self.relay.wait_for(t) if t is not None else self.relay.fetch(g)
             self._prefetch_backward(key)
         elif key in self._carried:  # carried from forward: its first unpack reads ahead
-            self._carried.discard(key)
+            self._carried.pop(key, None)
             self._prefetch_backward(key)
         with self.relay.lock:
             self._drain()
@@ -176,8 +202,9 @@ class Saved:
             if pending:
                 self._held[key] = slab
             else:
+                self._pending.pop(key, None)
                 self._held.pop(key, None)
-                self._carried.discard(key)
+                self._carried.pop(key, None)
         return _view(slab, ref)
 
     def _again_view(self, ref: WeightRef) -> torch.Tensor:
@@ -197,7 +224,7 @@ class Saved:
             return
         for j in reversed(order[max(0, at - self.relay.window + 1) : at]):
             if j not in self._held and j not in self._bwd and self._pending.get(j):
-                self._bwd[j] = self.relay.read(self.relay.groups[j[0]])
+                self._bwd[j] = self.relay.read_ahead(self.relay.groups[j[0]])
 
 
 def _view(slab: torch.Tensor, ref: WeightRef) -> torch.Tensor:

@@ -52,7 +52,7 @@ def hook_model_ops(model: nn.Module, state: RelayState) -> None:
             owners.setdefault(e.module, []).append((g, e))
     h.append(model.register_state_dict_pre_hook(functools.partial(_clear_cache, state)))
     for m, entries in owners.items():
-        h.append(m.register_state_dict_pre_hook(functools.partial(_saving, entries, True)))
+        m.__dict__["_save_to_state_dict"] = functools.partial(_save, weakref.ref(m), entries)
         h.append(m.register_state_dict_post_hook(functools.partial(_state_post, state, entries)))
     h.append(model.register_state_dict_post_hook(functools.partial(_clear_cache, state)))
     ref = weakref.ref(state)
@@ -68,15 +68,25 @@ def unpatch(state: RelayState) -> None:
         m = m_ref()
         if m is not None:
             m.__dict__.pop("_apply", None)
+            m.__dict__.pop("_save_to_state_dict", None)
 
 
 def _clear_cache(state: RelayState, *args: Any) -> None:
     state.sd_cache.clear()
 
 
-def _saving(entries: list[tuple[Group, Entry]], on: bool, *args: Any) -> None:
+def _save(module_ref: Any, entries: list[tuple[Group, Entry]], *args: Any, **kw: Any) -> None:
+    """The module's own ``_save_to_state_dict``, with its placeholders' ``detach()`` let through
+    while it runs, and only then (a state_dict() that raises leaves none let through): the
+    post-hook puts the values in."""
+    module: nn.Module = module_ref()
     for _, e in entries:
-        e.placeholder.relay_saving = on
+        e.placeholder.relay_saving = True
+    try:
+        type(module)._save_to_state_dict(module, *args, **kw)
+    finally:
+        for _, e in entries:
+            e.placeholder.relay_saving = False
 
 
 def _state_post(
@@ -87,7 +97,6 @@ def _state_post(
     prefix: str,
     meta: Any,
 ) -> None:
-    _saving(entries, False)
     r = state.relay
     cache = state.sd_cache
     for g, e in entries:

@@ -8,9 +8,9 @@ device that says its real shape, dtype and device, so that code that looks at we
 (``named_parameters()``, counting parameters, ``model.device``, building an optimizer) works
 unchanged, and every other use raises :class:`RelayError` naming the weight: reading it, or
 changing it in place, outside its module's forward never sees stale or missing values.
-``detach()`` too, except within its module's ``state_dict()``: C++ code that takes the detached
-meta tensor (DistributedDataParallel's first broadcast of every parameter) would otherwise skip
-it silently.
+``detach()`` too, except while its module saves it into a ``state_dict()``: C++ code that takes
+the detached meta tensor (DistributedDataParallel's first broadcast of every parameter) would
+otherwise skip it silently.
 
 Storage resized to zero, the mechanism sharded training uses to free a parameter, was rejected:
 a CPU tensor whose storage has no bytes is read without a check, and reading it segfaults.
@@ -102,7 +102,7 @@ class RelayedWeight(nn.Parameter, HoldsNoBytes):
     relay_name: str
     real_device: torch.device
     relay_use: Any = None  # the relay's ``use``: the real weight, read in on demand, or None
-    relay_saving = False  # its module's state_dict() runs: detach() may hand out the placeholder
+    relay_saving = False  # its module's _save_to_state_dict runs: detach() gives the placeholder
 
     @staticmethod
     def make(like: torch.Tensor, name: str) -> RelayedWeight:

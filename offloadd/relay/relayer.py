@@ -17,7 +17,11 @@ dtype), so autograd holds no weight bytes between forward and backward. The firs
 group reads it back (or takes it from the prefetch), keeps the slab until its last ref is
 unpacked or dropped, and starts reading the ``window - 1`` groups before it in pack order.
 The last ``window`` groups of forward keep their slabs into backward instead (``Saved.carry``):
-backward needs them first, and would otherwise begin with a read it waits for.
+backward needs them first, and would otherwise begin with a read it waits for. A group called
+again in the same forward swaps in the slab it carries. A forward in another order than the
+last one's drops the reads it started for places it has passed, and carries no more than
+leaves room for the group running and the reads ahead: what is held stays ``window`` groups
+(and the reads in flight for the old order, until they land).
 
 Exactness: the slab holds the bytes that were written, viewed with the strides and offsets the
 weights had, at the same 64-byte alignment torch's allocator gives; a weight replaced after
@@ -93,10 +97,14 @@ class Relay:
             slab = slab.to(self.device, non_blocking=slab.is_pinned())
         return slab
 
+    def read_ahead(self, g: Group) -> Transfer:
+        """A read of ``g`` to wait for later: forward's, if forward started one and did not
+        come to it (a forward in another order), else a new one."""
+        return self._fwd.pop(g.index, None) or self.read(g)
+
     def fetch(self, g: Group) -> torch.Tensor:
         """``g``'s slab, read now (or taken from a read in flight)."""
-        t = self._fwd.pop(g.index, None) or self.read(g)
-        return self.wait_for(t)
+        return self.wait_for(self.read_ahead(g))
 
     # -- forward ----------------------------------------------------------------------------
     def on_model_forward(self, module: nn.Module, args: Any) -> None:
@@ -110,7 +118,10 @@ class Relay:
             self.order = list(dict.fromkeys(self._seen))
             self.order_at = {i: at for at, i in enumerate(self.order)}
             self._seen = []
-        for i in self.order[: self.window]:
+        first = self.order[: self.window]
+        for i in [i for i in self._fwd if i not in first]:
+            del self._fwd[i]  # read ahead for the last forward, which did not come to it
+        for i in first:
             self._prefetch_forward(i)
 
     def after_model_forward(self, module: nn.Module, args: Any, out: Any) -> None:
@@ -233,20 +244,30 @@ class Relay:
 
     def on_group_forward(self, g: Group) -> None:
         in_backward = torch._C._current_graph_task_id() != -1  # a recomputation (checkpointing)
-        if not in_backward:
+        if not in_backward and self.depth:  # calls to layers without the model: never cleared
             self._seen.append(g.index)
         if g.index in self._on_demand:
             self._on_demand.remove(g.index)  # its post-hook swaps it out now
         if g.index not in self._installed:
-            self.install(g, self.fetch(g))
+            carried = None if in_backward else self.saved.carried(g)
+            if carried is not None:  # called again in this forward (a layer used twice)
+                self._fwd.pop(g.index, None)
+            self.install(g, carried if carried is not None else self.fetch(g))
         if torch.is_grad_enabled():
             hooks = torch.autograd.graph.saved_tensors_hooks(*self.saved.hooks())
             hooks.__enter__()
             self._pushed.setdefault(g.index, []).append(hooks)
+        if in_backward:
+            return
         at = self.order_at.get(g.index)
-        if at is not None and not in_backward:
-            for i in self.order[at + 1 : at + self.window]:
+        if at is not None:
+            ahead = self.order[at + 1 : at + self.window]
+            for i in [i for i in self._fwd if i not in ahead]:
+                del self._fwd[i]  # read for a place this forward has passed (its order changed)
+            for i in ahead:
                 self._prefetch_forward(i)
+        # held now: this group, the reads ahead, and what forward carries for backward
+        self.saved.trim_carried(g, self.window - 1 - len(self._fwd))
 
     def after_group_forward(self, g: Group) -> None:
         pushed = self._pushed.get(g.index)
@@ -259,6 +280,7 @@ class Relay:
         if slab is not None and not changed:
             self.saved.carry(g, slab)
         if changed:
+            self.saved.drop_carried(g)  # written (called again): backward reads the store's
             raise RelayError(
                 f"relayed weights were changed in place during forward: {', '.join(changed)}. "
                 "A relayed weight is frozen (a write through .data or a new .data counts too); "

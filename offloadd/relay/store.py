@@ -72,7 +72,8 @@ class Transfer:
         A long wait (a hung disk, a stopped daemon) is logged, and again as it doubles."""
         t0 = time.perf_counter()
         if not self.done.is_set():
-            what = f"relay's read of the weights of {self.record.name!r}"
+            how = "read" if self.slab is not None else "write"  # a write stages from the data
+            what = f"relay's {how} of the weights of {self.record.name!r}"
             watch = StallWatch(what, self.hint)
             while not self.done.wait(watch.timeout()):
                 watch.check()

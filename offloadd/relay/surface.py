@@ -170,14 +170,16 @@ def relay_stats(model: nn.Module, *, reset_peak: bool = False) -> RelayStats:
     return st
 
 
-def keep_final_stats(model: nn.Module, into: list[RelayStats]) -> None:
+def keep_final_stats(model: nn.Module, into: list[RelayStats]) -> weakref.finalize[Any, Any]:
     """Append ``model``'s :func:`relay_stats` to ``into`` when the model is dropped (the exit
-    report of ``OFFLOADD_RELAY=frozen`` outlives a script's models)."""
+    report of ``OFFLOADD_RELAY=frozen`` outlives a script's models). Returns the finalizer:
+    calling it appends them now, once (at exit, for a model alive, unrelayed since or not)."""
     r = state_of(model).relay
     nbytes = sum(g.nbytes for g in r.groups)
     kept = list(state_of(model).kept)
     fin = weakref.finalize(model, _final, into, r.store, r.slabs, nbytes, len(r.groups), kept)
-    fin.atexit = False  # at exit the model's stats are read live
+    fin.atexit = False  # the exit report calls it, before the report is written
+    return fin
 
 
 def _final(into: list[RelayStats], *args: Any) -> None:

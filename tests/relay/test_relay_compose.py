@@ -215,3 +215,47 @@ def test_ddp_broadcast_reaches_relayed_weights(tmp_path: Path) -> None:
         assert r["relay"] == r["plain"], r["rank"]
         assert r["plain"]["weights"] == ranks[0]["plain"]["weights"]  # synced: rank 0's
         assert "DistributedDataParallel" in r["relay_first"] and "resident" in r["relay_first"]
+
+
+_TWO_MODELS = """
+import gc
+import sys
+
+sys.path.insert(0, {root!r})  # this checkout's offloadd, imported with torch (OFFLOADD=1)
+import torch
+from torch import nn
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(256, 256) for _ in range(3))
+        self.layers.requires_grad_(False)
+        self.head = nn.Linear(256, 4)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x)
+
+first, second = Stack(), Stack()
+for m in (first, second):
+    m(torch.randn(8, 256)).square().mean().backward()
+del first, m
+gc.collect()
+import offloadd
+offloadd.unrelay(second)  # alive at exit, unrelayed
+print(type(second.layers[0].weight).__name__)
+"""
+
+
+def test_exit_report_counts_dropped_and_unrelayed_models(disk_dir: Path, tmp_path: Path) -> None:
+    """OFFLOADD_RELAY=frozen relays each model the script calls; the exit report has what each
+    relay moved: a model dropped before exit, and one the script unrelayed and kept."""
+    script = tmp_path / "two_models.py"
+    script.write_text(_TWO_MODELS.format(root=str(Path(__file__).resolve().parents[2])))
+    env = offload_env(disk_dir, tmp_path / "report.json", OFFLOADD_RELAY="frozen")
+    proc = run([PYTHON, str(script)], env)
+    assert proc.stdout.split() == ["Parameter"]
+    relayed = json.loads((tmp_path / "report.json").read_text())["relay"]
+    assert [r["groups"] for r in relayed] == [3, 3], relayed
+    assert "; relayed 1.5 MiB of frozen weights in 6 groups" in proc.stderr, proc.stderr

@@ -134,3 +134,32 @@ def test_daemon_dirs_left_clean(own_daemon: Callable[..., DaemonProc], tmp_path:
     assert same(step(ref, x, square_loss), step(model, x, square_loss))
     offloadd.unrelay(model)
     assert not proc.wait_idle()["sessions"]
+
+
+def test_wedged_daemon_holding_a_write_is_said(
+    own_daemon: Callable[..., DaemonProc],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A load writes the group again: a daemon stopped under that write is said as holding
+    relay's write, not a read, and the load goes through once it resumes."""
+    monkeypatch.setattr(stall_watch, "STALL_WARN_S", 0.3)
+    proc = own_daemon().start()
+    ref, model = _pair(proc)
+    with torch.no_grad():
+        ref.layers[2][1].weight.add_(1.0)
+
+    def wedge(*args: object) -> None:  # after relay's pre-hook read the group in
+        proc.pause()
+        threading.Timer(1.5, proc.resume).start()
+
+    model.layers[2].register_load_state_dict_pre_hook(wedge)
+    with caplog.at_level("WARNING", logger="offloadd"):
+        model.load_state_dict(ref.state_dict())
+    said = [
+        r.getMessage() for r in caplog.records if "relay's write of the weights" in r.getMessage()
+    ]
+    assert said and "'layers.2'" in said[0] and proc.socket in said[0], caplog.text
+    assert not [r for r in caplog.records if "relay's read" in r.getMessage()], caplog.text
+    assert same(step(ref, _inputs(1)[0], square_loss), step(model, _inputs(1)[0], square_loss))
+    offloadd.unrelay(model)

@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 import offloadd
 from offloadd.relay import RelayError
+from offloadd.relay.state import state_of
 from tests.relay.cases import (
     Layered,
     freeze_layers,
@@ -221,4 +222,180 @@ def test_retained_graph_backward_twice(disk_dir: Path) -> None:
     group = before.written_bytes // 6
     assert after.read_bytes - before.read_bytes == (3 * 6 - 2) * group  # fwd, bwd, bwd again
     assert after.peak_resident_bytes <= 2 * group
+    offloadd.unrelay(model)
+
+
+def test_detach_refused_after_a_state_dict_that_raised(disk_dir: Path) -> None:
+    """detach() of a relayed weight is let through only while its module saves it into a
+    state_dict(): one that raised half-way (a child's hook, a read that failed) leaves it
+    refused, so DDP's broadcast cannot skip the weight silently afterwards."""
+
+    class Root(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = nn.Parameter(torch.randn(256, 128), requires_grad=False)  # relayed
+            self.child = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.child(x) + self.table[:1, :4]
+
+    model = offloadd.relay(Root(), config=relay_config(disk_dir))
+    placeholder = model._parameters["table"]
+
+    def fail(*args: object) -> None:
+        raise KeyError("child")
+
+    handle = model.child.register_state_dict_pre_hook(fail)
+    with pytest.raises(KeyError):
+        model.state_dict()
+    handle.remove()
+    with pytest.raises(RelayError, match=r"'table'.*DistributedDataParallel"):
+        placeholder.detach()
+    assert torch.equal(model.state_dict()["table"], offloadd.unrelay(model).table)
+
+
+@pytest.mark.parametrize("window", [1, 2, 3])
+def test_a_forward_in_another_order_keeps_the_window(window: int, disk_dir: Path) -> None:
+    """A forward that runs the layers in another order than the last one (routing, a model
+    that picks its path) reads ahead for places it has passed: those reads are dropped, and
+    what forward carries into backward is trimmed, so relay holds about ``window`` groups (the
+    reads started for the old order land first), not every group."""
+
+    class Turned(Layered):
+        backwards = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.inp(x)
+            for layer in reversed(self.layers) if self.backwards else self.layers:
+                x = x + layer(x)
+            return self.head(x)
+
+    x = torch.randn(3, 16)
+    torch.manual_seed(0)
+    plain = freeze_layers(Turned(layers=8))
+    torch.manual_seed(0)
+    model = offloadd.relay(
+        freeze_layers(Turned(layers=8)), window=window, config=relay_config(disk_dir)
+    )
+    group = offloadd.relay_stats(model).written_bytes // 8
+    assert same(step(plain, x, square_loss), step(model, x, square_loss))
+    plain.backwards = model.backwards = True
+    offloadd.relay_stats(model, reset_peak=True)
+    assert same(step(plain, x, square_loss), step(model, x, square_loss))
+    assert offloadd.relay_stats(model).peak_resident_bytes <= 2 * window * group
+    offloadd.relay_stats(model, reset_peak=True)  # the order is the last forward's again
+    assert same(step(plain, x, square_loss), step(model, x, square_loss))
+    # window groups, and the idle slab the dropped reads left warm (Note [slabs]: keep)
+    assert offloadd.relay_stats(model).peak_resident_bytes <= (window + 1) * group
+    offloadd.unrelay(model)
+
+
+@pytest.mark.parametrize("window", [1, 2])
+def test_a_layer_called_again_takes_the_slab_forward_carries(window: int, disk_dir: Path) -> None:
+    """The last layer called twice in a row (a weight used at two places): its second call
+    swaps in the slab forward carries for backward, not a second read of it beside that one,
+    so what relay holds stays ``window`` groups."""
+
+    class Again(Layered):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.inp(x)
+            for layer in [*self.layers, self.layers[-1]]:
+                x = x + layer(x)
+            return self.head(x)
+
+    x = torch.randn(3, 16)
+    torch.manual_seed(0)
+    plain = freeze_layers(Again(layers=6))
+    torch.manual_seed(0)
+    model = offloadd.relay(
+        freeze_layers(Again(layers=6)), window=window, config=relay_config(disk_dir)
+    )
+    assert same(step(plain, x, square_loss), step(model, x, square_loss))
+    before = offloadd.relay_stats(model, reset_peak=True)
+    assert same(step(plain, x, square_loss), step(model, x, square_loss))
+    after = offloadd.relay_stats(model)
+    group = before.written_bytes // 6
+    assert after.read_bytes - before.read_bytes == (2 * 6 - window) * group
+    assert after.peak_resident_bytes <= window * group
+    offloadd.unrelay(model)
+
+
+def test_a_write_in_a_second_call_leaves_the_first_calls_weights(disk_dir: Path) -> None:
+    """A layer called twice, its weight written through .data in the second call: that forward
+    raises, and the first call's graph, kept by the caller, still gets the stored weights in
+    backward (the slab forward carried for it was the one written: it is not used)."""
+
+    class Twice(Layered):
+        kept: torch.Tensor
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.inp(x)
+            for layer in self.layers:
+                x = x + layer(x)
+            self.kept = x
+            return self.head(x + self.layers[-1](x))
+
+    x = torch.randn(3, 16)
+    torch.manual_seed(0)
+    plain = freeze_layers(Twice(layers=4))
+    plain(x)
+    plain.kept.square().sum().backward()
+    torch.manual_seed(0)
+    model = offloadd.relay(freeze_layers(Twice(layers=4)), config=relay_config(disk_dir))
+    step(model, x, square_loss)  # the order: the last layer carried
+    model.zero_grad(set_to_none=True)
+    calls = []
+
+    def write_in_second_call(module: nn.Module, args: object) -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            module[1].weight.data.mul_(2)
+
+    model.layers[-1].register_forward_pre_hook(write_in_second_call)
+    with pytest.raises(RelayError, match=r"layers\.3\.1\.weight"):
+        model(x)
+    model.kept.square().sum().backward()
+    for (name, a), b in zip(plain.named_parameters(), model.parameters(), strict=True):
+        assert (a.grad is None) == (b.grad is None) and (
+            a.grad is None or torch.equal(a.grad, b.grad)
+        ), name
+
+
+def test_backward_bookkeeping_stays_flat_over_steps(disk_dir: Path) -> None:
+    """Backward's refs are kept per group and forward: a key whose refs are all unpacked is
+    forgotten, so neither memory nor each forward's look over them grows with the steps."""
+    torch.manual_seed(0)
+    model = offloadd.relay(freeze_layers(Layered()), window=2, config=relay_config(disk_dir))
+    saved = state_of(model).relay.saved
+    x = torch.randn(2, 16)
+    for _ in range(20):
+        step(model, x, square_loss)
+    assert not saved._pending and not saved._held and not saved._bwd, saved._pending
+    offloadd.unrelay(model)
+
+
+def test_layers_called_without_the_model(disk_dir: Path) -> None:
+    """A loop that calls the relayed model's layers itself, never the model (an inner model
+    of a wrapper called directly): the same gradients, and nothing kept grows with the steps
+    (the order of the last forward is learned from the model's forwards only)."""
+
+    def run(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        h = m.inp(x)
+        for layer in m.layers:
+            h = h + layer(h)
+        return m.head(h).square().mean()
+
+    torch.manual_seed(0)
+    plain = freeze_layers(Layered())
+    torch.manual_seed(0)
+    model = offloadd.relay(freeze_layers(Layered()), window=2, config=relay_config(disk_dir))
+    for _ in range(10):
+        x = torch.randn(2, 16)
+        run(plain, x).backward()
+        run(model, x).backward()
+    for a, b in zip(plain.parameters(), model.parameters(), strict=True):
+        assert (a.grad is None) == (b.grad is None) and (
+            a.grad is None or torch.equal(a.grad, b.grad)
+        )
+    assert len(state_of(model).relay._seen) == 0
     offloadd.unrelay(model)

@@ -124,6 +124,12 @@ def test_fork_while_another_thread_allocates() -> None:
         import os, threading, torch
         from offloadd.runtime import host_allocator as h
         h.acquire()
+        # The ops' C++ statics are initialized here first: a fork while the churning thread is
+        # inside the first torch.ones's static initializer leaves the child waiting on that
+        # guard forever (libstdc++'s __cxa_guard_acquire; seen once in ~15 runs, offloadd or
+        # not). Small tensors: a parallel region on this thread would leave the child an
+        # OpenMP team it cannot use. What this test checks is the cache's own lock.
+        torch.ones(10).sum().item()
         stop = False
         def churn():
             while not stop:

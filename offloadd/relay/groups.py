@@ -47,14 +47,14 @@ class Entry:
     dtype: torch.dtype
     version: int = 0
 
-    def span(self) -> tuple[int, int]:
-        """The bytes of the slab the weight's view covers, [start, end)."""
-        size = torch.empty(0, dtype=self.dtype).element_size()
+    def covers(self, byte: int) -> bool:
+        """Whether the weight's view covers ``byte`` of the slab."""
+        size = self.dtype.itemsize
         start = self.offset * size
         if 0 in self.size:
-            return start, start
+            return False
         last = sum((n - 1) * st for n, st in zip(self.size, self.stride, strict=True))
-        return start, start + (last + 1) * size
+        return start <= byte < start + (last + 1) * size
 
 
 @dataclass(eq=False)

@@ -143,8 +143,9 @@ def rewrite(r: Relay, g: Group) -> None:
             e.param.data = now.detach()
             e.module._parameters[e.attr] = e.param
             replaced = True
-    written = r.slabs.written(r._installed[g.index])
-    if not replaced and not r.changes(g, written) and (r.sees_writes(g) or _as_stored(r, g)):
+    slab = r._installed[g.index]
+    seen = r.slabs.guarded(slab)  # else a write may have bypassed the guard: compare
+    if not replaced and not r.changes(g, r.slabs.written(slab)) and (seen or _as_stored(r, g)):
         r.uninstall(g)  # unchanged: nothing to write (Note [write guard])
         return
     old = g.record

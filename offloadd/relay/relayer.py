@@ -70,7 +70,6 @@ class Relay:
         self._seen: list[int] = []
         self._fwd: dict[int, Transfer] = {}
         self._installed: dict[int, torch.Tensor] = {}  # group -> its slab while swapped in
-        self._guarded: set[int] = set()  # groups whose installed slab is guarded
         self.slab_group: dict[int, Group] = {}  # slab storage -> group, while swapped in
         self._pushed: dict[int, list[Any]] = {}
         self.saved = Saved(self)  # backward's side (backward.py)
@@ -196,12 +195,8 @@ class Relay:
             e.module._parameters[e.attr] = e.param
         self._installed[g.index] = slab
         self.slab_group[slab.untyped_storage()._cdata] = g
-        if guard and self.slabs.guard(slab):  # Note [write guard] in slabs.py
-            self._guarded.add(g.index)
-
-    def sees_writes(self, g: Group) -> bool:
-        """Whether :meth:`changes` sees every write to ``g`` (its slab is guarded)."""
-        return g.index in self._guarded
+        if guard:
+            self.slabs.guard(slab)  # Note [write guard] in slabs.py
 
     def changes(self, g: Group, written: int | None = None) -> list[str]:
         """The names of ``g``'s weights changed while swapped in: in place (their version
@@ -213,7 +208,6 @@ class Relay:
         changed = []
         for e in g.entries:
             p = e.param
-            start, end = e.span()
             if (
                 p._version != e.version
                 or p.untyped_storage().data_ptr() != base
@@ -221,7 +215,7 @@ class Relay:
                 or tuple(p.shape) != e.size
                 or tuple(p.stride()) != e.stride  # w.data = w.data.t(), square: no byte moved
                 or p.dtype != e.dtype
-                or (written is not None and start <= written < end)
+                or (written is not None and e.covers(written))
             ):
                 changed.append(e.name)
         if written is not None and not changed:
@@ -233,7 +227,6 @@ class Relay:
         slab = self._installed.get(g.index)
         if slab is None:
             return []
-        self._guarded.discard(g.index)
         changed = self.changes(g, self.slabs.unguard(slab))
         del self._installed[g.index]
         self.slab_group.pop(slab.untyped_storage()._cdata, None)

@@ -138,6 +138,10 @@ class Slabs:
             return False
         return True
 
+    def guarded(self, slab: torch.Tensor) -> bool:
+        """Whether ``slab`` is guarded now (its writes are seen)."""
+        return slab.data_ptr() in self._slots
+
     def written(self, slab: torch.Tensor) -> int | None:
         """The offset of the first write into guarded ``slab`` so far, or None."""
         slot = self._slots.get(slab.data_ptr())

@@ -163,10 +163,9 @@ def unrelay(model: nn.Module) -> nn.Module:
 def relay_stats(model: nn.Module, *, reset_peak: bool = False) -> RelayStats:
     """What ``model``'s relay holds and moved; ``reset_peak`` starts the peak again from now."""
     state = state_of(model)
-    r = state.relay
-    st = _stats(r.store, r.slabs, sum(g.nbytes for g in r.groups), len(r.groups), state.kept)
+    st = _stats(*_sources(state))
     if reset_peak:
-        r.slabs.reset_peak()
+        state.relay.slabs.reset_peak()
     return st
 
 
@@ -174,16 +173,21 @@ def keep_final_stats(model: nn.Module, into: list[RelayStats]) -> weakref.finali
     """Append ``model``'s :func:`relay_stats` to ``into`` when the model is dropped (the exit
     report of ``OFFLOADD_RELAY=frozen`` outlives a script's models). Returns the finalizer:
     calling it appends them now, once (at exit, for a model alive, unrelayed since or not)."""
-    r = state_of(model).relay
-    nbytes = sum(g.nbytes for g in r.groups)
-    kept = list(state_of(model).kept)
-    fin = weakref.finalize(model, _final, into, r.store, r.slabs, nbytes, len(r.groups), kept)
+    fin = weakref.finalize(model, _final, into, *_sources(state_of(model)))
     fin.atexit = False  # the exit report calls it, before the report is written
     return fin
 
 
 def _final(into: list[RelayStats], *args: Any) -> None:
     into.append(_stats(*args))
+
+
+def _sources(
+    state: RelayState,
+) -> tuple[WeightStore | HostStore, Slabs, int, int, list[str]]:
+    """What :func:`_stats` reads, none of it the model (a finalizer's arguments outlive it)."""
+    r = state.relay
+    return r.store, r.slabs, sum(g.nbytes for g in r.groups), len(r.groups), list(state.kept)
 
 
 def _stats(

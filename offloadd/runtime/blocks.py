@@ -72,6 +72,7 @@ class Block:
         "finishing",
         "freed",
         "gen",
+        "h2d",
         "handle",
         "in_place",
         "kept",
@@ -89,6 +90,7 @@ class Block:
         "resident_is_source",
         "seq",
         "skew",
+        "slots_read",
         "source",
         "source_ptr",
         "state",
@@ -135,11 +137,22 @@ class Block:
         self.version = 0  # its version counter at pack
         self.stream: Any = None  # async devices: the producer (the stream current at pack)
         self.finishing = False  # a thread copies the read-back bytes to the device (no lock)
+        # Async devices, ``resident`` on the device: (the event its copy from the slots ends
+        # with, or None if it was made on the consumer's stream; the stream it was allocated
+        # on). None while ``resident`` is host memory still to be copied up at unpack.
+        self.h2d: tuple[Any, Any] | None = None
+        self.slots_read: Any = None  # the event of the last copy out of the slots to the device
         self.handle: torch.Tensor | None = None  # shares the saved tensor's version counter
 
     def copy_completed(self) -> bool:
         """True unless an asynchronous copy into staging is still running (never waits)."""
         return self.copy_done is None or bool(self.copy_done.done(wait=False))
+
+    def upload_pending(self) -> bool:
+        """Whether a copy out of the slots to the device may still be reading them."""
+        if self.slots_read is not None and self.slots_read.query():
+            self.slots_read = None
+        return self.slots_read is not None
 
 
 class BlockMap:

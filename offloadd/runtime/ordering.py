@@ -23,10 +23,17 @@ Note: [device ordering] For a tensor of an asynchronous device (CUDA):
   modified, and unpack raises).
 * **Slot reuse.** A slot whose copy may still be running is never handed out again: a block freed
   meanwhile waits in the write path's list of blocks awaiting their copy (``Writer.poll_copies``).
-* **H2D.** A block read back into host memory is copied to a fresh device buffer allocated on the
-  consumer's (current) stream at unpack, so the allocator orders its reuse after the kernels that
-  read it. A GDS read into device memory first waits for the work queued on that stream, since
-  the read, on another thread, ignores stream order.
+* **H2D.** A block whose chunks all lie in pinned slots (tier cpu; tier ssd before its writes
+  ran) is copied to the device straight from them, on a second side stream (one per device),
+  into a buffer allocated on the consumer's (current) stream: that stream first records an
+  event the upload stream waits on (the caching allocator may hand out memory its queued kernels
+  still read), the buffer is recorded on the upload stream (freed unconsumed, it is not reused
+  before the copy ran), and unpack makes the consumer wait on the copy's event, never the host.
+  The prefetcher starts these uploads ahead in reverse pack order. The slots are given back only
+  once the copy completed (``Block.upload_pending``). A block read back from disk into host
+  memory is copied to a fresh device buffer on the consumer's stream at unpack instead. A GDS
+  read into device memory first waits for the work queued on that stream, since the read, on
+  another thread, ignores stream order.
 * **Shutdown.** Every copy stream is synchronized before the pools are freed: a copy still
   queued would write into memory given back to the system.
 """
@@ -63,6 +70,14 @@ class Ordering(Protocol):
 
     def copy_stream(self, device: torch.device) -> Any:
         """The side stream that copies ``device``'s tensors into host slots."""
+        ...
+
+    def upload_stream(self, device: torch.device) -> Any:
+        """The side stream that copies slots back to ``device`` (see [device ordering])."""
+        ...
+
+    def hold(self, tensor: torch.Tensor, stream: Any) -> None:
+        """Keep ``tensor``'s memory from reuse until the work queued on ``stream`` so far ran."""
         ...
 
     def record(self, stream: Any) -> Event:
@@ -160,6 +175,7 @@ class CudaOrdering:
 
     def __init__(self) -> None:
         self._streams: dict[int, Any] = {}  # device index -> D2H side stream
+        self._uploads: dict[int, Any] = {}  # device index -> H2D side stream
         self._lock = threading.Lock()
 
     def is_async(self, device: torch.device) -> bool:
@@ -169,12 +185,21 @@ class CudaOrdering:
         return torch.cuda.current_stream(device)
 
     def copy_stream(self, device: torch.device) -> Any:
+        return self._stream(self._streams, device)
+
+    def upload_stream(self, device: torch.device) -> Any:
+        return self._stream(self._uploads, device)
+
+    def _stream(self, streams: dict[int, Any], device: torch.device) -> Any:
         index = device.index if device.index is not None else torch.cuda.current_device()
         with self._lock:
-            stream = self._streams.get(index)
+            stream = streams.get(index)
             if stream is None:
-                stream = self._streams[index] = torch.cuda.Stream(device=index)
+                stream = streams[index] = torch.cuda.Stream(device=index)
         return stream
+
+    def hold(self, tensor: torch.Tensor, stream: Any) -> None:
+        tensor.record_stream(stream)
 
     def record(self, stream: Any) -> Event:
         ev = torch.cuda.Event()
@@ -193,7 +218,7 @@ class CudaOrdering:
 
     def synchronize_all(self) -> None:
         with self._lock:
-            streams = list(self._streams.values())
+            streams = [*self._streams.values(), *self._uploads.values()]
         for stream in streams:
             stream.synchronize()
 

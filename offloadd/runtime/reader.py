@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -110,7 +111,8 @@ class Reader:
                 ) from err
             buf = block.resident
             assert buf is not None
-            upload = self.ordering.is_async(block.device) and not block.direct
+            h2d = block.h2d
+            upload = self.ordering.is_async(block.device) and not block.direct and h2d is None
             if upload:
                 block.finishing = True  # other unpacks of this block wait for the copy below
             else:
@@ -118,6 +120,8 @@ class Reader:
                 self.consume(block, ref)
         if upload:
             buf, fresh = self.to_device(block, ref, buf)
+        elif h2d is not None:
+            self._await_upload(block, buf, h2d)
         if fresh and buf.device.type == "cpu":
             self.ledger.note_moved(block.padded)
         if self.ledger.warnings_due:
@@ -135,6 +139,9 @@ class Reader:
         if block.in_place and block.direct_source is not None:
             self._forward_source(block)
             return
+        if self._slots_to_device(block):
+            self._upload(block, prefetch)
+            return
         ready: Callable[[], None] | None = None
         if block.direct:
             buf = rec = torch.empty(block.padded, dtype=torch.uint8, device=block.device)
@@ -149,15 +156,7 @@ class Reader:
             buf = self.pool.lend(host, block.skew, block.nbytes)
             if self.pool.created != created:
                 self.writer.note_buffers()
-        block.resident = buf
-        block.resident_bytes = block.padded
-        block.gen += 1
-        block.unconsumed = block.refs
-        block.prefetched = prefetch
-        block.error = None
-        ledger.add_resident(block.padded)
-        if prefetch:
-            self.prefetch_live += block.padded
+        self._made_resident(block, buf, prefetch)
         on_demand = False
         pool = self.writer.pool
         pos = 0
@@ -206,6 +205,72 @@ class Reader:
         elif on_demand:
             ledger.stats.on_demand_reads += 1
 
+    def _made_resident(self, block: Block, buf: torch.Tensor, prefetch: bool) -> None:
+        block.resident = buf
+        block.resident_bytes = block.padded
+        block.h2d = None
+        block.gen += 1
+        block.unconsumed = block.refs
+        block.prefetched = prefetch
+        block.error = None
+        self.ledger.add_resident(block.padded)
+        if prefetch:
+            self.prefetch_live += block.padded
+
+    def _uploadable(self, block: Block) -> bool:
+        """Whether every chunk of ``block`` (on an async device) is in a pinned slot, with no
+        write in flight (see H2D in [device ordering])."""
+        return (
+            self.ordering.is_async(block.device)
+            and not block.direct
+            and not block.in_place
+            and self.writer.pool is not None
+            and all(c.slot is not None and c.mem is None and not c.filling for c in block.chunks)
+        )
+
+    def _slots_to_device(self, block: Block) -> bool:
+        """:meth:`_uploadable`, cancelling the writes not started; False if one has started
+        (its end would give the slot back under the copy)."""
+        if not self._uploadable(block):
+            return False
+        for chunk in block.chunks:
+            if chunk.request is not None and not self.writer.cancel_write(chunk):
+                return False
+        return True
+
+    def _upload(self, block: Block, prefetch: bool) -> None:
+        """Copy ``block``'s slots to a new device buffer on the upload stream (see H2D in
+        [device ordering]); unpack makes the consumer wait for it."""
+        o, pool = self.ordering, self.writer.pool
+        assert pool is not None
+        consumer = o.producer(block.device)
+        dev = torch.empty(block.padded, dtype=torch.uint8, device=block.device)
+        stream = o.upload_stream(block.device)
+        o.wait(stream, o.record(consumer))  # queued kernels may still read the memory
+        pos = 0
+        for chunk in block.chunks:
+            assert chunk.slot is not None
+            o.copy(stream, dev[pos : pos + chunk.nbytes], pool.tensor(chunk.slot, chunk.nbytes))
+            pos += chunk.nbytes
+        o.hold(dev, stream)  # dropped unconsumed: not reused before the copy ran
+        done = o.record(stream)
+        self._made_resident(block, dev, prefetch)
+        block.h2d = (done, consumer)
+        block.slots_read = done
+        self.ledger.stats.forwarded_bytes += block.padded
+        if prefetch:
+            self.ledger.stats.prefetched_bytes += block.padded
+
+    def _await_upload(self, block: Block, buf: torch.Tensor, h2d: tuple[Any, Any]) -> None:
+        """Make the stream current here wait for ``buf``'s copy to the device (without the
+        lock), and keep ``buf`` for it if it was allocated on another stream."""
+        done, allocated_on = h2d
+        consumer = self.ordering.producer(block.device)
+        if done is not None:
+            self.ordering.wait(consumer, done)
+        if consumer is not allocated_on and consumer != allocated_on:
+            self.ordering.hold(buf, consumer)
+
     def _forward_source(self, block: Block) -> None:
         """In place, source still held: backward uses it (see [forwarding])."""
         assert block.direct_source is not None
@@ -245,6 +310,7 @@ class Reader:
         if block.resident is None or (block.loading and not loading_ok):
             return
         block.resident = None
+        block.h2d = None
         self.ledger.sub_resident(block.resident_bytes)
         if block.resident_is_source:
             block.resident_is_source = False
@@ -275,7 +341,10 @@ class Reader:
                 and (block.gen == 0 or block.unconsumed > 0)  # not consumed by every ref yet
                 and not block.modified
                 and block.copy_completed()
-                and any(c.on_disk and c.request is None for c in block.chunks)
+                and (
+                    any(c.on_disk and c.request is None for c in block.chunks)
+                    or (self._uploadable(block) and all(c.request is None for c in block.chunks))
+                )
             ):
                 self.load(block, prefetch=True)
         self._pf_low = blocks.seq_at(i) + 1 if i >= 0 else 0
@@ -300,7 +369,8 @@ class Reader:
             with self.ledger.lock:
                 block.finishing = False
                 if dev is not None and block.resident is host:
-                    block.resident = dev
+                    block.resident = dev  # later refs take it as it is, on this stream
+                    block.h2d = (None, self.ordering.producer(block.device))
                 fresh = ref.gen != block.gen
                 if dev is not None:
                     self.consume(block, ref)

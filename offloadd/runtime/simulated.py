@@ -101,8 +101,10 @@ class SimulatedOrdering:
         self._rng_lock = threading.Lock()
         self._max_delay_s = max_delay_s
         self._stream: SimulatedStream | None = None
+        self._upload: SimulatedStream | None = None
         self._lock = threading.Lock()
         self.copies = 0  # chunk copies enqueued (tests check the simulation was used)
+        self.uploads = 0  # of which back to the "device", on the upload stream
 
     def is_async(self, device: torch.device) -> bool:
         return device.type == "cpu"
@@ -115,6 +117,15 @@ class SimulatedOrdering:
             if self._stream is None:
                 self._stream = SimulatedStream(self._rng, self._rng_lock, self._max_delay_s)
             return self._stream
+
+    def upload_stream(self, device: torch.device) -> SimulatedStream:
+        with self._lock:
+            if self._upload is None:
+                self._upload = SimulatedStream(self._rng, self._rng_lock, self._max_delay_s)
+            return self._upload
+
+    def hold(self, tensor: torch.Tensor, stream: object) -> None:
+        pass  # no allocator reuses memory here: the queued copy holds its tensors
 
     def record(self, stream: object) -> Event:
         if stream is _COMPUTE:
@@ -132,6 +143,7 @@ class SimulatedOrdering:
     def copy(self, stream: object, dst: torch.Tensor, src: torch.Tensor) -> None:
         assert isinstance(stream, SimulatedStream)
         self.copies += 1
+        self.uploads += stream is self._upload
 
         def run() -> None:
             dst.copy_(src)
@@ -143,8 +155,8 @@ class SimulatedOrdering:
 
     def synchronize_all(self) -> None:
         with self._lock:
-            stream = self._stream
-        if stream is not None:
+            streams = [s for s in (self._stream, self._upload) if s is not None]
+        for stream in streams:
             self.synchronize(stream)
 
     def prepare_pool(self, pool: SlotPool) -> None:
@@ -159,6 +171,7 @@ class SimulatedOrdering:
     def close(self) -> None:
         """Stop the worker (tests; an unclosed one is a daemon thread)."""
         with self._lock:
-            stream, self._stream = self._stream, None
-        if stream is not None:
+            streams = [s for s in (self._stream, self._upload) if s is not None]
+            self._stream = self._upload = None
+        for stream in streams:
             stream.close()

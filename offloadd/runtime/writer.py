@@ -234,6 +234,8 @@ class Writer:
         """cpu tier: start writing the oldest host-held chunks to disk; True if any was started."""
         started = 0
         for block in self.blocks:
+            if block.upload_pending():  # its write's end would free the slot under the copy
+                continue
             for chunk in block.chunks:
                 if (
                     chunk.slot is not None
@@ -388,9 +390,9 @@ class Writer:
 
     def release_chunks(self, block: Block) -> None:
         """Give back the slots, memory and places of a block's chunks (cancelling writes)."""
-        if not block.copy_completed():
-            # A slot may be reused only once its copy completed; rather than waiting with the
-            # lock held, poll_copies releases the chunks then.
+        if not block.copy_completed() or block.upload_pending():
+            # A slot may be reused only once its copies (in, and out to the device) completed;
+            # rather than waiting with the lock held, poll_copies releases the chunks then.
             if block not in self.awaiting_copy:
                 self.awaiting_copy.append(block)
             return

@@ -49,6 +49,8 @@ def test_simulated_device_is_lossless(
     off = small_offloader(disk_dir, tier=tier, ordering=sim, **_TIGHT)
     st = train_and_compare(*MODELS[model], off)
     assert sim.copies > 0, "the simulated device was not used"
+    if tier == "cpu":  # blocks still in their slots go back on the upload stream, late too
+        assert sim.uploads > 0, "no block was copied back from its slots"
     if tier == "ssd":
         assert st.bytes_read > 0, "nothing was read back: the test would not see wrong bytes"
     assert st.resident_bytes == 0 and st.disk_bytes == 0
@@ -123,5 +125,28 @@ def test_the_simulation_catches_a_write_that_skips_its_event(
     slots before their copy filled them, and the gradients are wrong. If this ever passes
     without the wait, the simulated device has lost its teeth."""
     reference, got = _train_with_writes_that_do_not_wait(disk_dir, monkeypatch)
+    with pytest.raises(AssertionError, match="differs"):
+        assert_bitwise_equal(reference, got)
+
+
+def test_the_simulation_catches_an_unpack_that_skips_the_upload(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mutation test of the read path: with the consumer's wait for a block's copy from its
+    slots removed, unpack views a buffer the late copy has not filled, and the gradients are
+    wrong (the wait is what [device ordering]'s H2D rule asks of every consumer)."""
+    from offloadd.runtime.reader import Reader
+
+    make_model, make_input = MODELS["mlp"]
+    reference = train(make_model, make_input, None)
+    monkeypatch.setattr(Reader, "_await_upload", lambda self, block, buf, h2d: None)
+    sim = SimulatedOrdering(seed=13, max_delay_s=0.005)
+    off = small_offloader(disk_dir, tier="cpu", ordering=sim, min_bytes=64 << 10)
+    try:
+        got = train(make_model, make_input, off)
+    finally:
+        off.close()
+        sim.close()
+    assert sim.uploads > 0
     with pytest.raises(AssertionError, match="differs"):
         assert_bitwise_equal(reference, got)

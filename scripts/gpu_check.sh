@@ -2,7 +2,13 @@
 # The checks that need a CUDA GPU, for a lent GPU machine (a bare one: python3 with a CUDA torch,
 # no network). Usage, from the repository root:
 #
-#     scripts/gpu_check.sh OUTDIR [tests] [bench] [floor] [clients]
+#     scripts/gpu_check.sh OUTDIR [tests] [compile] [bench] [floor] [clients] [relay] [paired]
+#
+# relay: relay's cuda tests and scripts/relay_gpu.py (against FSDP2's CPUOffloadPolicy); RELAY_TESTS=0
+# skips the tests, RELAY_ARMS picks the arms, RELAY_WINDOW runs relay-cpu again at that window.
+# paired: bench_compile's eager tier cpu against keep (PAIRED_ROUNDS rounds, default 2), with this tree and with the tree in .base/
+# (a copy of another revision's offloadd/, e.g. `git archive REV offloadd | tar -x -C .base`),
+# in the same call: the step-time change of a commit, on the same machine.
 #
 # Wheels the machine lacks (setuptools >= 77 for the editable install; megatron-core for the
 # Megatron client test; kvikio-cu13, libkvikio-cu13 and rapids-logger for the kvikio tests) are
@@ -13,7 +19,7 @@
 set -u
 out=${1:?usage: scripts/gpu_check.sh OUTDIR [tests] [bench] [floor] [clients]}
 shift
-parts=${*:-tests bench floor clients}
+parts=${*:-tests compile bench floor clients relay}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 py=${PY:-python3}
@@ -36,14 +42,17 @@ py=${PY:-python3}
     echo "doctor rc=$?"
 } >"$out/install.log" 2>&1
 
-pytest_args=(-q -rs -p no:cacheprovider --durations=10)
+pytest_args=(-q -rs -p no:cacheprovider --durations=10 -n 4)
 : >"$out/rc.txt"
 for part in $parts; do
+    echo "$part: start $(date -u +%T)" >>"$out/rc.txt"
     case $part in
-    tests)
+    compile)
         timeout 200 $py -m pytest "${pytest_args[@]}" -s tests/runtime/test_compile_cuda.py \
             >"$out/compile_cuda.log" 2>&1
         echo "compile_cuda rc=$?" >>"$out/rc.txt"
+        ;;
+    tests)
         timeout 150 $py -m pytest "${pytest_args[@]}" tests/runtime/test_cuda.py tests/io/test_gds.py \
             tests/runtime/test_threads_device.py tests/tools/test_doctor.py >"$out/cuda_tests.log" 2>&1
         echo "cuda_tests rc=$?" >>"$out/rc.txt"
@@ -70,8 +79,34 @@ for part in $parts; do
             >"$out/clients.log" 2>&1
         echo "clients rc=$?" >>"$out/rc.txt"
         ;;
+    relay)
+        if [ "${RELAY_TESTS:-1}" = 1 ]; then
+            timeout 150 $py -m pytest "${pytest_args[@]}" tests/relay/test_relay_cuda.py \
+                tests/relay/test_relay.py >"$out/relay_cuda.log" 2>&1
+            echo "relay_cuda rc=$?" >>"$out/rc.txt"
+        fi
+        timeout 150 $py scripts/relay_gpu.py --arms "${RELAY_ARMS:-plain,relay-cpu,relay-ssd,fsdp2-offload}" \
+            --out "$out/relay_gpu.json" >"$out/relay_gpu.log" 2>&1
+        echo "relay_gpu rc=$?" >>"$out/rc.txt"
+        if [ -n "${RELAY_WINDOW:-}" ]; then  # relay-cpu again at another window
+            timeout 60 $py scripts/relay_gpu.py --arms relay-cpu --window "$RELAY_WINDOW" \
+                --out "$out/relay_gpu_w$RELAY_WINDOW.json" >"$out/relay_gpu_w.log" 2>&1
+            echo "relay_gpu_w$RELAY_WINDOW rc=$?" >>"$out/rc.txt"
+        fi
+        ;;
+    paired)
+        for f in offloadd/*/*.so; do [ -d .base/offloadd ] && cp "$f" ".base/$f"; done
+        for tree in new base; do
+            [ $tree = base ] && { [ -d .base/offloadd ] || continue; export PYTHONPATH=$PWD/.base; }
+            timeout 150 $py scripts/bench_compile.py --device cuda --tiers keep,cpu --modes eager \
+                --rows 4096 --dim 1024 --steps 8 --rounds "${PAIRED_ROUNDS:-2}" --out "$out/paired_$tree.md" \
+                >"$out/paired_$tree.log" 2>&1
+            echo "paired_$tree rc=$?" >>"$out/rc.txt"
+            unset PYTHONPATH
+        done
+        ;;
     *) echo "unknown part $part" >>"$out/rc.txt" ;;
     esac
 done
 cat "$out/rc.txt"
-! grep -qv " rc=0$" "$out/rc.txt"  # the exit status: 0 only if every part passed
+! grep -v ": start " "$out/rc.txt" | grep -qv " rc=0$"  # 0 only if every part passed

@@ -84,16 +84,20 @@ class Relay:
 
     # -- reading --------------------------------------------------------------------------
     def read(self, g: Group) -> Transfer:
-        return self.store.read(g.record, self.slabs)  # type: ignore[arg-type]
+        return self.store.read(g.record, self.slabs, self.device)  # type: ignore[arg-type]
 
     def wait_for(self, t: Transfer) -> torch.Tensor:
         waited = t.wait()
         self.store.wait_s += waited
         assert t.slab is not None
         slab = t.slab
-        if self.device is not None and self.device.type != "cpu":
-            # the host-to-device relay, on the current stream (unverified without a GPU)
-            slab = slab.to(self.device, non_blocking=slab.is_pinned())
+        if t.copied is not None:  # copied on the host store's side stream (Note [host relay])
+            current = torch.cuda.current_stream(slab.device)
+            current.wait_event(t.copied)
+            if current != t.stream:  # used on a stream other than the one it was taken on
+                slab.record_stream(current)
+        elif self.device is not None and self.device != slab.device:
+            slab = slab.to(self.device)  # a slab read from disk, to a model on a GPU
         return slab
 
     def read_ahead(self, g: Group) -> Transfer:

@@ -48,7 +48,7 @@ class Record:
 class Transfer:
     """Reads (or writes) of one record in flight; :meth:`wait` until all are done."""
 
-    __slots__ = ("done", "error", "hint", "nbytes", "pending", "record", "slab")
+    __slots__ = ("copied", "done", "error", "hint", "nbytes", "pending", "record", "slab", "stream")
 
     def __init__(
         self,
@@ -64,6 +64,8 @@ class Transfer:
         self.error: BaseException | None = None
         self.done = threading.Event()
         self.nbytes = record.nbytes
+        self.copied: torch.cuda.Event | None = None  # a device copy's end (Note [host relay])
+        self.stream: torch.cuda.Stream | None = None  # the stream its memory was taken on
         if pending == 0:
             self.done.set()
 
@@ -181,8 +183,9 @@ class WeightStore:
             self._slot_free.notify()
         self._finish(t, req)
 
-    def read(self, record: Record, slabs: Slabs) -> Transfer:
-        """Start reading ``record`` into a slab taken from ``slabs``; returns at once."""
+    def read(self, record: Record, slabs: Slabs, device: torch.device | None = None) -> Transfer:
+        """Start reading ``record`` into a slab taken from ``slabs``; returns at once (the
+        relayer copies it to ``device``)."""
         slab = slabs.take(record.nbytes)
         backend = self.backend
         c = self.chunk_bytes
@@ -235,15 +238,26 @@ class WeightStore:
 
 
 class HostStore:
-    """The cpu tier's relay, for a model on a GPU: each record is a tensor in pinned host memory,
-    and a read hands it out as it is (the relayer copies it to the device). Unverified here: no
-    GPU was lent to the sessions that wrote it."""
+    """The cpu tier's relay, for a model on a GPU: each record is a tensor in pinned host memory.
+
+    Note [host relay]
+    ~~~~~~~~~~~~~~~~~
+    A read for a model on a GPU allocates the group's device copy on the current stream and
+    copies into it on a side stream, after the work queued on the current stream so far (which
+    may still use the memory that allocation reuses): the copies of the groups ahead then run
+    under the computation of the groups before them. :meth:`Relay.wait_for
+    <offloadd.relay.relayer.Relay.wait_for>` makes the stream that uses the copy wait for it.
+    The copy is recorded on the side stream, so a read dropped before its copy ends (a forward
+    in another order) gives its memory back only once the copy is done. A model moved to the
+    CPU (``model.to("cpu")``) gets each group copied into a slab: the pinned record itself is
+    never handed out, so no write through a weight reaches the store."""
 
     def __init__(self) -> None:
         self.read_bytes = 0
         self.written_bytes = 0
         self.disk_bytes = 0
         self.wait_s = 0.0
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def write(self, name: str, data: torch.Tensor) -> Record:
         record = Record(name, data.numel())
@@ -253,9 +267,27 @@ class HostStore:
         self.written_bytes += record.nbytes
         return record
 
-    def read(self, record: Record, slabs: Slabs) -> Transfer:
+    def read(self, record: Record, slabs: Slabs, device: torch.device | None = None) -> Transfer:
+        """Start copying ``record`` to ``device`` (a GPU; else into a slab from ``slabs``)."""
         self.read_bytes += record.nbytes
-        return Transfer(record, record.places[0], 0)  # type: ignore[arg-type]
+        held: torch.Tensor = record.places[0]  # type: ignore[assignment]
+        if device is None or device.type != "cuda":
+            slab = slabs.take(record.nbytes)
+            slab[: held.numel()].copy_(held)
+            return Transfer(record, slab, 0)
+        side = self._streams.get(device)
+        if side is None:
+            side = self._streams[device] = torch.cuda.Stream(device)
+        current = torch.cuda.current_stream(device)
+        copy = torch.empty(held.numel(), dtype=torch.uint8, device=device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            copy.copy_(held, non_blocking=True)
+            copy.record_stream(side)
+        t = Transfer(record, copy, 0)
+        t.copied = side.record_event()
+        t.stream = current
+        return t
 
     def free(self, record: Record) -> None:
         record.places = []
@@ -277,9 +309,13 @@ def open_store(
     if cfg.tier == "ssd":
         chunk = min(max(cfg.chunk_bytes, round_up(largest, MIB)), 32 * MIB)
         return WeightStore(cfg.replace(chunk_bytes=chunk) if chunk != cfg.chunk_bytes else cfg)
-    if cfg.tier == "cpu" and on_gpu:
-        return HostStore()
-    where = "a GPU model's weights" if on_gpu else "a CPU model's weights (already in host memory)"
+    if cfg.tier == "cpu" and (on_gpu or torch.cuda.is_available()):
+        return HostStore()  # a CPU model too: relayed on the host, then moved to the GPU
+    where = (
+        "a GPU model's weights"
+        if on_gpu
+        else "a CPU model's weights on a machine without a GPU (already in host memory)"
+    )
     raise RelayError(
         f"tier: relay keeps {where} on ssd (tier = 'ssd')"
         + (" or in pinned host memory (tier = 'cpu')" if on_gpu else "")

@@ -152,3 +152,44 @@ def same(a: Step, b: Step) -> bool:
 
 def square_loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return m(x).float().square().mean()
+
+
+Case = tuple[Callable[[], nn.Module], Callable[[torch.Generator], torch.Tensor], object]
+# model, input from a generator, loss: the shapes relay is checked on
+CASES: dict[str, Case] = {
+    "layered": (
+        lambda: freeze_layers(Layered()),
+        lambda g: torch.randn(6, 16, generator=g),
+        square_loss,
+    ),
+    "layered-bf16": (
+        lambda: freeze_layers(Layered(dtype=torch.bfloat16)),
+        lambda g: torch.randn(6, 16, generator=g).bfloat16(),
+        square_loss,
+    ),
+    "strided-views": (Strided, lambda g: torch.randn(5, 96, generator=g), square_loss),
+    "convs": (Convs, lambda g: torch.randn(2, 3, 12, 12, generator=g), square_loss),
+    "hf-llama": (llama, lambda g: torch.randint(0, 512, (2, 12), generator=g), llama_loss),
+}
+
+
+def build(case: str, cases: dict[str, Case] = CASES, device: str = "cpu") -> nn.Module:
+    torch.manual_seed(0)
+    return cases[case][0]().to(device)
+
+
+def train(
+    model: nn.Module, case: str, steps: int = 3, cases: dict[str, Case] = CASES, device: str = "cpu"
+) -> list[object]:
+    """``steps`` SGD steps on the trainable parameters; each step's loss and gradients (inputs
+    drawn on the CPU, the same on every device)."""
+    _, make_input, loss_of = cases[case]
+    g = torch.Generator().manual_seed(1)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    out = []
+    for _ in range(steps):
+        out.append(step(model, make_input(g).to(device), loss_of))  # type: ignore[arg-type]
+        opt.step()
+    if device != "cpu":
+        torch.cuda.synchronize()
+    return out

@@ -8,7 +8,6 @@ import gc
 import importlib
 import io
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -21,52 +20,17 @@ import offloadd
 from offloadd.relay import RelayError
 from offloadd.runtime.handles import storage_of
 from tests.relay.cases import (
-    Convs,
+    CASES,
     Layered,
-    Strided,
+    build,
     freeze_layers,
     llama,
-    llama_loss,
     relay_config,
     same,
     square_loss,
     step,
+    train,
 )
-
-CASES: dict[
-    str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], torch.Tensor], object]
-] = {
-    "layered": (
-        lambda: freeze_layers(Layered()),
-        lambda g: torch.randn(6, 16, generator=g),
-        square_loss,
-    ),
-    "layered-bf16": (
-        lambda: freeze_layers(Layered(dtype=torch.bfloat16)),
-        lambda g: torch.randn(6, 16, generator=g).bfloat16(),
-        square_loss,
-    ),
-    "strided-views": (Strided, lambda g: torch.randn(5, 96, generator=g), square_loss),
-    "convs": (Convs, lambda g: torch.randn(2, 3, 12, 12, generator=g), square_loss),
-    "hf-llama": (llama, lambda g: torch.randint(0, 512, (2, 12), generator=g), llama_loss),
-}
-
-
-def train(model: nn.Module, case: str, steps: int = 3) -> list[object]:
-    """``steps`` SGD steps on the trainable parameters; each step's loss and gradients."""
-    _, make_input, loss_of = CASES[case]
-    g = torch.Generator().manual_seed(1)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
-    out = []
-    for _ in range(steps):
-        out.append(step(model, make_input(g), loss_of))  # type: ignore[arg-type]
-        opt.step()
-    return out
-
-
-def build(case: str) -> nn.Module:
-    torch.manual_seed(0)
-    return CASES[case][0]()
 
 
 @pytest.mark.parametrize("window", [1, 2, 64])

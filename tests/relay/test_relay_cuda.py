@@ -5,7 +5,7 @@ weights flat in depth. Skipped without a GPU."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,18 +15,18 @@ from torch import nn
 import offloadd
 from offloadd.runtime.compiled import unseen
 from tests._support import helpers
+from tests.relay.cases import CASES as SHARED
 from tests.relay.cases import (
-    Convs,
+    Case,
     Layered,
-    Strided,
     freeze_layers,
-    llama,
-    llama_loss,
     relay_config,
     same,
     square_loss,
     step,
 )
+from tests.relay.cases import build as build_case
+from tests.relay.cases import train as train_case
 
 pytestmark = pytest.mark.cuda
 
@@ -47,42 +47,24 @@ def deterministic() -> Iterator[None]:
         torch.backends.cudnn.deterministic = before
 
 
-CUDA = torch.device("cuda")
-Case = tuple[Callable[[], nn.Module], Callable[[torch.Generator], torch.Tensor], object]
+CUDA = "cuda"
+# the shared cases, the residual stack larger: a step of work on the GPU
 CASES: dict[str, Case] = {
+    **SHARED,
     "layered": (
         lambda: freeze_layers(Layered(layers=6, d=256)),
         lambda g: torch.randn(64, 16, generator=g),
         square_loss,
     ),
-    "layered-bf16": (
-        lambda: freeze_layers(Layered(dtype=torch.bfloat16)),
-        lambda g: torch.randn(6, 16, generator=g).bfloat16(),
-        square_loss,
-    ),
-    "strided-views": (Strided, lambda g: torch.randn(5, 96, generator=g), square_loss),
-    "convs": (Convs, lambda g: torch.randn(2, 3, 12, 12, generator=g), square_loss),
-    "hf-llama": (llama, lambda g: torch.randint(0, 512, (2, 12), generator=g), llama_loss),
 }
 
 
-def build(case: str, device: torch.device = CUDA) -> nn.Module:
-    torch.manual_seed(0)
-    return CASES[case][0]().to(device)
+def build(case: str, device: str = CUDA) -> nn.Module:
+    return build_case(case, CASES, device)
 
 
-def train(model: nn.Module, case: str, steps: int = 3, device: torch.device = CUDA) -> list[object]:
-    """``steps`` SGD steps on the trainable parameters; each step's loss and gradients (inputs
-    drawn on the CPU, the same on every device)."""
-    _, make_input, loss_of = CASES[case]
-    g = torch.Generator().manual_seed(1)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
-    out = []
-    for _ in range(steps):
-        out.append(step(model, make_input(g).to(device), loss_of))  # type: ignore[arg-type]
-        opt.step()
-    torch.cuda.synchronize()
-    return out
+def train(model: nn.Module, case: str, steps: int = 3, device: str = CUDA) -> list[object]:
+    return train_case(model, case, steps, CASES, device)
 
 
 def assert_same(want: list[object], got: list[object]) -> None:
@@ -157,15 +139,15 @@ def test_cuda_moved_after_relay(disk_dir: Path) -> None:
     the GPU (cpu tier), then moved to the CPU: each read is a slab copy of the pinned record."""
     case = "hf-llama"
     want = train(build(case), case)
-    model = offloadd.relay(build(case, torch.device("cpu")), config=relay_config(disk_dir))
+    model = offloadd.relay(build(case, "cpu"), config=relay_config(disk_dir))
     model.to(CUDA)
     assert_same(want, train(model, case))
     offloadd.unrelay(model)
 
-    want_cpu = train(build(case, torch.device("cpu")), case, device=torch.device("cpu"))
+    want_cpu = train(build(case, "cpu"), case, device="cpu")
     model = offloadd.relay(build(case), config=relay_config(disk_dir, tier="cpu"))
     model.to("cpu")
-    assert_same(want_cpu, train(model, case, device=torch.device("cpu")))
+    assert_same(want_cpu, train(model, case, device="cpu"))
     offloadd.unrelay(model)
 
 

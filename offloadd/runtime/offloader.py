@@ -304,8 +304,14 @@ class Offloader(SavedTensorHooks):
         self._life.capture_all()
         with self._lock:
             copies = list(self._writer.pending_copies)
+            # Copies from slots to the device, of live blocks and of freed ones whose slots
+            # wait for them (see H2D in [device ordering]): their slots go back below.
+            blocks = [*self._blocks, *self._writer.awaiting_copy]
+            uploads = [b.slots_read for b in blocks if b.slots_read is not None]
         for copy in copies:  # async devices: copies, waited for without the lock
             copy.done(wait=True)
+        for upload in uploads:
+            upload.synchronize()
         with self._lock:
             self._ledger.wait_while(
                 lambda: bool(self._writer.in_flight or self._blocks.any_loading()),

@@ -150,3 +150,27 @@ def test_the_simulation_catches_an_unpack_that_skips_the_upload(
     assert sim.uploads > 0
     with pytest.raises(AssertionError, match="differs"):
         assert_bitwise_equal(reference, got)
+
+
+def test_synchronize_waits_for_the_copies_of_blocks_backward_never_took(disk_dir: Path) -> None:
+    """A block the prefetcher copied up from its slots but backward never unpacked (a branch the
+    loss does not reach) is freed with that copy in flight, its slots held until it ends:
+    ``synchronize()`` waits for it, so afterwards nothing is resident."""
+    sim = SimulatedOrdering(seed=5, max_delay_s=0.1)
+    off = small_offloader(disk_dir, tier="cpu", ordering=sim, host_budget_bytes=1 << 20)
+    two_chunks = 2 * (64 << 10) // 4
+    try:
+        x = torch.ones(4, requires_grad=True)
+        with off:
+            unused = SavePayload.apply(x, torch.randn(two_chunks))
+            y = SavePayload.apply(x, torch.randn(two_chunks))
+        off.synchronize()  # both copied into their slots: the prefetcher may take the first
+        y.sum().backward()  # unpacks the second, prefetches the first
+        del unused
+        off.synchronize()
+        st = off.stats()
+    finally:
+        off.close()
+        sim.close()
+    assert sim.uploads == 4, "both blocks were to be copied back from their slots"
+    assert st.resident_bytes == 0, st.summary()

@@ -346,7 +346,19 @@ class Reader:
                     or (self._uploadable(block) and all(c.request is None for c in block.chunks))
                 )
             ):
-                self.load(block, prefetch=True)
+                try:
+                    self.load(block, prefetch=True)
+                except torch.OutOfMemoryError:
+                    # A copy up from the slots takes device memory ahead of use (H2D in
+                    # [device ordering]), which must not fail a backward that fits without it:
+                    # the block is copied up when unpacked. Nothing was changed yet.
+                    self.ledger.warn_once(
+                        "prefetch-oom",
+                        "offloadd: reading ahead ran out of device memory; saved tensors are "
+                        "copied to the device when backward needs them instead "
+                        "(a smaller prefetch_bytes avoids the attempts)",
+                    )
+                    break
         self._pf_low = blocks.seq_at(i) + 1 if i >= 0 else 0
 
     def _size_window(self) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -174,3 +175,32 @@ def test_synchronize_waits_for_the_copies_of_blocks_backward_never_took(disk_dir
         sim.close()
     assert sim.uploads == 4, "both blocks were to be copied back from their slots"
     assert st.resident_bytes == 0, st.summary()
+
+
+def test_a_prefetch_without_device_memory_leaves_the_block_to_its_unpack(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prefetcher's copies from the slots take device memory ahead of use: one that finds
+    none stops reading ahead, with a warning, and backward copies each block up when it needs
+    it, as without the prefetcher; it never fails a backward that fits without it."""
+    from offloadd.runtime.reader import Reader
+
+    real_upload = Reader._upload
+    refused: list[int] = []
+
+    def upload(self: Reader, block: Any, prefetch: bool) -> None:
+        if prefetch:  # as torch.empty on a full device would
+            refused.append(block.seq)
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        real_upload(self, block, prefetch)
+
+    monkeypatch.setattr(Reader, "_upload", upload)
+    sim = SimulatedOrdering(seed=17, max_delay_s=0.002)
+    off = small_offloader(disk_dir, tier="cpu", ordering=sim, host_budget_bytes=4 << 20)
+    try:
+        with pytest.warns(RuntimeWarning, match="reading ahead"):
+            st = train_and_compare(*MODELS["mlp"], off)
+    finally:
+        sim.close()
+    assert refused, "the prefetcher never copied a block up: the test would not see it"
+    assert sim.uploads > 0 and st.resident_bytes == 0

@@ -91,7 +91,8 @@ class Reader:
                 raise inplace_error(ref.desc, block.version, block.version + 1)
             if block.resident is None and block.loading == 0:
                 self.load(block, prefetch=False)
-            self.prefetch_below(block.seq)
+            if not closed():  # the slots and the backend are gone: nothing more to read ahead
+                self.prefetch_below(block.seq)
             if block.loading or block.finishing:
                 start = time.perf_counter()
                 self.ledger.wait_while(

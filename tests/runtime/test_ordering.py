@@ -204,3 +204,30 @@ def test_a_prefetch_without_device_memory_leaves_the_block_to_its_unpack(
         sim.close()
     assert refused, "the prefetcher never copied a block up: the test would not see it"
     assert sim.uploads > 0 and st.resident_bytes == 0
+
+
+def test_a_block_made_resident_before_close_is_unpacked_without_reading_ahead(
+    disk_dir: Path,
+) -> None:
+    """close() gives the slots back to the system: backward may still take a block made
+    resident before it (as the prefetcher makes them), but copies nothing more up from the
+    slots, and the next block raises as any unpack after close does."""
+    sim = SimulatedOrdering(seed=23)
+    off = small_offloader(disk_dir, tier="cpu", ordering=sim, host_budget_bytes=1 << 20)
+    two_chunks = 2 * (64 << 10) // 4
+    try:
+        x = torch.ones(4, requires_grad=True)
+        with off:
+            a = SavePayload.apply(x, torch.randn(two_chunks))
+            b = SavePayload.apply(a, torch.randn(two_chunks))
+        off.synchronize()  # copied into their slots
+        with off._lock:
+            last = list(off._blocks)[-1]
+            off._reader.load(last, prefetch=True)  # as the prefetcher does ahead of unpack
+        off.close()
+        with pytest.raises(RuntimeError, match=r"unpack after Offloader.close\(\)"):
+            b.sum().backward()
+    finally:
+        off.close()
+        sim.close()
+    assert sim.uploads == 2, "only the block made resident before close was copied up"

@@ -16,13 +16,15 @@ every block, the memory-safe choice; when its backward has run, the next forward
 [the plan]) and logs the plan as a table. Plans are kept per shape, so alternating shapes are
 profiled once each. Where the allocator counts memory (see [measured peaks] in probe.py), the
 budget bounds the step's measured activation peak, and planned steps are measured too (on CPU
-every one; on CUDA, whose peak statistics are the user's as well, the first under each new plan);
+every one; on CUDA, whose peak statistics are the user's as well, the first under each new plan),
+from the forward's start until backward's gradient reaches the first block's input: what runs
+between steps (an evaluation, another model's step) is not the step's;
 without it, the budget bounds what offloadd holds (its own accounting). After a planned step the
 planner checks its predictions: if the step used more than the budget (measured, or held: what
 writes in flight hold is capped at the plan's room, Note [room for writes]), it adds the excess to what every unit
 needs and plans again (logged at WARNING), so the plan learns the worst it has seen; if the
 blocks' forward time moved by more than 2x from the second planned step's (the first warms
-caches) for three steps in a row (CPU only: CUDA is asynchronous), it profiles again. The first plan for a shape then races
+caches) for three steps in a row (drift.py), it profiles again. The first plan for a shape then races
 offloading every block in real steps until it tells them apart (race.py, [race]), which decides
 what offloading costs here: ``WARMUP_STEPS`` to ``WARMUP_STEPS_MAX`` steps in all before the plan
 is final (more where a replan, a re-profile or another shape restarts the race).
@@ -39,6 +41,7 @@ from torch import nn
 
 from offloadd.auto import recompute
 from offloadd.auto.discover import find_blocks
+from offloadd.auto.drift import Drift
 from offloadd.auto.plans import ShapePlans
 from offloadd.auto.probe import CudaProbe, HostCacheProbe, MemoryProbe, open_probe
 from offloadd.auto.profile import HEAD, StepProfile
@@ -51,8 +54,6 @@ __all__ = ["WARMUP_STEPS", "WARMUP_STEPS_MAX", "AutoPlanner"]
 
 log = logging.getLogger("offloadd")
 
-_DRIFT = 2.0  # block forward time off the reference step's by this factor (either way) ...
-_DRIFT_STEPS = 3  # ... this many planned steps in a row: profile again
 _STALE = 2  # forwards after a profile whose backward never completed: plan from it anyway
 WARMUP_STEPS = 3 + RACE_STEPS_MIN
 """Steps of one shape before its final plan has run once, at the least: the warm-up forward, the
@@ -94,7 +95,7 @@ class AutoPlanner:
         self.shapes = ShapePlans(budget, offload)  # plans.py
         # Drift's reference: the block forward time of a shape's second planned step (the first
         # warms caches to the plan's allocations: on small blocks it ran 4x slower than later ones)
-        self._ref_fwd: dict[tuple[Any, ...], float | None] = {}
+        self.drift = Drift()  # block forward times against each shape's planned ones
         self._warm: set[tuple[Any, ...]] = set()  # shapes whose warm-up forward ran
         self.plan: Plan | None = None  # of the forward running now (None: profiling or none)
         self.last_plan: Plan | None = None
@@ -103,7 +104,6 @@ class AutoPlanner:
         self._first = True  # no block ran yet in this forward
         self._fwd_s = 0.0  # summed block forward time of this forward
         self._fwd_start: dict[int, float] = {}
-        self._drifted = 0
         self._sig: tuple[Any, ...] | None = None
         self._prefix = False  # this forward began with a filled key/value cache
         self._prefix_warned = False
@@ -112,6 +112,8 @@ class AutoPlanner:
         self._level0 = 0  # the probe's level when this forward began
         self._verify = False  # a new plan: measure the next step that runs one
         self._armed = False  # this step is measured from its start
+        self._step_peak: int | None = None  # the probe's peak when its backward got to block 0
+        self._step_no = 0  # forwards begun: a late backward's mark is not this step's
         self._step_t0 = 0.0  # when this forward began
         self.clock = time.perf_counter  # of step times, for races (tests give it a fake)
 
@@ -192,6 +194,8 @@ class AutoPlanner:
             # statistics are the user's too: only the first step under a new plan
             self._armed = self._verify or self.probe.name == HostCacheProbe.name
             self._level0 = self.probe.restart() if self._armed else self.probe.level()
+        self._step_peak = None
+        self._step_no += 1
         self.plan = None
         self._first = True
         self._fwd_s = 0.0
@@ -222,8 +226,7 @@ class AutoPlanner:
                     "start with one are not recomputed (blocks planned for it are kept)"
                 )
             self._begin_blocks(_signature(args, kwargs))
-            race = self.shapes.race
-            if race is not None and race.running is not None and k == 0:
+            if k == 0:
                 self._mark_backward(args, kwargs)
         plan = self.plan
         self.tls.keep = plan is not None and plan.decisions[k] != OFFLOAD
@@ -281,8 +284,11 @@ class AutoPlanner:
         self.profiles += 1
 
     def _mark_backward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """A raced step's time ends when its gradient reaches the first block's input (see
-        [race]); not under torch.compile, whose graphs the hook would break."""
+        """When the step's gradient reaches the first block's input: a raced step's time ends
+        there (see [race]), and so does a measured step's window (see [measured peaks]: what
+        runs between steps, an evaluation, another model's step, is not the step's). Not under
+        torch.compile, whose graphs the hook would break: the window then ends at the next
+        forward."""
         if torch.compiler.is_compiling():
             return
         x = next(
@@ -294,13 +300,19 @@ class AutoPlanner:
             None,
         )
         race = self.shapes.race
-        if x is None or race is None:
+        race = race if race is not None and race.running is not None else None
+        probe = self.probe if self._armed else None
+        if x is None or (race is None and probe is None):
             return
+        step = self._step_no
 
         def mark(grad: torch.Tensor) -> None:
-            if grad.is_cuda:
-                torch.cuda.synchronize()
-            race.mark(self.clock())
+            if probe is not None and step == self._step_no:
+                self._step_peak = probe.peak()
+            if race is not None:
+                if grad.is_cuda:
+                    torch.cuda.synchronize()
+                race.mark(self.clock())
 
         x.register_hook(mark)
 
@@ -359,7 +371,7 @@ class AutoPlanner:
         """A new plan for shape ``sig``: measure its next step; drift counts from there."""
         self.last_plan = plan
         self._verify = True
-        self._ref_fwd.pop(sig, None)
+        self.drift.forget(sig)
 
     @property
     def plans(self) -> dict[tuple[Any, ...], Plan]:
@@ -381,7 +393,8 @@ class AutoPlanner:
                 held = self.ledger.window_peak
         elif self._armed and self.probe is not None:  # measured from its start
             self._verify = False
-            held = self.probe.peak() - self._level0
+            peak = self._step_peak if self._step_peak is not None else self.probe.peak()
+            held = peak - self._level0
         if held is not None and held > plan.budget:
             self._adopt(sig, self.shapes.over_budget(sig, held, plan))
             return
@@ -389,20 +402,11 @@ class AutoPlanner:
         race = self.shapes.race
         if not on_cpu or self._fwd_s <= 0 or (race is not None and race.signature == sig):
             return  # a race alternates plans: their forward times differ
-        if sig not in self._ref_fwd:
-            self._ref_fwd[sig] = None  # the first planned step: not a reference
-            return
-        ref = self._ref_fwd[sig]
-        if ref is None:
-            self._ref_fwd[sig] = ref = self._fwd_s
-        ratio = self._fwd_s / ref
-        self._drifted = self._drifted + 1 if not 1 / _DRIFT < ratio < _DRIFT else 0
-        if self._drifted >= _DRIFT_STEPS:
-            self._drifted = 0
+        ratio = self.drift.step(sig, self._fwd_s)
+        if ratio is not None:
             log.info(
                 "offloadd: budget: block forward times drifted (%.2fx the second planned "
                 "step's); profiling again",
                 ratio,
             )
             self.shapes.forget(sig)
-            del self._ref_fwd[sig]

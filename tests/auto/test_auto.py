@@ -389,8 +389,7 @@ def test_what_runs_between_steps_is_not_the_steps(
             settled_at = len(caplog.records)
         plan = off.plan()
         if plan is not None:  # "evaluation": far more than the budget, freed before the next
-            spike = torch.ones(4 * plan.budget // 4)
-            del spike
+            torch.ones(min(4 * plan.budget, 256 << 20) // 4)  # capped: a replan's budget grows
     assert settled_at is not None
     late = [r.getMessage() for r in caplog.records[settled_at:]]
     assert not [m for m in late if "over the budget" in m or "below the smallest" in m], late

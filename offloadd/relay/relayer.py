@@ -92,10 +92,8 @@ class Relay:
         assert t.slab is not None
         slab = t.slab
         if t.copied is not None:  # copied on the host store's side stream (Note [host relay])
-            current = torch.cuda.current_stream(slab.device)
-            current.wait_event(t.copied)
-            if current != t.stream:  # used on a stream other than the one it was taken on
-                slab.record_stream(current)
+            assert isinstance(self.store, HostStore)
+            self.store.await_copy(t)
         elif self.device is not None and self.device != slab.device:
             slab = slab.to(self.device)  # a slab read from disk, to a model on a GPU
         return slab

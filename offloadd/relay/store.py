@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -27,6 +28,7 @@ from offloadd.io.buffers import ALIGN, round_up
 from offloadd.io.request import Op, Request
 from offloadd.relay.placeholder import RelayError
 from offloadd.relay.slabs import Slabs
+from offloadd.runtime.ordering import CudaOrdering, Event
 from offloadd.runtime.stall_watch import StallWatch
 
 __all__ = ["HostStore", "Record", "Transfer", "WeightStore", "open_store"]
@@ -64,8 +66,8 @@ class Transfer:
         self.error: BaseException | None = None
         self.done = threading.Event()
         self.nbytes = record.nbytes
-        self.copied: torch.cuda.Event | None = None  # a device copy's end (Note [host relay])
-        self.stream: torch.cuda.Stream | None = None  # the stream its memory was taken on
+        self.copied: Event | None = None  # a device copy's end (Note [host relay])
+        self.stream: Any = None  # the stream its device memory was taken on
         if pending == 0:
             self.done.set()
 
@@ -243,10 +245,12 @@ class HostStore:
     Note [host relay]
     ~~~~~~~~~~~~~~~~~
     A read for a model on a GPU allocates the group's device copy on the current stream and
-    copies into it on a side stream, after the work queued on the current stream so far (which
-    may still use the memory that allocation reuses): the copies of the groups ahead then run
-    under the computation of the groups before them. :meth:`Relay.wait_for
-    <offloadd.relay.relayer.Relay.wait_for>` makes the stream that uses the copy wait for it.
+    copies into it on the upload stream of :class:`~offloadd.runtime.ordering.CudaOrdering` (the
+    rules of H2D in [device ordering]), after the work queued on the current stream so far
+    (which may still use the memory that allocation reuses): the copies of the groups ahead
+    then run under the computation of the groups before them. :meth:`Relay.wait_for
+    <offloadd.relay.relayer.Relay.wait_for>` makes the stream that uses the copy wait for it
+    (:meth:`HostStore.await_copy`).
     The copy is recorded on the side stream, so a read dropped before its copy ends (a forward
     in another order) gives its memory back only once the copy is done. A model moved to the
     CPU (``model.to("cpu")``) gets each group copied into a slab: the pinned record itself is
@@ -257,7 +261,7 @@ class HostStore:
         self.written_bytes = 0
         self.disk_bytes = 0
         self.wait_s = 0.0
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._ordering = CudaOrdering()  # its upload stream, as the activations' reads use
 
     def write(self, name: str, data: torch.Tensor) -> Record:
         record = Record(name, data.numel())
@@ -275,19 +279,26 @@ class HostStore:
             slab = slabs.take(record.nbytes)
             slab[: held.numel()].copy_(held)
             return Transfer(record, slab, 0)
-        side = self._streams.get(device)
-        if side is None:
-            side = self._streams[device] = torch.cuda.Stream(device)
-        current = torch.cuda.current_stream(device)
+        o = self._ordering
+        current = o.producer(device)
         copy = torch.empty(held.numel(), dtype=torch.uint8, device=device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            copy.copy_(held, non_blocking=True)
-            copy.record_stream(side)
+        side = o.upload_stream(device)
+        o.wait(side, o.record(current))  # queued kernels may still use the memory
+        o.copy(side, copy, held)
+        o.hold(copy, side)  # dropped before its copy ran: not reused until it has
         t = Transfer(record, copy, 0)
-        t.copied = side.record_event()
-        t.stream = current
+        t.copied, t.stream = o.record(side), current
         return t
+
+    def await_copy(self, t: Transfer) -> None:
+        """Make the stream current here wait for ``t``'s copy, and keep its memory for that
+        stream if the copy was taken on another."""
+        assert t.slab is not None and t.copied is not None
+        o = self._ordering
+        current = o.producer(t.slab.device)
+        o.wait(current, t.copied)
+        if current != t.stream:
+            o.hold(t.slab, current)
 
     def free(self, record: Record) -> None:
         record.places = []

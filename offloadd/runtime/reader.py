@@ -269,7 +269,7 @@ class Reader:
         consumer = self.ordering.producer(block.device)
         if done is not None:
             self.ordering.wait(consumer, done)
-        if consumer is not allocated_on and consumer != allocated_on:
+        if consumer != allocated_on:
             self.ordering.hold(buf, consumer)
 
     def _forward_source(self, block: Block) -> None:

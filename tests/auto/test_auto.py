@@ -303,7 +303,9 @@ def test_every_plan_is_bit_identical(decisions: tuple[str, ...], disk_dir: Path)
     assert all(torch.equal(a, b) for a, b in zip(ref_w, w, strict=True))
     st = off.stats()
     if OFFLOAD in decisions:
-        assert st.bytes_written > 0
+        # offloaded: written, or taken from its slot by a backward that came before the write
+        # started (a loaded machine; the CI of a674d20's successor saw 0 bytes written once)
+        assert st.offloaded_bytes > 0 and st.bytes_written + st.forwarded_bytes > 0
     off.close()
 
 

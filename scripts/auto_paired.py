@@ -10,7 +10,9 @@ taken one after the other; the report gives, per pair, the median of those ratio
 interval (order statistics of the rounds, no assumption about their distribution).
 
 Arms: ``keep`` (offloadd's hooks, nothing moved), ``recompute`` (the model's checkpointed
-blocks), ``ssd`` (offload every block), and ``auto@B`` for each ``--budgets`` entry (tier ssd
+blocks), ``ssd`` (offload every block; ``ssd/32MiB``: with ``staging_bytes`` 32 MiB, which bounds
+the bytes its writes hold, as an auto plan's room does: Note [room for writes] in
+offloadd/runtime/writer_in_place.py), and ``auto@B`` for each ``--budgets`` entry (tier ssd
 under budget B: keep, offload or recompute per block, raced against offloading every block;
 Note [race] in offloadd/auto/race.py). auto warms up until its planner settled, then one step
 more, as train.py does; a replan during the timed rounds is reported. Memory is not compared
@@ -87,8 +89,11 @@ def make_arm(name: str, a: argparse.Namespace, ssd_dir: str) -> Arm:
     off = None
     if name != "recompute":
         strategy, _, budget = name.partition("@")
+        strategy, _, staging = strategy.partition("/")
         tier = "keep" if strategy == "keep" else "ssd"
         cfg = Config(tier=tier, ssd_dirs=(ssd_dir,), min_bytes=a.min_bytes)  # type: ignore[arg-type]
+        if staging:  # ssd/32MiB: the sources its writes hold bounded as a budget's room does
+            cfg = cfg.replace(staging_bytes=staging)
         off = Offloader(cfg.replace(budget=budget or None))
     return Arm(name, built, opt, off)
 

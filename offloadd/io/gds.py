@@ -28,9 +28,17 @@ import torch
 from offloadd.io.python_engine import PythonEngine
 from offloadd.io.request import Op, Request
 
-__all__ = ["KvikioEngine", "probe"]
+__all__ = ["KvikioEngine", "install_hint", "probe"]
 
 log = logging.getLogger("offloadd")
+
+
+def install_hint() -> str:
+    """The pip command for the kvikio that matches torch's CUDA: kvikio's wheels are built per
+    CUDA major version (``kvikio-cu12``, ``kvikio-cu13``), one extra each."""
+    cuda = torch.version.cuda or ""
+    extra = "gds-cu13" if cuda.split(".")[0] == "13" else "gds"
+    return f"pip install 'offloadd[{extra}]'"
 
 
 def probe() -> tuple[bool, str]:
@@ -41,7 +49,7 @@ def probe() -> tuple[bool, str]:
         import kvikio
         import kvikio.cufile_driver
     except Exception as e:  # ImportError, or OSError for a missing libcuda/libcufile
-        return False, f"kvikio does not import ({e!r}); install offloadd[gds]"
+        return False, f"kvikio does not import ({e!r}); {install_hint()}"
     try:
         gds = bool(kvikio.cufile_driver.get("is_gds_available"))
     except Exception as e:

@@ -33,6 +33,26 @@ def test_kvikio_named_without_gds_fails_with_reason(disk_dir: Path) -> None:
     assert why in str(e.value)
 
 
+@pytest.mark.parametrize(
+    ("cuda", "extra"), [("12.8", "gds"), ("13.0", "gds-cu13"), (None, "gds"), ("11.8", "gds")]
+)
+def test_install_hint_names_the_extra_for_torchs_cuda(
+    monkeypatch: pytest.MonkeyPatch, cuda: str | None, extra: str
+) -> None:
+    monkeypatch.setattr(gds.torch.version, "cuda", cuda)
+    assert gds.install_hint() == f"pip install 'offloadd[{extra}]'"
+
+
+def test_every_gds_extra_names_a_kvikio() -> None:
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    assert extras["gds"][0].startswith("kvikio-cu12")
+    assert extras["gds-cu13"][0].startswith("kvikio-cu13")
+
+
 def test_auto_without_gds_keeps_cpu_paths(disk_dir: Path) -> None:
     off = small_offloader(disk_dir, engine="auto")
     assert "kvikio" not in off.stats().engine

@@ -25,6 +25,7 @@ from offloadd import __version__
 from offloadd.config import Config
 from offloadd.io import engine_choice, native
 from offloadd.io.buffers import AlignedBuffer
+from offloadd.io.gds import install_hint
 from offloadd.io.hugepages import HUGE_PAGE, advise_huge_pages
 from offloadd.runtime import host_allocator
 from offloadd.units import format_bytes
@@ -145,7 +146,7 @@ def gds_checks(cfg: Config) -> list[Check]:
         "info",
         (f"kvikio {dist[1]} installed ({dist[0]})" if dist else "kvikio installed")
         if found
-        else "kvikio not installed (pip install offloadd[gds])",
+        else f"kvikio not installed ({install_hint()})",
         {"installed": found, "version": dist[1] if dist else None},
     )
     nvfs = Path("/proc/driver/nvidia-fs").exists()

@@ -35,10 +35,11 @@ log = logging.getLogger("offloadd")
 
 def install_hint() -> str:
     """The pip command for the kvikio that matches torch's CUDA: kvikio's wheels are built per
-    CUDA major version (``kvikio-cu12``, ``kvikio-cu13``), one extra each."""
-    cuda = torch.version.cuda or ""
-    extra = "gds-cu13" if cuda.split(".")[0] == "13" else "gds"
-    return f"pip install 'offloadd[{extra}]'"
+    CUDA major version (``kvikio-cu12``, ``kvikio-cu13``: an extra each; any other major, its
+    own package)."""
+    major = (torch.version.cuda or "12").split(".")[0]
+    extra = {"12": "gds", "13": "gds-cu13"}.get(major)
+    return f"pip install 'offloadd[{extra}]'" if extra else f"pip install kvikio-cu{major}"
 
 
 def probe() -> tuple[bool, str]:

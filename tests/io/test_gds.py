@@ -34,13 +34,19 @@ def test_kvikio_named_without_gds_fails_with_reason(disk_dir: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("cuda", "extra"), [("12.8", "gds"), ("13.0", "gds-cu13"), (None, "gds"), ("11.8", "gds")]
+    ("cuda", "hint"),
+    [
+        ("12.8", "pip install 'offloadd[gds]'"),
+        ("13.0", "pip install 'offloadd[gds-cu13]'"),
+        (None, "pip install 'offloadd[gds]'"),
+        ("11.8", "pip install kvikio-cu11"),  # no extra of ours: kvikio's own package
+    ],
 )
 def test_install_hint_names_the_extra_for_torchs_cuda(
-    monkeypatch: pytest.MonkeyPatch, cuda: str | None, extra: str
+    monkeypatch: pytest.MonkeyPatch, cuda: str | None, hint: str
 ) -> None:
     monkeypatch.setattr(gds.torch.version, "cuda", cuda)
-    assert gds.install_hint() == f"pip install 'offloadd[{extra}]'"
+    assert gds.install_hint() == hint
 
 
 def test_every_gds_extra_names_a_kvikio() -> None:

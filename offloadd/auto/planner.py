@@ -48,6 +48,7 @@ from offloadd.auto.profile import HEAD, StepProfile
 from offloadd.auto.race import PATIENCE, RACE_STEPS_MAX, RACE_STEPS_MIN
 from offloadd.auto.solver import OFFLOAD, RECOMPUTE, Plan
 from offloadd.runtime.accounting import Ledger
+from offloadd.runtime.hook_stack import saves_reach_offloadd
 from offloadd.runtime.stages import held_elsewhere
 
 __all__ = ["WARMUP_STEPS", "WARMUP_STEPS_MAX", "AutoPlanner"]
@@ -116,6 +117,7 @@ class AutoPlanner:
         self._step_no = 0  # forwards begun: a late backward's mark is not this step's
         self._step_t0 = 0.0  # when this forward began
         self.clock = time.perf_counter  # of step times, for races (tests give it a fake)
+        self._checkpointed_warned = False
 
     # -- attaching ---------------------------------------------------------------------------
 
@@ -168,6 +170,7 @@ class AutoPlanner:
             and torch.is_grad_enabled()
             and self._scope_open()
             and not _in_backward()
+            and saves_reach_offloadd()  # not inside the model's own checkpoint: [innermost hooks]
         )
 
     def _scope_open(self) -> bool:
@@ -214,7 +217,12 @@ class AutoPlanner:
 
     def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         k = self._index.get(id(module))
-        if k is None or _in_backward() or not self._scope_open() or not torch.is_grad_enabled():
+        if k is None or _in_backward() or not self._scope_open():
+            return
+        if not self._checkpointed_warned and recompute.checkpointed(args, kwargs):
+            self._checkpointed_warned = True
+            recompute.warn_checkpointed(self.root)
+        if not torch.is_grad_enabled():
             return
         if self._first:
             self._first = False

@@ -17,14 +17,27 @@ and such forwards are not recomputed.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["cache_holds_prefix", "install", "remove", "run_checkpointed"]
+from offloadd.runtime.hook_stack import saves_reach_offloadd
+
+__all__ = [
+    "cache_holds_prefix",
+    "checkpointed",
+    "install",
+    "remove",
+    "run_checkpointed",
+    "warn_checkpointed",
+]
+
+log = logging.getLogger("offloadd")
 
 _SUBCLASSES: dict[type, type] = {}
 _ATTR = "_offloadd_planned"  # (weakref to the planner, block index), in the module's __dict__
@@ -46,6 +59,25 @@ def cache_holds_prefix(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
             except Exception:  # an unknown cache: assume it holds something
                 return True
     return False
+
+
+def checkpointed(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a block called now is checkpointed by the model itself: under another's
+    saved-tensor hooks (see [innermost hooks] in runtime/hook_stack.py), or with its inputs on
+    the graph under ``no_grad`` (reentrant checkpointing; an evaluation's are off the graph)."""
+    if torch.is_grad_enabled():
+        return not saves_reach_offloadd()
+    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in (*args, *kwargs.values()))
+
+
+def warn_checkpointed(model: nn.Module | None) -> None:
+    log.warning(
+        "offloadd: budget: %s checkpoints its blocks itself (torch.utils.checkpoint, "
+        "gradient_checkpointing): what they save never reaches offloadd, so the budget plans "
+        "only what is saved between them; to let offloadd keep, offload or recompute the "
+        "blocks, turn the model's checkpointing off",
+        type(model).__name__,
+    )
 
 
 def run_checkpointed(

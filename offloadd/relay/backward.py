@@ -15,6 +15,7 @@ from offloadd.relay.placeholder import RelayError
 from offloadd.relay.store import Transfer
 from offloadd.runtime.compiled import unseen
 from offloadd.runtime.handles import storage_of
+from offloadd.runtime.hook_stack import PASSES_TO
 
 __all__ = ["Reader", "Saved", "WeightRef"]
 
@@ -147,7 +148,9 @@ class Saved:
                 return self._unpack(x)
             return outer_unpack(x) if outer_unpack is not None else x
 
-        return unseen(pack), unseen(unpack)
+        ours = unseen(pack)
+        setattr(ours, PASSES_TO, outer_pack)  # every other tensor goes where it would have
+        return ours, unseen(unpack)
 
     def _ref(self, g: Group, t: torch.Tensor) -> WeightRef:
         ref = WeightRef(self, g, t)

@@ -30,6 +30,7 @@ from offloadd.runtime.handles import (
     unlinked,
     version_handle,
 )
+from offloadd.runtime.hook_stack import PASSES_TO
 from offloadd.runtime.lifetime import Lifetime
 from offloadd.runtime.ordering import Ordering
 from offloadd.runtime.reader import Reader
@@ -82,8 +83,11 @@ class SavedTensorHooks:
         if self._codec is None:
             pack = unseen(self._pack)
             pack.offloader = self  # type: ignore[attr-defined]  # evict's (graph_ops.py)
-            return pack, unseen(self._unpack)
-        return unseen(self._pack_coded), unseen(self._unpack_coded)
+            unpack = unseen(self._unpack)
+        else:
+            pack, unpack = unseen(self._pack_coded), unseen(self._unpack_coded)
+        setattr(pack, PASSES_TO, True)
+        return pack, unpack
 
     # -- pack ------------------------------------------------------------------------------
 

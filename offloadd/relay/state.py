@@ -28,6 +28,7 @@ class RelayState:
     loading: set[int] = field(default_factory=set)
     sd_cache: dict[int, torch.Tensor] = field(default_factory=dict)  # one state_dict() call's
     converting: bool = False
+    compile_warned: bool = False  # see [relay under torch.compile] in surface.py
     finalizer: Any = None
 
 

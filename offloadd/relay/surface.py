@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,7 @@ from offloadd.relay.relayer import Relay
 from offloadd.relay.slabs import Slabs
 from offloadd.relay.state import ATTR, RelayState, is_relayed, state_of
 from offloadd.relay.store import HostStore, WeightStore, open_store
-from offloadd.runtime.compiled import unseen
+from offloadd.runtime.compiled import unseen, unseen_noting_compile
 from offloadd.runtime.heap_trim import malloc_trim
 from offloadd.runtime.shutdown import moved_off_engine_thread
 from offloadd.runtime.stages import HELD_ELSEWHERE
@@ -33,6 +34,8 @@ __all__ = [
     "resident",
     "unrelay",
 ]
+
+log = logging.getLogger("offloadd")
 
 MIN_GROUP_BYTES = 64 << 10
 
@@ -67,6 +70,7 @@ def relay(
     if win < 1:
         raise RelayError(f"relay_window: at least 1 group must be held, got {win}")
     groups, kept = find_groups(model, MIN_GROUP_BYTES)
+    _refuse_dtensors(groups)
     devices = list(dict.fromkeys(e.param.device for g in groups for e in g.entries))
     if len(devices) > 1:  # a model split across devices (device_map="auto", pipeline stages)
         raise RelayError(
@@ -101,6 +105,22 @@ def relay(
     return model
 
 
+def _refuse_dtensors(groups: list[Group]) -> None:
+    """A sharded weight (FSDP2's ``fully_shard``, tensor parallel) is a DTensor: what its rank
+    holds is one shard, and FSDP2 gathers the weights from buffers of its own, which relay
+    cannot swap. Refused by name, before anything is written."""
+    for g in groups:
+        for e in g.entries:
+            if any(c.__name__ == "DTensor" for c in type(e.param).__mro__):
+                raise RelayError(
+                    f"offloadd relay: the frozen weight {e.name!r} is a DTensor (FSDP2's "
+                    "fully_shard or tensor parallel); relay takes a model whose frozen weights "
+                    "are plain tensors. FSDP2 already holds 1/world of each frozen weight per "
+                    "rank (its CPUOffloadPolicy keeps them in host memory); relay a model that "
+                    "is not sharded, or wrapped by DDP"
+                )
+
+
 def _close(store: WeightStore | HostStore, slabs: Slabs) -> None:
     if moved_off_engine_thread(_close, store, slabs, name="offloadd-relay-close"):
         return
@@ -111,7 +131,8 @@ def _close(store: WeightStore | HostStore, slabs: Slabs) -> None:
 def _hook(model: nn.Module, state: RelayState) -> None:
     r = state.relay
     h = state.handles
-    h.append(model.register_forward_pre_hook(unseen(r.on_model_forward)))
+    warn = functools.partial(_compiled_whole, model, state)
+    h.append(model.register_forward_pre_hook(unseen_noting_compile(r.on_model_forward, warn)))
     h.append(model.register_forward_hook(unseen(r.after_model_forward), always_call=True))
     for g in r.groups:
         h.append(g.module.register_forward_pre_hook(unseen(functools.partial(_pre, r, g))))
@@ -122,6 +143,24 @@ def _hook(model: nn.Module, state: RelayState) -> None:
     # pickle and deepcopy look these up on the instance: say why, before they meet a hook
     model.__dict__["__reduce_ex__"] = _not_copied
     model.__dict__["__deepcopy__"] = _not_copied
+
+
+def _compiled_whole(model: nn.Module, state: RelayState) -> None:
+    """Note [relay under torch.compile]: relay's hooks run eagerly, so a model compiled whole
+    breaks its graph at each relayed layer. Inductor then compiles the layers apart, as
+    ``layer.compile()`` per layer would, and its kernels round as those do: the same bits as
+    the unrelayed model compiled per layer, not as the one compiled whole. Said once."""
+    if state.compile_warned:
+        return
+    state.compile_warned = True
+    log.warning(
+        "offloadd relay: %s is compiled whole (torch.compile(model)): relay reads each "
+        "layer's weights in eagerly, a graph break at each relayed layer, so the compiled "
+        "kernels are those of the model compiled per layer and the losses differ in their last "
+        "bits from the unrelayed model compiled whole; compile per layer "
+        "(`layer.compile()` for each layer) for the same bits with and without relay",
+        type(model).__name__,
+    )
 
 
 def _not_copied(*args: Any) -> Any:

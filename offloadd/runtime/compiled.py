@@ -35,7 +35,14 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-__all__ = ["is_traced", "note_wrapper", "scope_opened", "scopes_closed", "unseen"]
+__all__ = [
+    "is_traced",
+    "note_wrapper",
+    "scope_opened",
+    "scopes_closed",
+    "unseen",
+    "unseen_noting_compile",
+]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -55,6 +62,28 @@ def unseen(fn: _F) -> _F:
     def call(*args: Any) -> Any:
         prior = set_eval_frame(None)
         try:
+            return fn(*args)
+        finally:
+            set_eval_frame(prior)
+
+    call._torchdynamo_disable = True  # type: ignore[attr-defined]
+    return call  # type: ignore[return-value]
+
+
+def unseen_noting_compile(fn: _F, compiled: Callable[[], None]) -> _F:
+    """:func:`unseen`, calling ``compiled()`` first when the caller runs under ``torch.compile``
+    (dynamo's frame callback was on: a hook of a module compiled whole, reached at a graph
+    break)."""
+    set_eval_frame = _set_eval_frame
+    if set_eval_frame is None:
+        return fn
+
+    @functools.wraps(fn)
+    def call(*args: Any) -> Any:
+        prior = set_eval_frame(None)
+        try:
+            if prior is not None:
+                compiled()
             return fn(*args)
         finally:
             set_eval_frame(prior)

@@ -55,7 +55,7 @@ def _answers(path: str) -> bool:
 def _default_daemon(data: Path) -> Iterator[subprocess.Popen[str]]:
     """``offloadd serve --dir data`` with no socket given and ``XDG_RUNTIME_DIR`` unset, once it
     answers at :data:`DEFAULT`; stopped (if still running) and its directory removed after."""
-    with open("/tmp/offloadd-default-socket-tests.lock", "w") as lock:
+    with open(f"/tmp/offloadd-default-socket-tests-{os.getuid()}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one test at a time serves at the default path
         if _answers(DEFAULT):
             pytest.skip(f"a daemon of this user already listens at {DEFAULT}")

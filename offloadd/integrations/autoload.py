@@ -43,7 +43,6 @@ from typing import Any
 from torch import nn
 
 from offloadd.auto.plan_report import plan_dict
-from offloadd.backend import daemon_missing
 from offloadd.config import Config
 from offloadd.integrations.ranks import RankInfo, group_rank, rank_info, rank_now
 from offloadd.integrations.report import report_dict, summary_line, write_report
@@ -98,11 +97,6 @@ class EnvSettings:
         config = Config.from_env(env)
         for d in config.ssd_dirs:
             _check_dir(d)
-        missing = daemon_missing(config) if enabled else None
-        if missing is not None:  # the socket's path alone: no connection before training
-            given = env.get("OFFLOADD_DAEMON_SOCKET")
-            source = f"OFFLOADD_DAEMON_SOCKET={given!r}" if given is not None else "daemon.socket"
-            raise ValueError(f"{source}: {missing}")
         ranks = rank_info(env)
         template = report = env.get("OFFLOADD_REPORT") or None
         every_rank = report is not None and "{rank}" in report

@@ -21,7 +21,9 @@ SPAWN = str(CLIENTS / "spawn_train.py")
 ENGINE_PARAMS = ("default",)  # the processes under test choose the engine (auto)
 
 
-@pytest.mark.parametrize("mode", ["env", "explicit"])
+@pytest.mark.parametrize(
+    "mode", ["env", pytest.param("explicit", marks=pytest.mark.slow)]
+)  # explicit: the same path, its rank told by init_process_group(rank=) (unit test below)
 def test_spawned_workers_report_and_offload_per_rank(
     disk_dir: Path, tmp_path: Path, mode: str
 ) -> None:

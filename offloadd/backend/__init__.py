@@ -2,7 +2,7 @@
 
 :class:`~offloadd.backend.embedded.EmbeddedBackend` (files and an I/O engine in the training
 process, the default) and :class:`~offloadd.backend.daemon.DaemonBackend` (the node's
-``offloadd serve``); :func:`open_backend` picks the one a config names.
+``offloadd serve``); :func:`open_backend` picks the one a config names (:func:`uses_daemon`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,13 @@ from offloadd.backend.base import Backend
 from offloadd.config import Config
 from offloadd.io.request import Engine
 
-__all__ = ["Backend", "open_backend"]
+__all__ = ["Backend", "open_backend", "uses_daemon"]
+
+
+def uses_daemon(cfg: Config) -> bool:
+    """Whether ``cfg`` has the daemon at ``daemon.socket`` do the I/O: tier ``ssd`` and a socket
+    set (``"default"``: the default path, offloadd/wire/address.py [the default socket])."""
+    return cfg.tier == "ssd" and bool(cfg.daemon.socket)
 
 
 def open_backend(
@@ -25,7 +31,7 @@ def open_backend(
     daemon client reports a lost daemon (once per key)."""
     if cfg.tier == "keep":
         return None
-    if cfg.tier == "ssd" and cfg.daemon.socket:
+    if uses_daemon(cfg):
         if io_engine is not None:
             raise ValueError("io_engine cannot be combined with daemon.socket")
         from offloadd.backend.daemon import DaemonBackend

@@ -12,6 +12,7 @@ from offloadd.backend.daemon_link import DaemonError, query
 from offloadd.config import load_daemon
 from offloadd.units import format_bytes
 from offloadd.wire import protocol as proto
+from offloadd.wire.address import socket_path
 
 __all__ = ["add_arguments", "main", "query", "refusal"]
 
@@ -22,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--socket",
         default=None,
-        help="daemon socket (default: $OFFLOADD_DAEMON_SOCKET, else the per-user path)",
+        help="daemon socket (default: $OFFLOADD_DAEMON_SOCKET, else the per-user default path)",
     )
     p.add_argument("--json", action="store_true", help="print the status document as JSON")
 
@@ -74,7 +75,7 @@ def main(ns: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"offloadd status: {e}", file=sys.stderr)
         return 2
-    path = ns.socket or cfg.socket_path
+    path = socket_path(ns.socket or cfg.socket)  # see [the default socket]
     try:
         r = query(path, trusted_uids=cfg.trusted_uids)
     except DaemonError as e:

@@ -9,6 +9,7 @@ from offloadd.backend.cmd_status import query, refusal
 from offloadd.backend.daemon import DaemonError
 from offloadd.config import load_daemon
 from offloadd.wire import protocol as proto
+from offloadd.wire.address import socket_path
 
 __all__ = ["add_arguments", "main"]
 
@@ -17,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--socket",
         default=None,
-        help="daemon socket (default: $OFFLOADD_DAEMON_SOCKET, else the per-user path)",
+        help="daemon socket (default: $OFFLOADD_DAEMON_SOCKET, else the per-user default path)",
     )
 
 
@@ -27,7 +28,7 @@ def main(ns: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"offloadd stop: {e}", file=sys.stderr)
         return 2
-    path = ns.socket or cfg.socket_path
+    path = socket_path(ns.socket or cfg.socket)  # see [the default socket]
     try:
         r = query(path, proto.Msg.STOP, trusted_uids=cfg.trusted_uids)
     except DaemonError as e:

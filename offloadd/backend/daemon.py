@@ -43,6 +43,7 @@ from offloadd.io.buffers import AlignedBuffer, SlotPool
 from offloadd.io.python_engine import PythonEngine
 from offloadd.io.request import Op, Request, RequestState
 from offloadd.wire import protocol as proto
+from offloadd.wire.address import socket_path
 from offloadd.wire.checksum import checksum_function
 
 __all__ = ["DaemonBackend", "DaemonError", "connect_control", "recv_frame"]
@@ -59,7 +60,7 @@ class DaemonBackend(Traffic):
     name = "daemon"
 
     def __init__(self, config: Config, warn: Callable[[str, str], None]) -> None:
-        self.socket_path = config.daemon.socket
+        self.socket_path = socket_path(config.daemon.socket)  # see [the default socket]
         self.trusted_uids = config.daemon.trusted_uids  # see [who trusts whom] in wire/trust.py
         self._path = f"daemon:{self.socket_path}"
         self.chunk_bytes = config.chunk_bytes

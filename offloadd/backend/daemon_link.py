@@ -24,6 +24,7 @@ from offloadd.backend.daemon_slots import DaemonProcess
 from offloadd.io.buffers import AlignedBuffer, SlotPool
 from offloadd.io.request import Request
 from offloadd.wire import protocol as proto
+from offloadd.wire.address import no_daemon
 from offloadd.wire.trust import own_uid, peer_credentials, socket_dir_problem
 
 __all__ = [
@@ -103,8 +104,14 @@ def connect_control(
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
-        _check_socket_dir(path, extra)
-        sock.connect(path)
+        try:
+            _check_socket_dir(path, extra)
+            sock.connect(path)
+        except OSError as e:  # no such directory or socket, or nothing listens: one line
+            why = e.strerror or str(e)
+            if e.filename is not None and e.filename != path:
+                why += f": {e.filename!r}"
+            raise DaemonError(f"daemon.socket: {no_daemon(path, why)}") from None
         _check_peer(sock, path, extra)
         sock.sendall(proto.encode_hello(os.getpid(), identity()))
         r = proto.decode_reply(recv_frame(sock, bytearray()))
@@ -113,7 +120,7 @@ def connect_control(
         raise
     except (OSError, proto.ProtocolError) as e:
         sock.close()
-        raise DaemonError(f"daemon.socket: cannot reach a daemon at {path!r}: {e}") from e
+        raise DaemonError(f"daemon at {path!r} did not answer the handshake: {e}") from e
     if r.status:
         sock.close()
         raise DaemonError(

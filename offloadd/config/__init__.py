@@ -9,7 +9,7 @@ names, read with a warning). Every error names the dotted key, the value and whe
 """
 
 from offloadd.config.codec import CodecConfig
-from offloadd.config.daemon import DaemonConfig, default_socket_path
+from offloadd.config.daemon import DaemonConfig
 from offloadd.config.loader import ENV_PREFIX, RESERVED_ENV, env_var
 from offloadd.config.renamed import old_class_name
 from offloadd.config.schema import Config, load_daemon
@@ -25,7 +25,6 @@ __all__ = [
     "CodecConfig",
     "Config",
     "DaemonConfig",
-    "default_socket_path",
     "env_var",
     "load_daemon",
     "parse_size",

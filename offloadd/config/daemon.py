@@ -8,23 +8,15 @@ reads the whole section, and its command-line options override it; the training 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import ClassVar, Literal, get_args
 
 from offloadd.config.fields import Settings, setting
 from offloadd.config.validators import Choice, DirectIO, Dirs, Int, Size, SocketPath, Uids
 
-__all__ = ["Checksum", "DaemonConfig", "default_socket_path"]
+__all__ = ["Checksum", "DaemonConfig"]
 
 Checksum = Literal["xxh3", "crc32", "none"]
-
-
-def default_socket_path() -> str:
-    """``$XDG_RUNTIME_DIR/offloadd/daemon.sock``, else ``/tmp/offloadd-run-$UID/daemon.sock``."""
-    run = os.environ.get("XDG_RUNTIME_DIR")
-    base = os.path.join(run, "offloadd") if run else f"/tmp/offloadd-run-{os.getuid()}"
-    return os.path.join(base, "daemon.sock")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -41,8 +33,11 @@ class DaemonConfig(Settings):
     ``ssd_dirs``/``engine``/``io_threads``/``direct_io`` are the daemon's business (an
     unreachable or untrusted daemon raises at the Offloader's construction; see
     ``trusted_uids``).
-    Empty: the daemon listens on the per-user default (``$XDG_RUNTIME_DIR/offloadd/daemon.sock``
-    or ``/tmp/offloadd-run-$UID/daemon.sock``), and the training side uses its embedded engine."""
+    ``"default"``: the per-user default path, ``$XDG_RUNTIME_DIR/offloadd/daemon.sock`` or
+    ``/tmp/offloadd-run-$UID/daemon.sock`` (one rule for the daemon and every client:
+    offloadd/wire/address.py [the default socket]). Empty: the daemon listens on the default,
+    ``offloadd status`` and ``stop`` look there, and the training side uses its embedded
+    engine."""
 
     dirs: tuple[str, ...] = setting((), Dirs())
     """Offload directories (one per drive), striped chunk by chunk. Empty: the per-user default
@@ -95,8 +90,3 @@ class DaemonConfig(Settings):
     extra). Every local user can read them: daemon-wide figures and each session's bytes by
     session number, with no identity, pid or uid (see offloadd/daemon/metrics.py [what the
     metrics show]). 0: off."""
-
-    @property
-    def socket_path(self) -> str:
-        """Where the daemon listens: ``socket``, else the per-user default."""
-        return self.socket or default_socket_path()

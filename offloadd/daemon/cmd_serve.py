@@ -16,6 +16,7 @@ from pathlib import Path
 
 from offloadd.cli_dirs import ready_dir, ready_parent
 from offloadd.config import DaemonConfig, load_daemon, parse_size
+from offloadd.wire.address import socket_path
 
 __all__ = ["add_arguments", "main"]
 
@@ -27,8 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--socket",
         help="Unix socket path, its directory created (mode 0700, 0711 with allowed_uids) if "
-        "missing, else used as it is (default: $OFFLOADD_DAEMON_SOCKET, else per-user runtime "
-        "directory)",
+        "missing, else used as it is (default: $OFFLOADD_DAEMON_SOCKET, else the per-user "
+        "default path, $XDG_RUNTIME_DIR/offloadd/daemon.sock or "
+        "/tmp/offloadd-run-$UID/daemon.sock)",
     )
     p.add_argument(
         "--dir",
@@ -74,9 +76,10 @@ def main(ns: argparse.Namespace) -> int:
             ready_dir("--dir", d)
         made = None  # the socket's directory, if made here: the daemon sets its mode
         if ns.socket:
-            parent = Path(ns.socket).expanduser().parent
+            sock = socket_path(ns.socket)  # "default": see [the default socket]
+            parent = Path(sock).expanduser().parent
             made = None if os.path.lexists(parent) else str(parent)
-            ready_parent("--socket", ns.socket)
+            ready_parent("--socket", sock)
         from offloadd.daemon.core import serve
 
         return serve(cfg, made_socket_dir=made)

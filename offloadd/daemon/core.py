@@ -52,6 +52,7 @@ from offloadd.io.engine_choice import open_host_engine
 from offloadd.io.files import SlotFile, default_offload_dir
 from offloadd.io.request import Engine
 from offloadd.wire import protocol as proto
+from offloadd.wire.address import socket_path
 from offloadd.wire.checksum import checksum_function
 from offloadd.wire.trust import open_socket_dir, own_uid, peer_credentials
 
@@ -75,7 +76,7 @@ class Server:
         """``made_socket_dir``: the socket's directory, when ``offloadd serve --socket`` has just
         created it (see [socket modes])."""
         self.config = config
-        self.socket_path = config.socket_path
+        self.socket_path = socket_path(config.socket)  # see [the default socket]
         self._made_dir = made_socket_dir
         self._dir_fd = -1  # the socket's directory (see [socket modes])
         self.dirs = list(config.dirs) or [default_offload_dir()]

@@ -17,7 +17,9 @@ log on stderr: debug, info, warning, error).
 Note: [per-rank namespace] In a multi-rank job each rank offloads into ``<dir>/rank-<N>`` of
 every ``ssd_dirs`` entry (created with mode 0700, removed at exit when empty), so ranks that
 share a node and a directory never share a directory entry, and what is on disk can be told
-apart per rank. A daemon session, when that backend exists, is named after the rank the same way.
+apart per rank. The rank is the one known at the first training forward, not at activation
+(offloadd/integrations/ranks.py [the rank when it is known]). A daemon session, when that
+backend exists, is named after ``RANK`` the same way.
 
 Note: [fork] A child made with ``os.fork`` (data-loader workers on Linux) inherits the hooks;
 they are switched off in the child, and the child writes no summary and no report.
@@ -42,7 +44,7 @@ from torch import nn
 
 from offloadd.auto.plan_report import plan_dict
 from offloadd.config import Config
-from offloadd.integrations.ranks import RankInfo, rank_info
+from offloadd.integrations.ranks import RankInfo, group_rank, rank_info, rank_now
 from offloadd.integrations.report import report_dict, summary_line, write_report
 from offloadd.integrations.scope import ModuleScope
 from offloadd.memsave import memsave
@@ -67,8 +69,12 @@ class EnvSettings:
     enabled: bool
     config: Config
     ranks: RankInfo
+    """The launcher variables' rank at activation: validated here, but a process may learn its
+    rank later (see [the rank when it is known] in ranks.py)."""
     report: str | None = None
-    """``OFFLOADD_REPORT`` with ``{rank}`` substituted (None: no report)."""
+    """``OFFLOADD_REPORT`` with ``{rank}`` substituted by ``ranks``' rank (None: no report)."""
+    report_template: str | None = None
+    """``OFFLOADD_REPORT`` as given: :meth:`report_path` substitutes the rank known at exit."""
     report_every_rank: bool = False
     """The path held ``{rank}``: every rank writes its own report (else only rank 0 writes)."""
     log_level: str | None = None
@@ -92,7 +98,7 @@ class EnvSettings:
         for d in config.ssd_dirs:
             _check_dir(d)
         ranks = rank_info(env)
-        report = env.get("OFFLOADD_REPORT") or None
+        template = report = env.get("OFFLOADD_REPORT") or None
         every_rank = report is not None and "{rank}" in report
         if report is not None:
             report = report.replace("{rank}", str(ranks.rank))
@@ -110,9 +116,17 @@ class EnvSettings:
             config=config,
             ranks=ranks,
             report=report,
+            report_template=template,
             report_every_rank=every_rank,
             log_level=level.strip().lower() if level else None,
         )
+
+    def report_path(self, ranks: RankInfo) -> str | None:
+        """Where the report of the process whose rank is ``ranks`` goes: None for none (no
+        ``OFFLOADD_REPORT``, or a path without ``{rank}`` in a rank other than 0)."""
+        if self.report_template is None or not (self.report_every_rank or ranks.rank == 0):
+            return None
+        return self.report_template.replace("{rank}", str(ranks.rank))
 
 
 def _check_dir(d: str) -> None:
@@ -128,6 +142,7 @@ class AutoOffload:
 
     def __init__(self, settings: EnvSettings) -> None:
         self.settings = settings
+        self.ranks = settings.ranks  # taken again at the first forward and at exit
         self.offloader: Offloader | None = None
         self.ssd_dirs: tuple[str, ...] = ()
         self._created_dirs: list[str] = []
@@ -187,13 +202,14 @@ class AutoOffload:
             if self.offloader is not None:
                 return self.offloader
             cfg = self.settings.config
+            self.ranks = rank_now()  # see [the rank when it is known] in ranks.py
             if cfg.tier != "keep":
                 self.ssd_dirs = self._rank_dirs(cfg)
                 cfg = replace(cfg, ssd_dirs=self.ssd_dirs)
             self.offloader = Offloader(cfg)
             log.info(
                 "offloadd: active%s, tier %s, dirs %s",
-                f" ({self.settings.ranks.label()})" if self.settings.ranks.multi else "",
+                f" ({self.ranks.label()})" if self.ranks.multi else "",
                 cfg.tier,
                 ", ".join(self.ssd_dirs) or "-",
             )
@@ -207,7 +223,7 @@ class AutoOffload:
         from offloadd.io.files import default_offload_dir
 
         dirs = list(cfg.ssd_dirs) or [default_offload_dir()]
-        ranks = self.settings.ranks
+        ranks = self.ranks
         if not ranks.multi:
             return tuple(dirs)
         out = []
@@ -229,6 +245,7 @@ class AutoOffload:
         self.scope.enabled = False
         off = self.offloader
         try:
+            self.ranks = group_rank() or self.ranks  # see [the rank when it is known]
             stats = off.stats()
             plan = off.plan()
             for fin in self._relay_final:
@@ -237,22 +254,22 @@ class AutoOffload:
             off.close()
             wall = time.monotonic() - self._started
             print(
-                summary_line(stats, self.settings.ranks, self.scope.scopes, wall, relayed),
+                summary_line(stats, self.ranks, self.scope.scopes, wall, relayed),
                 file=sys.stderr,
                 flush=True,
             )
-            st = self.settings
-            if st.report is not None and (st.report_every_rank or st.ranks.rank == 0):
+            report = self.settings.report_path(self.ranks)
+            if report is not None:
                 data = report_dict(
                     stats=stats,
-                    ranks=self.settings.ranks,
+                    ranks=self.ranks,
                     config=off.config,
                     forwards=self.scope.scopes,
                     wall_s=wall,
                     plan=plan_dict(plan) if plan is not None else None,
                     relayed=relayed,
                 )
-                write_report(st.report, data)
+                write_report(report, data)
         except Exception as e:  # never change how the program exits
             print(f"offloadd: writing the exit summary failed: {e!r}", file=sys.stderr)
         for d in reversed(self._created_dirs):

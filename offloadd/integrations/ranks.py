@@ -4,6 +4,17 @@ torchrun and the ``deepspeed`` launcher set ``RANK``/``WORLD_SIZE``/``LOCAL_RANK
 ``mpirun`` sets ``OMPI_COMM_WORLD_*``; MPICH and Intel MPI set ``PMI_*``; Slurm's ``srun`` sets
 ``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID``. The first family present wins, in that
 order, so a torchrun started inside a Slurm step reports torchrun's ranks.
+
+Note: [the rank when it is known] Launchers set those variables before the program starts, but
+a program may learn its rank later: workers of ``torch.multiprocessing.spawn`` set ``RANK``
+themselves, or pass ``rank=`` to ``init_process_group``, after ``import torch``, which is when
+``OFFLOADD=1`` activates. So the rank is taken where it is used, not at activation
+(:func:`rank_now`): the default process group's ``get_rank()`` where one is initialized, else
+the variables as they are then. Environment activation takes it at the first training forward,
+which names the per-rank offload directories (and the log line), and looks again at exit for the
+report and the summary line: a process group initialized then wins, else the first forward's
+rank stands (a group destroyed before exit has told its rank already). ``rank_info`` at
+activation only validates the variables.
 """
 
 from __future__ import annotations
@@ -12,7 +23,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["RankInfo", "rank_info"]
+__all__ = ["RankInfo", "group_rank", "rank_info", "rank_now"]
 
 _FAMILIES: tuple[tuple[str, str, str], ...] = (
     ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
@@ -69,3 +80,28 @@ def rank_info(environ: Mapping[str, str] | None = None) -> RankInfo:
                 source=rank_var,
             )
     return RankInfo()
+
+
+def group_rank(environ: Mapping[str, str] | None = None) -> RankInfo | None:
+    """The rank and size of torch.distributed's default process group where one is initialized,
+    else None (see [the rank when it is known]). The local rank is the launcher variables' where
+    they name the same rank, else the rank itself (one node)."""
+    import torch.distributed as dist  # torch is imported already where ranks are asked for
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    rank, size = dist.get_rank(), dist.get_world_size()
+    env = os.environ if environ is None else environ
+    try:
+        launcher = rank_info(env)
+    except ValueError:  # variables the process group does not need: not ours to refuse
+        launcher = RankInfo()
+    same = bool(launcher.source) and (launcher.rank, launcher.world_size) == (rank, size)
+    local = launcher.local_rank if same else rank
+    return RankInfo(rank=rank, world_size=size, local_rank=local, source="torch.distributed")
+
+
+def rank_now(environ: Mapping[str, str] | None = None) -> RankInfo:
+    """This process's rank as known now: its process group's, else the launcher variables' (see
+    [the rank when it is known])."""
+    return group_rank(environ) or rank_info(environ)

@@ -7,7 +7,8 @@ Shared by both sides: the daemon's ``listen()`` (offloadd/daemon/core.py) and th
 Note: [who trusts whom] Whoever listens at the socket path receives every activation a client
 offloads and answers its reads with bytes of its own choosing; and the per-user default path,
 ``/tmp/offloadd-run-$UID/daemon.sock`` where ``XDG_RUNTIME_DIR`` is not set (ssh, Slurm,
-containers), lies in a directory any local user can create first. So, before it sends a byte, a
+containers; offloadd/wire/address.py [the default socket]), lies in a directory any local user
+can create first. So, before it sends a byte, a
 client requires:
 
 - the process listening at the socket (SO_PEERCRED: the uid that called ``listen()``) to run as

@@ -30,6 +30,7 @@ from offloadd.io.buffers import ALIGN, AlignedBuffer, address_view
 from offloadd.io.files import MEMORY_FS, SlotFile, default_offload_dir, filesystem_type
 from offloadd.tools.doctor.checks import Check, Status
 from offloadd.units import format_bytes
+from offloadd.wire.address import socket_path
 from offloadd.wire.trust import own_uid, peer_credentials, socket_dir_problem
 
 __all__ = ["WARN_FACTOR", "Target", "daemon_checks", "dir_checks", "free_check", "targets"]
@@ -233,7 +234,7 @@ def daemon_checks(cfg: Config, min_free: int) -> list[Check]:
     """Where the daemon listens: its directory, the process there and whether the client would
     trust it (offloadd/wire/trust.py [who trusts whom]), and what it says of itself."""
     d = cfg.daemon
-    path = d.socket_path
+    path = socket_path(d.socket)
     configured = bool(d.socket)
     used = configured and cfg.tier == "ssd"
     who = f"daemon.socket {path}" if configured else f"the default socket {path}"

@@ -1,8 +1,8 @@
 """What users do with a relayed model between two training steps: load other weights, work
-inside ``resident()``, convert it, evaluate it, save its state. Each is checked after a step
-with gradient checkpointing, which reads layers in on demand in backward (Note [on demand] in
-relay/relayer.py), against the same model without relay: bit-identical losses and gradients
-(Note [between steps])."""
+inside ``resident()``, convert it, evaluate it, save its state, clear its gradients. Most are
+checked after a step with gradient checkpointing, which reads layers in on demand in backward
+(Note [on demand] in relay/relayer.py), against the same model without relay: bit-identical
+losses and gradients (Note [between steps])."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ from offloadd.relay import RelayError
 from offloadd.relay.state import state_of
 from offloadd.relay.store import HostStore, WeightStore
 from tests.relay.cases import (
+    Layered,
+    freeze_layers,
     llama,
     llama_loss,
     relay_config,
@@ -285,4 +287,39 @@ def test_a_write_in_backward_raises_as_backward_ends(disk_dir: Path) -> None:
     assert not state_of(model).relay._installed
     x = torch.randn(3, 16)
     assert same(step(ref, x, square_loss), step(model, x, square_loss))
+    offloadd.unrelay(model)
+
+
+def test_setting_grad_to_none(disk_dir: Path) -> None:
+    """``p.grad = None`` over every parameter, the optimizer's ``zero_grad()`` either way, and
+    ``del p.grad``: a relayed weight has no gradient to clear, and clearing it is no write. A
+    gradient given to one, or a write to its values, still raises."""
+    torch.manual_seed(0)
+    ref = freeze_layers(Layered())
+    torch.manual_seed(0)
+    model = offloadd.relay(freeze_layers(Layered()), config=relay_config(disk_dir))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ref, model)]
+    x = torch.randn(3, 16)
+    for clear in (
+        lambda m, o: [setattr(p, "grad", None) for p in m.parameters()],
+        lambda m, o: o.zero_grad(set_to_none=True),
+        lambda m, o: o.zero_grad(set_to_none=False),
+        lambda m, o: [delattr(p, "grad") for p in m.parameters()],
+    ):
+        for m, o in zip((ref, model), opts, strict=True):
+            m(x).square().mean().backward()
+            o.step()
+            clear(m, o)
+        assert [p.grad is None for p in ref.parameters()] == [
+            p.grad is None for p in model.parameters()
+        ]
+        assert same(step(ref, x, square_loss), step(model, x, square_loss))
+    w = model.layers[0][1].weight
+    assert w.grad is None
+    with pytest.raises(RelayError, match=r"'layers\.0\.1\.weight'.*frozen"):
+        w.grad = torch.zeros(w.shape)
+    with pytest.raises(RelayError, match=r"'layers\.0\.1\.weight'"):
+        w.data.zero_()
+    with pytest.raises(RelayError, match=r"'layers\.0\.1\.weight'"):
+        w.mul_(2)
     offloadd.unrelay(model)

@@ -14,6 +14,8 @@ Note [relay surface]
   usual, then each group in turn: read, convert, laid out again, written; one group in memory at
   a time, none if the conversion changes nothing. On a module inside the model it raises (it
   would convert part of a group).
+- Each of these starts from the state between steps (Note [between steps] in relayer.py): no
+  group swapped in but what ``resident()`` or a load pinned.
 - :func:`resident`: every group swapped in and pinned for the block; what changed is written
   again on exit. Its groups are not guarded (Note [write guard] in slabs.py): a system call
   writing into a weight would fail with EFAULT, or hang a collective; on exit each group is read
@@ -115,6 +117,7 @@ def _state_post(
 
 def _load_pre(state: RelayState, g: Group, module: nn.Module, *args: Any) -> None:
     r = state.relay
+    r.settle()  # Note [between steps]: a group left in by a backward that raised goes out
     if g.index not in r._installed:
         r.install(g, r.fetch(g))
         r.pinned.add(g.index)
@@ -185,6 +188,7 @@ def _apply(state_ref: Any, module_ref: Any, fn: Any, *args: Any, **kw: Any) -> A
     if state is None or state.converting:
         return original(fn, *args, **kw)
     r = state.relay
+    r.settle()
     if module is not r.model():
         raise RelayError(
             "offloadd relay: convert the relayed model as a whole (model.to(...)), "
@@ -234,6 +238,7 @@ def resident(model: nn.Module) -> Iterator[nn.Module]:
     """Every relayed weight of ``model`` swapped in for the block (all of them held); weights
     changed inside are written to the store again on exit."""
     r = state_of(model).relay
+    r.settle()
     mine = [g for g in r.groups if g.index not in r._installed]
     for g in mine:
         r.install(g, r.fetch(g), guard=False)  # compared with the store on exit instead

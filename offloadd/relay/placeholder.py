@@ -5,12 +5,12 @@ Note [placeholder]
 A relayed weight's bytes live in the store (ssd, or the cpu tier's pinned pool on a GPU); its
 module holds a :class:`RelayedWeight` in their place. The placeholder is a parameter on the meta
 device that says its real shape, dtype and device, so that code that looks at weights
-(``named_parameters()``, counting parameters, ``model.device``, building an optimizer) works
-unchanged, and every other use raises :class:`RelayError` naming the weight: reading it, or
-changing it in place, outside its module's forward never sees stale or missing values.
-``detach()`` too, except while its module saves it into a ``state_dict()``: C++ code that takes
-the detached meta tensor (DistributedDataParallel's first broadcast of every parameter) would
-otherwise skip it silently.
+(``named_parameters()``, counting parameters, ``model.device``, building an optimizer, clearing
+gradients with ``p.grad = None``: a frozen weight has none) works unchanged, and every other use
+raises :class:`RelayError` naming the weight: reading it, or changing it in place, outside its
+module's forward never sees stale or missing values. ``detach()`` too, except while its module
+saves it into a ``state_dict()``: C++ code that takes the detached meta tensor
+(DistributedDataParallel's first broadcast of every parameter) would otherwise skip it silently.
 
 Storage resized to zero, the mechanism sharded training uses to free a parameter, was rejected:
 a CPU tensor whose storage has no bytes is read without a check, and reading it segfaults.
@@ -67,11 +67,24 @@ _WHERE = {
 
 _HINTS = {
     "requires_grad_": " (a relayed weight stays frozen: unrelay it to train it)",
+    "grad": " (a relayed weight is frozen: it has no gradient, and takes none but None)",
     "detach": (
         " (DistributedDataParallel reads every weight as it wraps the model: wrap it within "
         "`with offloadd.resident(model):`, or relay the wrapped model)"
     ),
 }
+
+
+def _what(func: Any) -> str:
+    """``func`` in words: a tensor attribute's ``getset_descriptor.__set__`` as ``setting
+    Tensor.grad``."""
+    qualname = str(getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func)))
+    verb = {"__get__": "reading", "__set__": "setting", "__delete__": "deleting"}
+    kind, _, method = qualname.partition(".")
+    attr = getattr(getattr(func, "__self__", None), "__name__", None)
+    if kind == "getset_descriptor" and method in verb and attr:
+        return f"{verb[method]} Tensor.{attr}"
+    return qualname
 
 
 def _swap_in(args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]] | None:
@@ -129,12 +142,16 @@ class RelayedWeight(nn.Parameter, HoldsNoBytes):
                 wanted = kwargs.get("requires_grad", args[1] if len(args) > 1 else True)
                 if not wanted:
                     return args[0] if func is torch.Tensor.requires_grad_ else None
+            # clearing the gradient (``p.grad = None``, ``del p.grad``): metadata, no byte of
+            # the weight; a frozen weight has none anyway
+            if func == _T.grad.__delete__ or (func == _T.grad.__set__ and args[1] is None):
+                return func(*args, **kwargs)
         real = _swap_in(args, kwargs)
         if real is not None:
             return func(*real[0], **real[1])
         w = next(a for a in args if isinstance(a, RelayedWeight)) if args else None
         name = getattr(w, "relay_name", "?")
-        what = str(getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func)))
+        what = _what(func)
         raise RelayError(
             f"the weight {name!r} is relayed by offloadd (its bytes are in the store outside "
             f"its module's forward), so {what} cannot use it here: use it inside the module's "

@@ -31,9 +31,9 @@ as PyTorch's in-place check would.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
-from collections import deque
 from typing import Any
 
 import torch
@@ -74,7 +74,10 @@ class Relay:
         self._pushed: dict[int, list[Any]] = {}
         self.saved = Saved(self)  # backward's side (backward.py)
         self.pinned: set[int] = set()  # swapped in by resident() or a load: forward leaves them
-        self._on_demand: deque[int] = deque()  # swapped in at a placeholder's use (Note below)
+        # swapped in at a placeholder's use (Note [on demand]): group -> the backward's graph
+        # task that read it in (-1: the model's forward), oldest first
+        self._on_demand: dict[int, int] = {}
+        self._ends: set[int] = set()  # the backwards whose end swaps their groups out
         self.depth = 0  # the model's forwards running (its pre- and post-hook)
         self.device = next((e.param.device for g in groups for e in g.entries), None)
         self._by_placeholder: dict[int, tuple[Group, Any]] = {}
@@ -113,6 +116,8 @@ class Relay:
         if self.depth > 1:
             return
         self.store.begin_step()  # the daemon's client reconnects after a loss
+        if torch._C._current_graph_task_id() == -1:
+            self._ends.clear()  # no backward runs: those left are backwards that raised
         self._drop_on_demand()
         self.saved.new_forward()
         if self._seen:
@@ -137,10 +142,23 @@ class Relay:
     # recomputed in backward by calling its ``forward`` directly, as transformers' gradient
     # checkpointing does; a module whose parent reads its weight) meets the placeholder, which
     # asks :meth:`use`: during the model's forward or a backward, the group is read in now and
-    # stays in, with the ``window`` last groups swapped in so, until the next forward begins.
-    # Anywhere else the placeholder raises.
+    # stays in (guarded, Note [write guard] in slabs.py), the ``window`` last groups read so at
+    # most, until the model's forward ends, or the backward that read it in ends (a callback
+    # queued on autograd's engine for that graph task), whichever it was. Anywhere else the
+    # placeholder raises.
+    #
+    # Note [between steps]
+    # ~~~~~~~~~~~~~~~~~~~~
+    # Outside the model's forward and every backward, no group is swapped in but those that
+    # ``resident()`` or a load pinned: each group is its placeholder, its bytes the store's
+    # record. ``load_state_dict()``, ``resident()`` and ``.to()`` (model_ops.py) rely on it:
+    # they swap in what they use themselves, unguarded where they write. So the model's forward
+    # and backward both end by swapping out what they read in on demand (Note [on demand]); a
+    # backward that raised runs no callback, so each of those operations first calls
+    # :meth:`Relay.settle`, which swaps out what such a backward left in.
     def use(self, placeholder: Any) -> torch.Tensor | None:
-        if self.depth == 0 and torch._C._current_graph_task_id() == -1:
+        task = torch._C._current_graph_task_id()
+        if self.depth == 0 and task == -1:
             return None
         found = self._by_placeholder.get(id(placeholder))
         if found is None:
@@ -148,10 +166,25 @@ class Relay:
         g, e = found
         if g.index not in self._installed:
             self.install(g, self.fetch(g))
-            self._on_demand.append(g.index)
+            self._on_demand[g.index] = task
+            if task != -1 and task not in self._ends:
+                self._ends.add(task)
+                engine = torch.autograd.Variable._execution_engine
+                engine.queue_callback(functools.partial(self._backward_ended, task))
             while len(self._on_demand) > self.window:
-                self._swap_out(self._on_demand.popleft())
+                self._swap_out(next(iter(self._on_demand)))
         return e.param
+
+    def _backward_ended(self, task: int) -> None:
+        self._ends.discard(task)
+        self._drop_on_demand(task)
+
+    def settle(self) -> None:
+        """Swap out what was read in on demand and left in (Note [between steps]); only between
+        steps: inside the model's forward or a backward, those groups are in use."""
+        if self.depth == 0 and torch._C._current_graph_task_id() == -1:
+            self._ends.clear()  # none runs: those left are backwards that raised
+            self._drop_on_demand()
 
     def note_placeholder(self, g: Group, e: Any) -> None:
         self._by_placeholder[id(e.placeholder)] = (g, e)
@@ -161,18 +194,29 @@ class Relay:
         self._by_placeholder.pop(id(e.placeholder), None)
         e.placeholder.relay_use = None
 
-    def _drop_on_demand(self) -> None:
-        while self._on_demand:
-            self._swap_out(self._on_demand.popleft())
-
-    def _swap_out(self, i: int) -> None:
-        if i in self.pinned or self._pushed.get(i):
-            return
-        changed = self.uninstall(self.groups[i])
+    def _drop_on_demand(self, task: int | None = None) -> None:
+        """Swap out the groups read in on demand (by the backward ``task`` only, if given); if
+        any was written meanwhile, raise once every one is out."""
+        changed: list[str] = []
+        for i in [i for i, t in self._on_demand.items() if task is None or t == task]:
+            changed += self._swap_out(i, raises=False)
         if changed:
             raise RelayError(
                 f"relayed weights were changed in place while the model ran: {', '.join(changed)}"
             )
+
+    def _swap_out(self, i: int, raises: bool = True) -> list[str]:
+        """Swap out group ``i``, read in on demand, unless pinned or its forward runs (its
+        post-hook swaps it out); the names of its weights written meanwhile."""
+        self._on_demand.pop(i, None)
+        if i in self.pinned or self._pushed.get(i):
+            return []
+        changed = self.uninstall(self.groups[i])
+        if changed and raises:
+            raise RelayError(
+                f"relayed weights were changed in place while the model ran: {', '.join(changed)}"
+            )
+        return changed
 
     def _prefetch_forward(self, i: int) -> None:
         if i not in self._fwd and i not in self._installed:
@@ -241,8 +285,7 @@ class Relay:
         in_backward = torch._C._current_graph_task_id() != -1  # a recomputation (checkpointing)
         if not in_backward and self.depth:  # calls to layers without the model: never cleared
             self._seen.append(g.index)
-        if g.index in self._on_demand:
-            self._on_demand.remove(g.index)  # its post-hook swaps it out now
+        self._on_demand.pop(g.index, None)  # if read in on demand: its post-hook swaps it out
         if g.index not in self._installed:
             carried = None if in_backward else self.saved.carried(g)
             if carried is not None:  # called again in this forward (a layer used twice)

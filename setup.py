@@ -8,7 +8,7 @@
    ========================  ==============================  =====================================
    io_native/native.c        offloadd.io._native             CPython C API (no torch)
    codec/codec.c             offloadd.codec._kernels         CPython C API (no torch)
-   write_guard/guard.c       offloadd.relay._write_guard     CPython C API (no torch)
+   write_guard/*.c           offloadd.relay._write_guard     CPython C API (no torch)
    host_allocator/*.cpp      offloadd.runtime._host_cache    torch ops (torch.utils.cpp_extension)
    memsave/*.cpp             offloadd.memsave._kernels       torch ops (torch.utils.cpp_extension)
    ========================  ==============================  =====================================
@@ -77,7 +77,8 @@ def c_extensions() -> list[Extension]:
         ),
         Extension(
             "offloadd.relay._write_guard",
-            sources=["csrc/write_guard/guard.c"],
+            sources=["csrc/write_guard/guard.c", "csrc/write_guard/chain.c"],
+            depends=["csrc/write_guard/guard.h"],
             extra_compile_args=["-O2", *C_FLAGS],
             optional=True,
         ),

@@ -3,90 +3,112 @@
  * A write through ``weight.data`` (``w.data.mul_(2)``) or through a tensor made from the same
  * memory bumps no version counter, so neither PyTorch's in-place check nor relay's sees it. While
  * a slab is swapped in, relay makes its pages read-only (protect). The first write into them
- * faults; the SIGSEGV handler below finds the slab, records the faulting address, makes the slab
- * writable again and returns, so the write goes ahead and every later one runs at full speed.
- * Relay then asks (fault) or releases (release) and knows the group was written, and where.
+ * faults; the SIGSEGV handler (chain.c) asks guard_settles, which finds the slab, records the
+ * faulting address, makes the slab writable again and returns, so the write goes ahead and every
+ * later one runs at full speed. Relay then asks (fault) or releases (release) and knows the group
+ * was written, and where. A fault the guard does not settle goes on to the handler that was there
+ * before, and the guard's stays installed (Note [chaining] in chain.c).
  *
- * A fault outside every protected slab is not ours: the handler puts the previous handler back
- * (Python's faulthandler, or the default action) and returns; the instruction faults again and
- * meets that handler as if this one had never been installed. A SIGSEGV not raised by a fault
- * (kill, raise) goes to that handler too, then ends the process with the default action (a
- * faulthandler enabled after relay raises it again, back here). protect() installs the handler
- * again if something replaced it (faulthandler.enable() after relay), chaining to that one.
+ * Note [a fault racing a release]
+ * ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+ * A thread may write into a guarded slab while another releases it (or a slab is dropped while
+ * guarded, its finalizer running anywhere). Its fault and the handler's lookup are apart: the
+ * kernel delivers the signal, and the thread may be descheduled in between. Three rules keep
+ * that sound:
  *
- * The handler makes only async-signal-safe calls (mprotect, sigaction, raise); slots are claimed
- * and freed with atomics, so a slot is never seen half written: its start is published last and
- * cleared first.
+ * 1. A slot is claimed (FREE -> FILLING), filled, then published (GUARDED) before its pages are
+ *    made read-only, so no fault on them finds it unpublished.
+ * 2. A handler announces itself on a slot (users) and only then reads its state, start and
+ *    end. release marks the slot RELEASING and waits until no handler is on it before it reads
+ *    the fault, makes the pages writable and frees the slot. So a handler that reads GUARDED
+ *    holds the slot as it was: it records its write and makes the pages writable before release
+ *    goes on, and the slot cannot be refilled under it. A fault in a RELEASING range is retried,
+ *    not recorded (were the slot refilled meanwhile, the retry faults and finds the new range).
+ * 3. A fault whose range was released and freed before the handler looked finds nothing. Each
+ *    release counts itself (releases) after its pages are writable and before its slot is free;
+ *    each thread remembers the count it saw last. A fault that finds no range while the count
+ *    moved since is retried once as a plain access: it runs if a release made its page
+ *    writable, or faults again and goes on to the previous handler. So a fault is reported as a
+ *    write only while its range is guarded, and passed on only once no release can explain it.
+ *
+ * The handler's part (guard_settles) uses only atomics and mprotect; it never waits.
  */
 #define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
-#include <signal.h>
+#include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
-#include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "guard.h"
+
 #define SLOTS 4096
 
+enum { FREE, FILLING, GUARDED, RELEASING };
+
 typedef struct {
-    _Atomic uintptr_t start; /* 0: free (or being filled) */
+    atomic_int state;
+    atomic_int users; /* handlers reading this slot now */
+    _Atomic uintptr_t start;
     _Atomic uintptr_t end;
     _Atomic uintptr_t fault; /* the first faulting address, 0 if none */
-    _Atomic int claimed;
 } Range;
 
 static Range ranges[SLOTS];
-static struct sigaction previous;
-static volatile sig_atomic_t passed_on; /* a sent SIGSEGV went to the previous handler */
+static atomic_int in_use;     /* every slot ever claimed is below it */
+static atomic_ulong releases; /* releases that made their pages writable */
+/* the releases this thread's handler saw last: initial-exec, so reading it never allocates */
+static __thread unsigned long releases_seen __attribute__((tls_model("initial-exec")));
 static PyThread_type_lock install_lock;
 
-static void on_segv(int sig, siginfo_t *info, void *context) {
-    (void)context;
-    uintptr_t at = (uintptr_t)info->si_addr;
-    if (info->si_code == SEGV_ACCERR) {
-        for (int i = 0; i < SLOTS; i++) {
-            uintptr_t start = atomic_load(&ranges[i].start);
-            if (start == 0 || at < start || at >= atomic_load(&ranges[i].end))
-                continue;
-            uintptr_t none = 0;
-            atomic_compare_exchange_strong(&ranges[i].fault, &none, at);
-            int saved = errno;
-            mprotect((void *)start, atomic_load(&ranges[i].end) - start, PROT_READ | PROT_WRITE);
-            errno = saved;
-            return;
-        }
+/* What slot r says of a fault at ``at``: 1 settled (recorded, or to retry), 0 not its range. */
+static int settles_in(Range *r, uintptr_t at) {
+    atomic_fetch_add(&r->users, 1);
+    int state = atomic_load(&r->state);
+    uintptr_t start = atomic_load(&r->start), end = atomic_load(&r->end);
+    int settled = state >= GUARDED && at >= start && at < end;
+    if (settled && state == GUARDED) {
+        uintptr_t none = 0;
+        atomic_compare_exchange_strong(&r->fault, &none, at);
+        /* should the pages stay read-only, the fault is not settled: better passed on than
+         * taken again forever */
+        settled = mprotect((void *)start, end - start, PROT_READ | PROT_WRITE) == 0;
     }
-    if (info->si_code <= 0) { /* sent, not a fault: nothing to return to */
-        /* Raised again on return, once under the previous handler (faulthandler's traceback),
-         * then under the default action: a faulthandler enabled after relay raises it back here. */
-        if (!passed_on) {
-            passed_on = 1;
-            sigaction(sig, &previous, NULL);
-        } else {
-            signal(sig, SIG_DFL);
-        }
-        raise(sig);
-        return;
-    }
-    sigaction(sig, &previous, NULL); /* the fault happens again, under the previous handler */
+    atomic_fetch_sub(&r->users, 1);
+    return settled;
 }
 
-static int ensure_handler(void) {
-    struct sigaction now;
-    if (sigaction(SIGSEGV, NULL, &now) != 0)
-        return -1;
-    if ((now.sa_flags & SA_SIGINFO) && now.sa_sigaction == on_segv)
+int guard_settles(uintptr_t at) {
+    int n = atomic_load(&in_use);
+    for (int i = 0; i < n; i++) {
+        if (atomic_load(&ranges[i].state) >= GUARDED && settles_in(&ranges[i], at))
+            return 1;
+    }
+    unsigned long now = atomic_load(&releases);
+    if (now == releases_seen)
         return 0;
-    struct sigaction mine;
-    memset(&mine, 0, sizeof mine);
-    mine.sa_sigaction = on_segv;
-    mine.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_RESTART;
-    sigemptyset(&mine.sa_mask);
-    previous = now;
-    return sigaction(SIGSEGV, &mine, NULL);
+    releases_seen = now; /* a release since this thread last looked: retry once */
+    return 1;
+}
+
+/* Take slot r out of use: its pages writable, its fault returned (errno set if mprotect failed,
+ * *failed nonzero). */
+static uintptr_t retire(Range *r, int *failed) {
+    atomic_store(&r->state, RELEASING);
+    while (atomic_load(&r->users) != 0)
+        sched_yield();
+    uintptr_t start = atomic_load(&r->start), end = atomic_load(&r->end);
+    *failed = mprotect((void *)start, end - start, PROT_READ | PROT_WRITE) != 0;
+    int e = errno;
+    uintptr_t fault = atomic_load(&r->fault);
+    atomic_fetch_add(&releases, 1);
+    atomic_store(&r->state, FREE);
+    errno = e;
+    return fault;
 }
 
 static PyObject *guard_protect(PyObject *self, PyObject *args) {
@@ -100,21 +122,30 @@ static PyObject *guard_protect(PyObject *self, PyObject *args) {
         return NULL;
     }
     PyThread_acquire_lock(install_lock, WAIT_LOCK);
-    int failed = ensure_handler();
+    int installed = chain_install();
     PyThread_release_lock(install_lock);
-    if (failed)
+    if (installed == -1)
         return PyErr_SetFromErrno(PyExc_OSError);
+    if (installed == -2) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "protect: other SIGSEGV handlers were put over the guard's too often");
+        return NULL;
+    }
     for (int i = 0; i < SLOTS; i++) {
-        int free_ = 0;
-        if (!atomic_compare_exchange_strong(&ranges[i].claimed, &free_, 1))
+        Range *r = &ranges[i];
+        int free_ = FREE;
+        if (!atomic_compare_exchange_strong(&r->state, &free_, FILLING))
             continue;
-        atomic_store(&ranges[i].fault, 0);
-        atomic_store(&ranges[i].end, (uintptr_t)(address + nbytes));
-        atomic_store(&ranges[i].start, (uintptr_t)address);
+        atomic_store(&r->fault, 0);
+        atomic_store(&r->start, (uintptr_t)address);
+        atomic_store(&r->end, (uintptr_t)(address + nbytes));
+        int n = atomic_load(&in_use);
+        while (n <= i && !atomic_compare_exchange_weak(&in_use, &n, i + 1))
+            ;
+        atomic_store(&r->state, GUARDED); /* published before any of its pages can fault */
         if (mprotect((void *)(uintptr_t)address, nbytes, PROT_READ) != 0) {
-            int e = errno;
-            atomic_store(&ranges[i].start, 0);
-            atomic_store(&ranges[i].claimed, 0);
+            int e = errno, failed;
+            retire(r, &failed); /* a part may have been made read-only */
             errno = e;
             return PyErr_SetFromErrno(PyExc_OSError);
         }
@@ -128,7 +159,7 @@ static Range *slot_of(PyObject *args) {
     int i;
     if (!PyArg_ParseTuple(args, "i", &i))
         return NULL;
-    if (i < 0 || i >= SLOTS || !atomic_load(&ranges[i].claimed)) {
+    if (i < 0 || i >= SLOTS || atomic_load(&ranges[i].state) != GUARDED) {
         PyErr_Format(PyExc_ValueError, "no protected slot %d", i);
         return NULL;
     }
@@ -144,16 +175,10 @@ static PyObject *guard_release(PyObject *self, PyObject *args) {
     Range *r = slot_of(args);
     if (r == NULL)
         return NULL;
-    uintptr_t start = atomic_load(&r->start), end = atomic_load(&r->end);
-    int failed = mprotect((void *)start, end - start, PROT_READ | PROT_WRITE);
-    int e = errno;
-    uintptr_t fault = atomic_load(&r->fault);
-    atomic_store(&r->start, 0);
-    atomic_store(&r->claimed, 0);
-    if (failed) {
-        errno = e;
+    int failed;
+    uintptr_t fault = retire(r, &failed);
+    if (failed)
         return PyErr_SetFromErrno(PyExc_OSError);
-    }
     return PyLong_FromUnsignedLongLong(fault);
 }
 
@@ -172,10 +197,20 @@ static struct PyModuleDef module = {
     -1, methods, NULL, NULL, NULL, NULL,
 };
 
+/* A child forked while a handler ran on another thread has no such thread: no handler is on
+ * any slot, and a release there must not wait for one. */
+static void forget_handlers(void) {
+    for (int i = 0; i < SLOTS; i++)
+        atomic_store(&ranges[i].users, 0);
+}
+
 PyMODINIT_FUNC PyInit__write_guard(void) {
     install_lock = PyThread_allocate_lock();
     if (install_lock == NULL)
         return PyErr_NoMemory();
+    errno = pthread_atfork(NULL, NULL, forget_handlers);
+    if (errno != 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && PyModule_AddIntConstant(m, "SLOTS", SLOTS) != 0) {
         Py_DECREF(m);

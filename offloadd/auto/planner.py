@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -88,7 +89,7 @@ class AutoPlanner:
         self.offload = offload
         self.ledger = ledger
         self.tls = tls
-        self.root: nn.Module | None = None
+        self._root: weakref.ref[nn.Module] | None = None  # see root
         self.names: list[str] = []
         self.modules: list[nn.Module] = []
         self._index: dict[int, int] = {}
@@ -121,12 +122,21 @@ class AutoPlanner:
 
     # -- attaching ---------------------------------------------------------------------------
 
+    @property
+    def root(self) -> nn.Module | None:
+        """The model planned: held weakly, so that a model the script replaces (a checkpoint
+        loaded into a new one, a new trial) goes, and the next model called is planned."""
+        return self._root() if self._root is not None else None
+
     def attach(self, root: nn.Module) -> None:
-        """Find ``root``'s blocks and hook them (once; later calls do nothing)."""
-        if self.root is not None:
-            return
-        self.root = root
-        self.shapes.held = lambda: held_elsewhere(root)
+        """Find ``root``'s blocks and hook them (once per model; while the model planned
+        lives, later calls do nothing)."""
+        if self._root is not None:
+            if self._root() is not None:
+                return
+            self._forget_model()
+        self._root = ref = weakref.ref(root)
+        self.shapes.held = lambda: held_elsewhere(ref())
         sample = next(root.parameters(), None)
         self.probe = open_probe(sample, lambda: self.ledger.stats.buffer_bytes)
         found = find_blocks(root)
@@ -147,6 +157,18 @@ class AutoPlanner:
         log.info(
             "offloadd: budget: %d blocks found (%s ... %s)", len(found), found[0][0], found[-1][0]
         )
+
+    def _forget_model(self) -> None:
+        """The model planned is gone: what was learned of it goes too (called where the next
+        model's first module is noted, before any of its blocks runs)."""
+        self.detach()
+        self.names, self.modules, self._index = [], [], {}
+        self.shapes = ShapePlans(self.budget, self.offload)
+        self.drift = Drift()
+        self._warm = set()
+        self.plan = self.last_plan = None
+        self._profile, self._recording = None, False
+        log.info("offloadd: budget: the model planned is gone; planning the next one")
 
     def detach(self) -> None:
         for h in self._handles:

@@ -11,6 +11,8 @@ checkpoint recomputes it in backward (where the planner never recomputes), which
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 __all__ = ["PASSES_TO", "saves_reach_offloadd"]
@@ -24,7 +26,7 @@ def saves_reach_offloadd() -> bool:
     """Whether what autograd saves on this thread now reaches an Offloader's pack: the
     innermost hooks are an Offloader's, or relay's passing on to one (see [innermost hooks])."""
     top = torch._C._autograd._top_saved_tensors_default_hooks(True)
-    pack = top[0] if top is not None else None
+    pack: Any = top[0] if top is not None else None
     while pack is not None:
         mark = getattr(pack, PASSES_TO, None)
         if mark is True:

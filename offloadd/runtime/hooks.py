@@ -80,9 +80,11 @@ class SavedTensorHooks:
         """What torch calls; dynamo never traces them (see [invisible to dynamo] in compiled.py).
         Made at each entry: kept on the Offloader, they would make a cycle with it, and an
         Offloader must go when its last reference does (see [shutdown])."""
+        pack: Any
+        unpack: Any
         if self._codec is None:
             pack = unseen(self._pack)
-            pack.offloader = self  # type: ignore[attr-defined]  # evict's (graph_ops.py)
+            pack.offloader = self  # evict's (graph_ops.py)
             unpack = unseen(self._unpack)
         else:
             pack, unpack = unseen(self._pack_coded), unseen(self._unpack_coded)

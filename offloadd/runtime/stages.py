@@ -50,8 +50,10 @@ class Planner(Protocol):
     It sets ``keep`` and ``tag`` on the offloader's thread-local around each block it hooks, and
     reads the ledger's counters and peaks under its lock."""
 
-    root: nn.Module | None
-    """The model it plans (None until :meth:`attach`)."""
+    @property
+    def root(self) -> nn.Module | None:
+        """The model it plans (None until :meth:`attach`, and once that model is gone)."""
+
     last_plan: Any
     """The plan of the last step planned (None before the first)."""
 

@@ -131,7 +131,7 @@ def _close(store: WeightStore | HostStore, slabs: Slabs) -> None:
 def _hook(model: nn.Module, state: RelayState) -> None:
     r = state.relay
     h = state.handles
-    warn = functools.partial(_compiled_whole, model, state)
+    warn = functools.partial(_compiled_whole, weakref.ref(model))  # a cycle through the hook
     h.append(model.register_forward_pre_hook(unseen_noting_compile(r.on_model_forward, warn)))
     h.append(model.register_forward_hook(unseen(r.after_model_forward), always_call=True))
     for g in r.groups:
@@ -145,12 +145,14 @@ def _hook(model: nn.Module, state: RelayState) -> None:
     model.__dict__["__deepcopy__"] = _not_copied
 
 
-def _compiled_whole(model: nn.Module, state: RelayState) -> None:
+def _compiled_whole(model_ref: weakref.ref[nn.Module]) -> None:
     """Note [relay under torch.compile]: relay's hooks run eagerly, so a model compiled whole
     breaks its graph at each relayed layer. Inductor then compiles the layers apart, as
     ``layer.compile()`` per layer would, and its kernels round as those do: the same bits as
     the unrelayed model compiled per layer, not as the one compiled whole. Said once."""
-    if state.compile_warned:
+    model = model_ref()
+    state = model.__dict__.get(ATTR) if model is not None else None
+    if state is None or state.compile_warned:
         return
     state.compile_warned = True
     log.warning(

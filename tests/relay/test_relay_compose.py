@@ -5,6 +5,7 @@ script. Every combination is bit-identical to the same model without relay."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -76,9 +77,10 @@ def test_with_memsave(disk_dir: Path) -> None:
     offloadd.unrelay(model)
 
 
-def test_compiled(disk_dir: Path) -> None:
+def test_compiled(disk_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Under torch.compile, relay's hooks run eagerly: a graph break at each group's forward.
-    The same model compiled with a no-op hook at the same places computes the same bits."""
+    The same model compiled with a no-op hook at the same places computes the same bits, and
+    relay says once that the kernels are not those of the model compiled whole."""
     noop = unseen(lambda *args: None)
 
     def reference() -> nn.Module:
@@ -95,8 +97,11 @@ def test_compiled(disk_dir: Path) -> None:
     want = [step(ref, x, square_loss) for x in xs]
     torch.manual_seed(0)
     model = torch.compile(offloadd.relay(freeze_layers(Layered()), config=relay_config(disk_dir)))
-    for x, w in zip(xs, want, strict=True):
-        assert same(w, step(model, x, square_loss))
+    with caplog.at_level(logging.WARNING, logger="offloadd"):
+        for x, w in zip(xs, want, strict=True):
+            assert same(w, step(model, x, square_loss))
+    said = [r.getMessage() for r in caplog.records if "compiled whole" in r.getMessage()]
+    assert len(said) == 1 and "layer.compile()" in said[0], said
     offloadd.unrelay(model._orig_mod)  # type: ignore[arg-type]
 
 

@@ -43,10 +43,11 @@ from torch import nn
 from offloadd.auto import recompute
 from offloadd.auto.discover import find_blocks
 from offloadd.auto.drift import Drift
+from offloadd.auto.grad_hooks import GradHooks, weakly
 from offloadd.auto.plans import ShapePlans
 from offloadd.auto.probe import CudaProbe, HostCacheProbe, MemoryProbe, open_probe
-from offloadd.auto.profile import HEAD, StepProfile
-from offloadd.auto.race import PATIENCE, RACE_STEPS_MAX, RACE_STEPS_MIN
+from offloadd.auto.profile import HEAD, StepProfile, first_grad_tensor
+from offloadd.auto.race import PATIENCE, RACE_STEPS_MAX, RACE_STEPS_MIN, Race
 from offloadd.auto.solver import OFFLOAD, RECOMPUTE, Plan
 from offloadd.runtime.accounting import Ledger
 from offloadd.runtime.hook_stack import saves_reach_offloadd
@@ -94,6 +95,7 @@ class AutoPlanner:
         self.modules: list[nn.Module] = []
         self._index: dict[int, int] = {}
         self._handles: list[Any] = []
+        self._grad_hooks = GradHooks()  # see [one hook per tensor] in grad_hooks.py
         self.shapes = ShapePlans(budget, offload)  # plans.py
         # Drift's reference: the block forward time of a shape's second planned step (the first
         # warms caches to the plan's allocations: on small blocks it ran 4x slower than later ones)
@@ -174,6 +176,7 @@ class AutoPlanner:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._grad_hooks.clear()
         for m in self.modules:
             recompute.remove(m)
 
@@ -308,7 +311,12 @@ class AutoPlanner:
             self._warm.add(sig)
             return
         self._profile = StepProfile(
-            [*self.names, HEAD], sig, self._io_wait, probe=self.probe, base_level=self._level0
+            [*self.names, HEAD],
+            sig,
+            self._io_wait,
+            probe=self.probe,
+            base_level=self._level0,
+            hooks=self._grad_hooks,
         )
         self._recording = True
         self.profiles += 1
@@ -316,35 +324,31 @@ class AutoPlanner:
     def _mark_backward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """When the step's gradient reaches the first block's input: a raced step's time ends
         there (see [race]), and so does a measured step's window (see [measured peaks]: what
-        runs between steps, an evaluation, another model's step, is not the step's). Not under
+        runs between steps, an evaluation, another model's step, is not the step's); this step's
+        mark replaces the last one's on a leaf input ([one hook per tensor]). Not under
         torch.compile, whose graphs the hook would break: the window then ends at the next
         forward."""
         if torch.compiler.is_compiling():
             return
-        x = next(
-            (
-                a
-                for a in (*args, *kwargs.values())
-                if isinstance(a, torch.Tensor) and a.requires_grad
-            ),
-            None,
-        )
+        x = first_grad_tensor([*args, *kwargs.values()])  # the tensor the profile times too
+        if x is None:
+            return
         race = self.shapes.race
         race = race if race is not None and race.running is not None else None
-        probe = self.probe if self._armed else None
-        if x is None or (race is None and probe is None):
-            return
-        step = self._step_no
+        peak = self._armed and self.probe is not None
+        mark = None
+        if race is not None or peak:
+            mark = weakly(self._input_reached, self._step_no, race, peak)
+        self._grad_hooks.mark(x, mark)
 
-        def mark(grad: torch.Tensor) -> None:
-            if probe is not None and step == self._step_no:
-                self._step_peak = probe.peak()
-            if race is not None:
-                if grad.is_cuda:
-                    torch.cuda.synchronize()
-                race.mark(self.clock())
-
-        x.register_hook(mark)
+    def _input_reached(self, grad: torch.Tensor, step: int, race: Race | None, peak: bool) -> None:
+        """Step ``step``'s gradient reached the first block's input (see ``_mark_backward``)."""
+        if peak and self.probe is not None and step == self._step_no:
+            self._step_peak = self.probe.peak()
+        if race is not None:
+            if grad.is_cuda:
+                torch.cuda.synchronize()
+            race.mark(self.clock())
 
     @property
     def plan_offloads(self) -> bool | None:

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from offloadd.auto.grad_hooks import GradHooks
 from offloadd.auto.probe import MemoryProbe
 from offloadd.auto.solver import BlockCost
 
@@ -105,6 +106,8 @@ class StepProfile:
     probe: MemoryProbe | None = None
     base_level: int = 0
     """The probe's level when the step's forward began."""
+    hooks: GradHooks = field(default_factory=GradHooks)
+    """Where its gradient hooks go: the planner's (see [one hook per tensor] in grad_hooks.py)."""
     started: float = field(default_factory=time.perf_counter)
     saved: list[int] = field(init=False)
     inputs: list[int] = field(init=False)
@@ -212,7 +215,7 @@ class StepProfile:
             with self._lock:
                 self.pending_hooks -= 1
 
-        t.register_hook(on_grad)
+        self.hooks.once(t, on_grad)
 
     def _set_in(self, k: int, t: float, w: float) -> None:
         if self.grad_in[k] is None:

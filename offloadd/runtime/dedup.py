@@ -25,6 +25,7 @@ __all__ = ["StorageIndex", "is_parameter"]
 
 _Parameter = torch.nn.Parameter
 _Tensor = torch.Tensor
+_NoTorchFunction = torch._C.DisableTorchFunction
 
 
 def is_parameter(t: torch.Tensor) -> bool:
@@ -56,12 +57,18 @@ class StorageIndex:
         """Remember the storages that back ``module``'s own parameters and buffers.
 
         Lazy modules' uninitialized parameters and buffers, meta tensors and tensors without a
-        storage of their own (functorch wrappers) are skipped, never touched."""
-        for tensors in (module._parameters, module._buffers):
-            for p in tensors.values():
-                s = storage_of(p) if p is not None else None
-                if p is not None and s is not None:
-                    self._params[(p.device, s._cdata)] = StorageWeakRef(s)
+        storage of their own (functorch wrappers) are skipped, never touched. Their attributes
+        are read with torch functions off: this runs in a module's pre-hook, inside the scope,
+        where a torch function mode may be on (the codec's ``OpScope``, a user's), and each read
+        would be a call of its ``__torch_function__`` in Python, per parameter and module call,
+        whose tuples and attribute names, made afresh, the interpreter's free lists and type
+        cache keep for thousands of steps."""
+        with _NoTorchFunction():
+            for tensors in (module._parameters, module._buffers):
+                for p in tensors.values():
+                    s = storage_of(p) if p is not None else None
+                    if p is not None and s is not None:
+                        self._params[(p.device, s._cdata)] = StorageWeakRef(s)
 
     def clear_parameters(self) -> None:
         self._params.clear()

@@ -34,16 +34,15 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
 from offloadd.auto import recompute
-from offloadd.auto.discover import find_blocks
 from offloadd.auto.drift import Drift
 from offloadd.auto.grad_hooks import GradHooks, weakly
+from offloadd.auto.planned import PlannedModel
 from offloadd.auto.plans import ShapePlans
 from offloadd.auto.probe import CudaProbe, HostCacheProbe, MemoryProbe, open_probe
 from offloadd.auto.profile import HEAD, StepProfile, first_grad_tensor
@@ -51,7 +50,6 @@ from offloadd.auto.race import PATIENCE, RACE_STEPS_MAX, RACE_STEPS_MIN, Race
 from offloadd.auto.solver import OFFLOAD, RECOMPUTE, Plan
 from offloadd.runtime.accounting import Ledger
 from offloadd.runtime.hook_stack import saves_reach_offloadd
-from offloadd.runtime.stages import held_elsewhere
 
 __all__ = ["WARMUP_STEPS", "WARMUP_STEPS_MAX", "AutoPlanner"]
 
@@ -90,11 +88,7 @@ class AutoPlanner:
         self.offload = offload
         self.ledger = ledger
         self.tls = tls
-        self._root: weakref.ref[nn.Module] | None = None  # see root
-        self.names: list[str] = []
-        self.modules: list[nn.Module] = []
-        self._index: dict[int, int] = {}
-        self._handles: list[Any] = []
+        self.model = PlannedModel()  # planned.py
         self._grad_hooks = GradHooks()  # see [one hook per tensor] in grad_hooks.py
         self.shapes = ShapePlans(budget, offload)  # plans.py
         # Drift's reference: the block forward time of a shape's second planned step (the first
@@ -126,59 +120,33 @@ class AutoPlanner:
 
     @property
     def root(self) -> nn.Module | None:
-        """The model planned: held weakly, so that a model the script replaces (a checkpoint
-        loaded into a new one, a new trial) goes, and the next model called is planned."""
-        return self._root() if self._root is not None else None
+        """The model planned (held weakly: planned.py)."""
+        return self.model.root
+
+    @property
+    def names(self) -> list[str]:
+        return self.model.names
 
     def attach(self, root: nn.Module) -> None:
-        """Find ``root``'s blocks and hook them (once per model; while the model planned
-        lives, later calls do nothing)."""
-        if self._root is not None:
-            if self._root() is not None:
-                return
-            self._forget_model()
-        self._root = ref = weakref.ref(root)
-        self.shapes.held = lambda: held_elsewhere(ref())
+        """Plan ``root`` (once per model: while the model planned lives, later calls do
+        nothing; once it is gone, what was learned of it goes too)."""
+        if self.model.root is not None:
+            return
+        if self.model.gone:  # what was learned of it goes too
+            self.detach()
+            self.model, self.drift = PlannedModel(), Drift()
+            self.shapes = ShapePlans(self.budget, self.offload)
+            self._warm, self.plan, self.last_plan, self._profile = set(), None, None, None
+            log.info("offloadd: budget: the model planned is gone; planning the next one")
+        self.shapes.held = self.model.held
         sample = next(root.parameters(), None)
         self.probe = open_probe(sample, lambda: self.ledger.stats.buffer_bytes)
-        found = find_blocks(root)
-        if not found:
-            log.warning(
-                "offloadd: budget: %s has no blocks to plan; offloading as usual",
-                type(root).__name__,
-            )
+        if not self.model.hook(root, self):
             self.tls.keep = False
-            return
-        for k, (name, m) in enumerate(found):
-            self.names.append(name)
-            self.modules.append(m)
-            self._index[id(m)] = k
-            self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
-            self._handles.append(m.register_forward_hook(self._post, always_call=True))
-            recompute.install(m, self, k)
-        log.info(
-            "offloadd: budget: %d blocks found (%s ... %s)", len(found), found[0][0], found[-1][0]
-        )
-
-    def _forget_model(self) -> None:
-        """The model planned is gone: what was learned of it goes too (called where the next
-        model's first module is noted, before any of its blocks runs)."""
-        self.detach()
-        self.names, self.modules, self._index = [], [], {}
-        self.shapes = ShapePlans(self.budget, self.offload)
-        self.drift = Drift()
-        self._warm = set()
-        self.plan = self.last_plan = None
-        self._profile, self._recording = None, False
-        log.info("offloadd: budget: the model planned is gone; planning the next one")
 
     def detach(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self.model.unhook()
         self._grad_hooks.clear()
-        for m in self.modules:
-            recompute.remove(m)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> AutoPlanner:
         # A deep copy of the model (EMA) copies the blocks' hooks, bound to this planner: the
@@ -232,7 +200,7 @@ class AutoPlanner:
             self.ledger.window_peak = st.resident_bytes + st.buffer_bytes
             self.ledger.kept_peak = self.ledger.kept_now
         # Outside the blocks: kept (and before the model is known); without blocks: as usual.
-        self.tls.keep = self.root is None or bool(self.modules)
+        self.tls.keep = self.root is None or bool(self.model.modules)
         self.tls.tag = None
 
     def forward_ends(self) -> None:
@@ -241,7 +209,7 @@ class AutoPlanner:
             self._profile.forward_ends()
 
     def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        k = self._index.get(id(module))
+        k = self.model.index.get(id(module))
         if k is None or _in_backward() or not self._scope_open():
             return
         if not self._checkpointed_warned and recompute.checkpointed(args, kwargs):
@@ -272,10 +240,10 @@ class AutoPlanner:
         self._fwd_start[k] = time.perf_counter()
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
-        k = self._index.get(id(module))
+        k = self.model.index.get(id(module))
         if k is None or _in_backward() or not self._scope_open() or not torch.is_grad_enabled():
             return
-        last = k == len(self.modules) - 1
+        last = k == len(self.model.modules) - 1
         self.tls.keep = True  # between blocks
         self.tls.tag = None
         if last:  # what runs after the blocks: the plan's last unit (see [the plan])
@@ -311,7 +279,7 @@ class AutoPlanner:
             self._warm.add(sig)
             return
         self._profile = StepProfile(
-            [*self.names, HEAD],
+            [*self.model.names, HEAD],
             sig,
             self._io_wait,
             probe=self.probe,

@@ -157,8 +157,11 @@ class Config(Settings):
     its graph empties each saved activation once read and its backward reads it back before use
     (see [emptied in the graph] in runtime/graph_ops.py). Bit-identical to the model compiled
     without offloadd on every model tested, not by construction: off is the switch for one that
-    is not. Off: such a model's saved tensors are moved when its forward returns (exact, but
-    every one of them is resident at that point)."""
+    is not. CPU tensors only: a CUDA region's saved tensors move when its forward returns. It
+    lowers what offloadd holds, not always the process's peak: inductor's graph saves less than
+    eager to begin with (docs/compose.md, the torch.compile row). Off: such a model's saved
+    tensors are moved when its forward returns (exact, but every one of them is resident at
+    that point)."""
 
     daemon: DaemonConfig = section(DaemonConfig)
     """The daemon's settings: the ``[daemon]`` table, ``OFFLOADD_DAEMON_<KEY>`` in the

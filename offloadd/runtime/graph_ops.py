@@ -19,9 +19,10 @@ graph it compiles, and changes nothing else:
   forward returns, autograd calls pack with ``t`` (emptied or not); pack claims what evict
   packed and returns an :class:`~offloadd.runtime.evicted.Evicted`, whose unpack is a
   placeholder without bytes;
-* backward: ``offloadd::fetch(t, after)`` before the first op that reads a saved tensor ``t``,
-  after the last gradient the graph returns before that op (a dependency: else inductor may
-  run every fetch at the backward's start): the tensor read back through
+* backward: ``offloadd::fetch(t, after)`` before the first op that reads a saved tensor ``t``
+  that its own forward gave an evict (how its pass knows which: Note [whose backward] in
+  graph_records.py), after the last gradient the graph returns before that op (a dependency:
+  else inductor may run every fetch at the backward's start): the tensor read back through
   ``Offloader._unpack`` (which prefetches the ones before it), copied into a buffer of ``t``'s
   strides (inductor asserts them, and may reuse the memory of what an op returns). A ``t``
   with its bytes (not offloaded, or no Offloader) is copied as it is.
@@ -53,6 +54,7 @@ whose key (or its absence: no caching) carries over.
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 from typing import Any
 
@@ -66,7 +68,7 @@ try:
 except ImportError:  # torch < 2.12: inductor runs one post-grad pass (torch 2.11 on a GPU here)
     get_custom_graph_passes = None  # type: ignore[assignment]
 
-from offloadd.runtime import evicted
+from offloadd.runtime import evicted, graph_records
 from offloadd.runtime.handles import Ref
 
 __all__ = ["Placement", "install"]
@@ -164,19 +166,31 @@ class Placement(CustomGraphPass):
 
     def uuid(self) -> Any:
         # A cached graph is placed by this code; a backward's fetches also depend on what its
-        # forward's pass gave an evict (forward-only facts: user outputs, views), so those
-        # names are part of its key (a review find: a cached backward lacked a fetch).
-        names = getattr(torch._guards.TracingContext.try_get(), "_offloadd_evicted", None)
-        return (get_hash_for_files((__file__,)), None if names is None else tuple(sorted(names)))
+        # forward's pass gave an evict (forward-only facts: user outputs, views), so that
+        # record is part of its key (a review find: a cached backward lacked a fetch). A
+        # forward is keyed before its pass runs: no record yet.
+        files = (__file__, graph_records.__file__)
+        return (get_hash_for_files(files), graph_records.recorded())
 
 
 ran = [0]  # evicts that packed a tensor (for tests: a cached graph places nothing)
+unmatched = [0]  # backward graphs placed without their forward's record (for tests)
 
 
 def _place_fetches(graph: torch.fx.Graph, inputs: list[torch.fx.Node]) -> None:
-    # The forward's pass named what it gave an evict (the same compile's context); unknown
-    # (never seen here): every saved activation is fetched, which is always safe.
-    names = getattr(torch._guards.TracingContext.try_get(), "_offloadd_evicted", None)
+    # The saved tensors come first, in the order the forward returns them (Note [whose
+    # backward]): its record says which were emptied; without one, all that it made.
+    saved = [
+        p
+        for p in itertools.takewhile(lambda p: not p.name.startswith("tangents_"), inputs)
+        if isinstance(p.meta.get("val"), Tensor)
+    ]
+    positions = graph_records.emptied(saved)
+    if positions is not None:
+        fetched = [p for i, p in enumerate(saved) if i in positions]
+    else:
+        unmatched[0] += 1
+        fetched = [p for p in saved if not p.name.startswith("primals_")]
     order = {n: i for i, n in enumerate(graph.nodes)}
     fetch_op = torch.ops.offloadd.fetch.default
     # Ordered after the last gradient the graph returns before the tensor's first use: without
@@ -186,11 +200,9 @@ def _place_fetches(graph: torch.fx.Graph, inputs: list[torch.fx.Node]) -> None:
         (n for n in outs if isinstance(n, torch.fx.Node) and _is_tensor(n)),  # type: ignore[union-attr]
         key=order.__getitem__,
     )
-    for p in inputs:
-        if p.name.startswith(("primals_", "tangents_")) or not p.users or not _on_cpu(p):
-            continue  # a graph input saved (never emptied), a gradient, a size
-        if names is not None and p.name not in names:
-            continue  # never packed by evict: unpack gives it with its bytes
+    for p in fetched:
+        if not p.users or not _on_cpu(p):
+            continue
         first = min(p.users, key=order.__getitem__)
         done = [g for g in grads if order[g] < order[first]]
         with graph.inserting_before(first):
@@ -207,11 +219,11 @@ def _place_evicts(graph: torch.fx.Graph) -> None:
     outs: list[Any] = list(graph.output_node().args[0])  # type: ignore[arg-type]
     saved = outs[meta.tensors_saved_for_backwards_slice]
     returned = {n for n in outs if isinstance(n, torch.fx.Node) and _is_tensor(n)}
-    names: set[str] = set()
+    emptied: list[int] = []
     order = {n: i for i, n in enumerate(graph.nodes)}
     user_outs = set(outs[: meta.tensors_saved_for_backwards_slice.start])
     evict_op = torch.ops.offloadd.evict.default
-    for t in saved:
+    for i, t in enumerate(saved):
         if (
             not isinstance(t, torch.fx.Node)
             or t.op != "call_function"
@@ -230,9 +242,8 @@ def _place_evicts(graph: torch.fx.Graph) -> None:
         else:
             with graph.inserting_after(after):
                 graph.call_function(evict_op, (t, after, True))
-        names.add(t.name)
-    if ctx is not None:
-        ctx._offloadd_evicted = names  # type: ignore[attr-defined]  # for its backward's pass
+        emptied.append(i)
+    graph_records.record(emptied, saved)  # for its backward's pass (Note [whose backward])
 
 
 def _after_readers(

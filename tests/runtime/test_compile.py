@@ -613,6 +613,49 @@ def _cached_backward_case(disk_dir: Path) -> None:
     off.close()
 
 
+class _Broken(nn.Module):
+    """A block split by a graph break: two blocks make four graphs, each with a context of its
+    own, and graphs alike (the second block's are the first's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(64, 256)
+        self.down = nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.up(x))
+        torch._dynamo.graph_break()
+        return self.down(h * 2) + x
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fx_cache", [False, True], ids=["fx-cache-off", "fx-cache-on"])
+def test_each_backward_is_placed_from_its_own_forward(
+    fx_cache: bool, disk_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Graph breaks and dynamic shapes (each backward compiled at once after its forward):
+    without inductor's FX graph cache, each backward's pass found its own forward's record
+    (Note [whose backward] in runtime/graph_records.py); with it, the forwards alike came from
+    that cache, no pass ran for them, and their backwards fetched every saved activation.
+    Bit-exact either way (tests/runtime/test_compile_ddp.py has DDP's buckets)."""
+    from torch._inductor import config
+
+    from offloadd.runtime import graph_ops
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    torch.manual_seed(0)
+    plain = nn.Sequential(_Broken(), _Broken())
+    mine = copy.deepcopy(plain)
+    xs = [x[:rows] for x, rows in zip(_inputs(3), (64, 48, 40), strict=True)]
+    before = graph_ops.unmatched[0]
+    with config.patch(fx_graph_cache=fx_cache):
+        _compare(plain, mine, xs, disk_dir, {"min_bytes": 0}, dynamic=True)
+    if fx_cache:
+        assert graph_ops.unmatched[0] > before
+    else:
+        assert graph_ops.unmatched[0] == before
+
+
 def test_graph_compiled_under_offloadd_runs_without_it(disk_dir: Path) -> None:
     """The ops stay in the graph: without an Offloader in scope they empty nothing and the
     backward copies what it reads; with other hooks innermost (as checkpoint's are), the same."""

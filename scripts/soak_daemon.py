@@ -15,6 +15,12 @@ directory. Exits 1 if the losses differ, the trainer failed, or a file was left.
 
     python scripts/soak_daemon.py --steps 2000 --period 8 \\
         --out docs/benchmarks/soak_daemon_cpu-2core_$(date +%F).md
+
+``--trainer seams``: the features meet there instead (the seams grid's pairs, over thousands of
+steps): an HF GPT-2 whose first three layers are frozen, with transformers' gradient
+checkpointing, AdamW, an evaluation every 50 steps and, every 200, the model and optimizer saved
+with ``torch.save`` and loaded back; under ``OFFLOADD_RELAY=frozen``, ``OFFLOADD_MEMSAVE=1`` and
+``OFFLOADD_BUDGET=1GiB`` besides the daemon.
 """
 
 from __future__ import annotations
@@ -54,12 +60,51 @@ for step in range(steps):
 """
 
 
+TRAIN_SEAMS = r"""
+import io
+import sys
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+steps = int(sys.argv[1])
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(n_embd=128, n_layer=4, n_head=4, n_positions=64, vocab_size=512))
+for layer in model.transformer.h[:3]:
+    layer.requires_grad_(False)
+model.gradient_checkpointing_enable()
+opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+g = torch.Generator().manual_seed(1)
+for step in range(steps):
+    x = torch.randint(0, 512, (8, 64), generator=g)
+    loss = model(input_ids=x, labels=x).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    print(step, loss.item().hex(), flush=True)
+    if step % 50 == 49:
+        model.eval()
+        with torch.no_grad():
+            print("eval", model(input_ids=x, labels=x).loss.item().hex(), flush=True)
+        model.train()
+    if step % 200 == 199:
+        buf = io.BytesIO()
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+        buf.seek(0)
+        saved = torch.load(buf, weights_only=True)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+"""
+TRAINERS = {"mlp": TRAIN, "seams": TRAIN_SEAMS}
+SEAMS_ENV = {"OFFLOADD_RELAY": "frozen", "OFFLOADD_MEMSAVE": "1", "OFFLOADD_BUDGET": "1GiB"}
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=2000, help="training steps (default 2000)")
     p.add_argument("--period", type=float, default=8.0, help="seconds between restarts")
     p.add_argument("--dir", default="/var/tmp", help="where the daemon's directory is made")
     p.add_argument("--out", help="write the result as markdown here")
+    p.add_argument("--trainer", choices=sorted(TRAINERS), default="mlp", help="see above")
     return p.parse_args()
 
 
@@ -103,7 +148,7 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="offloadd-soak-", dir=args.dir))
     (root / "data").mkdir()
     script = root / "train.py"
-    script.write_text(TRAIN)
+    script.write_text(TRAINERS[args.trainer])
     print(f"soak in {root}: reference run ...", file=sys.stderr)
     ref = subprocess.run(
         [sys.executable, str(script), str(args.steps)], capture_output=True, text=True, check=True
@@ -117,6 +162,7 @@ def main() -> int:
         OFFLOADD_MIN_BYTES="64KiB",
         OFFLOADD_CHUNK_BYTES="256KiB",
         OFFLOADD_STAGING_BYTES="4MiB",
+        **(SEAMS_ENV if args.trainer == "seams" else {}),
     )
     with open(root / "train.err", "w") as err:
         trainer = subprocess.Popen(
@@ -163,17 +209,25 @@ def main() -> int:
     lines = [
         "# Soak: the daemon lost and restarted under a running, unmodified training script",
         "",
-        f"- command: `python scripts/soak_daemon.py --steps {args.steps} --period {args.period}`",
+        f"- command: `python scripts/soak_daemon.py --steps {args.steps} --period {args.period}"
+        f" --trainer {args.trainer}`",
         f"- date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}; "
         f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-        "- trainer: 4 blocks of Linear(256, 1024) + GELU + Linear(1024, 256), batch 256, AdamW; "
-        "`OFFLOADD=1`, `OFFLOADD_MIN_BYTES=64KiB`, `OFFLOADD_CHUNK_BYTES=256KiB`, "
+        (
+            "- trainer: 4 blocks of Linear(256, 1024) + GELU + Linear(1024, 256), batch 256, AdamW"
+            if args.trainer == "mlp"
+            else "- trainer: HF GPT-2 (4 layers, d 128, seq 64, batch 8), the first 3 layers "
+            "frozen, gradient checkpointing, AdamW, an eval every 50 steps, torch.save and "
+            "load_state_dict every 200; `OFFLOADD_RELAY=frozen`, `OFFLOADD_MEMSAVE=1`, "
+            "`OFFLOADD_BUDGET=1GiB`"
+        )
+        + "; `OFFLOADD=1`, `OFFLOADD_MIN_BYTES=64KiB`, `OFFLOADD_CHUNK_BYTES=256KiB`, "
         "`OFFLOADD_STAGING_BYTES=4MiB`, through `offloadd serve`",
         f"- restarts: every {args.period} s, alternately SIGKILL and SIGTERM",
         "",
         "| figure | value |",
         "|---|---|",
-        f"| steps run | {len(got)} of {args.steps} |",
+        f"| steps run | {sum(not line.startswith('eval') for line in got)} of {args.steps} |",
         f"| daemon restarts | {restarts} |",
         f"| losses bit-identical to the run without offloadd | {'yes' if same else 'NO'} |",
         f"| trainer's exit status | {trainer.returncode} |",

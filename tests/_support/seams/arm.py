@@ -102,8 +102,14 @@ def _ckpt_mode(tools: tuple[str, ...]) -> str:
     return ""
 
 
+def _width(tools: tuple[str, ...]) -> int:
+    # compiled DDP: wide enough for three buckets, whose graphs save different tensors (a
+    # backward given another bucket's record of what its forward emptied crashed so)
+    return 256 if "compiled-ddp" in tools else net.D
+
+
 def _assemble(spec: ArmSpec, kind: str, seed: int = 0) -> _Assembled:
-    base = net.build(kind, _ckpt_mode(spec.tools), seed)
+    base = net.build(kind, _ckpt_mode(spec.tools), seed, _width(spec.tools))
     tools, feats = set(spec.tools), set(spec.features)
     if "hf-gc" in tools:
         base.gradient_checkpointing_enable()  # type: ignore[operator]
@@ -121,7 +127,7 @@ def _assemble(spec: ArmSpec, kind: str, seed: int = 0) -> _Assembled:
     if "ddp" in tools or "compiled-ddp" in tools:
         from torch.nn.parallel import DistributedDataParallel
 
-        cap = 1 if "compiled-ddp" in tools else 25  # MiB: two buckets under DDPOptimizer
+        cap = 1 if "compiled-ddp" in tools else 25  # MiB: three buckets under DDPOptimizer
         outer = DistributedDataParallel(base, bucket_cap_mb=cap)
     if feats & {"relay-ssd", "relay-cpu"}:
         import offloadd
@@ -344,7 +350,7 @@ def _between_steps(
             trace["eval"].append(net.loss_of(kind, a.fwd, eval_x).detach().clone())
         a.base.train()
     if "state-dict" in tools and step == 0:
-        other = net.build(kind, _ckpt_mode(spec.tools), seed=7).state_dict()
+        other = net.build(kind, _ckpt_mode(spec.tools), 7, _width(spec.tools)).state_dict()
         a.base.load_state_dict(other)
         trace["state"].append(_state(a.base))
     if "to" in tools:

@@ -193,6 +193,10 @@ FOUND = (
     "budget+relay-ssd-x-eager",  # ... the same, by the planner's recomputation
     "relay-ssd-x-grad-none-loop",  # p.grad = None raised
 )
+# ... and those that run in processes of their own, in the slow set (each has a test of its own
+# in the default run): compiled DDP (tests/runtime/test_compile_ddp.py), relay and FSDP2, relay
+# compiled whole (tests/relay/test_relay_compose.py::test_compiled).
+FOUND_SLOW = ("ssd-x-compiled-ddp", "relay-ssd-x-fsdp2", "relay-ssd-x-compile-whole-cold")
 SAMPLE = frozenset(
     [*FOUND]
     + [Cell((f,), "eager").id for f in _ROTATION]

@@ -37,13 +37,13 @@ def _sac_contexts() -> Any:
 
 
 class Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, d: int) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(D)
-        self.up = nn.Linear(D, 4 * D)
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
         self.act = nn.ReLU()
         self.drop = nn.Dropout(0.1)
-        self.down = nn.Linear(4 * D, D)
+        self.down = nn.Linear(4 * d, d)
         self.up.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -54,12 +54,12 @@ class Net(nn.Module):
     """``ckpt``: how each block is checkpointed (``""``: not; ``"non-reentrant"``,
     ``"reentrant"``, ``"sac"``: selective, matmuls saved)."""
 
-    def __init__(self, ckpt: str = "") -> None:
+    def __init__(self, ckpt: str = "", d: int = D) -> None:
         super().__init__()
         self.ckpt = ckpt
-        self.inp = nn.Linear(IN, D)
-        self.layers = nn.ModuleList(Block() for _ in range(BLOCKS))
-        self.head = nn.Linear(D, OUT)
+        self.inp = nn.Linear(IN, d)
+        self.layers = nn.ModuleList(Block(d) for _ in range(BLOCKS))
+        self.head = nn.Linear(d, OUT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
@@ -86,10 +86,10 @@ def _gpt2() -> nn.Module:
     return m
 
 
-def build(kind: str, ckpt: str, seed: int) -> nn.Module:
-    """The model ``kind`` (``"net"`` or ``"hf"``) from ``seed``."""
+def build(kind: str, ckpt: str, seed: int, d: int = D) -> nn.Module:
+    """The model ``kind`` (``"net"`` of width ``d``, or ``"hf"``) from ``seed``."""
     torch.manual_seed(seed)
-    return _gpt2() if kind == "hf" else Net(ckpt)
+    return _gpt2() if kind == "hf" else Net(ckpt, d)
 
 
 def batch(kind: str, gen: torch.Generator) -> torch.Tensor:

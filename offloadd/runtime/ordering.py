@@ -2,10 +2,11 @@
 
 The write and read paths never touch CUDA directly. They talk to an :class:`Ordering`, whose
 primitives are streams (ordered queues of work on a device), events recorded on them, and copies
-enqueued on them. :class:`CudaOrdering` is the real one. ``simulated.py`` has one for machines
-without a GPU, whose copies complete later on worker threads, after random delays: the same
-ordering code runs against it in CI, so a missing wait reads bytes that are not there yet and a
-test fails.
+enqueued on them, and device buffers from the caching allocator of the current stream.
+:class:`CudaOrdering` is the real one. ``simulated.py`` has one for machines without a GPU,
+with CUDA's guarantees and no more (every stream's work runs late, the compute stream's too; a
+freed buffer is reused at once; ``hold`` is ``record_stream``): the same ordering code runs
+against it in CI, so a missing rule reads or writes bytes at the wrong time and a test fails.
 
 Note: [device ordering] For a tensor of an asynchronous device (CUDA):
 
@@ -74,6 +75,10 @@ class Ordering(Protocol):
 
     def upload_stream(self, device: torch.device) -> Any:
         """The side stream that copies slots back to ``device`` (see [device ordering])."""
+        ...
+
+    def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A new uint8 buffer on ``device``, from the caching allocator of the current stream."""
         ...
 
     def hold(self, tensor: torch.Tensor, stream: Any) -> None:
@@ -197,6 +202,9 @@ class CudaOrdering:
             if stream is None:
                 stream = streams[index] = torch.cuda.Stream(device=index)
         return stream
+
+    def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     def hold(self, tensor: torch.Tensor, stream: Any) -> None:
         tensor.record_stream(stream)

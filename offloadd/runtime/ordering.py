@@ -37,6 +37,9 @@ Note: [device ordering] For a tensor of an asynchronous device (CUDA):
   another thread, ignores stream order.
 * **Shutdown.** Every copy stream is synchronized before the pools are freed: a copy still
   queued would write into memory given back to the system.
+
+Each rule is checked by deleting it: docs/how-it-works.md ("Device ordering, checked without a
+GPU") names the test that fails without it, against the simulated device of simulated.py.
 """
 
 from __future__ import annotations

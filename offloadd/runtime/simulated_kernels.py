@@ -6,7 +6,9 @@ also told to the simulation, which queues in its place, on the thread's current 
 effects the late kernel would have: its reads of device buffers are checked again when the
 stream gets there (bytes changed meanwhile are bytes the kernel would have read wrong), and its
 outputs count as unwritten until then (a copy on another stream that reads them first reads
-bytes the kernel has not written).
+bytes the kernel has not written). A kernel that changes a saved tensor in place after its
+capture, before its copy ran, is reported that way too: the copy may read either bytes, and
+unpack raises for the change anyway (its version counter moved).
 """
 
 from __future__ import annotations

@@ -2,10 +2,11 @@
 
 The write and read paths never touch CUDA directly. They talk to an :class:`Ordering`, whose
 primitives are streams (ordered queues of work on a device), events recorded on them, and copies
-enqueued on them. :class:`CudaOrdering` is the real one. ``simulated.py`` has one for machines
-without a GPU, whose copies complete later on worker threads, after random delays: the same
-ordering code runs against it in CI, so a missing wait reads bytes that are not there yet and a
-test fails.
+enqueued on them, and device buffers from the caching allocator of the current stream.
+:class:`CudaOrdering` is the real one. ``simulated.py`` has one for machines without a GPU,
+with CUDA's guarantees and no more (every stream's work runs late, the compute stream's too; a
+freed buffer is reused at once; ``hold`` is ``record_stream``): the same ordering code runs
+against it in CI, so a missing rule reads or writes bytes at the wrong time and a test fails.
 
 Note: [device ordering] For a tensor of an asynchronous device (CUDA):
 
@@ -36,6 +37,9 @@ Note: [device ordering] For a tensor of an asynchronous device (CUDA):
   another thread, ignores stream order.
 * **Shutdown.** Every copy stream is synchronized before the pools are freed: a copy still
   queued would write into memory given back to the system.
+
+Each rule is checked by deleting it: docs/how-it-works.md ("Device ordering, checked without a
+GPU") names the test that fails without it, against the simulated device of simulated.py.
 """
 
 from __future__ import annotations
@@ -74,6 +78,10 @@ class Ordering(Protocol):
 
     def upload_stream(self, device: torch.device) -> Any:
         """The side stream that copies slots back to ``device`` (see [device ordering])."""
+        ...
+
+    def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A new uint8 buffer on ``device``, from the caching allocator of the current stream."""
         ...
 
     def hold(self, tensor: torch.Tensor, stream: Any) -> None:
@@ -197,6 +205,9 @@ class CudaOrdering:
             if stream is None:
                 stream = streams[index] = torch.cuda.Stream(device=index)
         return stream
+
+    def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     def hold(self, tensor: torch.Tensor, stream: Any) -> None:
         tensor.record_stream(stream)

@@ -145,7 +145,7 @@ class Reader:
             return
         ready: Callable[[], None] | None = None
         if block.direct:
-            buf = rec = torch.empty(block.padded, dtype=torch.uint8, device=block.device)
+            buf = rec = self.ordering.empty(block.padded, block.device)
             # The caching allocator may hand out memory that kernels queued on this stream
             # still use; a GDS read from another thread ignores stream order, so wait for them.
             ready = self.ordering.record(self.ordering.producer(block.device)).synchronize
@@ -245,7 +245,7 @@ class Reader:
         o, pool = self.ordering, self.writer.pool
         assert pool is not None
         consumer = o.producer(block.device)
-        dev = torch.empty(block.padded, dtype=torch.uint8, device=block.device)
+        dev = o.empty(block.padded, block.device)
         stream = o.upload_stream(block.device)
         o.wait(stream, o.record(consumer))  # queued kernels may still read the memory
         pos = 0

@@ -109,7 +109,9 @@ def _train_with_writes_that_do_not_wait(
     monkeypatch.setattr(StagedCopy, "chunk", chunk_without_event)
     make_model, make_input = MODELS["mlp"]
     reference = train(make_model, make_input, None)
-    sim = SimulatedOrdering(seed=11, max_delay_s=0.005)
+    # The copies run only when something waits for them (or a second later): never before the
+    # writes that skip their events.
+    sim = SimulatedOrdering(seed=11, max_delay_s=0.005, lag_s=1.0)
     off = small_offloader(disk_dir, ordering=sim, min_bytes=64 << 10, **_TIGHT)
     try:
         got = train(make_model, make_input, off)
@@ -141,7 +143,7 @@ def test_the_simulation_catches_an_unpack_that_skips_the_upload(
     make_model, make_input = MODELS["mlp"]
     reference = train(make_model, make_input, None)
     monkeypatch.setattr(Reader, "_await_upload", lambda self, block, buf, h2d: None)
-    sim = SimulatedOrdering(seed=13, max_delay_s=0.005)
+    sim = SimulatedOrdering(seed=13, max_delay_s=0.005, lag_s=30.0)  # copies up run when waited for
     off = small_offloader(disk_dir, tier="cpu", ordering=sim, min_bytes=64 << 10)
     try:
         got = train(make_model, make_input, off)

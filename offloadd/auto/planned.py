@@ -18,16 +18,28 @@ __all__ = ["PlannedModel"]
 log = logging.getLogger("offloadd")
 
 
+def _weakly(method: Any) -> Any:
+    """A module hook calling ``method`` while its planner lives: a model outlives the Offloader
+    that planned it, and must not keep it (or what it learned) alive."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args: Any) -> Any:
+        bound = ref()
+        return bound(*args) if bound is not None else None
+
+    return hook
+
+
 class PlannedModel:
     """The model and its blocks: ``names``, ``modules``, ``index`` (a block's number by the
-    id of its module). The model is held weakly, so that one the script replaces (a checkpoint
-    loaded into a new model, the next trial of a search) goes, and the next model called is
-    planned afresh."""
+    id of its module). The model and its blocks are held weakly, so that one the script
+    replaces (a checkpoint loaded into a new model, the next trial of a search) goes, weights
+    and all, and the next model called is planned afresh."""
 
     def __init__(self) -> None:
         self._root: weakref.ref[nn.Module] | None = None
         self.names: list[str] = []
-        self.modules: list[nn.Module] = []
+        self.modules: list[weakref.ref[nn.Module]] = []  # weakly too: blocks hold no parent
         self.index: dict[int, int] = {}
         self._handles: list[Any] = []
 
@@ -57,11 +69,14 @@ class PlannedModel:
             return False
         for k, (name, m) in enumerate(found):
             self.names.append(name)
-            self.modules.append(m)
+            self.modules.append(weakref.ref(m))
             self.index[id(m)] = k
-            self._handles.append(m.register_forward_pre_hook(planner._pre, with_kwargs=True))
-            self._handles.append(m.register_forward_hook(planner._post, always_call=True))
+            self._handles.append(
+                m.register_forward_pre_hook(_weakly(planner._pre), with_kwargs=True)
+            )
+            self._handles.append(m.register_forward_hook(_weakly(planner._post), always_call=True))
             recompute.install(m, planner, k)
+        weakref.finalize(planner, self.unhook)  # an Offloader dropped without close()
         log.info(
             "offloadd: budget: %d blocks found (%s ... %s)", len(found), found[0][0], found[-1][0]
         )
@@ -71,5 +86,6 @@ class PlannedModel:
         for h in self._handles:
             h.remove()
         self._handles = []
-        for m in self.modules:
-            recompute.remove(m)
+        for ref in self.modules:
+            if (m := ref()) is not None:
+                recompute.remove(m)

@@ -32,6 +32,7 @@ is final (more where a replan, a re-profile or another shape restarts the race).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any
@@ -50,6 +51,7 @@ from offloadd.auto.race import PATIENCE, RACE_STEPS_MAX, RACE_STEPS_MIN, Race
 from offloadd.auto.solver import OFFLOAD, RECOMPUTE, Plan
 from offloadd.runtime.accounting import Ledger
 from offloadd.runtime.hook_stack import saves_reach_offloadd
+from offloadd.runtime.stats import Stats
 
 __all__ = ["WARMUP_STEPS", "WARMUP_STEPS_MAX", "AutoPlanner"]
 
@@ -66,6 +68,10 @@ WARMUP_STEPS_MAX = 3 + RACE_STEPS_MAX
 
 def _in_backward() -> bool:
     return bool(torch._C._current_graph_task_id() != -1)
+
+
+def _io_wait(stats: Stats) -> float:
+    return stats.io_wait_s
 
 
 def _signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
@@ -140,7 +146,8 @@ class AutoPlanner:
             log.info("offloadd: budget: the model planned is gone; planning the next one")
         self.shapes.held = self.model.held
         sample = next(root.parameters(), None)
-        self.probe = open_probe(sample, lambda: self.ledger.stats.buffer_bytes)
+        stats = self.ledger.stats  # not the planner: what a user's tensor holds must not keep it
+        self.probe = open_probe(sample, lambda: stats.buffer_bytes)
         if not self.model.hook(root, self):
             self.tls.keep = False
 
@@ -281,7 +288,7 @@ class AutoPlanner:
         self._profile = StepProfile(
             [*self.model.names, HEAD],
             sig,
-            self._io_wait,
+            functools.partial(_io_wait, self.ledger.stats),
             probe=self.probe,
             base_level=self._level0,
             hooks=self._grad_hooks,
@@ -356,9 +363,6 @@ class AutoPlanner:
         if self.plan is None:
             return 0 if self._profile is not None else None
         return self.plan.room
-
-    def _io_wait(self) -> float:
-        return self.ledger.stats.io_wait_s
 
     # -- planning (plans.py) -------------------------------------------------------------------
 

@@ -63,11 +63,14 @@ def cache_holds_prefix(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 
 def checkpointed(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether a block called now is checkpointed by the model itself: under another's
-    saved-tensor hooks (see [innermost hooks] in runtime/hook_stack.py), or with its inputs on
-    the graph under ``no_grad`` (reentrant checkpointing; an evaluation's are off the graph)."""
+    saved-tensor hooks (see [innermost hooks] in runtime/hook_stack.py), or under ``no_grad``
+    with an input computed on the graph (reentrant checkpointing; an evaluation's inputs are
+    computed off it, and a leaf that requires grad, learned latents, says nothing either way)."""
     if torch.is_grad_enabled():
         return not saves_reach_offloadd()
-    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in (*args, *kwargs.values()))
+    return any(
+        isinstance(a, torch.Tensor) and a.grad_fn is not None for a in (*args, *kwargs.values())
+    )
 
 
 def warn_checkpointed(model: nn.Module | None) -> None:

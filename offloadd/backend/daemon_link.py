@@ -8,6 +8,7 @@ too.
 from __future__ import annotations
 
 import array
+import errno
 import json
 import os
 import queue
@@ -39,6 +40,10 @@ __all__ = [
     "query",
     "recv_frame",
 ]
+
+# What connecting says where no daemon is: no such path, a directory missing, a socket file
+# nothing listens on (a killed daemon's), something else at the path.
+_ABSENT = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ECONNREFUSED, errno.ENOTSOCK})
 
 _CONNECT_TIMEOUT_S = 5.0
 _MAX_FDS = 16
@@ -107,10 +112,12 @@ def connect_control(
         try:
             _check_socket_dir(path, extra)
             sock.connect(path)
-        except OSError as e:  # no such directory or socket, or nothing listens: one line
+        except OSError as e:  # one line, and the daemon named as absent only where it is
             why = e.strerror or str(e)
             if e.filename is not None and e.filename != path:
                 why += f": {e.filename!r}"
+            if e.errno not in _ABSENT:  # denied, a full backlog, a timeout: one listens there
+                raise DaemonError(f"daemon.socket: cannot connect to {path!r} ({why})") from None
             raise DaemonError(f"daemon.socket: {no_daemon(path, why)}") from None
         _check_peer(sock, path, extra)
         sock.sendall(proto.encode_hello(os.getpid(), identity()))

@@ -183,3 +183,25 @@ def test_a_missing_socket_fails_an_unmodified_script_in_one_line(tmp_path: Path)
     assert "OFFLOADD_DAEMON_SOCKET" in last, proc.stderr
     _refusal_names_both_paths(last.split(": ", 1)[1], UNEXPANDED)
     assert "During handling" not in proc.stderr and "direct cause" not in proc.stderr
+
+
+def test_a_daemon_that_cannot_be_reached_is_not_called_absent(tmp_path: Path) -> None:
+    """Where something listens but the connection fails (its backlog full), the line says it
+    could not connect, not that no daemon listens there (nor to start one at that path)."""
+    from offloadd.backend.daemon_link import connect_control
+
+    tmp_path.chmod(0o700)
+    path = str(tmp_path / "daemon.sock")
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+        server.bind(path)
+        server.listen(0)
+        for _ in range(4):  # fill the backlog
+            c = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+            c.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                c.connect(path)
+        with pytest.raises(DaemonError) as info:
+            connect_control(path, timeout=1)
+    text = str(info.value)
+    assert f"cannot connect to {path!r}" in text and "no daemon listens" not in text, text

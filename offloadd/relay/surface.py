@@ -20,7 +20,7 @@ from offloadd.relay.relayer import Relay
 from offloadd.relay.slabs import Slabs
 from offloadd.relay.state import ATTR, RelayState, is_relayed, state_of
 from offloadd.relay.store import HostStore, WeightStore, open_store
-from offloadd.runtime.compiled import unseen, unseen_noting_compile
+from offloadd.runtime.compiled import unseen
 from offloadd.runtime.heap_trim import malloc_trim
 from offloadd.runtime.shutdown import moved_off_engine_thread
 from offloadd.runtime.stages import HELD_ELSEWHERE
@@ -132,7 +132,7 @@ def _hook(model: nn.Module, state: RelayState) -> None:
     r = state.relay
     h = state.handles
     warn = functools.partial(_compiled_whole, weakref.ref(model))  # a cycle through the hook
-    h.append(model.register_forward_pre_hook(unseen_noting_compile(r.on_model_forward, warn)))
+    h.append(model.register_forward_pre_hook(unseen(r.on_model_forward, warn)))
     h.append(model.register_forward_hook(unseen(r.after_model_forward), always_call=True))
     for g in r.groups:
         h.append(g.module.register_forward_pre_hook(unseen(functools.partial(_pre, r, g))))
@@ -184,6 +184,7 @@ def unrelay(model: nn.Module) -> nn.Module:
     """Put every relayed weight back in memory (the same parameter objects), and close the store."""
     state = state_of(model)
     r = state.relay
+    r.settle()  # Note [between steps]: a group a backward that raised left in, out first
     for g in r.groups:
         slab = r._installed.get(g.index)
         if slab is None:

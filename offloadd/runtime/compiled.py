@@ -41,7 +41,6 @@ __all__ = [
     "scope_opened",
     "scopes_closed",
     "unseen",
-    "unseen_noting_compile",
 ]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -52,27 +51,9 @@ except AttributeError:  # a build without dynamo: nothing can trace the hooks
     _set_eval_frame = None
 
 
-def unseen(fn: _F) -> _F:
-    """``fn``, run with dynamo's frame callback off (see [invisible to dynamo])."""
-    set_eval_frame = _set_eval_frame
-    if set_eval_frame is None:
-        return fn
-
-    @functools.wraps(fn)
-    def call(*args: Any) -> Any:
-        prior = set_eval_frame(None)
-        try:
-            return fn(*args)
-        finally:
-            set_eval_frame(prior)
-
-    call._torchdynamo_disable = True  # type: ignore[attr-defined]
-    return call  # type: ignore[return-value]
-
-
-def unseen_noting_compile(fn: _F, compiled: Callable[[], None]) -> _F:
-    """:func:`unseen`, calling ``compiled()`` first when the caller runs under ``torch.compile``
-    (dynamo's frame callback was on: a hook of a module compiled whole, reached at a graph
+def unseen(fn: _F, compiled: Callable[[], None] | None = None) -> _F:
+    """``fn``, run with dynamo's frame callback off (see [invisible to dynamo]); ``compiled()``
+    first when the callback was on (a hook of a module compiled whole, reached at a graph
     break)."""
     set_eval_frame = _set_eval_frame
     if set_eval_frame is None:
@@ -82,7 +63,7 @@ def unseen_noting_compile(fn: _F, compiled: Callable[[], None]) -> _F:
     def call(*args: Any) -> Any:
         prior = set_eval_frame(None)
         try:
-            if prior is not None:
+            if compiled is not None and prior is not None:
                 compiled()
             return fn(*args)
         finally:

@@ -270,6 +270,29 @@ def test_after_a_backward_that_raised(disk_dir: Path) -> None:
     offloadd.unrelay(model)
 
 
+def test_unrelay_after_a_backward_that_raised(disk_dir: Path) -> None:
+    """``unrelay`` after a backward that raised: the groups it left in (swapped in, guarded)
+    come back as plain weights, writable, with the store's values."""
+    ref = build("checkpoint", False)
+    model = offloadd.relay(build("checkpoint", False), config=relay_config(disk_dir))
+
+    def fail(grad: torch.Tensor) -> None:
+        raise KeyError("in backward")
+
+    handle = model.inp.register_forward_hook(lambda m, a, out: out.register_hook(fail) and None)
+    with pytest.raises(KeyError, match="in backward"):
+        square_loss(model, torch.randn(2, 16)).backward()
+    handle.remove()
+    assert state_of(model).relay._installed
+    offloadd.unrelay(model)
+    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    for p in model.parameters():
+        p.data.add_(0)  # writable: no guard left on any page
+    x = torch.randn(3, 16)
+    assert same(step(ref, x, square_loss), step(model, x, square_loss))
+
+
 def test_a_write_in_backward_raises_as_backward_ends(disk_dir: Path) -> None:
     """A ``.data`` write into a weight read in on demand by backward's recomputation: backward
     raises naming it as it ends, nothing is left swapped in, and the store keeps the weights."""

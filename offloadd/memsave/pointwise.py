@@ -213,8 +213,14 @@ def leaky_relu_bits(x: torch.Tensor, slope: float = 0.01, inplace: bool = False)
 def dropout_bits(
     x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
 ) -> torch.Tensor:
-    """``F.dropout(x, p, training, inplace)`` saving its mask as bits (CPU; else plain)."""
+    """``F.dropout(x, p, training, inplace)`` saving its mask as bits (CPU; else plain).
+
+    Plain while dynamo traces: a compiled graph draws its random numbers with inductor's own
+    generator, and this function's draws (``bernoulli_``, as ATen's eager CPU dropout makes
+    them) would be other numbers there than the compiled ``dropout`` of the model without
+    memsave; the graph then holds the model's own dropout, whose mask inductor saves itself."""
     plain = not training or p <= 0 or p >= 1 or x.numel() == 0 or x.device.type != "cpu"
+    plain = plain or torch.compiler.is_compiling()
     if plain or not _wants_graph(x, inplace):
         return F.dropout(x, p, training, inplace)
     out: torch.Tensor = _DropoutBits.apply(x, p, inplace)

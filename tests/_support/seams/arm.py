@@ -280,7 +280,7 @@ def _train(spec: ArmSpec, rank: int, stack: contextlib.ExitStack) -> Trace:
     gen = torch.Generator().manual_seed(1 + rank)
     eval_x = net.batch(kind, torch.Generator().manual_seed(99))
     trace: Trace = {"losses": [], "grads": [], "rng": [], "eval": [], "state": []}
-    first = _state(a.base)
+    first = {k: v.detach().clone() for k, v in a.base.state_dict().items()}  # DTensors stay
     trace["eval_first"] = _evaluate(kind, a, eval_x)
     for step in range(spec.steps):
         _force_plan(off, "budget" in feats)

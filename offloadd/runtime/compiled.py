@@ -167,6 +167,14 @@ def note_wrapper(off: Any, module: nn.Module) -> bool:
             "the codec needs to choose what it may code; set codec.name='none' "
             "(OFFLOADD_CODEC_NAME=none) or run this model eagerly"
         )
+    if in_scope and cfg.budget is not None:
+        raise RuntimeError(
+            f"offloadd: budget={cfg.budget!r} does not plan a model compiled whole "
+            "(torch.compile(model)): the compiled model is one region whose saved tensors reach "
+            "offloadd together when its forward returns, so no block can be kept, offloaded or "
+            "recomputed apart; compile each block instead (`block.compile()`, which the budget "
+            "plans around), or set budget='off' (OFFLOADD_BUDGET=off)"
+        )
     for m in orig.modules():
         off.note_module(m)
     if in_scope and cfg.compile_ops and cfg.tier != "keep":

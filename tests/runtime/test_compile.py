@@ -408,6 +408,18 @@ def test_codec_refused_under_compile(disk_dir: Path) -> None:
     off.close()
 
 
+def test_budget_refused_for_a_model_compiled_whole(disk_dir: Path) -> None:
+    """The seams grid's budget x compile-whole cells: the planner's block hooks and recompute
+    wrapper inside one compiled region recompiled each step and gave other bits; refused by
+    name, with what to do. A budget with blocks compiled one by one composes (the grid)."""
+    torch.manual_seed(0)
+    run = torch.compile(nn.Sequential(nn.Linear(64, 256), nn.GELU()), backend="aot_eager")
+    off = _offloader(disk_dir, budget="1GiB")
+    with pytest.raises(RuntimeError, match=r"budget=.* does not plan a model compiled whole"), off:
+        run(torch.randn(8, 64))
+    off.close()
+
+
 def test_compiled_models_parameters_and_buffers_are_noted(disk_dir: Path) -> None:
     """Review find: the wrapper has no parameters of its own and the model's modules run inside
     the region, where no hook notes them; a saved buffer was written out every step."""

@@ -21,12 +21,12 @@ from tests._support.seams.cells import (
     FEATURES,
     IDLE,
     NOT_CELLS,
-    REFUSED,
     SAMPLE,
     TOOLS,
     Cell,
     breaks,
     markdown,
+    refused,
 )
 
 ENGINE_PARAMS = ("default",)  # composition, not I/O: the engine users get
@@ -141,15 +141,15 @@ def _did(cell: Cell, trace: dict[str, Any]) -> None:
 @pytest.mark.parametrize("cell", [_param(c) for c in CELLS])
 def test_cell(cell: Cell, disk_dir: Path, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     socket = request.getfixturevalue("daemon").socket if "daemon" in cell.features else ""
-    words = REFUSED.get(cell.id)
+    words = refused(cell)
     for refs, gots, offloaded in _arms(cell, disk_dir, tmp_path, socket):
         for ref, got in zip(refs, gots, strict=True):
             if "refused" in got:
-                assert words is not None, f"refused, not in REFUSED: {got['refused']}"
+                assert words is not None, f"refused, not by cells.refused: {got['refused']}"
                 missing = [w for w in words if w not in got["refused"]]
                 assert not missing, f"the refusal lacks {missing}: {got['refused']}"
                 continue
-            assert words is None, f"REFUSED says it is refused, yet it ran: {cell.id}"
+            assert words is None, f"cells.refused says it is refused, yet it ran: {cell.id}"
             _compare(ref, got, exact=cell.exact or not offloaded)
             if offloaded:
                 _did(cell, got)
@@ -162,7 +162,7 @@ def test_docs_show_the_grid() -> None:
 
 def test_grid_covers_every_pair() -> None:
     ids = {c.id for c in CELLS}
-    assert len(ids) == len(CELLS) and ids >= SAMPLE and ids >= set(REFUSED) | set(IDLE)
+    assert len(ids) == len(CELLS) and ids >= SAMPLE and ids >= set(IDLE)
     pairs = {(c.features[0], c.tool) for c in CELLS if len(c.features) == 1}
     assert pairs == {(f.name, t.name) for f in FEATURES for t in TOOLS}
     for a, b in itertools.combinations(FEATURES, 2):

@@ -5,8 +5,8 @@ offloadd's features (on different axes) in eager mode. Every cell trains the sam
 with the pair and without offloadd (the reference, with the same tool), and must give
 bit-identical losses, gradients, RNG use, observations between steps and final weights (the
 codec: finite, within its documented error), with each feature having done its work; or be
-refused by offloadd with an error that names both sides. ``REFUSED`` lists the refusals, with the
-words their message must hold; docs/compose.md shows the grid (``markdown()``).
+refused by offloadd with an error that names both sides (``refused``: the words the message must
+hold); docs/compose.md shows the grid (``markdown()``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ __all__ = [
     "FEATURES",
     "IDLE",
     "NOT_CELLS",
-    "REFUSED",
     "SAMPLE",
     "TOOLS",
     "Cell",
@@ -28,6 +27,7 @@ __all__ = [
     "breaks",
     "mark",
     "markdown",
+    "refused",
 ]
 
 
@@ -64,7 +64,7 @@ FEATURES = (
     Feature("memsave", "`memsave(model)`", "memsave", {"OFFLOADD_MEMSAVE": "1"}, did="memsave_modules"),
     Feature("relay-ssd", "`relay(model)`, the ssd store", "relay", {"OFFLOADD_RELAY": "frozen"}, did="relay_read_bytes"),
     Feature("relay-cpu", "`relay(model)`, the pinned host store (a GPU)", "relay", None, did="relay_read_bytes", cuda=True),
-    Feature("compile_ops-off", "tier `ssd` with `compile_ops = false`", "compile_ops", {"OFFLOADD_COMPILE_OPS": "0"}),
+    Feature("compile_ops-off", "tier `ssd` with `compile_ops = false`", "compile_ops", {"OFFLOADD_COMPILE_OPS": "0"}, did="saved_tensors"),
     Feature("host-cache", "`offloadd.host_cache()` around training", "host_cache", None, did="host_cache_hits"),
     Feature("env", "`OFFLOADD=1` in an unmodified script (tier `ssd`)", "activation"),
 )  # fmt: skip
@@ -147,19 +147,26 @@ def _cells() -> tuple[Cell, ...]:
 
 CELLS = _cells()
 
-# Refused cells: the words offloadd's error must hold (both sides named, and what to do).
-REFUSED: dict[str, tuple[str, ...]] = {
-    # FSDP2's weights are DTensor shards, gathered from FSDP2's own buffers
-    "relay-ssd-x-fsdp2": (
-        "offloadd relay:",
-        "DTensor",
-        "FSDP2",
-        "relay a model that is not sharded",
-    ),
-}
+_WHOLE = ("compile-whole-cold", "compile-whole-warm", "compiled-ddp")  # a model compiled whole
+
+
+def refused(cell: Cell) -> tuple[str, ...] | None:
+    """The words offloadd's error must hold where it refuses the cell (both sides named, and
+    what to do), else None."""
+    features, tool = set(cell.features), cell.tool
+    if features & {"relay-ssd", "relay-cpu"} and tool == "fsdp2":
+        # FSDP2's weights are DTensor shards, gathered from FSDP2's own buffers
+        return ("offloadd relay:", "DTensor", "FSDP2", "relay a model that is not sharded")
+    if "codec" in features and tool in _WHOLE:
+        # a compiled region's saves reach pack without the op that saved them, which it needs
+        return ("codec.name='int8' does not run under torch.compile", "codec.name='none'")
+    if "budget" in features and tool in _WHOLE:
+        # ... and all at once: no block of it can be kept, offloaded or recomputed apart
+        return ("does not plan a model compiled whole", "block.compile()", "budget='off'")
+    return None
+
 
 # Cells whose reference breaks the graph where offloadd does, and the warning that says it does.
-_WHOLE = ("compile-whole-cold", "compile-whole-warm", "compiled-ddp")
 
 
 def breaks(cell: Cell) -> tuple[str, ...] | None:
@@ -209,7 +216,7 @@ def mark(cell: Cell) -> str:
     """What a cell must give, in one sign (the legend is in docs/compose.md)."""
     if cell.cuda:
         return "GPU"
-    if cell.id in REFUSED:
+    if refused(cell) is not None:
         return "refused"
     if cell.id in IDLE:
         return "idle, warned"

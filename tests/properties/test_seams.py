@@ -149,7 +149,7 @@ def test_cell(cell: Cell, disk_dir: Path, tmp_path: Path, request: pytest.Fixtur
                 missing = [w for w in words if w not in got["refused"]]
                 assert not missing, f"the refusal lacks {missing}: {got['refused']}"
                 continue
-            assert words is None, f"cells.refused says it is refused, yet it ran: {cell.id}"
+            assert words is None or not offloaded, f"not refused, yet cells.refused: {cell.id}"
             _compare(ref, got, exact=cell.exact or not offloaded)
             if offloaded:
                 _did(cell, got)

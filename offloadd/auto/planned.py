@@ -42,6 +42,7 @@ class PlannedModel:
         self.modules: list[weakref.ref[nn.Module]] = []  # weakly too: blocks hold no parent
         self.index: dict[int, int] = {}
         self._handles: list[Any] = []
+        self._finalizer: weakref.finalize[Any, Any] | None = None
 
     @property
     def root(self) -> nn.Module | None:
@@ -76,13 +77,18 @@ class PlannedModel:
             )
             self._handles.append(m.register_forward_hook(_weakly(planner._post), always_call=True))
             recompute.install(m, planner, k)
-        weakref.finalize(planner, self.unhook)  # an Offloader dropped without close()
+        # an Offloader dropped without close(); detached by unhook, so that a model the planner
+        # let go leaves no finalizer (holding this object) behind for the planner's lifetime
+        self._finalizer = weakref.finalize(planner, self.unhook)
         log.info(
             "offloadd: budget: %d blocks found (%s ... %s)", len(found), found[0][0], found[-1][0]
         )
         return True
 
     def unhook(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
         for h in self._handles:
             h.remove()
         self._handles = []

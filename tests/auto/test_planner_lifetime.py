@@ -76,3 +76,25 @@ def test_an_evaluation_of_a_leaf_is_not_taken_for_checkpointing(
             model(latents)
     assert not [r for r in caplog.records if "checkpoints its blocks" in r.getMessage()]
     off.close()
+
+
+def test_models_replaced_one_after_another_leave_nothing_behind() -> None:
+    """A search that trains a fresh model per trial under one Offloader: each model the planner
+    let go leaves nothing of its plan behind (its block names, their index, a finalizer)."""
+    from offloadd.auto.planned import PlannedModel
+
+    def alive() -> int:
+        gc.collect()
+        return sum(isinstance(o, PlannedModel) for o in gc.get_objects())
+
+    off = _offloader()
+    x = torch.randn(32, 64)
+    counts = []
+    for _ in range(6):
+        model = _model()
+        _steps(off, model, x, 2)
+        assert off.planner is not None and off.planner.root is model
+        del model
+        counts.append(alive())
+    assert counts == [1] * 6, counts  # the one planned last, held until the next is called
+    off.close()

@@ -155,6 +155,14 @@ class AutoPlanner:
         self.model.unhook()
         self._grad_hooks.clear()
 
+    def plans_within(self, module: nn.Module) -> bool:
+        root = self.model.root
+        if root is None:
+            return True  # the first module noted is the one planned
+        inside = {id(m) for m in module.modules()}
+        blocks = (ref() for ref in self.model.modules)
+        return id(root) in inside or any(b is not None and id(b) in inside for b in blocks)
+
     def __deepcopy__(self, memo: dict[int, Any]) -> AutoPlanner:
         # A deep copy of the model (EMA) copies the blocks' hooks, bound to this planner: the
         # copy shares it, and its hooks find no block of theirs (see [recompute wrapper]).

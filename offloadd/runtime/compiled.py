@@ -167,7 +167,10 @@ def note_wrapper(off: Any, module: nn.Module) -> bool:
             "the codec needs to choose what it may code; set codec.name='none' "
             "(OFFLOADD_CODEC_NAME=none) or run this model eagerly"
         )
-    if in_scope and cfg.budget is not None:
+    planner = getattr(off, "_auto", None)
+    if in_scope and cfg.budget is not None and (planner is None or planner.plans_within(orig)):
+        # what the budget plans is inside the region; a block compiled by a wrapper of its own
+        # (``torch.compile(block)``) is planned around, as ``block.compile()`` is
         raise RuntimeError(
             f"offloadd: budget={cfg.budget!r} does not plan a model compiled whole "
             "(torch.compile(model)): the compiled model is one region whose saved tensors reach "

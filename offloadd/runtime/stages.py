@@ -67,6 +67,10 @@ class Planner(Protocol):
     def detach(self) -> None:
         """Remove its hooks (the offloader closes)."""
 
+    def plans_within(self, module: nn.Module) -> bool:
+        """Whether what it plans lies within ``module``: the model it plans or one of its
+        blocks, or, before it plans one, ``module`` itself (the first module noted)."""
+
     def forward_begins(self) -> None:
         """An outermost scope is entered: a forward begins (it may refuse the budget)."""
 

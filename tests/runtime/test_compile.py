@@ -420,6 +420,51 @@ def test_budget_refused_for_a_model_compiled_whole(disk_dir: Path) -> None:
     off.close()
 
 
+class _Blocks(nn.Module):
+    """An input layer and three residual blocks in a ModuleList; ``wrapped``: each compiled by
+    its own ``torch.compile(block)`` wrapper (torchtitan's way), the model itself eager."""
+
+    def __init__(self, wrapped: bool) -> None:
+        super().__init__()
+        self.inp = nn.Linear(64, 64)
+        blocks = [nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in "abc"]
+        self.layers = nn.ModuleList(
+            torch.compile(b, backend="aot_eager") if wrapped else b for b in blocks
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in self.layers:
+            h = h + layer(h)
+        return h
+
+
+def test_budget_plans_blocks_compiled_one_wrapper_each(disk_dir: Path) -> None:
+    """Blocks compiled one wrapper each are not a model compiled whole: the budget plans around
+    them as around ``block.compile()``, bit-identical to the same model without offloadd."""
+    torch.manual_seed(0)
+    plain = _Blocks(wrapped=True)
+    torch.manual_seed(0)
+    mine = _Blocks(wrapped=True)
+    xs = _inputs(6)
+    want = _steps(plain, plain, xs, None)
+    off = _offloader(disk_dir, budget="1GiB")
+    got = _steps(mine, mine, xs, off)
+    assert off.plan() is not None
+    assert_bitwise_equal(want, got)
+    off.close()
+
+
+def test_budget_refused_for_blocks_inside_a_compiled_child(disk_dir: Path) -> None:
+    """The model eager but the region compiled whole holding its blocks: refused by name."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), torch.compile(_Blocks(False), backend="aot_eager"))
+    off = _offloader(disk_dir, budget="1GiB")
+    with pytest.raises(RuntimeError, match=r"budget=.* does not plan a model compiled whole"):
+        _steps(model, model, _inputs(2), off)
+    off.close()
+
+
 def test_compiled_models_parameters_and_buffers_are_noted(disk_dir: Path) -> None:
     """Review find: the wrapper has no parameters of its own and the model's modules run inside
     the region, where no hook notes them; a saved buffer was written out every step."""

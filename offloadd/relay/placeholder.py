@@ -87,18 +87,23 @@ def _what(func: Any) -> str:
     return qualname
 
 
-def _swap_in(args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]] | None:
+def _swap_in(
+    args: Any, kwargs: dict[str, Any], trims: list[Any]
+) -> tuple[Any, dict[str, Any]] | None:
     """``args`` and ``kwargs`` with each placeholder replaced by its weight read in on demand
-    (Note [on demand] in relayer.py), or None where one cannot be."""
+    (Note [on demand] in relayer.py), or None where one cannot be; ``trims`` gets each relay's
+    ``trim``, to call once the op has run."""
     ok = True
 
     def real(x: Any) -> Any:
         nonlocal ok
         if isinstance(x, RelayedWeight):
-            use = x.relay_use
+            use, trim = x.relay_use, x.relay_trim
             w = use(x) if use is not None else None
             if w is None:
                 ok = False
+            elif trim is not None and trim not in trims:
+                trims.append(trim)
             return w
         if isinstance(x, list | tuple):
             return type(x)(real(y) for y in x)
@@ -115,6 +120,7 @@ class RelayedWeight(nn.Parameter, HoldsNoBytes):
     relay_name: str
     real_device: torch.device
     relay_use: Any = None  # the relay's ``use``: the real weight, read in on demand, or None
+    relay_trim: Any = None  # the relay's ``trim``: its window kept, after the op that used it
     relay_saving = False  # its module's _save_to_state_dict runs: detach() gives the placeholder
 
     @staticmethod
@@ -146,9 +152,14 @@ class RelayedWeight(nn.Parameter, HoldsNoBytes):
             # the weight; a frozen weight has none anyway
             if func == _T.grad.__delete__ or (func == _T.grad.__set__ and args[1] is None):
                 return func(*args, **kwargs)
-        real = _swap_in(args, kwargs)
-        if real is not None:
-            return func(*real[0], **real[1])
+        trims: list[Any] = []
+        try:
+            real = _swap_in(args, kwargs, trims)
+            if real is not None:
+                return func(*real[0], **real[1])
+        finally:
+            for trim in trims:
+                trim()
         w = next(a for a in args if isinstance(a, RelayedWeight)) if args else None
         name = getattr(w, "relay_name", "?")
         what = _what(func)

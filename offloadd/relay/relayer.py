@@ -143,7 +143,7 @@ class Relay:
     # checkpointing does; a module whose parent reads its weight) meets the placeholder, which
     # asks :meth:`use`: during the model's forward or a backward, the group is read in now and
     # stays in (guarded, Note [write guard] in slabs.py), the ``window`` last groups read so at
-    # most, until the model's forward ends, or the backward that read it in ends (a callback
+    # most once the op that reads them has run (:meth:`trim`), until the model's forward ends, or the backward that read it in ends (a callback
     # queued on autograd's engine for that graph task), whichever it was. Anywhere else the
     # placeholder raises.
     #
@@ -171,9 +171,15 @@ class Relay:
                 self._ends.add(task)
                 engine = torch.autograd.Variable._execution_engine
                 engine.queue_callback(functools.partial(self._backward_ended, task))
-            while len(self._on_demand) > self.window:
-                self._swap_out(next(iter(self._on_demand)))
         return e.param
+
+    def trim(self) -> None:
+        """Swap out the groups read in on demand beyond the last ``window`` (Note [on demand]):
+        once the op that read them in has run, never while it is given them (an op taking
+        weights of more groups than ``window``, such as a ``torch.cat`` of them, would get the
+        first ones emptied)."""
+        while len(self._on_demand) > self.window:
+            self._swap_out(next(iter(self._on_demand)))
 
     def _backward_ended(self, task: int) -> None:
         self._ends.discard(task)
@@ -189,10 +195,12 @@ class Relay:
     def note_placeholder(self, g: Group, e: Any) -> None:
         self._by_placeholder[id(e.placeholder)] = (g, e)
         e.placeholder.relay_use = self.use
+        e.placeholder.relay_trim = self.trim
 
     def forget_placeholder(self, e: Any) -> None:
         self._by_placeholder.pop(id(e.placeholder), None)
         e.placeholder.relay_use = None
+        e.placeholder.relay_trim = None
 
     def _drop_on_demand(self, task: int | None = None) -> None:
         """Swap out the groups read in on demand (by the backward ``task`` only, if given); if

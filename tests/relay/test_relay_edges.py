@@ -94,6 +94,35 @@ def test_weights_reached_other_ways(disk_dir: Path) -> None:
     offloadd.unrelay(model)
 
 
+class Mixed(Layered):
+    """A parent that takes a weight of every layer in one op (a ``torch.cat`` of their biases),
+    more groups than the relay's window."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        mixed = torch.cat([layer[1].bias for layer in self.layers])  # type: ignore[index]
+        return y + mixed.mean()
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_an_op_taking_more_groups_than_the_window(grad: bool, disk_dir: Path) -> None:
+    """Each placeholder of the op is read in on demand: all of them must be there when it runs
+    (the window is kept once it has run), not the first ones swapped out by the last ones."""
+    x = torch.randn(3, 16)
+    torch.manual_seed(0)
+    ref = freeze_layers(Mixed())
+    torch.manual_seed(0)
+    model = offloadd.relay(freeze_layers(Mixed()), window=2, config=relay_config(disk_dir))
+    if grad:
+        assert same(step(ref, x, square_loss), step(model, x, square_loss))
+    else:
+        with torch.no_grad():
+            assert torch.equal(ref(x), model(x))
+    r = state_of(model).relay
+    assert not r._installed and not r._on_demand
+    offloadd.unrelay(model)
+
+
 def test_assigned_weight_is_refused(disk_dir: Path) -> None:
     torch.manual_seed(0)
     model = offloadd.relay(freeze_layers(Layered()), config=relay_config(disk_dir))

@@ -143,9 +143,9 @@ class Relay:
     # checkpointing does; a module whose parent reads its weight) meets the placeholder, which
     # asks :meth:`use`: during the model's forward or a backward, the group is read in now and
     # stays in (guarded, Note [write guard] in slabs.py), the ``window`` last groups read so at
-    # most once the op that reads them has run (:meth:`trim`), until the model's forward ends, or the backward that read it in ends (a callback
-    # queued on autograd's engine for that graph task), whichever it was. Anywhere else the
-    # placeholder raises.
+    # most once the op that reads them has run (:meth:`trim`), until the model's forward ends,
+    # or the backward that read it in ends (a callback queued on autograd's engine for that
+    # graph task), whichever it was. Anywhere else the placeholder raises.
     #
     # Note [between steps]
     # ~~~~~~~~~~~~~~~~~~~~

@@ -253,11 +253,7 @@ class AutoOffload:
             relayed = tuple(self._relay_done)
             off.close()
             wall = time.monotonic() - self._started
-            print(
-                summary_line(stats, self.ranks, self.scope.scopes, wall, relayed),
-                file=sys.stderr,
-                flush=True,
-            )
+            _say(summary_line(stats, self.ranks, self.scope.scopes, wall, relayed))
             report = self.settings.report_path(self.ranks)
             if report is not None:
                 data = report_dict(
@@ -271,10 +267,17 @@ class AutoOffload:
                 )
                 write_report(report, data)
         except Exception as e:  # never change how the program exits
-            print(f"offloadd: writing the exit summary failed: {e!r}", file=sys.stderr)
+            _say(f"offloadd: writing the exit summary failed: {e!r}")
         for d in reversed(self._created_dirs):
             with contextlib.suppress(OSError):  # not empty (in use by another process) or gone
                 os.rmdir(d)
+
+
+def _say(line: str) -> None:
+    """``line`` on stderr in one write: the ranks of a node share one stderr, and print()'s
+    separate newline let another rank's line in between (two summaries on one line)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 _state: AutoOffload | None = None

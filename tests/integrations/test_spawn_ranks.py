@@ -9,6 +9,7 @@ per-rank directory.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -56,3 +57,28 @@ def test_the_rank_is_read_when_asked_for(tmp_path: Path) -> None:
     one = EnvSettings.from_env({"OFFLOADD": "1", "OFFLOADD_REPORT": str(tmp_path / "r")})
     assert one.report_path(RankInfo(rank=1, world_size=2)) is None
     assert one.report_path(RankInfo(rank=0, world_size=2)) == str(tmp_path / "r")
+
+
+def test_the_summary_line_is_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ranks of a node share one stderr: the summary and its newline go in one write, or
+    another rank's line lands between them (two summaries on one line, one of them lost to a
+    reader of lines; seen here in 1 of 12 runs of the spawned workers above)."""
+    from offloadd.integrations.autoload import AutoOffload
+    from offloadd.offloader import Offloader
+
+    auto = AutoOffload(EnvSettings.from_env({"OFFLOADD": "1", "OFFLOADD_TIER": "keep"}))
+    auto.offloader = Offloader(auto.settings.config)
+    writes: list[str] = []
+
+    class Stderr:
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Stderr())
+    auto.finish()
+    assert len(writes) == 1 and writes[0].startswith("offloadd: 0 forwards offloaded"), writes
+    assert writes[0].endswith("\n") and writes[0].count("\n") == 1, writes

@@ -252,10 +252,17 @@ def test_slots_being_copied_up_are_not_given_back(
         monkeypatch.setattr(Block, "upload_pending", lambda self: False)
 
     def scenario(sim: SimulatedOrdering, off: Offloader) -> list[torch.Tensor]:
-        payloads, outs = _pack(off, 2)  # the pool is full
+        # A block of four chunks, then one of two: the pool of six is full. The spill starts at
+        # most four writes, oldest block first: only the first block's, so the slots the forward
+        # below gets back are its (with two blocks of two, the forward's own first chunks were
+        # written too, and whichever write ended first decided the outcome).
+        x = torch.ones(4, requires_grad=True)
+        payloads = [torch.randn(2 * _TWO_CHUNKS), torch.randn(_TWO_CHUNKS)]
+        with off:
+            outs = [SavePayload.apply(x, p) for p in payloads]
+        off.synchronize()
         with sim.kernels():
             outs[1].sum().backward()  # prefetches outs[0]'s block: its copy up is queued
-        x = torch.ones(4, requires_grad=True)
         more = torch.randn(2 * _TWO_CHUNKS)  # four chunks, two slots free: the pool spills
         with off:
             y = SavePayload.apply(x, more)
@@ -265,7 +272,7 @@ def test_slots_being_copied_up_are_not_given_back(
             y.sum().backward()
         return [payloads[0], more]
 
-    _check(rule, request, disk_dir, scenario, "came back wrong", host_budget_bytes=4 * _CHUNK)
+    _check(rule, request, disk_dir, scenario, "came back wrong", host_budget_bytes=6 * _CHUNK)
 
 
 def test_a_block_whose_copy_is_still_queued_is_not_read_ahead(

@@ -13,6 +13,7 @@ activations never wait on each other's slots.
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -75,16 +76,19 @@ class Transfer:
         """Wait for the transfer; the seconds waited. Raises :class:`RelayError` if it failed.
         A long wait (a hung disk, a stopped daemon) is logged, and again as it doubles."""
         t0 = time.perf_counter()
+        reading = self.slab is not None  # a write stages from the data
         if not self.done.is_set():
-            how = "read" if self.slab is not None else "write"  # a write stages from the data
-            what = f"relay's {how} of the weights of {self.record.name!r}"
+            what = (
+                f"relay's {'read' if reading else 'write'} of the weights of {self.record.name!r}"
+            )
             watch = StallWatch(what, self.hint)
             while not self.done.wait(watch.timeout()):
                 watch.check()
         waited = time.perf_counter() - t0
         if self.error is not None:
             raise RelayError(
-                f"offloadd relay: reading the weights of {self.record.name!r} failed: {self.error}"
+                f"offloadd relay: {'reading' if reading else 'writing'} the weights of "
+                f"{self.record.name!r} failed: {self.error}"
             ) from self.error
         return waited
 
@@ -127,9 +131,46 @@ class WeightStore:
         c = self.chunk_bytes
         return [(f, off, i * c) for i, (f, off) in enumerate(record.places)]
 
+    # Note [a write across a daemon's loss]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A record is written at relay() and at each load_state_dict() (model_ops.rewrite), and the
+    # caller holds the bytes until it returns. Where the daemon is lost before or under the
+    # write, the write fails (EPIPE: the activation path keeps such bytes in memory for a step;
+    # relay's records must outlive it): its places are freed, and it is made again on the next
+    # daemon, which is looked for every quarter second for up to DAEMON_BACK_S (a supervisor's
+    # restart), said once in the log. The records of the lost session stay readable (the client
+    # reads its files itself). No daemon by then: the RelayError names the daemon and the wait.
+    DAEMON_BACK_S = 30.0
+
     def write(self, name: str, data: torch.Tensor) -> Record:
-        """Write ``data`` (a uint8 CPU tensor) as a new record; returns when it is on disk."""
-        self.begin_step()  # after a daemon's loss, the new one takes the write
+        """Write ``data`` (a uint8 CPU tensor) as a new record; returns when it is on disk
+        (after a daemon's loss, on the next one: Note [a write across a daemon's loss])."""
+        deadline = time.monotonic() + self.DAEMON_BACK_S
+        said = False
+        while True:
+            self.begin_step()  # after a daemon's loss, the new one takes the write
+            try:
+                return self._write(name, data)
+            except RelayError as e:
+                lost = isinstance(e.__cause__, OSError) and e.__cause__.errno == errno.EPIPE
+                if not (self._staged and lost) or time.monotonic() >= deadline:
+                    if self._staged and lost:
+                        raise RelayError(
+                            f"{e} (no daemon came back within {self.DAEMON_BACK_S:.0f} s)"
+                        ) from e.__cause__
+                    raise
+                if not said:
+                    log.warning(
+                        "offloadd relay: the daemon is gone; the weights of %r are written "
+                        "once one is back (waiting up to %.0f s)",
+                        name,
+                        self.DAEMON_BACK_S,
+                    )
+                    said = True
+                time.sleep(0.25)
+
+    def _write(self, name: str, data: torch.Tensor) -> Record:
+        """One try of :meth:`write`; a failed one frees its places."""
         backend = self.backend
         nbytes = data.numel()
         c = self.chunk_bytes
@@ -155,7 +196,7 @@ class WeightStore:
                     context=t,
                 )
                 backend.submit(req)
-            t.wait()
+            self._settle(t, record)
             self.written_bytes += nbytes
             return record
         pool = backend.staging()
@@ -174,9 +215,16 @@ class WeightStore:
                 Op.WRITE, fd, path, offset, pool.address(slot), io, self._written, context=(t, slot)
             )
             backend.submit(req)
-        t.wait()
+        self._settle(t, record)
         self.written_bytes += nbytes
         return record
+
+    def _settle(self, t: Transfer, record: Record) -> None:
+        try:
+            t.wait()
+        except RelayError:
+            self.free(record)
+            raise
 
     def _written(self, req: Request) -> None:
         t, slot = req.context

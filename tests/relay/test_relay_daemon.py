@@ -75,6 +75,60 @@ def test_daemon_lost_between_steps(own_daemon: Callable[..., DaemonProc]) -> Non
     offloadd.unrelay(model)
 
 
+def test_a_load_while_the_daemon_is_gone_waits_for_the_next(
+    own_daemon: Callable[..., DaemonProc],
+) -> None:
+    """``load_state_dict`` writes the new weights to the store; the daemon is killed and a new
+    one comes up only a moment later (a supervisor's restart), or dies under the write itself
+    (the soak's case: ``RelayError: writing the new weights ... failed ([Errno 32] the daemon is
+    gone ...)`` out of ``load_state_dict`` at step 1800). The write waits for the new daemon,
+    and training goes on, bit-identical, from the loaded weights."""
+    first = own_daemon().start()
+    ref, model = _pair(first)
+    xs = _inputs(3)
+    assert same(step(ref, xs[0], square_loss), step(model, xs[0], square_loss))
+    first.kill()
+    _lost(model)
+    later: list[DaemonProc] = []
+    timer = threading.Timer(1.0, lambda: later.append(own_daemon(dirs=first.dirs).start()))
+    timer.start()
+    new = {k: v * 0.5 for k, v in ref.state_dict().items()}
+    ref.load_state_dict(new)
+    model.load_state_dict(new)
+    timer.join()
+    assert later and state_of(model).relay.store.backend.connected  # type: ignore[attr-defined]
+    for x in xs[1:]:
+        assert same(step(ref, x, square_loss), step(model, x, square_loss))
+    offloadd.unrelay(model)
+
+
+def test_a_load_with_no_daemon_back_is_refused_by_name(
+    own_daemon: Callable[..., DaemonProc], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No daemon comes back within the wait: the load raises, naming the weights, the daemon
+    and the wait (what it loaded before is loaded, as with any error of load_state_dict); with
+    a daemon back, the same load succeeds and training goes on, bit-identical."""
+    from offloadd.relay.placeholder import RelayError
+    from offloadd.relay.store import WeightStore
+
+    monkeypatch.setattr(WeightStore, "DAEMON_BACK_S", 0.6)
+    proc = own_daemon().start()
+    ref, model = _pair(proc)
+    xs = _inputs(2)
+    assert same(step(ref, xs[0], square_loss), step(model, xs[0], square_loss))
+    proc.kill()
+    _lost(model)
+    new = {k: v * 0.5 for k, v in ref.state_dict().items()}
+    with pytest.raises(RelayError, match=r"writing the new weights of 'layers\.\d+' failed") as e:
+        model.load_state_dict(new)
+    assert proc.socket in str(e.value) and "no daemon came back within 1 s" in str(e.value)
+    own_daemon(dirs=proc.dirs).start()
+    ref.load_state_dict(new)
+    model.load_state_dict(new)
+    assert same(step(ref, xs[1], square_loss), step(model, xs[1], square_loss))
+    offloadd.unrelay(model)
+
+
 def test_daemon_killed_while_reads_are_in_flight(
     own_daemon: Callable[..., DaemonProc],
 ) -> None:

@@ -157,6 +157,8 @@ def rewrite(r: Relay, g: Group) -> None:
     except BaseException as err:
         g.record = old
         r.uninstall(g)
+        if not isinstance(err, Exception):
+            raise  # an interrupt (a wait for the daemon, Ctrl-C) stays one
         raise RelayError(
             f"offloadd relay: writing the new weights of {g.name!r} failed ({err}); the "
             "store keeps the old ones, and the model uses them"

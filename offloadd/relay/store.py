@@ -111,6 +111,7 @@ class WeightStore:
         self.written_bytes = 0
         self.disk_bytes = 0
         self.wait_s = 0.0  # the relayer's waits for reads
+        self._gave_up = False  # see [a write across a daemon's loss]
 
     @staticmethod
     def _warn(key: str, message: str) -> None:
@@ -137,37 +138,48 @@ class WeightStore:
     # caller holds the bytes until it returns. Where the daemon is lost before or under the
     # write, the write fails (EPIPE: the activation path keeps such bytes in memory for a step;
     # relay's records must outlive it): its places are freed, and it is made again on the next
-    # daemon, which is looked for every quarter second for up to DAEMON_BACK_S (a supervisor's
-    # restart), said once in the log. The records of the lost session stay readable (the client
-    # reads its files itself). No daemon by then: the RelayError names the daemon and the wait.
+    # daemon, looked for every quarter second for up to DAEMON_BACK_S from the first failure (a
+    # supervisor's restart), said once in the log. The records of the lost session stay
+    # readable (the client reads its files itself). No daemon by then: the RelayError names the
+    # daemon and the wait, and the next writes (the other groups of one load) try once each,
+    # without waiting again, until one succeeds.
     DAEMON_BACK_S = 30.0
 
     def write(self, name: str, data: torch.Tensor) -> Record:
         """Write ``data`` (a uint8 CPU tensor) as a new record; returns when it is on disk
         (after a daemon's loss, on the next one: Note [a write across a daemon's loss])."""
-        deadline = time.monotonic() + self.DAEMON_BACK_S
-        said = False
+        first: float | None = None
         while True:
             self.begin_step()  # after a daemon's loss, the new one takes the write
             try:
-                return self._write(name, data)
+                record = self._write(name, data)
             except RelayError as e:
-                lost = isinstance(e.__cause__, OSError) and e.__cause__.errno == errno.EPIPE
-                if not (self._staged and lost) or time.monotonic() >= deadline:
-                    if self._staged and lost:
-                        raise RelayError(
-                            f"{e} (no daemon came back within {self.DAEMON_BACK_S:.0f} s)"
-                        ) from e.__cause__
+                cause = e.__cause__
+                if not (self._staged and isinstance(cause, OSError) and cause.errno == errno.EPIPE):
                     raise
-                if not said:
-                    log.warning(
-                        "offloadd relay: the daemon is gone; the weights of %r are written "
-                        "once one is back (waiting up to %.0f s)",
-                        name,
-                        self.DAEMON_BACK_S,
-                    )
-                    said = True
+                now = time.monotonic()
+                if first is None:
+                    first = now
+                    if not self._gave_up:
+                        log.warning(
+                            "offloadd relay: the daemon is gone; the weights of %r are written "
+                            "once one is back (waiting up to %.0f s)",
+                            name,
+                            self.DAEMON_BACK_S,
+                        )
+                if self._gave_up or now - first >= self.DAEMON_BACK_S:
+                    self._gave_up = True
+                    where = str(cause.filename or "?").removeprefix("daemon:")
+                    raise RelayError(
+                        f"offloadd relay: writing the weights of {name!r} failed: the daemon at "
+                        f"{where} is gone, and none took the write in {now - first:.1f} s of "
+                        f"waiting (up to {self.DAEMON_BACK_S:.0f} s; why it was not reached is "
+                        "logged at INFO)"
+                    ) from cause
                 time.sleep(0.25)
+            else:
+                self._gave_up = False
+                return record
 
     def _write(self, name: str, data: torch.Tensor) -> Record:
         """One try of :meth:`write`; a failed one frees its places."""

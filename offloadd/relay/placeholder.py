@@ -18,6 +18,7 @@ a CPU tensor whose storage has no bytes is read without a check, and reading it 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -88,11 +89,11 @@ def _what(func: Any) -> str:
 
 
 def _swap_in(
-    args: Any, kwargs: dict[str, Any], trims: list[Any]
+    args: Any, kwargs: dict[str, Any], trims: list[Any], reals: list[torch.Tensor]
 ) -> tuple[Any, dict[str, Any]] | None:
     """``args`` and ``kwargs`` with each placeholder replaced by its weight read in on demand
     (Note [on demand] in relayer.py), or None where one cannot be; ``trims`` gets each relay's
-    ``trim``, to call once the op has run."""
+    ``trim``, to call once the op has run, and ``reals`` each weight read in."""
     ok = True
 
     def real(x: Any) -> Any:
@@ -102,8 +103,10 @@ def _swap_in(
             w = use(x) if use is not None else None
             if w is None:
                 ok = False
-            elif trim is not None and trim not in trims:
-                trims.append(trim)
+            else:
+                reals.append(w)
+                if trim is not None and trim not in trims:
+                    trims.append(trim)
             return w
         if isinstance(x, list | tuple):
             return type(x)(real(y) for y in x)
@@ -112,6 +115,23 @@ def _swap_in(
     new_args = tuple(real(a) for a in args)
     new_kwargs = {k: real(v) for k, v in kwargs.items()}
     return (new_args, new_kwargs) if ok else None
+
+
+def _unaliased(out: Any, reals: list[torch.Tensor]) -> Any:
+    """``out`` with each weight read in that the op gave back as it is (``.float()`` of a
+    float32 weight, ``.contiguous()``) replaced by a tensor over the same bytes: the weight is
+    emptied when its group is swapped out, a tensor viewing its bytes keeps them (as a view
+    does), so what the op returned stays what it was once the window moves on."""
+    ids = {id(w) for w in reals}
+
+    def fix(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and id(x) in ids:
+            return x.detach()  # a frozen weight: nothing to differentiate
+        if isinstance(x, list | tuple):
+            return type(x)(fix(y) for y in x)
+        return x
+
+    return fix(out)
 
 
 class RelayedWeight(nn.Parameter, HoldsNoBytes):
@@ -153,13 +173,21 @@ class RelayedWeight(nn.Parameter, HoldsNoBytes):
             if func == _T.grad.__delete__ or (func == _T.grad.__set__ and args[1] is None):
                 return func(*args, **kwargs)
         trims: list[Any] = []
+        reals: list[torch.Tensor] = []
+        failed = True
         try:
-            real = _swap_in(args, kwargs, trims)
-            if real is not None:
-                return func(*real[0], **real[1])
+            real = _swap_in(args, kwargs, trims, reals)
+            out = _unaliased(func(*real[0], **real[1]), reals) if real is not None else None
+            failed = False
         finally:
             for trim in trims:
-                trim()
+                if not failed:
+                    trim()
+                else:  # the op's own error first, not a write found on swapping out
+                    with contextlib.suppress(RelayError):
+                        trim()
+        if real is not None:
+            return out
         w = next(a for a in args if isinstance(a, RelayedWeight)) if args else None
         name = getattr(w, "relay_name", "?")
         what = _what(func)

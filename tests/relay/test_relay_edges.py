@@ -5,6 +5,7 @@ still bounded by its window."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -94,25 +95,40 @@ def test_weights_reached_other_ways(disk_dir: Path) -> None:
     offloadd.unrelay(model)
 
 
+_TAKE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "itself": lambda b: b,
+    "float": lambda b: b.float(),  # the weight itself again: already float32
+    "view": lambda b: b[:],
+    "contiguous": lambda b: b.contiguous(),
+}
+
+
 class Mixed(Layered):
     """A parent that takes a weight of every layer in one op (a ``torch.cat`` of their biases),
-    more groups than the relay's window."""
+    more groups than the relay's window, each bias as it is or through an op of its own."""
+
+    def __init__(self, take: str = "itself") -> None:
+        super().__init__()
+        self.take = _TAKE[take]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
-        mixed = torch.cat([layer[1].bias for layer in self.layers])  # type: ignore[index]
-        return y + mixed.mean()
+        biases = [self.take(layer[1].bias) for layer in self.layers]  # type: ignore[index]
+        return y + torch.cat(biases).mean()
 
 
+@pytest.mark.parametrize("take", list(_TAKE))
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
-def test_an_op_taking_more_groups_than_the_window(grad: bool, disk_dir: Path) -> None:
+def test_an_op_taking_more_groups_than_the_window(grad: bool, take: str, disk_dir: Path) -> None:
     """Each placeholder of the op is read in on demand: all of them must be there when it runs
-    (the window is kept once it has run), not the first ones swapped out by the last ones."""
+    (the window is kept once it has run), not the first ones swapped out by the last ones; an
+    op that gives the weight back (``.float()`` of a float32 weight, a view) gives a tensor
+    that stays what it was after the window moved on."""
     x = torch.randn(3, 16)
     torch.manual_seed(0)
-    ref = freeze_layers(Mixed())
+    ref = freeze_layers(Mixed(take))
     torch.manual_seed(0)
-    model = offloadd.relay(freeze_layers(Mixed()), window=2, config=relay_config(disk_dir))
+    model = offloadd.relay(freeze_layers(Mixed(take)), window=2, config=relay_config(disk_dir))
     if grad:
         assert same(step(ref, x, square_loss), step(model, x, square_loss))
     else:

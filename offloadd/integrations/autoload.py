@@ -276,8 +276,11 @@ class AutoOffload:
 def _say(line: str) -> None:
     """``line`` on stderr in one write: the ranks of a node share one stderr, and print()'s
     separate newline let another rank's line in between (two summaries on one line)."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
+    stream = sys.stderr
+    if stream is None:  # closed (pythonw, a daemonized parent): nowhere to say it
+        return
+    stream.write(line + "\n")
+    stream.flush()
 
 
 _state: AutoOffload | None = None

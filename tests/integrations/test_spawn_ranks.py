@@ -82,3 +82,15 @@ def test_the_summary_line_is_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
     auto.finish()
     assert len(writes) == 1 and writes[0].startswith("offloadd: 0 forwards offloaded"), writes
     assert writes[0].endswith("\n") and writes[0].count("\n") == 1, writes
+
+
+def test_no_stderr_at_exit_is_no_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """stderr closed (pythonw, a daemonized parent): the exit says nothing and still cleans up."""
+    from offloadd.integrations.autoload import AutoOffload
+    from offloadd.offloader import Offloader
+
+    auto = AutoOffload(EnvSettings.from_env({"OFFLOADD": "1", "OFFLOADD_TIER": "keep"}))
+    auto.offloader = Offloader(auto.settings.config)
+    monkeypatch.setattr(sys, "stderr", None)
+    auto.finish()
+    assert auto._finished and auto.offloader._closed()

@@ -7,6 +7,7 @@ import logging
 import weakref
 from typing import Any
 
+import torch
 from torch import nn
 
 from offloadd.auto import recompute
@@ -23,6 +24,7 @@ def _weakly(method: Any) -> Any:
     that planned it, and must not keep it (or what it learned) alive."""
     ref = weakref.WeakMethod(method)
 
+    @torch.compiler.disable  # see [planned blocks under compile] in recompute.py
     def hook(*args: Any) -> Any:
         bound = ref()
         return bound(*args) if bound is not None else None

@@ -102,15 +102,31 @@ def run_checkpointed(
     )
 
 
+# Note [planned blocks under compile]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A block compiled on its own (``block.compile()``) compiles its hooks and forward with it.
+# Traced, the planner's hooks and this decision put guards on the planner's state (a block's
+# start time, its step's plan), which changes every step: the block recompiled each step
+# until dynamo's recompile limit, then ran eagerly, on other kernels than the compiled block
+# without offloadd (the seams grid's budget x compile-block cells: "loaded weights not used").
+# They run outside the graph instead (torch.compiler.disable): the graph guards only on the
+# decision's outcome, whether this forward is recomputed.
+
+
+@torch.compiler.disable
+def _recompute_now(module: nn.Module) -> bool:
+    ref = module.__dict__.get(_ATTR)
+    planner = ref[0]() if ref is not None else None
+    return planner is not None and ref is not None and bool(planner.recompute_now(ref[1]))
+
+
 def _subclass(cls: type) -> type:
     sub = _SUBCLASSES.get(cls)
     if sub is None:
         base_forward = cls.forward  # type: ignore[attr-defined]
 
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            ref = self.__dict__.get(_ATTR)
-            planner = ref[0]() if ref is not None else None
-            if planner is not None and ref is not None and planner.recompute_now(ref[1]):
+            if _recompute_now(self):
                 return run_checkpointed(lambda *a, **kw: base_forward(self, *a, **kw), args, kwargs)
             return base_forward(self, *args, **kwargs)
 

@@ -114,6 +114,11 @@ def _compare(ref: dict[str, Any], got: dict[str, Any], *, exact: bool) -> None:
             )
             continue
         assert torch.isfinite(y).all() or not torch.isfinite(x).all(), f"{where} not finite"
+        if where.startswith("grads.") and not where.startswith("grads.0."):
+            # taken at weights the earlier steps' coded gradients moved: how training diverges
+            # (docs/codec.md's convergence curves), not the codec's error, which the first
+            # step's gradients measure at the same weights
+            continue
         err = (x.double() - y.double()).norm() / max(x.double().norm().item(), 1e-30)
         assert err <= REL_ERROR, f"{where}: relative error {err:.3g} over {REL_ERROR}"
 

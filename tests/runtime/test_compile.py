@@ -10,6 +10,7 @@ a fraction of the time); the inductor tests are the ones the targets of compiled
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -453,6 +454,52 @@ def test_budget_plans_blocks_compiled_one_wrapper_each(disk_dir: Path) -> None:
     assert off.plan() is not None
     assert_bitwise_equal(want, got)
     off.close()
+
+
+def test_planned_blocks_compiled_each_are_not_traced_again_every_step(disk_dir: Path) -> None:
+    """``block.compile()`` compiles the planner's hooks and recompute decision with the block
+    (Note [planned blocks under compile] in offloadd/auto/recompute.py). Traced, they guarded on
+    the planner's state, which changes every step: each block was traced again every step
+    until the recompile limit, then ran eagerly (the seams grid's budget x compile-block cells
+    differed from the compiled model without offloadd). Now the graphs of the first steps
+    serve every later one, and the steps are the model's without offloadd, bit for bit."""
+    from tests._support.auto_train import set_plans
+
+    graphs: list[int] = []
+
+    def counting(gm: torch.fx.GraphModule, example: Any) -> Any:
+        graphs.append(1)
+        return gm.forward
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        m = _Blocks(wrapped=False)
+        for b in m.layers:
+            b.compile(backend=counting)
+        return m
+
+    def forced(plan: Any) -> Any:  # a block of each kind, as the seams grid forces them
+        kinds = ("recompute", "offload", "keep", "offload")
+        return dataclasses.replace(plan, decisions=kinds[-len(plan.decisions) :])
+
+    def steps(m: nn.Module, xs: list[torch.Tensor], off: Offloader | None) -> list[Any]:
+        out = []
+        for x in xs:
+            set_plans(off, forced)
+            out += _steps(m, m, [x], off)  # SGD without momentum: one call per step is one run
+        return out
+
+    xs = _inputs(12)
+    want = steps(model(), xs, None)
+    mine = model()
+    off = _offloader(disk_dir, budget="1GiB")
+    got = steps(mine, xs[:6], off)
+    early = len(graphs)
+    got += steps(mine, xs[6:], off)
+    assert off.plan() is not None and "recompute" in off.plan().decisions  # type: ignore[union-attr]
+    assert len(graphs) == early, f"{len(graphs) - early} graphs traced in steps 7-12"
+    off.close()
+    assert_bitwise_equal(want, got)
 
 
 def test_budget_refused_for_blocks_inside_a_compiled_child(disk_dir: Path) -> None:

@@ -174,18 +174,16 @@ class RelayedWeight(nn.Parameter, HoldsNoBytes):
                 return func(*args, **kwargs)
         trims: list[Any] = []
         reals: list[torch.Tensor] = []
-        failed = True
         try:
             real = _swap_in(args, kwargs, trims, reals)
             out = _unaliased(func(*real[0], **real[1]), reals) if real is not None else None
-            failed = False
-        finally:
-            for trim in trims:
-                if not failed:
+        except BaseException:
+            for trim in trims:  # the op's own error first, not a write found on swapping out
+                with contextlib.suppress(RelayError):
                     trim()
-                else:  # the op's own error first, not a write found on swapping out
-                    with contextlib.suppress(RelayError):
-                        trim()
+            raise
+        for trim in trims:
+            trim()
         if real is not None:
             return out
         w = next(a for a in args if isinstance(a, RelayedWeight)) if args else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from offloadd.tools.bench import hooks as bench_hooks
 from offloadd.tools.bench import io as bench_io
 from offloadd.tools.bench import memsave as bench_memsave
 from offloadd.tools.bench import relay as bench_relay
@@ -24,9 +25,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     bench_relay.add_arguments(
         sub.add_parser("relay", help=bench_relay.HELP, description=bench_relay.__doc__)
     )
+    bench_hooks.add_arguments(
+        sub.add_parser("hooks", help=bench_hooks.HELP, description=bench_hooks.__doc__)
+    )
 
 
 def main(ns: argparse.Namespace) -> int:
-    tools = {"step": bench_step, "memsave": bench_memsave, "relay": bench_relay}
+    tools = {
+        "hooks": bench_hooks,
+        "step": bench_step,
+        "memsave": bench_memsave,
+        "relay": bench_relay,
+    }
     status: int = tools.get(ns.bench, bench_io).main(ns)
     return status

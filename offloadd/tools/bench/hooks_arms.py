@@ -1,0 +1,156 @@
+"""The arms of ``offloadd bench hooks`` (see hooks.py), and relay's cost per group swapped."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from offloadd.offloader import Offloader
+
+__all__ = ["ARMS", "Arm", "open_arms", "relay_cost"]
+
+ARMS = (
+    "none",
+    "noop",
+    "keep-all",
+    "keep",
+    "ssd",
+    "ssd-all",
+    "daemon-all",
+    "auto",
+    "cpu",
+    "cpu-all",
+)
+
+
+def _same(t: Any) -> Any:
+    return t
+
+
+@dataclass
+class Arm:
+    name: str
+    scope: Callable[[], AbstractContextManager[Any]]
+    skipped: str = ""
+
+
+def _noop() -> AbstractContextManager[Any]:
+    return torch.autograd.graph.saved_tensors_hooks(_same, _same)
+
+
+@contextlib.contextmanager
+def _daemon(workdir: Path) -> Iterator[str]:
+    """An ``offloadd serve`` subprocess for the run; stopped (SIGTERM) at the end."""
+    run = workdir / "daemon"
+    data = run / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    sock = str(run / "d.sock")
+    log = open(run / "daemon.log", "wb")  # noqa: SIM115 (closed below)
+    cmd = [sys.executable, "-m", "offloadd", "serve", "--socket", sock, "--dir", str(data)]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 60
+        while not Path(sock).exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"offloadd serve did not start: see {run / 'daemon.log'}")
+            time.sleep(0.05)
+        yield sock
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+
+
+@contextlib.contextmanager
+def open_arms(names: list[str], workdir: Path, budget: str, device: str) -> Iterator[list[Arm]]:
+    """The arms asked for, their Offloaders open (all before any is timed: the host allocator
+    one may install is then under every arm alike); closed at the end."""
+    ssd = {"ssd_dirs": [str(workdir)]}
+    with contextlib.ExitStack() as stack:
+        arms: list[Arm] = []
+        for name in names:
+            kwargs: dict[str, Any] | None = None
+            if name == "none":
+                arms.append(Arm(name, nullcontext))
+            elif name == "noop":
+                arms.append(Arm(name, _noop))
+            elif name.startswith("cpu") and device != "cuda":
+                arms.append(Arm(name, nullcontext, "tier cpu moves CUDA tensors: no GPU here"))
+            elif name == "daemon-all":
+                sock = stack.enter_context(_daemon(workdir))
+                kwargs = {"tier": "ssd", "min_bytes": 0, "daemon": {"socket": sock}}
+            elif name == "auto":
+                kwargs = {"tier": "ssd", "min_bytes": 0, "budget": budget, **ssd}
+            else:
+                tier = name.removesuffix("-all")
+                kwargs = {"tier": tier, **(ssd if tier == "ssd" else {})}
+                if name.endswith("-all"):
+                    kwargs["min_bytes"] = 0
+            if kwargs is not None:
+                off = Offloader(**kwargs)
+                stack.callback(off.close)
+                arms.append(Arm(name, lambda off=off: off))
+        yield [a for a in arms if not a.skipped] + [a for a in arms if a.skipped]
+
+
+def relay_cost(
+    ns: argparse.Namespace, workdir: Path, build: Callable[[int, int], nn.Module]
+) -> dict[str, Any]:
+    """Relay's host work per group swapped: the micro model at width 128 (a Linear's weight is
+    64 KiB, one group), every Linear frozen and relayed (window 2, tier ssd; the page cache
+    warm), against a deep copy of it without relay, steps interleaved."""
+    from offloadd.relay import relay, relay_stats
+
+    width = max(ns.width, 128)
+    plain = build(ns.blocks, width)
+    for m in plain.modules():
+        if isinstance(m, nn.Linear):
+            m.requires_grad_(False)
+    relayed = relay(copy.deepcopy(plain), window=2, tier="ssd", ssd_dirs=[str(workdir)])
+    x = torch.randn(ns.batch, width, requires_grad=True)
+
+    def step_of(model: nn.Module) -> Callable[[], None]:
+        def step() -> None:
+            model(x).square().mean().backward()
+
+        return step
+
+    arms = {"plain": step_of(plain), "relay": step_of(relayed)}
+    before = relay_stats(relayed)
+    for step in arms.values():
+        for _ in range(3 * ns.steps):
+            step()
+    st = relay_stats(relayed)
+    group_bytes = st.relayed_bytes / max(st.groups, 1)
+    warm_steps = 3 * ns.steps
+    swaps = (st.read_bytes - before.read_bytes) / group_bytes / warm_steps
+    times: dict[str, list[float]] = {k: [] for k in arms}
+    for r in range(ns.rounds):
+        for name in arms if r % 2 == 0 else reversed(list(arms)):
+            t0 = time.perf_counter()
+            for _ in range(ns.steps):
+                arms[name]()
+            times[name].append((time.perf_counter() - t0) / ns.steps)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "groups": st.groups,
+        "groups_swapped": round(swaps, 1),
+        "plain_ms": med["plain"] * 1e3,
+        "relay_ms": med["relay"] * 1e3,
+        "x_plain": med["relay"] / med["plain"],
+        "us_per_group": (med["relay"] - med["plain"]) / max(swaps, 1) * 1e6,
+        "wait_s_per_step": (relay_stats(relayed).wait_s - st.wait_s) / (ns.rounds * ns.steps),
+    }

@@ -9,6 +9,7 @@
    io_native/native.c        offloadd.io._native             CPython C API (no torch)
    codec/codec.c             offloadd.codec._kernels         CPython C API (no torch)
    write_guard/*.c           offloadd.relay._write_guard     CPython C API (no torch)
+   hot_path/held.c           offloadd.runtime._held          CPython C API (no torch)
    host_allocator/*.cpp      offloadd.runtime._host_cache    torch ops (torch.utils.cpp_extension)
    memsave/*.cpp             offloadd.memsave._kernels       torch ops (torch.utils.cpp_extension)
    ========================  ==============================  =====================================
@@ -17,10 +18,10 @@
    ``torch.ops.offloadd_memsave.*`` when their (otherwise empty) module is imported; they must be
    built against the torch they run with, so this build needs torch importable: install torch
    first, then ``pip install --no-build-isolation .`` (pip's build isolation would build against
-   another torch, fetched from PyPI). The three C libraries link only libc: built without torch,
+   another torch, fetched from PyPI). The four C libraries link only libc: built without torch,
    they survive a torch upgrade, and they release the GIL on their own threads (docs/native.md).
 
-2. All five are optional. A library that fails to build (or a torch library, where torch is not
+2. All six are optional. A library that fails to build (or a torch library, where torch is not
    importable here) does not fail the install: the build says which one and why, and at run time
    offloadd uses that library's fallback and warns, naming it (docs/native.md). pip shows a
    build's output only with ``-v``, so that notice also goes to the terminal (/dev/tty) when
@@ -73,6 +74,12 @@ def c_extensions() -> list[Extension]:
                 "-Wno-missing-field-initializers",
                 "-ffp-contract=off",
             ],
+            optional=True,
+        ),
+        Extension(
+            "offloadd.runtime._held",
+            sources=["csrc/hot_path/held.c"],
+            extra_compile_args=["-O2", *C_FLAGS, "-Wno-missing-field-initializers"],
             optional=True,
         ),
         Extension(

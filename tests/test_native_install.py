@@ -19,6 +19,7 @@ EXTENSIONS = {
     "offloadd.io._native": "csrc/io_native",
     "offloadd.codec._kernels": "csrc/codec",
     "offloadd.relay._write_guard": "csrc/write_guard",
+    "offloadd.runtime._held": "csrc/hot_path",
     "offloadd.runtime._host_cache": "csrc/host_allocator",
     "offloadd.memsave._kernels": "csrc/memsave",
 }

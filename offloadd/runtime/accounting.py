@@ -40,6 +40,7 @@ class Ledger:
         self.window_peak = 0  # most resident + buffer bytes since the planner last reset it
         self.kept_now = 0  # resident bytes that are kept as saved (not in flight nor read back)
         self.kept_peak = 0  # most kept_now since the planner last reset it
+        self.tally_now = 0  # the tally's resident bytes as last applied (see [the tally])
 
     # -- accounting (lock held) ------------------------------------------------------------
 
@@ -55,6 +56,21 @@ class Ledger:
         held = st.resident_bytes + st.buffer_bytes
         if held > self.window_peak:
             self.window_peak = held
+
+    def apply_kept(self, saved: int, saved_bytes: int, now: int, peak: int) -> None:
+        """What ``Tally.take`` returned: tensors saved and kept since, the tally's resident
+        bytes now, and the most it held since (see [the tally] in held.py)."""
+        st = self.stats
+        st.saved_tensors += saved
+        st.saved_bytes += saved_bytes
+        st.kept_bytes += saved_bytes
+        rise = peak - self.tally_now
+        if rise > 0:  # the high, at which the peaks are noted, then down to now
+            self.add_resident(rise, kept=True)
+            self.sub_resident(peak - now, kept=True)
+        else:
+            self.sub_resident(self.tally_now - now, kept=True)
+        self.tally_now = now
 
     def sub_resident(self, n: int, *, kept: bool = False) -> None:
         if kept:

@@ -24,6 +24,7 @@ __all__ = [
     "pending",
     "placeholder",
     "take_placed",
+    "tls",
 ]
 
 
@@ -60,6 +61,12 @@ class _Claim:
         self.storage = storage
         self.block = block  # while the block may still read the storage's pages
         self.geometry = geometry  # claimed only by a tensor of the same (another alias: not)
+
+
+def tls() -> threading.local:
+    """This module's thread-local state: ``claims`` is set and not empty while this thread has
+    anything to claim (read by pack's C fast path, see hooks.py)."""
+    return _tls
 
 
 def claims() -> dict[int, _Claim]:

@@ -1,11 +1,11 @@
 """What pack returns to autograd and unpack rebuilds from it.
 
 A saved tensor becomes a :class:`Ref` to a block (plus its dtype, size, stride and storage
-offset) or, when it is not worth moving, a :class:`Kept` handle that holds the tensor itself.
-Both remember the tensor's version counter at pack.
+offset) or, when it is not worth moving, a ``Held`` that holds the tensor itself (held.py). Both
+remember the tensor's version counter at pack.
 
 Note: [freeing] Autograd drops a packed object when the graph frees that saved tensor (after the
-node ran, or when the graph is released). Their ``__del__`` only appends to a deque; the
+node ran, or when the graph is released). A Ref's ``__del__`` only appends it to a deque; the
 bookkeeping runs under the lock at the next pack, unpack, stats() or close() (see
 ``Lifetime.drain`` in lifetime.py), never inside a garbage-collector callback that might interrupt our own
 critical section.
@@ -24,7 +24,6 @@ from offloadd.runtime.blocks import Block
 
 __all__ = [
     "HoldsNoBytes",
-    "Kept",
     "Ref",
     "describe",
     "inplace_error",
@@ -82,22 +81,6 @@ def version_handle(t: torch.Tensor) -> torch.Tensor | None:
     with _BELOW_INPLACE_OR_VIEW():  # below the kernel that bumps versions: set_ leaves it alone
         h.set_(torch.empty(0, dtype=t.dtype, device=t.device).untyped_storage())
     return h
-
-
-class Kept:
-    """A saved tensor kept as it is (small, parameter, unsupported, or tier keep)."""
-
-    __slots__ = ("nbytes", "released", "tensor", "version")
-
-    def __init__(self, tensor: torch.Tensor, nbytes: int, released: deque[Any]) -> None:
-        # unlinked(), inlined: this is the hot path of every small saved tensor
-        self.tensor = tensor.detach() if tensor.requires_grad else tensor
-        self.version = tensor._version
-        self.nbytes = nbytes
-        self.released = released
-
-    def __del__(self) -> None:
-        self.released.append(self.nbytes)
 
 
 class Ref:

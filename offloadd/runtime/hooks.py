@@ -14,14 +14,13 @@ from typing import Any
 import torch
 
 from offloadd.config import Config
-from offloadd.runtime import evicted, transforms
+from offloadd.runtime import evicted, held, transforms
 from offloadd.runtime.accounting import Ledger
 from offloadd.runtime.blocks import PENDING, BlockMap
-from offloadd.runtime.compiled import is_traced, unseen
+from offloadd.runtime.compiled import is_traced, refuse_codec, unseen, wrapper_on_stack
 from offloadd.runtime.dedup import StorageIndex, is_parameter
 from offloadd.runtime.evicted import Evicted
 from offloadd.runtime.handles import (
-    Kept,
     Ref,
     describe,
     inplace_error,
@@ -37,8 +36,11 @@ from offloadd.runtime.reader import Reader
 from offloadd.runtime.stages import Coder, Planner
 from offloadd.runtime.stats import Stats
 from offloadd.runtime.writer import Writer
+from offloadd.trace import span
 
 __all__ = ["SavedTensorHooks", "ThreadState"]
+
+_Parameter = torch.nn.Parameter
 
 
 class ThreadState(threading.local):
@@ -48,9 +50,6 @@ class ThreadState(threading.local):
     stack: list[Any] | None = None
     tag: int | None = None  # auto: the block being run, while it is recorded
     keep: bool = False  # auto: the running block's decision is to keep
-
-
-_DRAIN_AT = 4096  # events queued by the lock-free hot path before pack applies them itself
 
 
 class SavedTensorHooks:
@@ -69,6 +68,7 @@ class SavedTensorHooks:
     _reader: Reader
     _life: Lifetime
     _released: Any
+    _tally: Any
     _captures: Any
     _drain: Any
     _closed: Any
@@ -79,15 +79,34 @@ class SavedTensorHooks:
     def _hook_pair(self) -> tuple[Any, Any]:
         """What torch calls; dynamo never traces them (see [invisible to dynamo] in compiled.py).
         Made at each entry: kept on the Offloader, they would make a cycle with it, and an
-        Offloader must go when its last reference does (see [shutdown])."""
+        Offloader must go when its last reference does (see [shutdown]).
+
+        Without a codec and with offloadd's C library, the hooks are its ``Pack`` and
+        ``Unpack``: a small plain tensor is kept and given back without a Python frame, and
+        anything else goes on to :meth:`_pack` and :meth:`_unpack` (see [the tally] in held.py;
+        ``offloadd bench hooks`` measures both)."""
         pack: Any
         unpack: Any
-        if self._codec is None:
-            pack = unseen(self._pack)
-            pack.offloader = self  # evict's (graph_ops.py)
-            unpack = unseen(self._unpack)
+        if self._codec is not None:
+            pack = unseen(self._pack_coded)
+            unpack = unseen(self._unpack_coded)
+        elif held.NATIVE:
+            pack = held.Pack(
+                self._tally,
+                self._min_bytes,
+                self._captures,
+                evicted.tls(),
+                unseen(self._pack),
+                torch.Tensor,
+                torch.nn.Parameter,
+                torch.strided,
+                is_parameter,
+            )
+            unpack = held.Unpack(unseen(self._unpack))
         else:
-            pack, unpack = unseen(self._pack_coded), unseen(self._unpack_coded)
+            pack, unpack = unseen(self._pack), unseen(self._unpack)
+        if self._codec is None:
+            pack.offloader = self  # evict's (graph_ops.py)
         setattr(pack, PASSES_TO, True)
         return pack, unpack
 
@@ -105,6 +124,8 @@ class SavedTensorHooks:
             if claimed is not None:
                 return claimed
         storage = None
+        if type(t) is _Parameter:  # held by the model anyway
+            return self._tally.keep(t, nbytes_of(t), 0)
         if type(t) is torch.Tensor and t.layout is torch.strided and not t.is_meta:
             nbytes = t.nbytes
             if nbytes >= min_bytes and nbytes:
@@ -119,24 +140,14 @@ class SavedTensorHooks:
             if is_traced(t):
                 return t  # fake, functional, meta: untouched (see [invisible to dynamo])
             nbytes = nbytes_of(t)
-        if storage is None:
-            # The hot path (most saved tensors are small): no lock. The save is queued as an
-            # event, in order with the releases, and counted at the next drain (see Lifetime.drain).
-            q = self._released
-            if is_parameter(t):
-                q.append(float(nbytes))  # held by the model anyway: not activation memory
-                nbytes = 0
-            else:
-                q.append(~nbytes)
-            if len(q) > _DRAIN_AT:
-                with self._lock:
-                    self._drain()
-            return Kept(t, nbytes, q)
+        if storage is None:  # kept as it is (see [the tally] in held.py)
+            return self._tally.keep(t, nbytes, 0 if is_parameter(t) else nbytes)
         # Timed from here on (Stats.pack_s): tensors that may move; a small one costs a few
         # microseconds, and timing it would add a tenth of that (see bench step's hook cost).
         start = time.perf_counter()
         try:
-            return self._pack_block(t, storage, nbytes)
+            with span("offloadd::pack"):
+                return self._pack_block(t, storage, nbytes)
         finally:
             self._stats.pack_s += time.perf_counter() - start
 
@@ -148,15 +159,14 @@ class SavedTensorHooks:
         if auto is not None and not keep:
             keep = getattr(self._tls, "keep", False)  # the block's decision
         with self._lock:
-            st.saved_tensors += 1
-            st.saved_bytes += nbytes
             self._drain()
             self._writer.poll_copies()
             index = self._index
             if index.backs_parameter(t, storage):
                 # Held by the model anyway: kept, but not activation memory of ours.
-                st.kept_bytes += nbytes
-                return Kept(t, 0, self._released)
+                return self._tally.keep(t, nbytes, 0)
+            st.saved_tensors += 1
+            st.saved_bytes += nbytes
             key = index.key(t, storage)
             root = t._base if t._base is not None else t
             block = index.lookup(key, root)  # see [dedup identity] in dedup.py
@@ -192,6 +202,8 @@ class SavedTensorHooks:
         and the storage is not already saved exactly, else :meth:`_pack`."""
         codec = self._codec
         assert codec is not None
+        if wrapper_on_stack() is not None:  # a model compiled whole (a walk of the stack, ~2 us)
+            raise refuse_codec(self.config.codec.name)
         if codec.wants(t) and not codec.saved_exactly(t) and not self._backs_parameter(t):
             big = t.nbytes >= self._min_bytes
             coded = codec.pack(t, self._pack_codes if big else self._pack, self._pack)
@@ -226,7 +238,7 @@ class SavedTensorHooks:
     # -- unpack ----------------------------------------------------------------------------
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        if type(packed) is Kept:
+        if type(packed) is held.Held:
             t = packed.tensor
             if t._version != packed.version:
                 raise inplace_error(describe(t), packed.version, t._version)
@@ -243,6 +255,7 @@ class SavedTensorHooks:
             return t
         start = time.perf_counter()  # Stats.unpack_s: offloaded tensors only (see _pack)
         try:
-            return self._reader.unpack(ref, self._drain, self._closed)
+            with span("offloadd::unpack"):
+                return self._reader.unpack(ref, self._drain, self._closed)
         finally:
             self._stats.unpack_s += time.perf_counter() - start

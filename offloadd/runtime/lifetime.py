@@ -10,8 +10,8 @@ blocks whose last ref died: their source, resident copy, slots and places.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
 
+from offloadd.runtime import held
 from offloadd.runtime.accounting import Ledger
 from offloadd.runtime.blocks import CAPTURED, CAPTURING, HELD, PENDING, Block, BlockMap
 from offloadd.runtime.capture import CaptureQueue
@@ -19,6 +19,7 @@ from offloadd.runtime.dedup import StorageIndex
 from offloadd.runtime.handles import Ref
 from offloadd.runtime.reader import Reader
 from offloadd.runtime.writer import Writer
+from offloadd.trace import span
 
 __all__ = ["Lifetime"]
 
@@ -32,7 +33,14 @@ class Lifetime:
         self.index = index
         self.writer = writer
         self.reader = reader
-        self.released: deque[Any] = deque()  # saves and releases queued without the lock
+        self.released: deque[Ref] = deque()  # refs released without the lock
+        self.tally = held.Tally()  # saved tensors kept as they are (see [the tally] in held.py)
+        if not held.NATIVE:
+            self.ledger.warn_once(
+                "held",
+                "offloadd: offloadd.runtime._held is not built: the saved-tensor hooks run in "
+                "Python, about 2 us more per saved tensor (docs/native.md)",
+            )
         self.captures = CaptureQueue()  # packed, not yet captured (see capture.py)
         self.closed = False
 
@@ -48,6 +56,10 @@ class Lifetime:
 
     def capture(self, block: Block) -> None:
         """Copy a pending block out (see [capture after the op] in capture.py)."""
+        with span("offloadd::capture"):
+            self._capture(block)
+
+    def _capture(self, block: Block) -> None:
         with self.ledger.lock:
             self.drain()  # a block whose graph is gone is dropped, never written
             if block.state != PENDING:  # freed, held, or captured already
@@ -116,36 +128,15 @@ class Lifetime:
     # -- freeing ---------------------------------------------------------------------------
 
     def drain(self) -> None:
-        """Apply the events queued without the lock (lock held), in the order they happened:
-        ``~nbytes`` for a small tensor saved and kept (pack's hot path), ``float(nbytes)`` for a
-        parameter (or a view of one) saved there (saved and kept, but not resident: the model
-        holds it anyway), ``nbytes`` for a release (``Kept.__del__``; a parameter's is 0), a
-        ``Ref`` for the release of a ref to a block (see
-        [freeing] in handles.py). The paths that add resident bytes in bulk (a block packed or
-        captured, a read) drain first, so no queued save is counted after a later add and the
-        peak sees it."""
-        q = self.released
-        st = self.ledger.stats
+        """Apply, under the lock, what happened without it: the tensors kept as they are (the
+        tally's count, see [the tally] in held.py) and the refs released since, in the order
+        they were released (see [freeing] in handles.py). The paths that add resident bytes in
+        bulk (a block packed or captured, a read) drain first, so the peak sees the tally's."""
         ledger = self.ledger
+        ledger.apply_kept(*self.tally.take())
+        q = self.released
         while q:
-            item = q.popleft()
-            if type(item) is int:
-                if item < 0:
-                    n = ~item
-                    st.saved_tensors += 1
-                    st.saved_bytes += n
-                    st.kept_bytes += n
-                    ledger.add_resident(n, kept=True)
-                else:
-                    ledger.sub_resident(item, kept=True)
-                continue
-            if type(item) is float:
-                n = int(item)
-                st.saved_tensors += 1
-                st.saved_bytes += n
-                st.kept_bytes += n
-                continue
-            ref: Ref = item
+            ref = q.popleft()
             block = ref.block
             block.refs -= 1
             if ref.tensor is not None:  # tier keep: the block is only accounting

@@ -138,7 +138,7 @@ def test_first_contact(order: str, disk_dir: Path) -> None:
     want = _steps(torch.compile(plain, backend="aot_eager"), plain, xs, None)
     off = _offloader(disk_dir)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # Kept.__del__ errors surfaced as unraisable warnings
+        warnings.simplefilter("error")  # Ref.__del__ errors surfaced as unraisable warnings
         warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there")
         if order == "eager-first":
             other = copy.deepcopy(mine)
@@ -541,7 +541,7 @@ def test_compiled_models_parameters_and_buffers_are_noted(disk_dir: Path) -> Non
 
 @pytest.mark.parametrize("offloaders", ["one", "one per epoch"])
 def test_one_compile_across_scopes(offloaders: str, disk_dir: Path) -> None:
-    """The module hook keeps its key (Note [one module hook]). Before: registered at each
+    """No module hook fails dynamo's guards (Note [no module hook]). Before: registered at each
     scope's entry, or again by each new Offloader after the last one closed, it failed dynamo's
     guard on the hook dict, and the model was traced again every step (every epoch) until the
     recompile limit, then ran in eager."""

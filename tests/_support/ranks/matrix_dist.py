@@ -10,7 +10,7 @@ must be bitwise equal, and offloadd must have moved bytes.
 Every saved tensor the offloader packs is also classified here (``Audit``): a parameter, a view
 of one, a DTensor, or a tensor sharing the storage of a parameter (an FSDP2 shard, an
 all-gathered FSDP2 parameter, a DTensor's local shard) must come back from pack as a handle
-that keeps it (offloadd's ``Kept``, or a ``Ref`` holding the tensor), never as one to be moved.
+that keeps it (offloadd's ``Held``, or a ``Ref`` holding the tensor), never as one to be moved.
 offloadd passes every subclass through, so DTensor activations (the inputs of the tensor
 parallel Linears and LayerNorms) are kept too; the local tensors between a ColwiseParallel and
 a RowwiseParallel (attention, GELU) are plain and moved. Bytes are counted as held by the rank.
@@ -48,7 +48,8 @@ from torch.distributed.tensor.parallel import (
 from torch.nn.parallel import DistributedDataParallel
 
 import offloadd
-from offloadd.runtime.handles import Kept, Ref
+from offloadd.runtime.handles import Ref
+from offloadd.runtime.held import Held
 
 STEPS = 3
 BATCH, SEQ, DIM, HEAD_DIM, BLOCKS = 4, 32, 64, 16, 3
@@ -158,7 +159,7 @@ class Audit:
             self.local_bytes[key] = self.local_bytes.get(key, 0) + held(t).nbytes
             if moving and kind != "activation":
                 self.bad.append(f"{kind} {type(t).__name__} {list(t.shape)} handed to the mover")
-            assert moving or type(packed) in (Kept, Ref), type(packed)
+            assert moving or type(packed) in (Held, Ref), type(packed)
             return packed
 
         return audited

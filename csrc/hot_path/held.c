@@ -1,0 +1,435 @@
+/* offloadd.runtime._held: what pack returns for a saved tensor that stays where it is, and the
+ * tally of those tensors' bytes.
+ *
+ * Most saved tensors are small: offloadd keeps them, and for each it must remember the version
+ * counter (to raise PyTorch's in-place error at unpack) and count its bytes while autograd holds
+ * it (the peak of saved activation memory). In Python that was an object with __slots__ and a
+ * __del__ queueing its release, applied later under the lock: about 1 us per saved tensor, half
+ * of what a no-op hook pair costs (offloadd bench hooks). Here a Held is made and freed in C and
+ * its bytes are added and taken off a Tally at once, under the GIL; the lock-holding paths read
+ * the tally with Tally.take() (offloadd/runtime/held.py has the same in Python, used where this
+ * library is not built, and says how the ledger applies it).
+ *
+ * Tally.keep(tensor, nbytes, resident) -> Held:
+ *   counts one saved tensor of nbytes, of which resident bytes are held for it (0 for a
+ *   parameter: the model holds it anyway); the Held holds the tensor (detached if it requires
+ *   grad: see [no cycle through the graph] in handles.py) and its version at pack.
+ * Tally.take() -> (saved, saved_bytes, now, peak):
+ *   the tensors and bytes counted since the last take, the resident bytes held now, and the
+ *   highest ``now`` since the last take; the next interval's peak starts from ``now``.
+ *
+ * Pack(tally, min_bytes, captures, evicted, slow, tensor_type, parameter_type, strided,
+ *      is_parameter) and Unpack(slow): the saved-tensor hooks themselves, for the common case
+ *   only. Pack keeps a strided parameter, or a plain strided tensor below min_bytes (or of no
+ *   bytes), as a Held, where no capture is pending (captures.num_pending) and no compiled graph
+ *   left a claim on this thread (evicted.claims); anything else goes to slow(t), offloadd's pack
+ *   in Python. Unpack returns a
+ *   Held's tensor when its version is unchanged, else slow(packed). Without a Python frame there
+ *   is nothing for dynamo to trace (see [invisible to dynamo] in compiled.py); slow is already
+ *   hidden from it. Both have a __dict__ (the marks offloadd puts on its pack hook).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+#if PY_VERSION_HEX >= 0x030D0000
+#define LOOKUP_ATTR PyObject_GetOptionalAttr
+#else
+#define LOOKUP_ATTR _PyObject_LookupAttr /* the same, before 3.13 */
+#endif
+
+typedef struct {
+    PyObject_HEAD
+    long long saved;
+    long long saved_bytes;
+    long long now;
+    long long peak;
+} Tally;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *tensor;
+    PyObject *version;
+    long long nbytes;
+    Tally *tally;
+} Held;
+
+static PyTypeObject TallyType;
+static PyTypeObject HeldType;
+static PyObject *s_requires_grad, *s_detach, *s_version, *s_num_pending, *s_claims, *s_layout,
+    *s_is_meta, *s_nbytes, *s_dict, *s_base;
+
+static void held_dealloc(Held *self) {
+    if (self->tally != NULL) {
+        self->tally->now -= self->nbytes;
+        Py_DECREF(self->tally);
+    }
+    Py_XDECREF(self->tensor);
+    Py_XDECREF(self->version);
+    PyObject_Free(self);
+}
+
+static PyMemberDef held_members[] = {
+    {"tensor", T_OBJECT_EX, offsetof(Held, tensor), READONLY, "the saved tensor"},
+    {"version", T_OBJECT_EX, offsetof(Held, version), READONLY, "its version counter at pack"},
+    {"nbytes", T_LONGLONG, offsetof(Held, nbytes), READONLY, "its bytes held for it"},
+    {NULL},
+};
+
+static PyTypeObject HeldType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "offloadd.runtime._held.Held",
+    .tp_basicsize = sizeof(Held),
+    .tp_dealloc = (destructor)held_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A saved tensor kept as it is (made by Tally.keep).",
+    .tp_members = held_members,
+};
+
+/* ``unlink``: detach a tensor that requires grad (an op's output saved by that op would make a
+ * cycle through the graph); 0 for a parameter, a leaf, which makes none. */
+static PyObject *keep(Tally *self, PyObject *t, long long nbytes, long long resident, int unlink) {
+    int requires = 0;
+    if (unlink) {
+        PyObject *rg = PyObject_GetAttr(t, s_requires_grad);
+        if (rg == NULL)
+            return NULL;
+        requires = PyObject_IsTrue(rg);
+        Py_DECREF(rg);
+        if (requires < 0)
+            return NULL;
+    }
+    PyObject *version = PyObject_GetAttr(t, s_version);
+    if (version == NULL)
+        return NULL;
+    PyObject *held_tensor;
+    if (requires) {
+        held_tensor = PyObject_CallMethodNoArgs(t, s_detach);
+        if (held_tensor == NULL) {
+            Py_DECREF(version);
+            return NULL;
+        }
+    } else {
+        held_tensor = Py_NewRef(t);
+    }
+    Held *h = PyObject_New(Held, &HeldType);
+    if (h == NULL) {
+        Py_DECREF(version);
+        Py_DECREF(held_tensor);
+        return NULL;
+    }
+    h->tensor = held_tensor;
+    h->version = version;
+    h->nbytes = resident;
+    h->tally = (Tally *)Py_NewRef(self);
+    self->saved += 1;
+    self->saved_bytes += nbytes;
+    self->now += resident;
+    if (self->now > self->peak)
+        self->peak = self->now;
+    return (PyObject *)h;
+}
+
+static PyObject *tally_keep(Tally *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "keep(tensor, nbytes, resident)");
+        return NULL;
+    }
+    long long nbytes = PyLong_AsLongLong(args[1]);
+    long long resident = PyLong_AsLongLong(args[2]);
+    if ((nbytes == -1 || resident == -1) && PyErr_Occurred())
+        return NULL;
+    return keep(self, args[0], nbytes, resident, 1);
+}
+
+static PyObject *tally_take(Tally *self, PyObject *Py_UNUSED(ignored)) {
+    PyObject *out = Py_BuildValue("(LLLL)", self->saved, self->saved_bytes, self->now, self->peak);
+    if (out != NULL) {
+        self->saved = 0;
+        self->saved_bytes = 0;
+        self->peak = self->now;
+    }
+    return out;
+}
+
+static PyMethodDef tally_methods[] = {
+    {"keep", (PyCFunction)(void (*)(void))tally_keep, METH_FASTCALL,
+     "keep(tensor, nbytes, resident) -> Held"},
+    {"take", (PyCFunction)tally_take, METH_NOARGS,
+     "take() -> (saved, saved_bytes, now, peak) since the last take"},
+    {NULL},
+};
+
+static PyMemberDef tally_members[] = {
+    {"now", T_LONGLONG, offsetof(Tally, now), READONLY, "resident bytes held now"},
+    {NULL},
+};
+
+static PyTypeObject TallyType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "offloadd.runtime._held.Tally",
+    .tp_basicsize = sizeof(Tally),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The count and bytes of saved tensors kept as they are.",
+    .tp_new = PyType_GenericNew,
+    .tp_methods = tally_methods,
+    .tp_members = tally_members,
+};
+
+
+/* -- the hooks ---------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *dict;
+    Tally *tally;
+    long long min_bytes;
+    PyObject *captures, *evicted, *slow, *tensor_type, *parameter_type, *strided, *is_parameter;
+} Pack;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *dict;
+    PyObject *slow;
+} Unpack;
+
+static PyTypeObject PackType;
+
+/* 1 if ``name`` of ``obj`` is set and true, 0 if not (or missing), -1 on error. */
+static int attr_true(PyObject *obj, PyObject *name) {
+    PyObject *v;
+    if (LOOKUP_ATTR(obj, name, &v) < 0)
+        return -1;
+    if (v == NULL)
+        return 0;
+    int r = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return r;
+}
+
+/* The resident bytes of a small plain tensor: 0 for a parameter or a view of one. */
+static long long resident_of(Pack *self, PyObject *t, long long nbytes) {
+    PyObject *d = PyObject_GetAttr(t, s_dict);
+    if (d == NULL)
+        return -1;
+    Py_ssize_t attrs = PyDict_Check(d) ? PyDict_GET_SIZE(d) : 1;
+    Py_DECREF(d);
+    int param;
+    if (attrs) { /* attributes: offloadd's is_parameter in Python decides */
+        PyObject *r = PyObject_CallOneArg(self->is_parameter, t);
+        if (r == NULL)
+            return -1;
+        param = PyObject_IsTrue(r);
+        Py_DECREF(r);
+    } else {
+        PyObject *base = PyObject_GetAttr(t, s_base);
+        if (base == NULL)
+            return -1;
+        param = base == Py_None ? 0 : PyObject_IsInstance(base, self->parameter_type);
+        Py_DECREF(base);
+    }
+    if (param < 0)
+        return -1;
+    return param ? 0 : nbytes;
+}
+
+static PyObject *pack_call(Pack *self, PyObject *args, PyObject *kwargs) {
+    PyObject *t;
+    if (!PyArg_UnpackTuple(args, "pack", 1, 1, &t))
+        return NULL;
+    int r = attr_true(self->captures, s_num_pending);
+    if (r != 0)
+        goto slow;
+    r = attr_true(self->evicted, s_claims);
+    PyObject *type = (PyObject *)Py_TYPE(t);
+    if (r != 0 || (type != self->tensor_type && type != self->parameter_type))
+        goto slow;
+    PyObject *layout = PyObject_GetAttr(t, s_layout);
+    if (layout == NULL)
+        return NULL;
+    Py_DECREF(layout); /* compared by identity: torch.strided lives as long as torch */
+    if (layout != self->strided)
+        goto slow;
+    r = attr_true(t, s_is_meta);
+    if (r != 0)
+        goto slow;
+    PyObject *n = PyObject_GetAttr(t, s_nbytes);
+    if (n == NULL)
+        return NULL;
+    long long nbytes = PyLong_AsLongLong(n);
+    Py_DECREF(n);
+    if (nbytes == -1 && PyErr_Occurred())
+        return NULL;
+    if (type == self->parameter_type) /* held by the model anyway, whatever its size */
+        return keep(self->tally, t, nbytes, 0, 0);
+    if (nbytes >= self->min_bytes && nbytes != 0)
+        goto slow;
+    long long resident = resident_of(self, t, nbytes);
+    if (resident < 0)
+        return NULL;
+    return keep(self->tally, t, nbytes, resident, 1);
+slow:
+    if (r < 0)
+        return NULL;
+    return PyObject_CallOneArg(self->slow, t);
+}
+
+static int pack_init(Pack *self, PyObject *args, PyObject *kwargs) {
+    PyObject *tally;
+    if (!PyArg_ParseTuple(args, "O!LOOOOOOO:Pack", &TallyType, &tally, &self->min_bytes,
+                          &self->captures, &self->evicted, &self->slow, &self->tensor_type,
+                          &self->parameter_type, &self->strided, &self->is_parameter))
+        return -1;
+    self->tally = (Tally *)Py_NewRef(tally);
+    Py_INCREF(self->captures);
+    Py_INCREF(self->evicted);
+    Py_INCREF(self->slow);
+    Py_INCREF(self->tensor_type);
+    Py_INCREF(self->parameter_type);
+    Py_INCREF(self->strided);
+    Py_INCREF(self->is_parameter);
+    return 0;
+}
+
+static int pack_traverse(Pack *self, visitproc visit, void *arg) {
+    Py_VISIT(self->dict);
+    Py_VISIT(self->tally);
+    Py_VISIT(self->captures);
+    Py_VISIT(self->evicted);
+    Py_VISIT(self->slow);
+    Py_VISIT(self->is_parameter);
+    return 0;
+}
+
+static int pack_clear(Pack *self) {
+    Py_CLEAR(self->dict);
+    Py_CLEAR(self->tally);
+    Py_CLEAR(self->captures);
+    Py_CLEAR(self->evicted);
+    Py_CLEAR(self->slow);
+    Py_CLEAR(self->tensor_type);
+    Py_CLEAR(self->parameter_type);
+    Py_CLEAR(self->strided);
+    Py_CLEAR(self->is_parameter);
+    return 0;
+}
+
+static void pack_dealloc(Pack *self) {
+    PyObject_GC_UnTrack(self);
+    pack_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject PackType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "offloadd.runtime._held.Pack",
+    .tp_basicsize = sizeof(Pack),
+    .tp_dictoffset = offsetof(Pack, dict),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "offloadd's pack hook: small plain tensors kept here, the rest passed to slow.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)pack_init,
+    .tp_call = (ternaryfunc)pack_call,
+    .tp_traverse = (traverseproc)pack_traverse,
+    .tp_clear = (inquiry)pack_clear,
+    .tp_dealloc = (destructor)pack_dealloc,
+    .tp_getattro = PyObject_GenericGetAttr,
+    .tp_setattro = PyObject_GenericSetAttr,
+};
+
+static PyObject *unpack_call(Unpack *self, PyObject *args, PyObject *kwargs) {
+    PyObject *p;
+    if (!PyArg_UnpackTuple(args, "unpack", 1, 1, &p))
+        return NULL;
+    if (Py_TYPE(p) == &HeldType) {
+        Held *h = (Held *)p;
+        PyObject *v = PyObject_GetAttr(h->tensor, s_version);
+        if (v == NULL)
+            return NULL;
+        int same = PyObject_RichCompareBool(v, h->version, Py_EQ);
+        Py_DECREF(v);
+        if (same < 0)
+            return NULL;
+        if (same)
+            return Py_NewRef(h->tensor);
+    }
+    return PyObject_CallOneArg(self->slow, p); /* anything else, or PyTorch's in-place error */
+}
+
+static int unpack_init(Unpack *self, PyObject *args, PyObject *kwargs) {
+    PyObject *slow;
+    if (!PyArg_ParseTuple(args, "O:Unpack", &slow))
+        return -1;
+    self->slow = Py_NewRef(slow);
+    return 0;
+}
+
+static int unpack_traverse(Unpack *self, visitproc visit, void *arg) {
+    Py_VISIT(self->dict);
+    Py_VISIT(self->slow);
+    return 0;
+}
+
+static int unpack_clear(Unpack *self) {
+    Py_CLEAR(self->dict);
+    Py_CLEAR(self->slow);
+    return 0;
+}
+
+static void unpack_dealloc(Unpack *self) {
+    PyObject_GC_UnTrack(self);
+    unpack_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject UnpackType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "offloadd.runtime._held.Unpack",
+    .tp_basicsize = sizeof(Unpack),
+    .tp_dictoffset = offsetof(Unpack, dict),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "offloadd's unpack hook: a Held's tensor when unchanged, the rest passed to slow.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)unpack_init,
+    .tp_call = (ternaryfunc)unpack_call,
+    .tp_traverse = (traverseproc)unpack_traverse,
+    .tp_clear = (inquiry)unpack_clear,
+    .tp_dealloc = (destructor)unpack_dealloc,
+    .tp_getattro = PyObject_GenericGetAttr,
+    .tp_setattro = PyObject_GenericSetAttr,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "offloadd.runtime._held",
+    .m_doc = "Saved tensors kept as they are, and their tally (csrc/hot_path/held.c).",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC PyInit__held(void) {
+    s_requires_grad = PyUnicode_InternFromString("requires_grad");
+    s_detach = PyUnicode_InternFromString("detach");
+    s_version = PyUnicode_InternFromString("_version");
+    s_num_pending = PyUnicode_InternFromString("num_pending");
+    s_claims = PyUnicode_InternFromString("claims");
+    s_layout = PyUnicode_InternFromString("layout");
+    s_is_meta = PyUnicode_InternFromString("is_meta");
+    s_nbytes = PyUnicode_InternFromString("nbytes");
+    s_dict = PyUnicode_InternFromString("__dict__");
+    s_base = PyUnicode_InternFromString("_base");
+    if (s_requires_grad == NULL || s_detach == NULL || s_version == NULL ||
+        s_num_pending == NULL || s_claims == NULL || s_layout == NULL || s_is_meta == NULL ||
+        s_nbytes == NULL || s_dict == NULL || s_base == NULL)
+        return NULL;
+    if (PyType_Ready(&TallyType) < 0 || PyType_Ready(&HeldType) < 0 ||
+        PyType_Ready(&PackType) < 0 || PyType_Ready(&UnpackType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(m, "Tally", (PyObject *)&TallyType) < 0 ||
+        PyModule_AddObjectRef(m, "Held", (PyObject *)&HeldType) < 0 ||
+        PyModule_AddObjectRef(m, "Pack", (PyObject *)&PackType) < 0 ||
+        PyModule_AddObjectRef(m, "Unpack", (PyObject *)&UnpackType) < 0 ||
+        PyModule_AddIntConstant(m, "VERSION", 1) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,79 @@
+"""Saved tensors kept as they are: the handle pack returns for them, and the tally of their bytes.
+
+Note: [the tally] Most saved tensors are small and stay where they are. For each, pack must
+remember the version counter (unpack raises PyTorch's in-place error) and the bytes must count
+while autograd holds it (``resident_bytes`` and its peak, ``kept_bytes``, the budget's keep
+peak). :meth:`Tally.keep` makes the handle, a :class:`Held`, and adds its bytes; freeing the
+Held takes them off, both at once and without the lock (the GIL orders them). The paths that
+hold the lock call :meth:`Tally.take` (in ``Lifetime.drain``) and the ledger applies what it
+returns (``Ledger.apply_kept``): the tensors and bytes saved since, the bytes held now, and the
+highest they reached since. Between two takes the ledger's other bytes change only through
+queued releases of offloaded blocks, which only lower them, so the peak it records is the true
+one or, where a block was released before small tensors rose to their high, above it.
+
+The library built from csrc/hot_path/held.c does this in C (about 0.1 us per tensor); where it
+is not built, the classes below do the same in Python (about 1 us).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["NATIVE", "Held", "Pack", "Tally", "Unpack"]
+
+
+class _PyTally:
+    """The count and bytes of saved tensors kept as they are (see [the tally])."""
+
+    __slots__ = ("now", "peak", "saved", "saved_bytes")
+
+    def __init__(self) -> None:
+        self.saved = 0
+        self.saved_bytes = 0
+        self.now = 0
+        self.peak = 0
+
+    def keep(self, tensor: Any, nbytes: int, resident: int) -> _PyHeld:
+        self.saved += 1
+        self.saved_bytes += nbytes
+        self.now += resident
+        if self.now > self.peak:
+            self.peak = self.now
+        return _PyHeld(tensor, resident, self)
+
+    def take(self) -> tuple[int, int, int, int]:
+        out = (self.saved, self.saved_bytes, self.now, self.peak)
+        self.saved = self.saved_bytes = 0
+        self.peak = self.now
+        return out
+
+
+class _PyHeld:
+    """A saved tensor kept as it is (made by ``Tally.keep``)."""
+
+    __slots__ = ("nbytes", "tally", "tensor", "version")
+
+    def __init__(self, tensor: Any, nbytes: int, tally: _PyTally) -> None:
+        # see [no cycle through the graph] in handles.py
+        self.tensor = tensor.detach() if tensor.requires_grad else tensor
+        self.version = tensor._version
+        self.nbytes = nbytes
+        self.tally = tally
+
+    def __del__(self) -> None:
+        self.tally.now -= self.nbytes
+
+
+def _load() -> tuple[Any, Any, Any, Any, bool]:
+    """The C library's Tally, Held, Pack and Unpack, or the Python Tally and Held and no hooks
+    (offloadd's hooks are then Python functions, see ``SavedTensorHooks._hook_pair``)."""
+    try:
+        from offloadd.runtime import _held
+    except ImportError:  # not built (docs/native.md)
+        return _PyTally, _PyHeld, None, None, False
+    if getattr(_held, "VERSION", 0) < 1:
+        return _PyTally, _PyHeld, None, None, False
+    return _held.Tally, _held.Held, _held.Pack, _held.Unpack, True
+
+
+Tally, Held, Pack, Unpack, NATIVE = _load()

@@ -16,6 +16,7 @@ from typing import Any
 from offloadd.backend.daemon_ending import CLOSE_MARK, Ending
 from offloadd.backend.daemon_link import Generation, Placed
 from offloadd.io.request import Op, RequestState, mark_engine_thread
+from offloadd.trace import span
 from offloadd.wire import protocol as proto
 
 __all__ = ["Traffic"]
@@ -36,7 +37,8 @@ class Traffic(Ending):
             if item is None:
                 return
             try:
-                data = self._prepare(gen, item)
+                with span("offloadd::daemon_send"):
+                    data = self._prepare(gen, item)
             except BaseException as e:  # a write's before() failed (e.g. a CUDA error)
                 self._complete(item, e)
                 data = None
@@ -109,7 +111,8 @@ class Traffic(Ending):
                     break
                 buf += data
                 for body in proto.split_frames(buf, proto.MAX_REPLY):
-                    self._on_reply(gen, proto.decode_reply(body))
+                    with span("offloadd::daemon_reply"):
+                        self._on_reply(gen, proto.decode_reply(body))
         except (OSError, proto.ProtocolError) as e:
             err = e
         if not self._closed or gen.pending:

@@ -188,8 +188,8 @@ class AutoOffload:
                 relay(module, config=replace(self.settings.config, tier="ssd", ssd_dirs=dirs))
                 self._relay_final.append(keep_final_stats(module, self._relay_done))
         off.__enter__()
-        # Offloader notes parameter storages from a global pre-hook that it registers on entry,
-        # which is too late for the module whose call is starting.
+        # The model of this scope: its parameters and buffers are never moved, and a budget
+        # plans it (see [no module hook] in compiled.py).
         off.note_module(module)
         return True
 

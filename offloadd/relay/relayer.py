@@ -44,6 +44,7 @@ from offloadd.relay.groups import Group
 from offloadd.relay.placeholder import RelayError
 from offloadd.relay.slabs import Slabs
 from offloadd.relay.store import HostStore, Transfer, WeightStore
+from offloadd.trace import span
 
 __all__ = ["Relay"]
 
@@ -108,7 +109,8 @@ class Relay:
 
     def fetch(self, g: Group) -> torch.Tensor:
         """``g``'s slab, read now (or taken from a read in flight)."""
-        return self.wait_for(self.read_ahead(g))
+        with span("offloadd::relay_fetch"):
+            return self.wait_for(self.read_ahead(g))
 
     # -- forward ----------------------------------------------------------------------------
     def on_model_forward(self, module: nn.Module, args: Any) -> None:
@@ -231,6 +233,10 @@ class Relay:
             self._fwd[i] = self.read(self.groups[i])
 
     def install(self, g: Group, slab: torch.Tensor, guard: bool = True) -> None:
+        with span("offloadd::relay_swap"):
+            self._install(g, slab, guard)
+
+    def _install(self, g: Group, slab: torch.Tensor, guard: bool) -> None:
         for e in g.entries:
             now = e.module._parameters.get(e.attr)
             if now is not e.placeholder and now is not e.param:

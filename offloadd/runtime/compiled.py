@@ -10,11 +10,9 @@ handles whose ``__init__`` it half ran. Every hook offloadd gives torch therefor
 callback off (``unseen``), as ``torch.compiler.disable`` does, but through the C entry point, so
 that a user who never compiles does not import dynamo (1.7 s here) and each call costs ~0.2 µs.
 
-The global module pre-hook that notes parameters is the one hook dynamo must trace (it sits in
-``Module._call_impl``, which dynamo inlines): were it hidden, every module call would be a graph
-break. It returns at once while compiling (``torch.compiler.is_compiling()`` is a constant there),
-so it adds nothing to the graph; the parameters of a compiled model are noted when its wrapper
-(``OptimizedModule``), which runs eagerly, is called (see also [one module hook]).
+offloadd's common pack and unpack are C callables (``offloadd.runtime._held``): they have no
+Python frame for dynamo to catch, and pass anything but a small tensor kept as it is to the
+hidden Python hooks. No module hook is needed (see [no module hook]).
 
 A pack hook that still sees a fake, functional or meta tensor (tracing by some other path:
 ``make_fx``, ``torch.func``, an export) returns it untouched, and unpack returns it as it came.
@@ -36,11 +34,16 @@ import torch
 from torch import nn
 
 __all__ = [
+    "check_children",
+    "check_wrapper",
     "is_traced",
-    "note_wrapper",
+    "is_wrapper",
+    "refuse_budget",
+    "refuse_codec",
     "scope_opened",
     "scopes_closed",
     "unseen",
+    "wrapper_on_stack",
 ]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -107,82 +110,162 @@ def _traced_types() -> tuple[type, ...]:
 # model's gradients differed in the last bits from the model compiled whole (head.bias by
 # 9.3e-9 on a 6-block MLP), which is what the user gets without offloadd.
 
-# -- the module hook ---------------------------------------------------------------------------
+# -- no module hook ----------------------------------------------------------------------------
 #
-# Note [one module hook]
-# ~~~~~~~~~~~~~~~~~~~~~~
-# Modules called in an Offloader's scope are noted (their parameters are never moved) by one
-# global forward pre-hook. Dynamo guards a compiled region on the keys of the global hook dict,
-# so a hook registered at each scope's entry and removed at its exit has a new key each step:
-# the region was traced again every step until dynamo's recompile limit, then ran in eager. The
-# same happened with a hook removed when the last Offloader closed: a new Offloader per epoch
-# recompiled every model each epoch, eager after the eighth. So the hook is registered when the
-# first Offloader enters a scope and stays for the life of the process; it notes a module for
-# each Offloader in a scope now and returns at once otherwise (about 2 us a module call, the
-# cost of any global hook). torch warns once that ``torch.compile(model)``'s wrapper sees global
-# hooks fire for it too: harmless here (the wrapper is noted as its model).
+# Note [no module hook]
+# ~~~~~~~~~~~~~~~~~~~~~
+# An Offloader needs three things from the modules called in its scope, and takes each without
+# a global module hook (one costs ~1 us on every module call, and makes ``torch.compile(model)``
+# warn for every user that global hooks fire an extra time):
+#
+# - the storages of parameters and buffers, which are never moved: a parameter or a view of one
+#   is told by its type alone; a buffer or another plain alias of a module's storage is looked up
+#   by the StorageIndex, which learns the storages of the modules on the Python stack when a
+#   tensor that might be one is about to move (see [parameters learned] in dedup.py);
+# - with ``compile_ops``, inductor's pass (Note [emptied in the graph] in graph_ops.py) before a
+#   model compiled whole is first compiled in a scope: dynamo's compile-start callback
+#   (registered at a scope's entry once dynamo is imported, and again after
+#   ``torch._dynamo.reset()`` cleared it) adds it when an Offloader
+#   that wants it has a scope open and ``OptimizedModule.__call__`` is on the stack;
+# - with a budget, the model to plan: the planner's first module. Only then, and only until it
+#   has one, one global pre-hook notes the first module called in the scope (``note_wrapper``
+#   refuses a model compiled whole there). It is removed in that same call, before any compiled
+#   region of the model runs, so a guard dynamo keeps on the global hooks sees none.
 
 _lock = threading.Lock()
-_in_scope: weakref.WeakSet[Any] = weakref.WeakSet()
-_hook: list[Any] = []  # its handle, once registered
+_in_scope: weakref.WeakSet[Any] = weakref.WeakSet()  # Offloaders with a scope open
+_awaiting: weakref.WeakSet[Any] = weakref.WeakSet()  # ... whose planner has no model yet
+_hook: list[Any] = []  # the pre-hook's handle while one awaits
 
 
 def _note(module: nn.Module, args: Any) -> None:
     if torch.compiler.is_compiling():
         return  # traced by dynamo: adds nothing to the graph (see [invisible to dynamo])
     with _lock:
-        offs = tuple(_in_scope)
+        offs = tuple(_awaiting)
     for off in offs:
         off._note_module(module)
+    with _lock:
+        for off in offs:
+            if not off._awaits_model():
+                _awaiting.discard(off)
+        _unhook()
+
+
+def _unhook() -> None:
+    """Remove the pre-hook once no Offloader awaits its model (lock held)."""
+    if _hook and not _awaiting:
+        _hook.pop().remove()
 
 
 def scope_opened(off: Any) -> None:
-    """``off`` has a scope open now: modules called from now on are noted for it."""
+    """``off`` has a scope open now."""
     with _lock:
         _in_scope.add(off)
-        if not _hook:
-            _hook.append(nn.modules.module.register_module_forward_pre_hook(_note))
+        if off._awaits_model():
+            _awaiting.add(off)
+            if not _hook:
+                _hook.append(nn.modules.module.register_module_forward_pre_hook(_note))
+        if "torch._dynamo" in sys.modules:
+            # again after ``torch._dynamo.reset()``, which clears the callbacks
+            from torch._dynamo.callback import callback_handler
+
+            if _compile_starts not in callback_handler.start_callbacks:
+                callback_handler.register_start_callback(_compile_starts)
 
 
 def scopes_closed(off: Any) -> None:
     """``off`` has no scope open any more (or is closed)."""
     with _lock:
         _in_scope.discard(off)
+        _awaiting.discard(off)
+        _unhook()
 
 
-def note_wrapper(off: Any, module: nn.Module) -> bool:
-    """If ``module`` is ``torch.compile(model)``'s wrapper, called eagerly: note all of the
-    model's modules for ``off`` (inside the compiled region no hook notes them) and, in a scope,
-    refuse a codec and add the pass that makes the graph stream (Note [emptied in the graph] in
-    graph_ops.py) before this first call compiles it. False for any other module."""
+def _compile_starts(args: Any) -> None:
+    """Dynamo begins to compile a frame: add the pass first if a model compiled whole is
+    called in the scope of an Offloader that wants it (see [no module hook])."""
+    with _lock:
+        wants = any(off._wants_pass() for off in _in_scope)
+    if wants and wrapper_on_stack() is not None:
+        _install_pass()
+
+
+def wrapper_on_stack() -> nn.Module | None:
+    """The outermost ``torch.compile(model)`` wrapper being called on this thread, if any."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    code = OptimizedModule.__call__.__code__
+    found = None
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            found = frame
+        frame = frame.f_back
+    return None if found is None else found.f_locals.get("self")
+
+
+def refuse_codec(name: str) -> RuntimeError:
+    return RuntimeError(
+        f"offloadd: codec.name={name!r} does not run under torch.compile: a "
+        "compiled region's saved tensors reach offloadd without the op that saved them, which "
+        "the codec needs to choose what it may code; set codec.name='none' "
+        "(OFFLOADD_CODEC_NAME=none) or run this model eagerly"
+    )
+
+
+def refuse_budget(budget: Any) -> RuntimeError:
+    return RuntimeError(
+        f"offloadd: budget={budget!r} does not plan a model compiled whole "
+        "(torch.compile(model)): the compiled model is one region whose saved tensors reach "
+        "offloadd together when its forward returns, so no block can be kept, offloaded or "
+        "recomputed apart; compile each block instead (`block.compile()`, which the budget "
+        "plans around), or set budget='off' (OFFLOADD_BUDGET=off)"
+    )
+
+
+def is_wrapper(module: nn.Module) -> bool:
+    """Whether ``module`` is ``torch.compile(model)``'s wrapper (``OptimizedModule``)."""
     orig = getattr(module, "_orig_mod", None)
-    if type(module).__name__ != "OptimizedModule" or not isinstance(orig, nn.Module):
-        return False
-    in_scope = bool(getattr(off._tls, "stack", None)) and torch.is_grad_enabled()
+    return type(module).__name__ == "OptimizedModule" and isinstance(orig, nn.Module)
+
+
+def check_wrapper(off: Any, module: nn.Module) -> nn.Module:
+    """The module to note for ``module`` noted by ``off``: the model itself for a
+    ``torch.compile(model)`` wrapper (whose pass is added now, before its first call compiles
+    it; refused in a scope with a codec or a budget), else ``module``."""
+    if not is_wrapper(module):
+        return module
+    orig: nn.Module = module._orig_mod  # type: ignore[assignment]  # is_wrapper checked it
+    if _in_scope_now(off):
+        _refuse(off, orig, True)
+        if off._wants_pass():
+            _install_pass()
+    return orig
+
+
+def check_children(off: Any, model: nn.Module) -> None:
+    """In a scope, a codec refuses a wrapper among ``model``'s submodules, and a budget one
+    whose model holds what it plans (called once the planner has its model)."""
+    if _in_scope_now(off):
+        for m in model.modules():
+            if m is not model and is_wrapper(m):
+                _refuse(off, m._orig_mod, False)  # type: ignore[arg-type]
+
+
+def _in_scope_now(off: Any) -> bool:
+    return bool(getattr(off._tls, "stack", None)) and torch.is_grad_enabled()
+
+
+def _refuse(off: Any, orig: nn.Module, outermost: bool) -> None:
     cfg = off.config
-    if in_scope and cfg.codec.name != "none":
-        raise RuntimeError(
-            f"offloadd: codec.name={cfg.codec.name!r} does not run under torch.compile: a "
-            "compiled region's saved tensors reach offloadd without the op that saved them, which "
-            "the codec needs to choose what it may code; set codec.name='none' "
-            "(OFFLOADD_CODEC_NAME=none) or run this model eagerly"
-        )
+    if cfg.codec.name != "none":
+        raise refuse_codec(cfg.codec.name)
     planner = getattr(off, "_auto", None)
-    if in_scope and cfg.budget is not None and (planner is None or planner.plans_within(orig)):
+    if cfg.budget is not None and (outermost or planner is None or planner.plans_within(orig)):
         # what the budget plans is inside the region; a block compiled by a wrapper of its own
         # (``torch.compile(block)``) is planned around, as ``block.compile()`` is
-        raise RuntimeError(
-            f"offloadd: budget={cfg.budget!r} does not plan a model compiled whole "
-            "(torch.compile(model)): the compiled model is one region whose saved tensors reach "
-            "offloadd together when its forward returns, so no block can be kept, offloaded or "
-            "recomputed apart; compile each block instead (`block.compile()`, which the budget "
-            "plans around), or set budget='off' (OFFLOADD_BUDGET=off)"
-        )
-    for m in orig.modules():
-        off.note_module(m)
-    if in_scope and cfg.compile_ops and cfg.tier != "keep":
-        _install_pass()
-    return True
+        raise refuse_budget(cfg.budget)
 
 
 _refused: list[str] = []  # why the pass cannot be added (warned once, not retried)
@@ -206,11 +289,21 @@ def _install_pass() -> None:
 
 
 def _user_level() -> int:
-    """warnings' stacklevel of the first frame outside offloadd and torch (the user's call)."""
+    """warnings' stacklevel of the first frame outside offloadd, torch and the standard library
+    (the user's call; dynamo's compile-start callback runs under ``contextlib``)."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    skip = (here + os.sep, os.path.dirname(torch.__file__) + os.sep)
+    stdlib = os.path.dirname(os.__file__)
+    ours = (here + os.sep, os.path.dirname(torch.__file__) + os.sep)
+    stdlib += os.sep
     frame: types.FrameType | None = sys._getframe(1)
     level = 1
-    while frame is not None and frame.f_code.co_filename.startswith(skip):
+    while frame is not None and _skipped(frame.f_code.co_filename, ours, stdlib):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def _skipped(path: str, ours: tuple[str, ...], stdlib: str) -> bool:
+    """offloadd's and torch's files, and the standard library's (not its site-packages)."""
+    if path.startswith(ours):
+        return True
+    return path.startswith(stdlib) and "-packages" + os.sep not in path[len(stdlib) :]

@@ -12,6 +12,8 @@ block's refs are views of its source.
 
 from __future__ import annotations
 
+import sys
+import types
 import weakref
 from typing import Any
 
@@ -21,7 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from offloadd.runtime.blocks import Block
 from offloadd.runtime.handles import storage_of
 
-__all__ = ["StorageIndex", "is_parameter"]
+__all__ = ["StorageIndex", "is_parameter", "outermost_module"]
 
 _Parameter = torch.nn.Parameter
 _Tensor = torch.Tensor
@@ -43,41 +45,94 @@ def is_parameter(t: torch.Tensor) -> bool:
     return isinstance(t, _Parameter) or isinstance(t._base, _Parameter)
 
 
+_CALL_IMPL = torch.nn.Module._call_impl.__code__
+
+
+def outermost_module() -> torch.nn.Module | None:
+    """The module whose call is outermost on this thread's Python stack, if any."""
+    found = None
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL:
+            found = frame
+        frame = frame.f_back
+    if found is None:
+        return None
+    module = found.f_locals.get("self")
+    return module if isinstance(module, torch.nn.Module) else None
+
+
 class StorageIndex:
-    """Parameter storages seen in the scope, and storages already saved (lock held)."""
+    """Parameter storages of the modules in the scope, and storages already saved (lock held).
+
+    Note: [parameters learned] A parameter, or a view of one, is told by its type (``is_parameter``).
+    Other tensors that share a module's storage (a buffer, a view of one, ``weight.data``, an
+    FSDP flat parameter's pieces) are found by storage: the index keeps the models it was told
+    of (``note_module``) or found, weakly, and learns their parameters' and buffers' storages
+    lazily, when a tensor that might be one is about to move: one that does not require grad
+    (a module's buffer and a plain alias of a parameter never do, and an op's output that does
+    is no module's storage) and is not known yet. It then takes the outermost module on the
+    Python stack as a model of the scope (a model compiled whole: its wrapper, whose modules are
+    the model's), and walks the models' modules again if it has not in this step (``step``, set
+    by the Offloader at each outermost entry), so a model moved since (``.to()``) is learned
+    anew. So nothing runs per module call, and a step pays a walk only if it moves a tensor
+    that does not require grad (the input batch, a frozen backbone's activations)."""
 
     def __init__(self, dedup: bool) -> None:
         self.dedup = dedup
+        self.step = 0
+        self._learned = -1  # the step the parameters were last learned in
+        self._models: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._saved: dict[tuple[Any, ...], tuple[StorageWeakRef, Any, Block]] = {}
         self._params: dict[tuple[Any, ...], StorageWeakRef] = {}
 
-    # -- parameters ------------------------------------------------------------------------
+    # -- parameters (see [parameters learned]) ---------------------------------------------
 
     def note_module(self, module: torch.nn.Module) -> None:
-        """Remember the storages that back ``module``'s own parameters and buffers.
+        """Learn the storages of ``module``'s parameters and buffers, and its submodules', now
+        and in later steps."""
+        self._models.add(module)
+        self._learn_one(module)
 
-        Lazy modules' uninitialized parameters and buffers, meta tensors and tensors without a
-        storage of their own (functorch wrappers) are skipped, never touched. Their attributes
-        are read with torch functions off: this runs in a module's pre-hook, inside the scope,
-        where a torch function mode may be on (the codec's ``OpScope``, a user's), and each read
-        would be a call of its ``__torch_function__`` in Python, per parameter and module call,
-        whose tuples and attribute names, made afresh, the interpreter's free lists and type
-        cache keep for thousands of steps."""
-        with _NoTorchFunction():
-            for tensors in (module._parameters, module._buffers):
-                for p in tensors.values():
-                    s = storage_of(p) if p is not None else None
-                    if p is not None and s is not None:
-                        self._params[(p.device, s._cdata)] = StorageWeakRef(s)
-
-    def clear_parameters(self) -> None:
+    def _learn(self) -> None:
         self._params.clear()
+        for model in list(self._models):
+            self._learn_one(model)
+        self._learned = self.step
+
+    def _learn_one(self, model: torch.nn.Module) -> None:
+        """Lazy modules' uninitialized parameters and buffers, meta tensors and tensors without
+        a storage of their own (functorch wrappers) are skipped, never touched. Attributes are
+        read with torch functions off: a torch function mode may be on (the codec's
+        ``OpScope``, a user's), and each read would be a call of it in Python."""
+        params = self._params
+        with _NoTorchFunction():
+            for module in model.modules():
+                for tensors in (module._parameters, module._buffers):
+                    for p in tensors.values():
+                        s = storage_of(p) if p is not None else None
+                        if p is not None and s is not None:
+                            params[(p.device, s._cdata)] = StorageWeakRef(s)
 
     def backs_parameter(self, t: torch.Tensor, storage: torch.UntypedStorage) -> bool:
         """Whether ``t`` is a parameter, a view of one, or shares the storage of a parameter or
-        buffer of a module called in the scope (a transposed weight, an FSDP flat parameter)."""
+        buffer of a model in the scope (a buffer, a transposed weight, an FSDP flat parameter)."""
         if is_parameter(t):
             return True
+        if t.requires_grad:
+            return False  # an op's output, or a leaf input: no module's storage
+        if self._known(t, storage):
+            return True
+        model = outermost_module()
+        if model is not None and model not in self._models:
+            self._models.add(model)
+            self._learned = -1
+        if self._learned == self.step:
+            return False
+        self._learn()
+        return self._known(t, storage)
+
+    def _known(self, t: torch.Tensor, storage: torch.UntypedStorage) -> bool:
         ref = self._params.get((t.device, storage._cdata))
         return ref is not None and not ref.expired()
 

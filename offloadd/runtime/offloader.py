@@ -163,7 +163,8 @@ class Offloader(SavedTensorHooks):
         self._writer = Writer(cfg, ledger, self._blocks, backend, self._ordering)
         self._reader = Reader(self._writer)
         self._life = life = Lifetime(self._index, self._writer, self._reader)
-        self._released = life.released  # the hot path of pack appends to it directly
+        self._released = life.released  # refs released (see [freeing] in handles.py)
+        self._tally = life.tally  # tensors kept as they are (see [the tally] in held.py)
         self._captures = life.captures
         self._drain = life.drain
         self._closed = lambda: life.closed
@@ -229,7 +230,9 @@ class Offloader(SavedTensorHooks):
         with self._lock:
             self._active_scopes += 1
             if self._active_scopes == 1:
-                compiled.scope_opened(self)  # modules called now are noted (see [one module hook])
+                self._index.step += 1  # parameters are learned again once (see dedup.py)
+        if self._active_scopes == 1:
+            compiled.scope_opened(self)  # see [no module hook] in compiled.py
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -247,25 +250,29 @@ class Offloader(SavedTensorHooks):
         self._stats.pack_s += time.perf_counter() - start  # the forward's last copies and writes
         with self._lock:
             self._active_scopes -= 1
-            if self._active_scopes == 0:
-                compiled.scopes_closed(self)
-                self._index.clear_parameters()
+            closed = self._active_scopes == 0
             self._drain()
             self._writer.poll_copies()
+        if closed:
+            compiled.scopes_closed(self)
         self._ledger.flush_warnings()
         if (refused := transforms.refusal(exc[1])) is not None:
             raise refused  # torch.func.grad & co. called in the scope, caused by exc[1]
 
     def note_module(self, module: torch.nn.Module) -> None:
-        """Treat ``module``'s parameters and buffers as parameters (never moved) from now on.
+        """Treat the parameters and buffers of ``module`` and its submodules as parameters
+        (never moved), from now on and after they change (``.to()``).
 
-        Every module called inside the scope is noted by a forward pre-hook; integrations call
-        this for modules that run outside it (see ``offloadd.integrations.autoload``). With a
-        budget, the first module noted is the model whose blocks are planned."""
+        Modules called in the scope are found by themselves (see [no module hook] in
+        compiled.py); integrations call this for modules that run outside it (see
+        ``offloadd.integrations.autoload``). With a budget, the first module noted is the model
+        whose blocks are planned."""
+        module = compiled.check_wrapper(self, module)
         with self._lock:
             self._index.note_module(module)
         if self._auto is not None and self._auto.root is None:
             self._auto.attach(module)
+        compiled.check_children(self, module)
 
     def plan(self) -> Any:
         """With a budget: the plan of the last step planned (see [auto] in auto/planner.py),
@@ -276,8 +283,15 @@ class Offloader(SavedTensorHooks):
         return self._auto.last_plan
 
     def _note_module(self, module: torch.nn.Module) -> None:
-        if not compiled.note_wrapper(self, module):
-            self.note_module(module)
+        self.note_module(module)
+
+    def _awaits_model(self) -> bool:
+        """Whether a budget's planner has no model yet (see [no module hook])."""
+        return self._auto is not None and self._auto.root is None and not self._life.closed
+
+    def _wants_pass(self) -> bool:
+        """Whether a model compiled whole in the scope gets inductor's pass."""
+        return self.config.compile_ops and self.config.tier != "keep"
 
     def stats(self) -> Stats:
         """A snapshot of the counters (see :class:`~offloadd.Stats`)."""

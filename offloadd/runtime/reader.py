@@ -34,6 +34,7 @@ from offloadd.runtime import host_allocator
 from offloadd.runtime.blocks import CAPTURED, CAPTURING, Block
 from offloadd.runtime.handles import Ref, inplace_error, storage_bytes, view
 from offloadd.runtime.writer import Writer
+from offloadd.trace import span
 from offloadd.units import format_bytes
 
 __all__ = ["Reader"]
@@ -95,11 +96,12 @@ class Reader:
                 self.prefetch_below(block.seq)
             if block.loading or block.finishing:
                 start = time.perf_counter()
-                self.ledger.wait_while(
-                    lambda: bool(block.loading or block.finishing),
-                    f"the read-back of a saved activation ({format_bytes(block.nbytes)})",
-                    self.writer.stall_hint,
-                )
+                with span("offloadd::read_wait"):
+                    self.ledger.wait_while(
+                        lambda: bool(block.loading or block.finishing),
+                        f"the read-back of a saved activation ({format_bytes(block.nbytes)})",
+                        self.writer.stall_hint,
+                    )
                 waited = time.perf_counter() - start
                 self.ledger.stats.io_wait_s += waited
                 self.ledger.stats.read_wait_s += waited
@@ -131,6 +133,10 @@ class Reader:
 
     def load(self, block: Block, *, prefetch: bool) -> None:
         """Make ``block.resident``: copy chunks held in memory, read the others (async)."""
+        with span("offloadd::read"):
+            self._load(block, prefetch)
+
+    def _load(self, block: Block, prefetch: bool) -> None:
         backend = self.backend
         assert backend is not None
         # Async devices: slots are complete only once the copy is; unpack waited for it without

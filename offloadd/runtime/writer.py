@@ -45,6 +45,7 @@ from offloadd.runtime.handles import storage_bytes
 from offloadd.runtime.ordering import Ordering, StagedCopy
 from offloadd.runtime.stall_watch import StallWatch
 from offloadd.runtime.writer_in_place import InPlace
+from offloadd.trace import span
 
 if TYPE_CHECKING:
     from offloadd.backend.base import Backend
@@ -213,6 +214,15 @@ class Writer:
         start = time.perf_counter()
         st.backpressure_waits += 1
         watch = StallWatch("a free staging slot (writes to finish)", self.stall_hint)
+        with span("offloadd::slot_wait"):
+            slot = self._wait_for_slot(pool, watch)
+        waited = time.perf_counter() - start
+        st.io_wait_s += waited
+        st.write_wait_s += waited
+        return slot
+
+    def _wait_for_slot(self, pool: SlotPool, watch: StallWatch) -> int | None:
+        slot = None
         while slot is None:
             # Another thread's chunks being filled will be written (ssd) or become spillable.
             busy = self.in_flight > 0 or bool(self.awaiting_copy) or self.filling > 0
@@ -225,9 +235,6 @@ class Writer:
             watch.check()
             self.poll_copies()
             slot = pool.acquire()
-        waited = time.perf_counter() - start
-        st.io_wait_s += waited
-        st.write_wait_s += waited
         return slot
 
     def _spill_oldest(self) -> bool:

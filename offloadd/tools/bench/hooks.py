@@ -47,7 +47,15 @@ from offloadd.cli_dirs import ready_parent
 from offloadd.tools.bench.hooks_arms import ARMS, Arm, open_arms
 from offloadd.tools.harness.machine import command_line, describe_machine, machine_line
 
-__all__ = ["HELP", "Micro", "add_arguments", "main", "micro_model", "saved_per_step"]
+__all__ = [
+    "HELP",
+    "Micro",
+    "add_arguments",
+    "format_report",
+    "main",
+    "micro_model",
+    "saved_per_step",
+]
 
 HELP = "host cost per saved tensor of each tier, against a no-op saved-tensor hook pair"
 
@@ -89,7 +97,7 @@ def micro_model(blocks: int, width: int) -> nn.Module:
     return Micro(blocks, width)
 
 
-def _gpt2() -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
+def _gpt2(device: str) -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
     from offloadd.tools.models.hf import build_hf
 
     model = build_hf(
@@ -101,8 +109,8 @@ def _gpt2() -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
         vocab_size=2000,
         recompute=False,
     )
-    ids = torch.randint(0, 2000, (2, 64))
-    return model, lambda m: m(input_ids=ids, labels=ids).loss
+    ids = torch.randint(0, 2000, (2, 64), device=device)
+    return model.to(device), lambda m: m(input_ids=ids, labels=ids).loss
 
 
 def saved_per_step(model: nn.Module, loss_of: Callable[[nn.Module], torch.Tensor]) -> int:
@@ -156,19 +164,17 @@ def _step_of(
 
 
 def _measure(ns: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    loss_of: Callable[[nn.Module], torch.Tensor]
     if ns.model == "micro":
-        model = micro_model(ns.blocks, ns.width)
-        x = torch.randn(ns.batch, ns.width)
+        model = micro_model(ns.blocks, ns.width).to(device)
+        x = torch.randn(ns.batch, ns.width, device=device)
 
         def loss_of(m: nn.Module) -> torch.Tensor:
             return m(x).square().mean()
 
     else:
-        model, loss_of = _gpt2()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model.to(device)
-    if device == "cuda":
-        x = x.to(device) if ns.model == "micro" else None
+        model, loss_of = _gpt2(device)
     names = [a for a in ns.arms.split(",") if a]
     unknown = sorted(set(names) - set(ARMS))
     if unknown:

@@ -51,6 +51,13 @@ def _noop() -> AbstractContextManager[Any]:
     return torch.autograd.graph.saved_tensors_hooks(_same, _same)
 
 
+def _same_each_time(off: Offloader) -> Callable[[], AbstractContextManager[Any]]:
+    def scope() -> AbstractContextManager[Any]:
+        return off
+
+    return scope
+
+
 @contextlib.contextmanager
 def _daemon(workdir: Path) -> Iterator[str]:
     """An ``offloadd serve`` subprocess for the run; stopped (SIGTERM) at the end."""
@@ -102,7 +109,7 @@ def open_arms(names: list[str], workdir: Path, budget: str, device: str) -> Iter
             if kwargs is not None:
                 off = Offloader(**kwargs)
                 stack.callback(off.close)
-                arms.append(Arm(name, lambda off=off: off))
+                arms.append(Arm(name, _same_each_time(off)))
         yield [a for a in arms if not a.skipped] + [a for a in arms if a.skipped]
 
 

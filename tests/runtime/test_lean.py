@@ -1,0 +1,161 @@
+"""The hooks' lean path (issue 49): small tensors kept by the C library or its Python twin with
+the same counts, no global module hook, parameters and buffers still never moved, and
+offloadd's ranges in the user's profiler."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from offloadd import Offloader
+from offloadd.runtime import held
+from tests._support.helpers import assert_bitwise_equal
+
+ENGINE_PARAMS = ("native-threads",)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 64), nn.Sigmoid()
+    )
+
+
+def _steps(off: Offloader | None, steps: int = 3) -> tuple[list[list[torch.Tensor]], list[int]]:
+    model = _model()
+    x = torch.randn(8, 32)
+    grads: list[list[torch.Tensor]] = []
+    peaks: list[int] = []
+    for _ in range(steps):
+        if off is None:
+            loss = model(x).sum()
+        else:
+            with off:
+                loss = model(x).sum()
+            peaks.append(off.stats().peak_resident_bytes)
+        loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
+        model.zero_grad()
+    return grads, peaks
+
+
+@pytest.fixture(params=["native", "python"])
+def tally_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "native":
+        if not held.NATIVE:
+            pytest.fail("offloadd.runtime._held is not built (it must be wherever CI runs)")
+    else:
+        monkeypatch.setattr(held, "NATIVE", False)
+        monkeypatch.setattr(held, "Tally", held._PyTally)
+        monkeypatch.setattr(held, "Held", held._PyHeld)
+    return str(request.param)
+
+
+def test_kept_tensors_exact_and_counted_alike(tally_kind: str, disk_dir: Path) -> None:
+    """Both tallies: gradients bitwise plain's, and the same counts and peaks (a step's
+    saved tensors are all below min_bytes: every one goes through the tally)."""
+    want, _ = _steps(None)
+    off = Offloader(tier="ssd", ssd_dirs=[str(disk_dir)])
+    got, peaks = _steps(off)
+    st = off.stats()
+    off.close()
+    assert_bitwise_equal(want, got)
+    assert st.offloaded_bytes == 0 and st.saved_tensors > 0
+    assert st.kept_bytes == st.saved_bytes > 0
+    assert st.resident_bytes == 0  # every graph ran its backward: all released
+    expected = (8 * 32 + 8 * 64 * 4 + 2 * 8 + 8 * 64) * 4  # inputs, outputs, LN's mean/rstd
+    assert peaks[0] >= expected // 2 and len(set(peaks)) == 1, peaks
+
+
+def test_kept_tensor_changed_in_place_raises_torchs_error(tally_kind: str) -> None:
+    off = Offloader(tier="keep")
+    x = torch.randn(16, requires_grad=True)
+    with off:
+        y = x.sin()
+        z = y.sin()  # saves y
+    with torch.no_grad():
+        y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.sum().backward()
+    off.close()
+
+
+def test_a_graph_dropped_unrun_frees_what_it_held(tally_kind: str) -> None:
+    """An op that saves its own output (exp): the Held detaches it, so a graph dropped without
+    backward leaves no cycle and its bytes go (see [no cycle through the graph])."""
+    off = Offloader(tier="keep")
+    x = torch.randn(256, requires_grad=True)
+    with off:
+        loss = x.exp().exp().sum()
+    assert off.stats().resident_bytes > 0
+    del loss
+    assert off.stats().resident_bytes == 0
+    off.close()
+
+
+def test_no_global_module_hook_and_no_compile_warning(disk_dir: Path) -> None:
+    """No global module hook in an Offloader's scope (it cost ~1 us on every module call), so
+    torch.compile(model) does not warn that global hooks fire an extra time."""
+    model = _model()
+    run = torch.compile(model, backend="aot_eager")
+    off = Offloader(tier="ssd", ssd_dirs=[str(disk_dir)], min_bytes=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            with off:
+                assert not torch.nn.modules.module._has_any_global_hook()
+                loss = run(torch.randn(8, 32)).sum()
+            loss.backward()
+    off.close()
+
+
+def test_a_buffer_is_never_moved_after_the_model_moves(disk_dir: Path) -> None:
+    """Buffers are learned from the models on the stack (Note [parameters learned]), and again
+    in a later step once the model's storages changed (``.double()``)."""
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+            self.register_buffer("scale", torch.rand(64, 64))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * self.scale  # mul saves the buffer
+
+    model = Scaled()
+    off = Offloader(tier="ssd", ssd_dirs=[str(disk_dir)], min_bytes=1024)
+    for dtype in (torch.float32, torch.float64):
+        model.to(dtype)
+        before = off.stats().offloaded_bytes
+        with off:
+            y = model(torch.randn(64, 64, dtype=dtype, requires_grad=True))
+        y.sum().backward()
+        moved = off.stats().offloaded_bytes - before
+        # the input (which lin saves), never the buffer
+        assert moved == 64 * 64 * dtype.itemsize, (dtype, moved)
+    off.close()
+
+
+def test_ranges_in_the_users_profiler(disk_dir: Path) -> None:
+    model = _model()
+    off = Offloader(tier="ssd", ssd_dirs=[str(disk_dir)], min_bytes=0)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with off:
+            loss = model(torch.randn(8, 32)).sum()
+        loss.backward()
+    off.close()
+    names = {e.name for e in prof.events()}
+    for want in ("offloadd::pack", "offloadd::capture", "offloadd::unpack", "offloadd::read"):
+        assert want in names, sorted(n for n in names if n.startswith("offloadd"))
+
+
+def test_no_range_without_a_profiler() -> None:
+    from offloadd.trace import span
+
+    assert isinstance(span("offloadd::pack"), type(span("offloadd::unpack")))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert type(span("offloadd::pack")).__name__ == "record_function"

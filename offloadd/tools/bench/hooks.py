@@ -250,7 +250,8 @@ def main(ns: argparse.Namespace) -> int:
     print(machine_line(doc["machine"]))
     print(format_report(doc))
     if ns.json:
-        path = ready_parent(ns.json, "--json")
+        ready_parent("--json", ns.json)
+        path = Path(ns.json)
         path.write_text(json.dumps(doc, indent=1) + "\n")
         print(f"wrote {path}")
     return 0

@@ -33,6 +33,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from offloadd.runtime.dedup import outermost_self
+
 __all__ = [
     "check_children",
     "check_wrapper",
@@ -144,7 +146,7 @@ def _note(module: nn.Module, args: Any) -> None:
     with _lock:
         offs = tuple(_awaiting)
     for off in offs:
-        off._note_module(module)
+        off.note_module(module)
     with _lock:
         for off in offs:
             if not off._awaits_model():
@@ -195,14 +197,8 @@ def wrapper_on_stack() -> nn.Module | None:
     """The outermost ``torch.compile(model)`` wrapper being called on this thread, if any."""
     from torch._dynamo.eval_frame import OptimizedModule
 
-    code = OptimizedModule.__call__.__code__
-    found = None
-    frame: types.FrameType | None = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is code:
-            found = frame
-        frame = frame.f_back
-    return None if found is None else found.f_locals.get("self")
+    wrapper: nn.Module | None = outermost_self(OptimizedModule.__call__.__code__)
+    return wrapper
 
 
 def refuse_codec(name: str) -> RuntimeError:

@@ -23,7 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from offloadd.runtime.blocks import Block
 from offloadd.runtime.handles import storage_of
 
-__all__ = ["StorageIndex", "is_parameter", "outermost_module"]
+__all__ = ["StorageIndex", "is_parameter", "outermost_module", "outermost_self"]
 
 _Parameter = torch.nn.Parameter
 _Tensor = torch.Tensor
@@ -48,17 +48,20 @@ def is_parameter(t: torch.Tensor) -> bool:
 _CALL_IMPL = torch.nn.Module._call_impl.__code__
 
 
-def outermost_module() -> torch.nn.Module | None:
-    """The module whose call is outermost on this thread's Python stack, if any."""
+def outermost_self(code: types.CodeType) -> Any:
+    """``self`` of the outermost frame of ``code`` on this thread's Python stack, if any."""
     found = None
     frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
-        if frame.f_code is _CALL_IMPL:
+        if frame.f_code is code:
             found = frame
         frame = frame.f_back
-    if found is None:
-        return None
-    module = found.f_locals.get("self")
+    return None if found is None else found.f_locals.get("self")
+
+
+def outermost_module() -> torch.nn.Module | None:
+    """The module whose call is outermost on this thread's Python stack, if any."""
+    module = outermost_self(_CALL_IMPL)
     return module if isinstance(module, torch.nn.Module) else None
 
 

@@ -282,9 +282,6 @@ class Offloader(SavedTensorHooks):
         self._auto.settle()
         return self._auto.last_plan
 
-    def _note_module(self, module: torch.nn.Module) -> None:
-        self.note_module(module)
-
     def _awaits_model(self) -> bool:
         """Whether a budget's planner has no model yet (see [no module hook])."""
         return self._auto is not None and self._auto.root is None and not self._life.closed

@@ -14,11 +14,17 @@
  *   counts one saved tensor of nbytes, of which resident bytes are held for it (0 for a
  *   parameter: the model holds it anyway); the Held holds the tensor (detached if it requires
  *   grad: see [no cycle through the graph] in handles.py) and its version at pack.
- * Tally.take() -> (saved, saved_bytes, now, peak):
- *   the tensors and bytes counted since the last take, the resident bytes held now, and the
- *   highest ``now`` since the last take; the next interval's peak starts from ``now``.
+ * Tally.share(tensor, nbytes) -> Held:
+ *   the same for a tensor whose storage counts once however many saved tensors hold it (tier
+ *   keep: its storage's bytes are held from its first save until its last Held goes; a later
+ *   save of that storage counts its nbytes as deduplicated). The storages held are keyed by
+ *   their StorageImpl's address, which cannot be reused while a Held holds a tensor on it.
+ * Tally.take() -> (saved, saved_bytes, deduplicated_bytes, now, peak):
+ *   the tensors and bytes counted since the last take (and of those bytes, the ones shared with
+ *   an earlier save), the resident bytes held now, and the highest ``now`` since the last take;
+ *   the next interval's peak starts from ``now``.
  *
- * Pack(tally, min_bytes, captures, evicted, slow, tensor_type, parameter_type, strided,
+ * Pack(tally, min_bytes, index, captures, evicted, slow, tensor_type, parameter_type, strided,
  *      is_parameter) and Unpack(slow): the saved-tensor hooks themselves, for the common case
  *   only. Pack keeps a strided parameter, or a plain strided tensor below min_bytes (or of no
  *   bytes), as a Held, where no capture is pending (captures.num_pending) and no compiled graph
@@ -27,6 +33,9 @@
  *   Held's tensor when its version is unchanged, else slow(packed). Without a Python frame there
  *   is nothing for dynamo to trace (see [invisible to dynamo] in compiled.py); slow is already
  *   hidden from it. Both have a __dict__ (the marks offloadd puts on its pack hook).
+ *   Given ``index`` (tier keep: offloadd's StorageIndex, else None), Pack also keeps a plain
+ *   tensor of min_bytes or more: as a parameter where the index knows its storage, else
+ *   through Tally.share (see known_parameter); one the index may not know yet goes to slow(t).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -42,9 +51,19 @@ typedef struct {
     PyObject_HEAD
     long long saved;
     long long saved_bytes;
+    long long deduplicated_bytes;
     long long now;
     long long peak;
+    PyObject *shared; /* {StorageImpl address: Shared} of the storages held through share */
 } Tally;
+
+/* One storage held through Tally.share, and how many Helds hold it. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *key;
+    long long nbytes;
+    long long count;
+} Shared;
 
 typedef struct {
     PyObject_HEAD
@@ -52,16 +71,47 @@ typedef struct {
     PyObject *version;
     long long nbytes;
     Tally *tally;
+    Shared *shared;
 } Held;
 
 static PyTypeObject TallyType;
 static PyTypeObject HeldType;
+static PyTypeObject SharedType;
 static PyObject *s_requires_grad, *s_detach, *s_version, *s_num_pending, *s_claims, *s_layout,
-    *s_is_meta, *s_nbytes, *s_dict, *s_base;
+    *s_is_meta, *s_nbytes, *s_dict, *s_base, *s_untyped_storage, *s_cdata, *s_expired, *s_learned, *s_step, *s_params;
+
+static void shared_dealloc(Shared *self) {
+    Py_XDECREF(self->key);
+    PyObject_Free(self);
+}
+
+static PyTypeObject SharedType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "offloadd.runtime._held.Shared",
+    .tp_basicsize = sizeof(Shared),
+    .tp_dealloc = (destructor)shared_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A storage held through Tally.share.",
+};
+
+/* The last Held of a shared storage is gone: its bytes are no longer held. */
+static void release_shared(Tally *tally, Shared *shared) {
+    if (--shared->count > 0)
+        return;
+    tally->now -= shared->nbytes;
+    PyObject *type, *value, *tb; /* a dealloc may run while an exception is set */
+    PyErr_Fetch(&type, &value, &tb);
+    if (tally->shared != NULL && PyDict_DelItem(tally->shared, shared->key) < 0)
+        PyErr_Clear();
+    PyErr_Restore(type, value, tb);
+}
 
 static void held_dealloc(Held *self) {
     if (self->tally != NULL) {
         self->tally->now -= self->nbytes;
+        if (self->shared != NULL) {
+            release_shared(self->tally, self->shared);
+            Py_DECREF(self->shared);
+        }
         Py_DECREF(self->tally);
     }
     Py_XDECREF(self->tensor);
@@ -121,11 +171,74 @@ static PyObject *keep(Tally *self, PyObject *t, long long nbytes, long long resi
     h->version = version;
     h->nbytes = resident;
     h->tally = (Tally *)Py_NewRef(self);
+    h->shared = NULL;
     self->saved += 1;
     self->saved_bytes += nbytes;
     self->now += resident;
     if (self->now > self->peak)
         self->peak = self->now;
+    return (PyObject *)h;
+}
+
+/* The key and bytes of t's storage (its StorageImpl's address): 1, or 0 with no exception set
+ * if it has none (a zero tensor), or -1 on error. */
+static int storage_of(PyObject *t, PyObject **key, long long *nbytes) {
+    PyObject *storage = PyObject_CallMethodNoArgs(t, s_untyped_storage);
+    if (storage == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    *key = PyObject_GetAttr(storage, s_cdata);
+    PyObject *sn = *key == NULL ? NULL : PyObject_CallMethodNoArgs(storage, s_nbytes);
+    Py_DECREF(storage);
+    if (sn == NULL) {
+        Py_CLEAR(*key);
+        PyErr_Clear();
+        return 0;
+    }
+    *nbytes = PyLong_AsLongLong(sn);
+    Py_DECREF(sn);
+    if (*nbytes == -1 && PyErr_Occurred()) {
+        Py_CLEAR(*key);
+        return -1;
+    }
+    return 1;
+}
+
+/* keep() for a tensor whose storage (key, storage_nbytes) counts once (Tally.share). */
+static PyObject *share(Tally *self, PyObject *t, long long nbytes, PyObject *key,
+                       long long storage_nbytes) {
+    Shared *entry = (Shared *)PyDict_GetItemWithError(self->shared, key); /* borrowed */
+    if (entry == NULL && PyErr_Occurred())
+        return NULL;
+    long long resident = 0;
+    if (entry != NULL) {
+        Py_INCREF(entry);
+        self->deduplicated_bytes += nbytes;
+    } else {
+        entry = PyObject_New(Shared, &SharedType);
+        if (entry == NULL)
+            return NULL;
+        entry->key = Py_NewRef(key);
+        entry->nbytes = storage_nbytes;
+        entry->count = 0;
+        if (PyDict_SetItem(self->shared, key, (PyObject *)entry) < 0) {
+            Py_DECREF(entry);
+            return NULL;
+        }
+        resident = storage_nbytes;
+    }
+    Held *h = (Held *)keep(self, t, nbytes, resident, 1);
+    if (h == NULL) {
+        if (entry->count == 0 && PyDict_DelItem(self->shared, entry->key) < 0)
+            PyErr_Clear(); /* keep's error is the one to raise */
+        Py_DECREF(entry);
+        return NULL;
+    }
+    /* the bytes now held are the entry's: taken off when its last Held goes (release_shared) */
+    h->nbytes = 0;
+    h->shared = entry;
+    entry->count += 1;
     return (PyObject *)h;
 }
 
@@ -141,21 +254,63 @@ static PyObject *tally_keep(Tally *self, PyObject *const *args, Py_ssize_t nargs
     return keep(self, args[0], nbytes, resident, 1);
 }
 
+static PyObject *tally_share(Tally *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "share(tensor, nbytes)");
+        return NULL;
+    }
+    long long nbytes = PyLong_AsLongLong(args[1]);
+    if (nbytes == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *key;
+    long long storage_nbytes;
+    int r = storage_of(args[0], &key, &storage_nbytes);
+    if (r <= 0) {
+        if (r == 0)
+            PyErr_SetString(PyExc_ValueError, "share: the tensor has no storage");
+        return NULL;
+    }
+    PyObject *h = share(self, args[0], nbytes, key, storage_nbytes);
+    Py_DECREF(key);
+    return h;
+}
+
 static PyObject *tally_take(Tally *self, PyObject *Py_UNUSED(ignored)) {
-    PyObject *out = Py_BuildValue("(LLLL)", self->saved, self->saved_bytes, self->now, self->peak);
+    PyObject *out = Py_BuildValue("(LLLLL)", self->saved, self->saved_bytes,
+                                  self->deduplicated_bytes, self->now, self->peak);
     if (out != NULL) {
         self->saved = 0;
         self->saved_bytes = 0;
+        self->deduplicated_bytes = 0;
         self->peak = self->now;
     }
     return out;
 }
 
+static PyObject *tally_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    Tally *self = (Tally *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->shared = PyDict_New();
+    if (self->shared == NULL) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static void tally_dealloc(Tally *self) {
+    Py_CLEAR(self->shared); /* empty: every Held holds the tally */
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
 static PyMethodDef tally_methods[] = {
     {"keep", (PyCFunction)(void (*)(void))tally_keep, METH_FASTCALL,
      "keep(tensor, nbytes, resident) -> Held"},
+    {"share", (PyCFunction)(void (*)(void))tally_share, METH_FASTCALL,
+     "share(tensor, nbytes) -> Held, its storage's bytes counted once"},
     {"take", (PyCFunction)tally_take, METH_NOARGS,
-     "take() -> (saved, saved_bytes, now, peak) since the last take"},
+     "take() -> (saved, saved_bytes, deduplicated_bytes, now, peak) since the last take"},
     {NULL},
 };
 
@@ -169,7 +324,8 @@ static PyTypeObject TallyType = {
     .tp_basicsize = sizeof(Tally),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "The count and bytes of saved tensors kept as they are.",
-    .tp_new = PyType_GenericNew,
+    .tp_new = tally_new,
+    .tp_dealloc = (destructor)tally_dealloc,
     .tp_methods = tally_methods,
     .tp_members = tally_members,
 };
@@ -182,6 +338,8 @@ typedef struct {
     PyObject *dict;
     Tally *tally;
     long long min_bytes;
+    PyObject *index;  /* tier keep: the StorageIndex (else None); tensors kept through share */
+    PyObject *params; /* its parameters' storages, {StorageImpl address: StorageWeakRef} */
     PyObject *captures, *evicted, *slow, *tensor_type, *parameter_type, *strided, *is_parameter;
 } Pack;
 
@@ -200,6 +358,16 @@ static int attr_true(PyObject *obj, PyObject *name) {
         return -1;
     if (v == NULL)
         return 0;
+    int r = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return r;
+}
+
+/* 1 if ``obj.name()`` is true, 0 if not, -1 on error. */
+static int attr_true_call(PyObject *obj, PyObject *name) {
+    PyObject *v = PyObject_CallMethodNoArgs(obj, name);
+    if (v == NULL)
+        return -1;
     int r = PyObject_IsTrue(v);
     Py_DECREF(v);
     return r;
@@ -231,6 +399,30 @@ static long long resident_of(Pack *self, PyObject *t, long long nbytes) {
     return param ? 0 : nbytes;
 }
 
+/* Tier keep, a plain tensor with storage ``key`` that is no parameter's view: 1 if it is a
+ * module's storage (the index's parameters and buffers, see [parameters learned] in dedup.py),
+ * 0 if not, 2 if the index must learn first (slow asks it), -1 on error. One that requires grad
+ * is an op's output or an input, never a module's storage. */
+static int known_parameter(Pack *self, PyObject *t, PyObject *key) {
+    int r = attr_true(t, s_requires_grad);
+    if (r != 0)
+        return r < 0 ? -1 : 0;
+    PyObject *ref = PyDict_GetItemWithError(self->params, key); /* borrowed */
+    if (ref == NULL && PyErr_Occurred())
+        return -1;
+    if (ref != NULL) {
+        r = attr_true_call(ref, s_expired);
+        if (r <= 0)
+            return r < 0 ? -1 : 1;
+    }
+    PyObject *learned = PyObject_GetAttr(self->index, s_learned);
+    PyObject *step = learned == NULL ? NULL : PyObject_GetAttr(self->index, s_step);
+    r = step == NULL ? -1 : PyObject_RichCompareBool(learned, step, Py_EQ);
+    Py_XDECREF(learned);
+    Py_XDECREF(step);
+    return r < 0 ? -1 : (r ? 0 : 2);
+}
+
 static PyObject *pack_call(Pack *self, PyObject *args, PyObject *kwargs) {
     PyObject *t;
     if (!PyArg_UnpackTuple(args, "pack", 1, 1, &t))
@@ -260,8 +452,28 @@ static PyObject *pack_call(Pack *self, PyObject *args, PyObject *kwargs) {
         return NULL;
     if (type == self->parameter_type) /* held by the model anyway, whatever its size */
         return keep(self->tally, t, nbytes, 0, 0);
-    if (nbytes >= self->min_bytes && nbytes != 0)
-        goto slow;
+    if (nbytes >= self->min_bytes && nbytes != 0) {
+        if (self->index == Py_None)
+            goto slow;
+        long long resident = resident_of(self, t, nbytes);
+        if (resident <= 0) /* a parameter's view, or an error */
+            return resident < 0 ? NULL : keep(self->tally, t, nbytes, 0, 1);
+        PyObject *key;
+        long long storage_nbytes;
+        r = storage_of(t, &key, &storage_nbytes);
+        if (r <= 0)
+            goto slow; /* no storage of its own: slow decides */
+        int param = known_parameter(self, t, key);
+        PyObject *h = NULL;
+        if (param == 0)
+            h = share(self->tally, t, nbytes, key, storage_nbytes);
+        else if (param == 1)
+            h = keep(self->tally, t, nbytes, 0, 1);
+        Py_DECREF(key);
+        if (param == 2)
+            goto slow;
+        return h;
+    }
     long long resident = resident_of(self, t, nbytes);
     if (resident < 0)
         return NULL;
@@ -274,10 +486,22 @@ slow:
 
 static int pack_init(Pack *self, PyObject *args, PyObject *kwargs) {
     PyObject *tally;
-    if (!PyArg_ParseTuple(args, "O!LOOOOOOO:Pack", &TallyType, &tally, &self->min_bytes,
-                          &self->captures, &self->evicted, &self->slow, &self->tensor_type,
+    if (!PyArg_ParseTuple(args, "O!LOOOOOOOO:Pack", &TallyType, &tally, &self->min_bytes,
+                          &self->index, &self->captures, &self->evicted, &self->slow, &self->tensor_type,
                           &self->parameter_type, &self->strided, &self->is_parameter))
         return -1;
+    self->params = NULL;
+    if (self->index != Py_None) {
+        self->params = PyObject_GetAttr(self->index, s_params);
+        if (self->params == NULL)
+            return -1;
+        if (!PyDict_Check(self->params)) {
+            Py_CLEAR(self->params);
+            PyErr_SetString(PyExc_TypeError, "Pack: index._params is not a dict");
+            return -1;
+        }
+    }
+    Py_INCREF(self->index);
     self->tally = (Tally *)Py_NewRef(tally);
     Py_INCREF(self->captures);
     Py_INCREF(self->evicted);
@@ -292,6 +516,8 @@ static int pack_init(Pack *self, PyObject *args, PyObject *kwargs) {
 static int pack_traverse(Pack *self, visitproc visit, void *arg) {
     Py_VISIT(self->dict);
     Py_VISIT(self->tally);
+    Py_VISIT(self->index);
+    Py_VISIT(self->params);
     Py_VISIT(self->captures);
     Py_VISIT(self->evicted);
     Py_VISIT(self->slow);
@@ -302,6 +528,8 @@ static int pack_traverse(Pack *self, visitproc visit, void *arg) {
 static int pack_clear(Pack *self) {
     Py_CLEAR(self->dict);
     Py_CLEAR(self->tally);
+    Py_CLEAR(self->index);
+    Py_CLEAR(self->params);
     Py_CLEAR(self->captures);
     Py_CLEAR(self->evicted);
     Py_CLEAR(self->slow);
@@ -413,11 +641,20 @@ PyMODINIT_FUNC PyInit__held(void) {
     s_nbytes = PyUnicode_InternFromString("nbytes");
     s_dict = PyUnicode_InternFromString("__dict__");
     s_base = PyUnicode_InternFromString("_base");
+    s_untyped_storage = PyUnicode_InternFromString("untyped_storage");
+    s_cdata = PyUnicode_InternFromString("_cdata");
+    s_expired = PyUnicode_InternFromString("expired");
+    s_learned = PyUnicode_InternFromString("_learned");
+    s_step = PyUnicode_InternFromString("step");
+    s_params = PyUnicode_InternFromString("_params");
     if (s_requires_grad == NULL || s_detach == NULL || s_version == NULL ||
         s_num_pending == NULL || s_claims == NULL || s_layout == NULL || s_is_meta == NULL ||
-        s_nbytes == NULL || s_dict == NULL || s_base == NULL)
+        s_nbytes == NULL || s_dict == NULL || s_base == NULL || s_untyped_storage == NULL ||
+        s_cdata == NULL || s_expired == NULL || s_learned == NULL || s_step == NULL ||
+        s_params == NULL)
         return NULL;
     if (PyType_Ready(&TallyType) < 0 || PyType_Ready(&HeldType) < 0 ||
+        PyType_Ready(&SharedType) < 0 ||
         PyType_Ready(&PackType) < 0 || PyType_Ready(&UnpackType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
@@ -427,7 +664,7 @@ PyMODINIT_FUNC PyInit__held(void) {
         PyModule_AddObjectRef(m, "Held", (PyObject *)&HeldType) < 0 ||
         PyModule_AddObjectRef(m, "Pack", (PyObject *)&PackType) < 0 ||
         PyModule_AddObjectRef(m, "Unpack", (PyObject *)&UnpackType) < 0 ||
-        PyModule_AddIntConstant(m, "VERSION", 1) < 0) {
+        PyModule_AddIntConstant(m, "VERSION", 2) < 0) {
         Py_DECREF(m);
         return NULL;
     }

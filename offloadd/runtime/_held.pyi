@@ -24,7 +24,8 @@ class Tally:
     @property
     def now(self) -> int: ...
     def keep(self, tensor: torch.Tensor, nbytes: int, resident: int, /) -> Held: ...
-    def take(self) -> tuple[int, int, int, int]: ...
+    def share(self, tensor: torch.Tensor, nbytes: int, /) -> Held: ...
+    def take(self) -> tuple[int, int, int, int, int]: ...
 
 class Pack:
     """offloadd's pack hook: small plain tensors kept here, the rest passed to ``slow``."""
@@ -33,6 +34,7 @@ class Pack:
         self,
         tally: Tally,
         min_bytes: int,
+        index: Any,
         captures: Any,
         evicted: Any,
         slow: Callable[[torch.Tensor], Any],

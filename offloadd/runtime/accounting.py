@@ -57,13 +57,15 @@ class Ledger:
         if held > self.window_peak:
             self.window_peak = held
 
-    def apply_kept(self, saved: int, saved_bytes: int, now: int, peak: int) -> None:
-        """What ``Tally.take`` returned: tensors saved and kept since, the tally's resident
-        bytes now, and the most it held since (see [the tally] in held.py)."""
+    def apply_kept(self, saved: int, saved_bytes: int, dedup: int, now: int, peak: int) -> None:
+        """What ``Tally.take`` returned: tensors saved and kept since (and their bytes shared
+        with an earlier save), the tally's resident bytes now, and the most it held since (see
+        [the tally] in held.py)."""
         st = self.stats
         st.saved_tensors += saved
         st.saved_bytes += saved_bytes
-        st.kept_bytes += saved_bytes
+        st.kept_bytes += saved_bytes - dedup
+        st.deduplicated_bytes += dedup
         rise = peak - self.tally_now
         if rise > 0:  # the high, at which the peaks are noted, then down to now
             self.add_resident(rise, kept=True)

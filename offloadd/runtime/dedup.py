@@ -65,6 +65,16 @@ def outermost_module() -> torch.nn.Module | None:
     return module if isinstance(module, torch.nn.Module) else None
 
 
+def _module_storage(p: torch.Tensor) -> torch.UntypedStorage | None:
+    """:func:`storage_of` a parameter or buffer; a plain one the cheap way (no subclass)."""
+    if (type(p) is _Parameter or type(p) is _Tensor) and not p.is_meta:
+        try:
+            return p.untyped_storage()
+        except Exception:  # sparse
+            return None
+    return storage_of(p)
+
+
 class StorageIndex:
     """Parameter storages of the modules in the scope, and storages already saved (lock held).
 
@@ -87,7 +97,8 @@ class StorageIndex:
         self._learned = -1  # the step the parameters were last learned in
         self._models: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._saved: dict[tuple[Any, ...], tuple[StorageWeakRef, Any, Block]] = {}
-        self._params: dict[tuple[Any, ...], StorageWeakRef] = {}
+        # By StorageImpl address; held.c's Pack reads it too (tier keep).
+        self._params: dict[int, StorageWeakRef] = {}
 
     # -- parameters (see [parameters learned]) ---------------------------------------------
 
@@ -98,24 +109,34 @@ class StorageIndex:
         self._learn_one(module)
 
     def _learn(self) -> None:
-        self._params.clear()
+        known = dict(self._params)
+        self._params.clear()  # the same dict: held.c's Pack holds it
         for model in list(self._models):
-            self._learn_one(model)
+            self._learn_one(model, known)
         self._learned = self.step
 
-    def _learn_one(self, model: torch.nn.Module) -> None:
+    def _learn_one(
+        self, model: torch.nn.Module, known: dict[int, StorageWeakRef] | None = None
+    ) -> None:
         """Lazy modules' uninitialized parameters and buffers, meta tensors and tensors without
         a storage of their own (functorch wrappers) are skipped, never touched. Attributes are
         read with torch functions off: a torch function mode may be on (the codec's
-        ``OpScope``, a user's), and each read would be a call of it in Python."""
+        ``OpScope``, a user's), and each read would be a call of it in Python. A storage in
+        ``known`` keeps its weak reference: it pins the address (see [dedup identity]), so an
+        equal address is that same storage, and a new reference costs 0.5 us a tensor."""
         params = self._params
         with _NoTorchFunction():
             for module in model.modules():
                 for tensors in (module._parameters, module._buffers):
                     for p in tensors.values():
-                        s = storage_of(p) if p is not None else None
-                        if p is not None and s is not None:
-                            params[(p.device, s._cdata)] = StorageWeakRef(s)
+                        s = _module_storage(p) if p is not None else None
+                        if s is None:
+                            continue
+                        key = s._cdata
+                        if known is not None and key in known:
+                            params[key] = known[key]
+                        else:
+                            params[key] = StorageWeakRef(s)
 
     def backs_parameter(self, t: torch.Tensor, storage: torch.UntypedStorage) -> bool:
         """Whether ``t`` is a parameter, a view of one, or shares the storage of a parameter or
@@ -136,7 +157,7 @@ class StorageIndex:
         return self._known(t, storage)
 
     def _known(self, t: torch.Tensor, storage: torch.UntypedStorage) -> bool:
-        ref = self._params.get((t.device, storage._cdata))
+        ref = self._params.get(storage._cdata)
         return ref is not None and not ref.expired()
 
     # -- saved storages (see [dedup identity]) ---------------------------------------------

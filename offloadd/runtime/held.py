@@ -11,6 +11,13 @@ highest they reached since. Between two takes the ledger's other bytes change on
 queued releases of offloaded blocks, which only lower them, so the peak it records is the true
 one or, where a block was released before small tensors rose to their high, above it.
 
+Tier keep holds every saved tensor where it is, whatever its size, so it needs no block either:
+:meth:`Tally.share` keeps it the same way but counts its *storage* once, from its first save
+until its last Held goes (views, transposes and other saves of that storage add their bytes to
+``deduplicated_bytes``). The storage is known by its StorageImpl's address, which no other
+storage can take while a Held holds a tensor on it. Nothing moves, so no version or root enters
+the key (compare [dedup identity] in dedup.py, for bytes that leave and come back).
+
 The library built from csrc/hot_path/held.c does this in C (about 0.1 us per tensor); where it
 is not built, the classes below do the same in Python (about 1 us).
 """
@@ -25,13 +32,15 @@ __all__ = ["NATIVE", "Held", "Pack", "Tally", "Unpack"]
 class _PyTally:
     """The count and bytes of saved tensors kept as they are (see [the tally])."""
 
-    __slots__ = ("now", "peak", "saved", "saved_bytes")
+    __slots__ = ("deduplicated_bytes", "now", "peak", "saved", "saved_bytes", "shared")
 
     def __init__(self) -> None:
         self.saved = 0
         self.saved_bytes = 0
+        self.deduplicated_bytes = 0
         self.now = 0
         self.peak = 0
+        self.shared: dict[int, _PyShared] = {}
 
     def keep(self, tensor: Any, nbytes: int, resident: int) -> _PyHeld:
         self.saved += 1
@@ -41,17 +50,42 @@ class _PyTally:
             self.peak = self.now
         return _PyHeld(tensor, resident, self)
 
-    def take(self) -> tuple[int, int, int, int]:
-        out = (self.saved, self.saved_bytes, self.now, self.peak)
-        self.saved = self.saved_bytes = 0
+    def share(self, tensor: Any, nbytes: int) -> _PyHeld:
+        storage = tensor.untyped_storage()
+        entry = self.shared.get(storage._cdata)
+        if entry is not None:
+            self.deduplicated_bytes += nbytes
+            held = self.keep(tensor, nbytes, 0)
+        else:
+            entry = self.shared[storage._cdata] = _PyShared(storage._cdata, storage.nbytes())
+            held = self.keep(tensor, nbytes, entry.nbytes)
+            held.nbytes = 0  # the entry's, taken off when its last Held goes
+        held.shared = entry
+        entry.count += 1
+        return held
+
+    def take(self) -> tuple[int, int, int, int, int]:
+        out = (self.saved, self.saved_bytes, self.deduplicated_bytes, self.now, self.peak)
+        self.saved = self.saved_bytes = self.deduplicated_bytes = 0
         self.peak = self.now
         return out
+
+
+class _PyShared:
+    """One storage held through ``Tally.share``, and how many Helds hold it."""
+
+    __slots__ = ("count", "key", "nbytes")
+
+    def __init__(self, key: int, nbytes: int) -> None:
+        self.key = key
+        self.nbytes = nbytes
+        self.count = 0
 
 
 class _PyHeld:
     """A saved tensor kept as it is (made by ``Tally.keep``)."""
 
-    __slots__ = ("nbytes", "tally", "tensor", "version")
+    __slots__ = ("nbytes", "shared", "tally", "tensor", "version")
 
     def __init__(self, tensor: Any, nbytes: int, tally: _PyTally) -> None:
         # see [no cycle through the graph] in handles.py
@@ -59,9 +93,17 @@ class _PyHeld:
         self.version = tensor._version
         self.nbytes = nbytes
         self.tally = tally
+        self.shared: _PyShared | None = None
 
     def __del__(self) -> None:
-        self.tally.now -= self.nbytes
+        tally = self.tally
+        tally.now -= self.nbytes
+        shared = self.shared
+        if shared is not None:
+            shared.count -= 1
+            if shared.count == 0:
+                tally.now -= shared.nbytes
+                del tally.shared[shared.key]
 
 
 def _load() -> tuple[Any, Any, Any, Any, bool]:
@@ -71,7 +113,7 @@ def _load() -> tuple[Any, Any, Any, Any, bool]:
         from offloadd.runtime import _held
     except ImportError:  # not built (docs/native.md)
         return _PyTally, _PyHeld, None, None, False
-    if getattr(_held, "VERSION", 0) < 1:
+    if getattr(_held, "VERSION", 0) < 2:  # a stale build
         return _PyTally, _PyHeld, None, None, False
     return _held.Tally, _held.Held, _held.Pack, _held.Unpack, True
 

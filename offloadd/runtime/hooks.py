@@ -57,6 +57,7 @@ class SavedTensorHooks:
 
     config: Config
     _min_bytes: int
+    _share: bool
     _ledger: Ledger
     _lock: Any
     _stats: Stats
@@ -82,8 +83,8 @@ class SavedTensorHooks:
         Offloader must go when its last reference does (see [shutdown]).
 
         Without a codec and with offloadd's C library, the hooks are its ``Pack`` and
-        ``Unpack``: a small plain tensor is kept and given back without a Python frame, and
-        anything else goes on to :meth:`_pack` and :meth:`_unpack` (see [the tally] in held.py;
+        ``Unpack``: a small plain tensor (under tier keep, any plain tensor that requires grad)
+        is kept and given back without a Python frame, and anything else goes on to :meth:`_pack` and :meth:`_unpack` (see [the tally] in held.py;
         ``offloadd bench hooks`` measures both)."""
         pack: Any
         unpack: Any
@@ -94,6 +95,7 @@ class SavedTensorHooks:
             pack = held.Pack(
                 self._tally,
                 self._min_bytes,
+                self._index if self._share else None,
                 self._captures,
                 evicted.tls(),
                 unseen(self._pack),
@@ -142,6 +144,10 @@ class SavedTensorHooks:
             nbytes = nbytes_of(t)
         if storage is None:  # kept as it is (see [the tally] in held.py)
             return self._tally.keep(t, nbytes, 0 if is_parameter(t) else nbytes)
+        if self._share:  # tier keep: no block either (see [the tally])
+            with self._lock:
+                param = self._index.backs_parameter(t, storage)
+            return self._tally.keep(t, nbytes, 0) if param else self._tally.share(t, nbytes)
         # Timed from here on (Stats.pack_s): tensors that may move; a small one costs a few
         # microseconds, and timing it would add a tenth of that (see bench step's hook cost).
         start = time.perf_counter()

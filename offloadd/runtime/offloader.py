@@ -174,6 +174,9 @@ class Offloader(SavedTensorHooks):
             self._auto = stages.planner(cfg, ledger, self._tls)
             if self._writer.in_place is not None:  # see [room for writes]
                 self._writer.in_place.room = self._auto.write_room
+        # Tier keep: every saved tensor held where it is, its storage counted once, no block
+        # (see [the tally] in held.py). Without dedup, each save counts its storage: blocks.
+        self._share = cfg.tier == "keep" and self._auto is None and cfg.dedup
         # Lossy codes of some saved activations, opt-in (see [codes through the tiers]).
         self._codec: Coder | None = None
         self._coded_type: type | None = None

@@ -71,8 +71,11 @@ def test_kept_tensors_exact_and_counted_alike(tally_kind: str, disk_dir: Path) -
     assert peaks[0] >= expected // 2 and len(set(peaks)) == 1, peaks
 
 
-def test_kept_tensor_changed_in_place_raises_torchs_error(tally_kind: str) -> None:
-    off = Offloader(tier="keep")
+@pytest.mark.parametrize("min_bytes", [None, 0], ids=["small", "shared"])
+def test_kept_tensor_changed_in_place_raises_torchs_error(
+    tally_kind: str, min_bytes: int | None
+) -> None:
+    off = Offloader(tier="keep", **({} if min_bytes is None else {"min_bytes": min_bytes}))
     x = torch.randn(16, requires_grad=True)
     with off:
         y = x.sin()
@@ -84,16 +87,54 @@ def test_kept_tensor_changed_in_place_raises_torchs_error(tally_kind: str) -> No
     off.close()
 
 
-def test_a_graph_dropped_unrun_frees_what_it_held(tally_kind: str) -> None:
+@pytest.mark.parametrize("min_bytes", [None, 0], ids=["small", "shared"])
+def test_a_graph_dropped_unrun_frees_what_it_held(tally_kind: str, min_bytes: int | None) -> None:
     """An op that saves its own output (exp): the Held detaches it, so a graph dropped without
     backward leaves no cycle and its bytes go (see [no cycle through the graph])."""
-    off = Offloader(tier="keep")
+    off = Offloader(tier="keep", **({} if min_bytes is None else {"min_bytes": min_bytes}))
     x = torch.randn(256, requires_grad=True)
     with off:
         loss = x.exp().exp().sum()
     assert off.stats().resident_bytes > 0
     del loss
     assert off.stats().resident_bytes == 0
+    off.close()
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+        self.register_buffer("scale", torch.rand(64, 64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale  # mul saves the buffer
+
+
+def test_tier_keep_counts_each_storage_once(tally_kind: str) -> None:
+    """Tier keep holds every tensor where it is, with no block: a storage saved three times
+    (twice as itself, once transposed) counts its bytes once, as held from its first save to
+    its last release; a parameter and a module's buffer count none (see [the tally])."""
+    kib16 = 64 * 64 * 4
+    off = Offloader(tier="keep", min_bytes=0)
+    x = torch.randn(64, 64, requires_grad=True)
+    with off:
+        loss = (x.sin() + x.cos() + x.t().sin().t() + x.exp()).sum()  # exp saves its output
+    st = off.stats()
+    assert st.saved_tensors == 4 and st.saved_bytes == 4 * kib16
+    assert st.deduplicated_bytes == 2 * kib16 and st.kept_bytes == 2 * kib16
+    assert st.resident_bytes == 2 * kib16  # x, and exp's output
+    loss.backward()
+    assert off.stats().resident_bytes == 0
+
+    model = _Scaled()
+    for step in range(2):  # the buffer: learned in the first step's slow path, then in C
+        with off:
+            y = model(torch.randn(64, 64, requires_grad=True))
+        # lin saves the input and its weight (a parameter), mul the buffer only
+        assert off.stats().resident_bytes == kib16, step
+        y.sum().backward()
+        assert off.stats().resident_bytes == 0
     off.close()
 
 
@@ -117,16 +158,7 @@ def test_a_buffer_is_never_moved_after_the_model_moves(disk_dir: Path) -> None:
     """Buffers are learned from the models on the stack (Note [parameters learned]), and again
     in a later step once the model's storages changed (``.double()``)."""
 
-    class Scaled(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(64, 64)
-            self.register_buffer("scale", torch.rand(64, 64))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.lin(x) * self.scale  # mul saves the buffer
-
-    model = Scaled()
+    model = _Scaled()
     off = Offloader(tier="ssd", ssd_dirs=[str(disk_dir)], min_bytes=1024)
     for dtype in (torch.float32, torch.float64):
         model.to(dtype)

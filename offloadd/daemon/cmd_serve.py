@@ -79,7 +79,8 @@ def main(ns: argparse.Namespace) -> int:
             sock = socket_path(ns.socket)  # "default": see [the default socket]
             parent = Path(sock).expanduser().parent
             made = None if os.path.lexists(parent) else str(parent)
-            ready_parent("--socket", sock)
+            if not parent.is_symlink():  # the daemon refuses one, untouched: no probe in it
+                ready_parent("--socket", sock)
         from offloadd.daemon.core import serve
 
         return serve(cfg, made_socket_dir=made)

@@ -9,11 +9,29 @@ padding to a multiple of 4096. ``skew`` is the storage address modulo 4096 for b
 place (see [zero-copy] in writer_in_place.py), so that record and memory share their page
 boundaries; 0 for blocks that go through staging. Read-backs land in a buffer with the same
 layout, and the tensor handed to autograd views it from ``skew`` on.
+
+Note: [a block's two sides] A block has a write side, ``out``: how far its bytes got on their
+way out; and a read side, ``back``: where they are for backward. Each is one value, changed only
+by :meth:`Block.move_out` and :meth:`Block.move_back`, which assert that the move is one of
+these (the lock is held for every move):
+
+    out:   PENDING -> CAPTURING | HELD | DROPPED      CAPTURING -> CAPTURED | HELD
+           HELD -> DROPPED                            CAPTURED, DROPPED: final
+    back:  ABSENT -> LOADING | RESIDENT               LOADING -> RESIDENT | ABSENT
+           RESIDENT -> UPLOADING | ABSENT             UPLOADING -> RESIDENT | ABSENT
+
+Beside them, and not stages of either: ``modified``, a verdict (changed in place after it was
+saved: unpack raises), found by whichever thread sees it and never cleared; ``freed``, every
+ref released (a block freed while CAPTURING is freed by the capturing thread once done); and
+the counts: ``refs``, ``loading`` (reads in flight while LOADING), ``unconsumed`` and ``gen``
+(refs that have not unpacked the current load). ``prefetched``, ``pinned_resident`` and
+``resident_is_source`` say what the resident copy is.
 """
 
 from __future__ import annotations
 
 import bisect
+import enum
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,13 +40,42 @@ import torch
 from offloadd.io.buffers import round_up
 from offloadd.io.request import Request
 
-__all__ = ["CAPTURED", "CAPTURING", "HELD", "PENDING", "Block", "BlockMap", "Chunk"]
+__all__ = ["Back", "Block", "BlockMap", "Chunk", "Out"]
 
-# A block's capture (see [capture after the op] in capture.py):
-PENDING = 0  # ``source`` holds the data; the op that saved it may still be running
-CAPTURING = 1  # one thread is copying it out; unpack waits
-CAPTURED = 2  # the data is in chunks (staging, host pool, disk) or was never needed
-HELD = 3  # capture failed or made no sense: ``source`` holds the data for good
+
+class Out(enum.Enum):
+    """A block's write side (see [a block's two sides], and [capture after the op] in
+    capture.py)."""
+
+    PENDING = "pending"  # ``source`` holds the data; the op that saved it may still be running
+    CAPTURING = "capturing"  # one thread is copying it out; unpack waits
+    CAPTURED = "captured"  # the data is in chunks (staging, host pool, disk)
+    HELD = "held"  # capture failed or made no sense: ``source`` holds the data for good
+    DROPPED = "dropped"  # freed, or changed in place, before its bytes went out: none kept
+
+
+class Back(enum.Enum):
+    """A block's read side (see [a block's two sides])."""
+
+    ABSENT = "absent"  # not in memory for backward (on disk, in slots, in its chunks)
+    LOADING = "loading"  # ``resident`` is being read into (``loading`` reads in flight)
+    RESIDENT = "resident"  # ``resident`` holds the bytes (or ``error`` says why not)
+    UPLOADING = "uploading"  # one unpack copies ``resident`` to the device; others wait
+
+
+_OUT_MOVES = {
+    Out.PENDING: (Out.CAPTURING, Out.HELD, Out.DROPPED),
+    Out.CAPTURING: (Out.CAPTURED, Out.HELD),
+    Out.HELD: (Out.DROPPED,),
+    Out.CAPTURED: (),
+    Out.DROPPED: (),
+}
+_BACK_MOVES = {
+    Back.ABSENT: (Back.LOADING, Back.RESIDENT),
+    Back.LOADING: (Back.RESIDENT, Back.ABSENT),
+    Back.RESIDENT: (Back.UPLOADING, Back.ABSENT),
+    Back.UPLOADING: (Back.RESIDENT, Back.ABSENT),
+}
 
 
 class Chunk:
@@ -62,6 +109,7 @@ class Block:
     """One storage's bytes, on their way out, out, or back in."""
 
     __slots__ = (
+        "back",
         "chunks",
         "copy_done",
         "device",
@@ -69,7 +117,6 @@ class Block:
         "direct_pending",
         "direct_source",
         "error",
-        "finishing",
         "freed",
         "gen",
         "h2d",
@@ -80,6 +127,7 @@ class Block:
         "loading",
         "modified",
         "nbytes",
+        "out",
         "padded",
         "pages",
         "pinned_resident",
@@ -93,7 +141,6 @@ class Block:
         "slots_read",
         "source",
         "source_ptr",
-        "state",
         "stream",
         "unconsumed",
         "version",
@@ -114,6 +161,8 @@ class Block:
         self.refs = 0
         self.key: tuple[Any, ...] | None = None
         self.kept = False  # held as saved, only counted (tier keep, or a block kept by a plan)
+        self.out = Out.PENDING  # a kept one (a plan's keep) is made HELD at pack
+        self.back = Back.ABSENT
         self.resident: torch.Tensor | None = None  # uint8, padded bytes, on host or device
         self.resident_bytes = 0
         self.loading = 0  # reads in flight into ``resident``
@@ -131,18 +180,26 @@ class Block:
         self.in_place = False  # CPU, zero-copy: written from the tensor's own pages
         self.pages: list[int] = []  # in place: bounce pages of the record's unaligned ends
         self.resident_is_source = False  # ``resident`` is the source's storage (forwarded)
-        self.state = CAPTURED
         self.source: torch.Tensor | None = None  # the saved tensor until captured (or held)
         self.source_ptr = 0  # its storage's address at pack
         self.version = 0  # its version counter at pack
         self.stream: Any = None  # async devices: the producer (the stream current at pack)
-        self.finishing = False  # a thread copies the read-back bytes to the device (no lock)
         # Async devices, ``resident`` on the device: (the event its copy from the slots ends
         # with, or None if it was made on the consumer's stream; the stream it was allocated
         # on). None while ``resident`` is host memory still to be copied up at unpack.
         self.h2d: tuple[Any, Any] | None = None
         self.slots_read: Any = None  # the event of the last copy out of the slots to the device
         self.handle: torch.Tensor | None = None  # shares the saved tensor's version counter
+
+    def move_out(self, new: Out) -> None:
+        """The write side's next stage (see [a block's two sides]; lock held)."""
+        assert new in _OUT_MOVES[self.out], f"block {self.seq}: out {self.out.name}->{new.name}"
+        self.out = new
+
+    def move_back(self, new: Back) -> None:
+        """The read side's next stage (see [a block's two sides]; lock held)."""
+        assert new in _BACK_MOVES[self.back], f"block {self.seq}: back {self.back.name}->{new.name}"
+        self.back = new
 
     def copy_completed(self) -> bool:
         """True unless an asynchronous copy into staging is still running (never waits)."""

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from offloadd.runtime.blocks import CAPTURED
+from offloadd.runtime.blocks import Out
 from offloadd.runtime.handles import Ref, version_handle
 
 __all__ = [
@@ -95,7 +95,7 @@ def _empty(waiting: list[_Claim]) -> None:
         block = c.block
         if block is None:
             continue  # claimed while its write still ran
-        if block.direct_source is None and block.state == CAPTURED:
+        if block.direct_source is None and (block.out is Out.CAPTURED or block.out is Out.DROPPED):
             if c.storage.nbytes() == block.nbytes and not block.modified:
                 c.storage.resize_(0)
             c.block = None

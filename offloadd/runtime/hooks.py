@@ -16,7 +16,7 @@ import torch
 from offloadd.config import Config
 from offloadd.runtime import evicted, held, transforms
 from offloadd.runtime.accounting import Ledger
-from offloadd.runtime.blocks import PENDING, BlockMap
+from offloadd.runtime.blocks import BlockMap, Out
 from offloadd.runtime.compiled import is_traced, refuse_codec, unseen, wrapper_on_stack
 from offloadd.runtime.dedup import StorageIndex, is_parameter
 from offloadd.runtime.evicted import Evicted
@@ -187,12 +187,12 @@ class SavedTensorHooks:
                 self._note_saved(auto, block.nbytes)
             if keep:
                 block.kept = True
+                block.move_out(Out.HELD)  # where it is, by the ref; never captured
                 block.resident_bytes = block.nbytes
                 self._ledger.add_resident(block.nbytes, kept=True)
                 st.kept_bytes += nbytes
                 return Ref(block, t, self._released, keep=True)
             # Pending until the op that saved it has returned (see capture.py).
-            block.state = PENDING
             block.source = unlinked(t)
             block.handle = version_handle(t)
             block.source_ptr = storage.data_ptr()

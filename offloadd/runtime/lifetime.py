@@ -13,7 +13,7 @@ from collections import deque
 
 from offloadd.runtime import held
 from offloadd.runtime.accounting import Ledger
-from offloadd.runtime.blocks import CAPTURED, CAPTURING, HELD, PENDING, Block, BlockMap
+from offloadd.runtime.blocks import Back, Block, BlockMap, Out
 from offloadd.runtime.capture import CaptureQueue
 from offloadd.runtime.dedup import StorageIndex
 from offloadd.runtime.handles import Ref
@@ -62,7 +62,7 @@ class Lifetime:
     def _capture(self, block: Block) -> None:
         with self.ledger.lock:
             self.drain()  # a block whose graph is gone is dropped, never written
-            if block.state != PENDING:  # freed, held, or captured already
+            if block.out is not Out.PENDING:  # freed, held, or captured already
                 return
             t = block.source
             assert t is not None
@@ -70,7 +70,8 @@ class Lifetime:
             if t._version != block.version:
                 # Changed in place after it was saved: unpack raises, as autograd would.
                 block.modified = True
-                self.release_source(block, CAPTURED)
+                self.release_source(block)
+                block.move_out(Out.DROPPED)
                 self.ledger.cond.notify_all()
                 return
             if (
@@ -80,10 +81,10 @@ class Lifetime:
             ):
                 # Closed, or the storage was resized or reallocated since pack (as FSDP does
                 # to unsharded parameters): keep the tensor itself, as autograd does.
-                block.state = HELD
+                block.move_out(Out.HELD)
                 self.ledger.cond.notify_all()
                 return
-            block.state = CAPTURING
+            block.move_out(Out.CAPTURING)
         try:
             self.writer.write_out(block, t)
         except BaseException as e:
@@ -98,7 +99,7 @@ class Lifetime:
             with self.ledger.lock:
                 self.writer.release_chunks(block)
                 self.ledger.stats.fallbacks += isinstance(e, Exception)
-                block.state = HELD
+                block.move_out(Out.HELD)
                 block.copy_done = None
                 if block.freed:
                     self.free_block(block)
@@ -108,7 +109,8 @@ class Lifetime:
             return
         with self.ledger.lock:
             self.ledger.stats.offloaded_bytes += block.nbytes
-            self.release_source(block, CAPTURED)
+            self.release_source(block)
+            block.move_out(Out.CAPTURED)
             if block.freed:  # every ref was released while it was being copied
                 self.free_block(block)
             self.ledger.cond.notify_all()
@@ -117,13 +119,12 @@ class Lifetime:
         if self.ledger.warnings_due:
             self.ledger.flush_warnings()
 
-    def release_source(self, block: Block, state: int) -> None:
+    def release_source(self, block: Block) -> None:
         """Drop the saved tensor a pending or held block kept (lock held)."""
         if block.source is not None:
             block.source = None
             self.ledger.sub_resident(block.nbytes)
         block.stream = None
-        block.state = state
 
     # -- freeing ---------------------------------------------------------------------------
 
@@ -144,7 +145,7 @@ class Lifetime:
                     ledger.sub_resident(block.resident_bytes, kept=True)
                     self.forget(block)
                 continue
-            if block.resident is not None and ref.gen != block.gen:
+            if block.back is not Back.ABSENT and ref.gen != block.gen:
                 block.unconsumed -= 1
                 if block.unconsumed <= 0 and not block.pinned_resident and block.refs:
                     self.reader.drop_resident(block)
@@ -154,10 +155,12 @@ class Lifetime:
     def free_block(self, block: Block) -> None:
         block.freed = True
         block.pinned_resident = False
-        if block.state == CAPTURING:
+        if block.out is Out.CAPTURING:
             self.forget(block)  # no new save may join it
             return  # the capturing thread frees the rest once done (see capture)
-        self.release_source(block, CAPTURED)
+        self.release_source(block)
+        if block.out is Out.PENDING or block.out is Out.HELD:
+            block.move_out(Out.DROPPED)
         # Even while reads are in flight: each request keeps its buffer alive, and the read
         # callback frees the place of a freed block.
         self.reader.drop_resident(block, loading_ok=True)

@@ -31,7 +31,7 @@ from offloadd.io.buffers import ALIGN
 from offloadd.io.pools import ReadPool
 from offloadd.io.request import Op, Request
 from offloadd.runtime import host_allocator
-from offloadd.runtime.blocks import CAPTURED, CAPTURING, Block
+from offloadd.runtime.blocks import Back, Block, Out
 from offloadd.runtime.handles import Ref, inplace_error, storage_bytes, view
 from offloadd.runtime.writer import Writer
 from offloadd.trace import span
@@ -65,11 +65,11 @@ class Reader:
         block = ref.block
         with self.ledger.lock:
             drain()
-            while block.state == CAPTURING:
+            while block.out is Out.CAPTURING:
                 self.ledger.cond.wait()
             source = block.source
             if source is None:
-                if closed() and block.resident is None:
+                if closed() and block.back is Back.ABSENT:
                     raise RuntimeError("offloadd: unpack after Offloader.close()")
                 copy = block.copy_done
         handle = source if source is not None else block.handle
@@ -90,15 +90,15 @@ class Reader:
                 block.modified = True
             if block.modified:
                 raise inplace_error(ref.desc, block.version, block.version + 1)
-            if block.resident is None and block.loading == 0:
+            if block.back is Back.ABSENT:
                 self.load(block, prefetch=False)
             if not closed():  # the slots and the backend are gone: nothing more to read ahead
                 self.prefetch_below(block.seq)
-            if block.loading or block.finishing:
+            if block.back is Back.LOADING or block.back is Back.UPLOADING:
                 start = time.perf_counter()
                 with span("offloadd::read_wait"):
                     self.ledger.wait_while(
-                        lambda: bool(block.loading or block.finishing),
+                        lambda: block.back is Back.LOADING or block.back is Back.UPLOADING,
                         f"the read-back of a saved activation ({format_bytes(block.nbytes)})",
                         self.writer.stall_hint,
                     )
@@ -117,7 +117,7 @@ class Reader:
             h2d = block.h2d
             upload = self.ordering.is_async(block.device) and not block.direct and h2d is None
             if upload:
-                block.finishing = True  # other unpacks of this block wait for the copy below
+                block.move_back(Back.UPLOADING)  # other unpacks wait for the copy below
             else:
                 fresh = ref.gen != block.gen
                 self.consume(block, ref)
@@ -207,6 +207,7 @@ class Reader:
             else:
                 raise AssertionError("chunk without data")
             pos += chunk.nbytes
+        block.move_back(Back.LOADING if block.loading else Back.RESIDENT)
         if prefetch:
             ledger.stats.prefetched_bytes += block.padded
         elif on_demand:
@@ -262,6 +263,7 @@ class Reader:
         o.hold(dev, stream)  # dropped unconsumed: not reused before the copy ran
         done = o.record(stream)
         self._made_resident(block, dev, prefetch)
+        block.move_back(Back.RESIDENT)
         block.h2d = (done, consumer)
         block.slots_read = done
         self.ledger.stats.forwarded_bytes += block.padded
@@ -282,6 +284,7 @@ class Reader:
         """In place, source still held: backward uses it (see [forwarding])."""
         assert block.direct_source is not None
         block.resident = storage_bytes(block.direct_source[0])
+        block.move_back(Back.RESIDENT)
         block.resident_bytes = 0  # counted as the held source
         block.resident_is_source = True
         block.gen += 1
@@ -298,6 +301,8 @@ class Reader:
         with self.ledger.lock:
             chunk.request = None
             block.loading -= 1
+            if block.loading == 0 and block.back is Back.LOADING:
+                block.move_back(Back.RESIDENT)  # or, if ``error`` is set, why not
             if req.error is not None:
                 block.error = req.error
             else:
@@ -314,8 +319,9 @@ class Reader:
                 self.drop_resident(block)
 
     def drop_resident(self, block: Block, *, loading_ok: bool = False) -> None:
-        if block.resident is None or (block.loading and not loading_ok):
+        if block.back is Back.ABSENT or (block.back is Back.LOADING and not loading_ok):
             return
+        block.move_back(Back.ABSENT)
         block.resident = None
         block.h2d = None
         self.ledger.sub_resident(block.resident_bytes)
@@ -343,8 +349,8 @@ class Reader:
             block = blocks.at(i)
             i -= 1
             if (
-                block.resident is None
-                and block.state == CAPTURED
+                block.back is Back.ABSENT
+                and block.out is Out.CAPTURED
                 and (block.gen == 0 or block.unconsumed > 0)  # not consumed by every ref yet
                 and not block.modified
                 and block.copy_completed()
@@ -386,7 +392,8 @@ class Reader:
             dev = self.ordering.upload(host, block.device)
         finally:
             with self.ledger.lock:
-                block.finishing = False
+                if block.back is Back.UPLOADING:  # else dropped meanwhile
+                    block.move_back(Back.RESIDENT)
                 if dev is not None and block.resident is host:
                     block.resident = dev  # later refs take it as it is, on this stream
                     block.h2d = (None, self.ordering.producer(block.device))

@@ -25,6 +25,15 @@ forward raises an ``Exception``; the scope is then closed before the exception p
 ``BaseException`` that is not an ``Exception`` (``KeyboardInterrupt``) skips module hooks in
 PyTorch itself; offloadd then leaves the scope open, which only matters to a program that
 catches the interrupt and keeps training.
+
+Note: [compile's warning] ``torch.compile(model)`` warns, at each call of the compiled model,
+that global module hooks "fire an extra time" for its wrapper, the ``OptimizedModule``. For
+these two hooks that is no fault: the wrapper's call is the outermost, the model's inside it is
+not, and the scope is entered once (tests/integrations check it, compiled and eager). So while
+they are installed, the one function that warning asks (``_has_any_global_hook``, read by
+nothing else in PyTorch) leaves them out, and still answers True for any global hook of anyone
+else. It is replaced only where it reads exactly the six hook tables of the PyTorch this was
+written for; elsewhere the warning stays, and says nothing wrong.
 """
 
 from __future__ import annotations
@@ -44,6 +53,32 @@ def _probe(module: Any, name: str) -> Callable[..., Any] | None:
     return fn if callable(fn) else None
 
 
+_HOOK_TABLES = (
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_forward_hooks_always_called",
+    "_global_forward_hooks_with_kwargs",
+)
+
+
+def _others_than(ours: Callable[[], set[int]]) -> Callable[[], bool] | None:
+    """``_has_any_global_hook`` leaving out the hooks ``ours()`` names (see [compile's
+    warning]); None where PyTorch's reads other tables than ``_HOOK_TABLES``."""
+    mod = torch.nn.modules.module
+    asks = getattr(mod, "_has_any_global_hook", None)
+    code = getattr(asks, "__code__", None)
+    if code is None or tuple(code.co_names) != _HOOK_TABLES:
+        return None
+
+    def _has_any_global_hook() -> bool:
+        skip = ours()
+        return any(any(k not in skip for k in getattr(mod, name)) for name in _HOOK_TABLES)
+
+    return _has_any_global_hook
+
+
 class ModuleScope:
     """Global module hooks that call ``enter(module)`` and ``leave()`` around outermost calls.
 
@@ -55,6 +90,7 @@ class ModuleScope:
         self._leave = leave
         self._tls = threading.local()
         self._handles: list[Any] = []
+        self._asked: Callable[[], bool] | None = None  # PyTorch's, while ours replaces it
         self.enabled = True
         self.scopes = 0
         """Outermost calls that entered a scope (all threads)."""
@@ -73,11 +109,18 @@ class ModuleScope:
             mod.register_module_forward_pre_hook(self._pre_hook),
             mod.register_module_forward_hook(self._post_hook, always_call=True),
         ]
+        asks = _others_than(lambda: {h.id for h in self._handles})
+        if asks is not None:  # see [compile's warning]
+            self._asked = mod._has_any_global_hook
+            mod._has_any_global_hook = asks
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self._asked is not None:
+            torch.nn.modules.module._has_any_global_hook = self._asked
+            self._asked = None
 
     def _stack(self) -> list[nn.Module]:
         stack: list[nn.Module] | None = getattr(self._tls, "stack", None)

@@ -145,6 +145,29 @@ print("ok")
     assert summary_lines(out.stderr) == []  # no training forward: no summary
 
 
+def test_compiled_model_offloads_unwarned(disk_dir: Path) -> None:
+    """``torch.compile(model)`` under ``OFFLOADD=1``: trained and offloaded, warnings as
+    errors (the global hooks' warning, see [compile's warning] in scope.py)."""
+    code = """
+import warnings, torch
+from torch import nn
+warnings.simplefilter("error")
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256))
+run = torch.compile(model, backend="aot_eager")
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    run(torch.randn(64, 256)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+print("ok")
+"""
+    report = disk_dir / "r.json"
+    out = run([PYTHON, "-c", code], offload_env(disk_dir, report))
+    assert out.stdout.strip() == "ok", out.stderr
+    assert json.loads(report.read_text())["stats"]["offloaded_bytes"] > 0
+
+
 def test_bad_variable_fails_import_torch_naming_it() -> None:
     env = clean_env(OFFLOADD="1", OFFLOADD_MIN_BYTE="4")
     proc = subprocess.run([PYTHON, PLAIN, "1"], env=env, capture_output=True, text=True)

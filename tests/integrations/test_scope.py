@@ -160,8 +160,9 @@ def test_threads_have_their_own_depth(rec: Recorder) -> None:
     assert rec.entered == ["Block"] * 10 and rec.left == 10
 
 
-@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
-def test_compiled_module_stays_correct(rec: Recorder) -> None:
+@pytest.mark.filterwarnings("error")
+def test_compiled_module_stays_correct_and_unwarned(rec: Recorder) -> None:
+    """No "global hooks fire an extra time" warning for ours (see [compile's warning])."""
     torch.manual_seed(0)
     model = Block()
     x = torch.randn(2, 8)
@@ -172,3 +173,26 @@ def test_compiled_module_stays_correct(rec: Recorder) -> None:
         torch.testing.assert_close(a, b)
     # The compiled wrapper's call is the outermost one; inside, Dynamo's traced calls do nothing.
     assert rec.entered == ["Block", "OptimizedModule"] and rec.depth == 0
+
+
+def test_compile_still_warns_of_anyone_elses_global_hook() -> None:
+    """Ours are left out of the question torch.compile's warning asks, nobody else's; and
+    PyTorch's own function is back once the scope is removed."""
+    mod = torch.nn.modules.module
+    theirs = mod._has_any_global_hook
+    scope = ModuleScope(lambda m: False, lambda: None)
+    scope.install()
+    try:
+        assert mod._has_any_global_hook is not theirs and not mod._has_any_global_hook()
+        handle = mod.register_module_forward_hook(lambda m, a, o: None)
+        try:
+            assert mod._has_any_global_hook()
+            compiled = torch.compile(Block(), backend="eager")
+            with pytest.warns(UserWarning, match="global hooks"):
+                compiled(torch.randn(2, 8))
+        finally:
+            handle.remove()
+        assert not mod._has_any_global_hook()
+    finally:
+        scope.remove()
+    assert mod._has_any_global_hook is theirs

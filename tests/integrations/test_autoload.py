@@ -145,7 +145,7 @@ print("ok")
     assert summary_lines(out.stderr) == []  # no training forward: no summary
 
 
-def test_compiled_model_offloads_unwarned(disk_dir: Path) -> None:
+def test_compiled_model_offloads_unwarned(disk_dir: Path, tmp_path: Path) -> None:
     """``torch.compile(model)`` under ``OFFLOADD=1``: trained and offloaded, warnings as
     errors (the global hooks' warning, see [compile's warning] in scope.py)."""
     code = """
@@ -162,7 +162,7 @@ for _ in range(3):
     opt.zero_grad()
 print("ok")
 """
-    report = disk_dir / "r.json"
+    report = tmp_path / "r.json"
     out = run([PYTHON, "-c", code], offload_env(disk_dir, report))
     assert out.stdout.strip() == "ok", out.stderr
     assert json.loads(report.read_text())["stats"]["offloaded_bytes"] > 0

@@ -65,25 +65,37 @@ class Transfer:
         self.pending = pending
         self.hint = hint  # who does the I/O, for a long wait's warning (StallWatch)
         self.error: BaseException | None = None
-        self.done = threading.Event()
+        # held until the last request lands (a lock is a third of an Event's cost to make and
+        # to wait on); none for a transfer done already (a copy made on the spot)
+        self.done: threading.Lock | None = None
+        if pending:
+            self.done = threading.Lock()
+            self.done.acquire()
         self.nbytes = record.nbytes
         self.copied: Event | None = None  # a device copy's end (Note [host relay])
         self.stream: Any = None  # the stream its device memory was taken on
-        if pending == 0:
-            self.done.set()
+
+    def finish(self) -> None:
+        """The last request landed: wake whoever waits."""
+        assert self.done is not None
+        self.done.release()
 
     def wait(self) -> float:
         """Wait for the transfer; the seconds waited. Raises :class:`RelayError` if it failed.
         A long wait (a hung disk, a stopped daemon) is logged, and again as it doubles."""
         t0 = time.perf_counter()
         reading = self.slab is not None  # a write stages from the data
-        if not self.done.is_set():
-            what = (
-                f"relay's {'read' if reading else 'write'} of the weights of {self.record.name!r}"
-            )
-            watch = StallWatch(what, self.hint)
-            while not self.done.wait(watch.timeout()):
-                watch.check()
+        done = self.done
+        if done is not None:
+            if not done.acquire(blocking=False):
+                what = (
+                    f"relay's {'read' if reading else 'write'} of the weights of "
+                    f"{self.record.name!r}"
+                )
+                watch = StallWatch(what, self.hint)
+                while not done.acquire(timeout=watch.timeout()):
+                    watch.check()
+            done.release()  # done: a later wait returns at once
         waited = time.perf_counter() - t0
         if self.error is not None:
             raise RelayError(
@@ -275,7 +287,7 @@ class WeightStore:
             if req.op is Op.READ and req.error is None:
                 self.read_bytes += req.nbytes
         if last:
-            t.done.set()
+            t.finish()
 
     def free(self, record: Record) -> None:
         backend = self._backend

@@ -30,6 +30,7 @@ class Reader(Protocol):
     order: list[int]  # the groups in the last forward's order
     order_at: dict[int, int]  # each group's place in it
     slab_group: dict[int, Group]  # the storage of a slab swapped in -> its group
+    store: Any  # its ``swaps`` counts the groups brought back here too
 
     def read_ahead(self, g: Group) -> Transfer: ...
     def wait_for(self, t: Transfer) -> torch.Tensor: ...
@@ -228,9 +229,11 @@ class Saved:
         if slab is None:  # the key's first unpack: read it (or take its prefetch), read ahead
             t = self._bwd.pop(key, None)
             slab = self.relay.wait_for(t) if t is not None else self.relay.fetch(g)
+            self.relay.store.swaps += 1
             self._prefetch_backward(key)
         elif key in self._carried:  # carried from forward: its first unpack reads ahead
             self._carried.pop(key, None)
+            self.relay.store.swaps += 1
             self._prefetch_backward(key)
         with self.relay.lock:
             self._drain()

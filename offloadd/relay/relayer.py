@@ -260,6 +260,7 @@ class Relay:
             e.version = e.param._version
             e.module._parameters[e.attr] = e.param
         self._installed[g.index] = slab
+        self.store.swaps += 1
         self.slab_group[slab.untyped_storage()._cdata] = g
         if guard:
             self.slabs.guard(slab)  # Note [write guard] in slabs.py

@@ -123,6 +123,7 @@ class WeightStore:
         self.written_bytes = 0
         self.disk_bytes = 0
         self.wait_s = 0.0  # the relayer's waits for reads
+        self.swaps = 0  # groups the relayer brought in for use (RelayStats.swaps)
         self._gave_up = False  # see [a write across a daemon's loss]
 
     @staticmethod
@@ -333,6 +334,7 @@ class HostStore:
         self.written_bytes = 0
         self.disk_bytes = 0
         self.wait_s = 0.0
+        self.swaps = 0
         self._ordering = CudaOrdering()  # its upload stream, as the activations' reads use
 
     def write(self, name: str, data: torch.Tensor) -> Record:

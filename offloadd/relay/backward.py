@@ -128,6 +128,8 @@ class Saved:
         """Carry at most ``room`` groups besides ``g`` (which runs now), dropping the first
         carried: a forward in another order than the last one's runs groups after those it
         carries, and what it holds must stay ``window`` groups."""
+        if len(self._carried) <= room:  # the common case: nothing to drop
+            return
         now = (g.index, self.forwards)
         with self.relay.lock:
             others = [key for key in self._carried if key != now]

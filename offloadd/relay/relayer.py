@@ -243,25 +243,32 @@ class Relay:
             self._install(g, slab, guard)
 
     def _install(self, g: Group, slab: torch.Tensor, guard: bool) -> None:
+        storage = slab.untyped_storage()
+        device = slab.device
         for e in g.entries:
+            p = e.param
             now = e.module._parameters.get(e.attr)
-            if now is not e.placeholder and now is not e.param:
+            if now is not e.placeholder and now is not p:
                 raise RelayError(
                     f"the weight {e.name!r} was replaced after offloadd.relay() (a new "
                     "parameter assigned to the module): unrelay the model first, or load new "
                     "values with load_state_dict()"
                 )
-            if e.param.requires_grad:
+            if p.requires_grad:
                 raise RelayError(
                     f"the weight {e.name!r} was relayed as frozen and now requires grad: "
                     "call offloadd.unrelay(model) before training it"
                 )
-            e.param.data = g.view(slab, e)
-            e.version = e.param._version
-            e.module._parameters[e.attr] = e.param
+            # g.view(slab, e), inlined: a swap's hot path
+            p.data = torch.empty(0, dtype=e.dtype, device=device).set_(
+                storage, e.offset, e.size, e.stride
+            )
+            e.version = p._version
+            e.address = p.data_ptr()
+            e.module._parameters[e.attr] = p
         self._installed[g.index] = slab
         self.store.swaps += 1
-        self.slab_group[slab.untyped_storage()._cdata] = g
+        self.slab_group[storage._cdata] = g
         if guard:
             self.slabs.guard(slab)  # Note [write guard] in slabs.py
 
@@ -269,18 +276,16 @@ class Relay:
         """The names of ``g``'s weights changed while swapped in: in place (their version
         counter), through ``.data`` (a write the guard saw at byte ``written`` of the slab), or
         replaced by an assignment to ``.data`` (other memory, or the same bytes viewed another
-        way)."""
-        slab = self._installed[g.index]
-        base = slab.untyped_storage().data_ptr()
+        way: its first byte's address, shape, strides and dtype as installed; the same address
+        is the same bytes of the slab)."""
         changed = []
         for e in g.entries:
             p = e.param
             if (
                 p._version != e.version
-                or p.untyped_storage().data_ptr() != base
-                or p.storage_offset() != e.offset
-                or tuple(p.shape) != e.size
-                or tuple(p.stride()) != e.stride  # w.data = w.data.t(), square: no byte moved
+                or p.data_ptr() != e.address
+                or p.shape != e.size
+                or p.stride() != e.stride  # w.data = w.data.t(), square: no byte moved
                 or p.dtype != e.dtype
                 or (written is not None and e.covers(written))
             ):

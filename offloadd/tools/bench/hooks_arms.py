@@ -166,7 +166,7 @@ def relay_cost(
     for name, model in relayed.items():
         st, was = relay_stats(model), before[name]
         swaps = (st.swaps - was.swaps) / n_steps
-        group_bytes = st.relayed_bytes / max(st.groups, 1)
+        group_bytes = st.written_bytes / max(st.groups, 1)  # a record, as written and read
         out["groups"] = st.groups
         out[name] = {
             "swaps_per_step": round(swaps, 1),

@@ -25,10 +25,12 @@ class Reader(Protocol):
 
     lock: threading.Lock
     window: int
+    depth: int  # the model's forwards running
     groups: list[Group]
     order: list[int]  # the groups in the last forward's order
     order_at: dict[int, int]  # each group's place in it
     slab_group: dict[int, Group]  # the storage of a slab swapped in -> its group
+    store: Any  # its ``swaps`` counts the groups brought back here too
 
     def read_ahead(self, g: Group) -> Transfer: ...
     def wait_for(self, t: Transfer) -> torch.Tensor: ...
@@ -75,6 +77,9 @@ class Saved:
         self._again: dict[Key, torch.Tensor] = {}  # read for refs unpacked again (_again_view)
         self._pending: dict[Key, set[int]] = {}  # ids of the key's refs not yet unpacked
         self._dead: deque[tuple[Key, int]] = deque()  # refs collected (finalizers only append)
+        # the hooks made for the hooks below ours, kept for one model forward (Note [hooks made
+        # once a forward]): (outer pack, outer unpack, our pack, our unpack)
+        self._made: tuple[Any, Any, Any, Any] | None = None
 
     def new_forward(self) -> None:
         """The model's forward begins: its refs are a new key for each group."""
@@ -123,6 +128,8 @@ class Saved:
         """Carry at most ``room`` groups besides ``g`` (which runs now), dropping the first
         carried: a forward in another order than the last one's runs groups after those it
         carries, and what it holds must stay ``window`` groups."""
+        if len(self._carried) <= room:  # the common case: nothing to drop
+            return
         now = (g.index, self.forwards)
         with self.relay.lock:
             others = [key for key in self._carried if key != now]
@@ -130,14 +137,44 @@ class Saved:
                 del self._carried[key]
                 self._held.pop(key, None)
 
+    # Note [hooks made once a forward]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # Each group's forward pushes a pack and unpack pair that passes every tensor but the
+    # group's weights to the hooks below it. The pair is made once for those hooks and kept
+    # until the model's forward ends (a closure and two wrappers a group cost ~10 us); a group
+    # run under other hooks (an Offloader opened inside the forward) gets a pair of its own. It
+    # is not kept past the forward (nor made for one outside it: a layer recomputed in
+    # backward), which would keep the hooks below alive, and what they hold, after their scope.
     def hooks(self) -> tuple[Any, Any]:
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         outer_pack, outer_unpack = top if top is not None else (None, None)
+        if not self.relay.depth:  # a recomputation in backward: not kept (see the Note)
+            return self._make_hooks(outer_pack, outer_unpack)
+        made = self._made
+        if made is not None and made[0] is outer_pack and made[1] is outer_unpack:
+            return made[2], made[3]
+        ours = self._make_hooks(outer_pack, outer_unpack)
+        self._made = (outer_pack, outer_unpack, *ours)
+        return ours
+
+    def forget_hooks(self) -> None:
+        """The model's forward ended: drop the pair made for it (Note [hooks made once a forward])."""
+        self._made = None
+
+    def _make_hooks(self, outer_pack: Any, outer_unpack: Any) -> tuple[Any, Any]:
         slab_group = self.relay.slab_group
+        plain = torch.Tensor
+        strided = torch.strided
 
         def pack(t: torch.Tensor) -> Any:
-            s = storage_of(t)
-            g = slab_group.get(s._cdata) if s is not None else None
+            if type(t) is plain and t.layout is strided:  # the common case, checked quickly
+                try:
+                    g = slab_group.get(t.untyped_storage()._cdata)
+                except Exception:  # no storage of its own (a functional wrapper)
+                    g = None
+            else:
+                s = storage_of(t)
+                g = slab_group.get(s._cdata) if s is not None else None
             # a ref keeps the view's geometry, not its conjugate or negative bit
             if g is not None and not t.is_conj() and not t.is_neg():
                 return self._ref(g, t)
@@ -194,9 +231,11 @@ class Saved:
         if slab is None:  # the key's first unpack: read it (or take its prefetch), read ahead
             t = self._bwd.pop(key, None)
             slab = self.relay.wait_for(t) if t is not None else self.relay.fetch(g)
+            self.relay.store.swaps += 1
             self._prefetch_backward(key)
         elif key in self._carried:  # carried from forward: its first unpack reads ahead
             self._carried.pop(key, None)
+            self.relay.store.swaps += 1
             self._prefetch_backward(key)
         with self.relay.lock:
             self._drain()

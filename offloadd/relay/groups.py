@@ -45,7 +45,8 @@ class Entry:
     size: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
-    version: int = 0
+    version: int = 0  # its version counter, and the address of its first byte, as installed
+    address: int = 0
 
     def covers(self, byte: int) -> bool:
         """Whether the weight's view covers ``byte`` of the slab."""

@@ -48,6 +48,10 @@ from offloadd.trace import span
 
 __all__ = ["Relay"]
 
+# what ``torch.autograd.graph.saved_tensors_hooks`` calls on entry and exit, without an object
+_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+
 
 class Relay:
     """Moves one model's frozen weights between the store and slabs as it runs."""
@@ -72,7 +76,7 @@ class Relay:
         self._fwd: dict[int, Transfer] = {}
         self._installed: dict[int, torch.Tensor] = {}  # group -> its slab while swapped in
         self.slab_group: dict[int, Group] = {}  # slab storage -> group, while swapped in
-        self._pushed: dict[int, list[Any]] = {}
+        self._pushed: dict[int, int] = {}  # group -> its forwards running with our hooks pushed
         self.saved = Saved(self)  # backward's side (backward.py)
         self.pinned: set[int] = set()  # swapped in by resident() or a load: forward leaves them
         # swapped in at a placeholder's use (Note [on demand]): group -> the backward's graph
@@ -82,6 +86,7 @@ class Relay:
         self.depth = 0  # the model's forwards running (its pre- and post-hook)
         self.device = next((e.param.device for g in groups for e in g.entries), None)
         self._by_placeholder: dict[int, tuple[Group, Any]] = {}
+        self._empties: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         for g in groups:
             for e in g.entries:
                 self.note_placeholder(g, e)
@@ -135,6 +140,7 @@ class Relay:
     def after_model_forward(self, module: nn.Module, args: Any, out: Any) -> None:
         self.depth = max(0, self.depth - 1)
         if self.depth == 0:
+            self.saved.forget_hooks()
             self._drop_on_demand()
 
     # Note [on demand]
@@ -237,24 +243,32 @@ class Relay:
             self._install(g, slab, guard)
 
     def _install(self, g: Group, slab: torch.Tensor, guard: bool) -> None:
+        storage = slab.untyped_storage()
+        device = slab.device
         for e in g.entries:
+            p = e.param
             now = e.module._parameters.get(e.attr)
-            if now is not e.placeholder and now is not e.param:
+            if now is not e.placeholder and now is not p:
                 raise RelayError(
                     f"the weight {e.name!r} was replaced after offloadd.relay() (a new "
                     "parameter assigned to the module): unrelay the model first, or load new "
                     "values with load_state_dict()"
                 )
-            if e.param.requires_grad:
+            if p.requires_grad:
                 raise RelayError(
                     f"the weight {e.name!r} was relayed as frozen and now requires grad: "
                     "call offloadd.unrelay(model) before training it"
                 )
-            e.param.data = g.view(slab, e)
-            e.version = e.param._version
-            e.module._parameters[e.attr] = e.param
+            # g.view(slab, e), inlined: a swap's hot path
+            p.data = torch.empty(0, dtype=e.dtype, device=device).set_(
+                storage, e.offset, e.size, e.stride
+            )
+            e.version = p._version
+            e.address = p.data_ptr()
+            e.module._parameters[e.attr] = p
         self._installed[g.index] = slab
-        self.slab_group[slab.untyped_storage()._cdata] = g
+        self.store.swaps += 1
+        self.slab_group[storage._cdata] = g
         if guard:
             self.slabs.guard(slab)  # Note [write guard] in slabs.py
 
@@ -262,18 +276,16 @@ class Relay:
         """The names of ``g``'s weights changed while swapped in: in place (their version
         counter), through ``.data`` (a write the guard saw at byte ``written`` of the slab), or
         replaced by an assignment to ``.data`` (other memory, or the same bytes viewed another
-        way)."""
-        slab = self._installed[g.index]
-        base = slab.untyped_storage().data_ptr()
+        way: its first byte's address, shape, strides and dtype as installed; the same address
+        is the same bytes of the slab)."""
         changed = []
         for e in g.entries:
             p = e.param
             if (
                 p._version != e.version
-                or p.untyped_storage().data_ptr() != base
-                or p.storage_offset() != e.offset
-                or tuple(p.shape) != e.size
-                or tuple(p.stride()) != e.stride  # w.data = w.data.t(), square: no byte moved
+                or p.data_ptr() != e.address
+                or p.shape != e.size
+                or p.stride() != e.stride  # w.data = w.data.t(), square: no byte moved
                 or p.dtype != e.dtype
                 or (written is not None and e.covers(written))
             ):
@@ -292,8 +304,17 @@ class Relay:
         self.slab_group.pop(slab.untyped_storage()._cdata, None)
         for e in g.entries:
             e.module._parameters[e.attr] = e.placeholder
-            e.param.data = torch.empty(0, dtype=e.dtype, device=e.param.device)
+            e.param.data = self._empty(e.dtype, e.param.device)
         return changed
+
+    def _empty(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An empty tensor for a weight swapped out to hold, one a dtype and device: no bytes to
+        share, and one less allocation a swap."""
+        key = (dtype, device)
+        empty = self._empties.get(key)
+        if empty is None:
+            empty = self._empties[key] = torch.empty(0, dtype=dtype, device=device)
+        return empty
 
     def on_group_forward(self, g: Group) -> None:
         in_backward = torch._C._current_graph_task_id() != -1  # a recomputation (checkpointing)
@@ -306,9 +327,8 @@ class Relay:
                 self._fwd.pop(g.index, None)
             self.install(g, carried if carried is not None else self.fetch(g))
         if torch.is_grad_enabled():
-            hooks = torch.autograd.graph.saved_tensors_hooks(*self.saved.hooks())
-            hooks.__enter__()
-            self._pushed.setdefault(g.index, []).append(hooks)
+            _push_hooks(*self.saved.hooks())
+            self._pushed[g.index] = self._pushed.get(g.index, 0) + 1
         if in_backward:
             return
         at = self.order_at.get(g.index)
@@ -322,9 +342,11 @@ class Relay:
         self.saved.trim_carried(g, self.window - 1 - len(self._fwd))
 
     def after_group_forward(self, g: Group) -> None:
-        pushed = self._pushed.get(g.index)
+        pushed = self._pushed.get(g.index, 0)
         if pushed:
-            pushed.pop().__exit__(None, None, None)
+            _pop_hooks()
+            pushed -= 1
+            self._pushed[g.index] = pushed
         if g.index in self.pinned or pushed:  # pinned, or an outer call of it still runs
             return
         slab = self._installed.get(g.index)

@@ -6,8 +6,8 @@ A group's weights come back into a slab: page-aligned private anonymous memory (
 child's writes stay in its copy) that the engine reads into with O_DIRECT, and that the weights'
 tensors are views of. A slab is handed out as a tensor made by ``torch.frombuffer`` over a
 ``memoryview``; the tensor's storage holds that view until the last tensor on it dies (a parameter
-swapped out after forward, an unpacked weight autograd let go of in backward), and a finalizer on
-the view then gives the slab back. So what relay holds is known exactly, whoever held the weights
+swapped out after forward, an unpacked weight autograd let go of in backward), and the callback
+of a weak reference to the view then gives the slab back. So what relay holds is known exactly, whoever held the weights
 last, and a slab's pages stay warm for the next group of its size (up to ``keep`` idle slabs a
 size; more are unmapped).
 
@@ -72,13 +72,18 @@ class Slabs:
         self.keep = keep
         self._lock = threading.Lock()
         self._idle: dict[int, list[mmap.mmap]] = {}
-        # Slabs given back by finalizers, which may run in any thread, within any allocation
+        # Slabs given back by weak references' callbacks, which may run in any thread, within any allocation
         # (a collection), even one made while this thread holds the lock: they only append.
         self._returned: deque[tuple[mmap.mmap, int]] = deque()
         self.live_bytes = 0
         self.idle_bytes = 0
         self.peak_bytes = 0
         self._slots: dict[int, int] = {}  # a guarded slab's address -> its guard slot
+        self._padded: dict[int, int] = {}  # nbytes -> padded(nbytes)
+        # the slabs handed out: id of the weak reference to each one's view -> (that reference,
+        # its mapping, its size, its address); only take and _back (one dict operation each,
+        # atomic under the GIL, as a callback may run in any thread) touch it
+        self._out: dict[int, tuple[weakref.ref[memoryview], mmap.mmap, int, int]] = {}
         self.guarding = can_guard()
 
     @property
@@ -89,27 +94,34 @@ class Slabs:
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of ``padded(nbytes)`` bytes, page-aligned."""
-        size = padded(nbytes)
+        size = self._padded.get(nbytes)
+        if size is None:
+            size = self._padded[nbytes] = padded(nbytes)
         extra: list[mmap.mmap] = []
         with self._lock:
-            extra = self._drain()
+            if self._returned:
+                extra = self._drain()
             idle = self._idle.get(size)
             mm = idle.pop() if idle else None
             if mm is not None:
                 self.idle_bytes -= size
             self.live_bytes += size
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes + self.idle_bytes)
+            if self.live_bytes + self.idle_bytes > self.peak_bytes:
+                self.peak_bytes = self.live_bytes + self.idle_bytes
         for old in extra:
             old.close()
         if mm is None:  # private: a forked child writing its copy leaves this one as it is
             mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         view = memoryview(mm)
         slab = torch.frombuffer(view, dtype=torch.uint8)
-        fin = weakref.finalize(view, self._back, mm, size, slab.data_ptr())
-        fin.atexit = False  # at exit it is still in use
+        # a weak reference's callback, not a weakref.finalize (a third of its cost): the view
+        # dies with the slab's storage, and the callback gives the slab back
+        ref = weakref.ref(view, self._back)
+        self._out[id(ref)] = (ref, mm, size, slab.data_ptr())
         return slab
 
-    def _back(self, mm: mmap.mmap, size: int, address: int) -> None:
+    def _back(self, ref: weakref.ref[memoryview]) -> None:
+        _, mm, size, address = self._out.pop(id(ref))
         slot = self._slots.pop(address, None)
         if slot is not None:  # dropped while guarded (a model dropped mid-forward)
             _write_guard.release(slot)

@@ -42,7 +42,9 @@ MIN_GROUP_BYTES = 64 << 10
 
 @dataclass(frozen=True, kw_only=True)
 class RelayStats:
-    """What relay holds and moves (bytes; ``wait_s`` in seconds)."""
+    """What relay holds and moves (bytes; ``wait_s`` in seconds). ``swaps``: the groups
+    brought in for use, each time (swapped in for a forward, a use or a load; brought back for a
+    backward, read or kept from forward alike)."""
 
     relayed_bytes: int
     resident_bytes: int
@@ -52,6 +54,7 @@ class RelayStats:
     wait_s: float
     groups: int
     kept: tuple[str, ...]
+    swaps: int = 0
 
 
 def relay(
@@ -244,4 +247,5 @@ def _stats(
         wait_s=store.wait_s,
         groups=groups,
         kept=tuple(kept),
+        swaps=store.swaps,
     )

@@ -80,6 +80,7 @@ def test_forward_carries_its_last_groups_into_backward(window: int, disk_dir: Pa
     group = (after.read_bytes - before.read_bytes) / (2 * 8 - window)
     assert group == before.written_bytes / 8  # every group pads to the same size here
     assert after.peak_resident_bytes <= window * group, (after, group)
+    assert after.swaps - before.swaps == 2 * 8  # carried or read, each group comes in twice
     offloadd.unrelay(model)
 
 

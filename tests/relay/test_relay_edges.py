@@ -444,3 +444,33 @@ def test_layers_called_without_the_model(disk_dir: Path) -> None:
         )
     assert len(state_of(model).relay._seen) == 0
     offloadd.unrelay(model)
+
+
+def test_hook_pair_follows_the_hooks_below(disk_dir: Path) -> None:
+    """The pack/unpack pair a forward makes once (Note [hooks made once a forward] in
+    relay/backward.py) passes each forward's other tensors to the hooks below it then, not to
+    those of an earlier forward, and is not kept after the forward ends."""
+    x = torch.randn(6, 16, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    want = step(freeze_layers(Layered()), x, square_loss)
+    torch.manual_seed(0)
+    model = offloadd.relay(freeze_layers(Layered()), config=relay_config(disk_dir))
+    saved = state_of(model).relay.saved
+    seen: dict[str, int] = {"a": 0, "b": 0}
+
+    def counting(name: str) -> torch.autograd.graph.saved_tensors_hooks:
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            seen[name] += 1
+            return t
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    for name in ("a", "b"):
+        with counting(name):
+            loss = square_loss(model, x.detach().requires_grad_(True))
+        assert saved._made is None  # dropped as the forward ended
+        loss.backward()
+    assert seen["a"] == seen["b"] > 0  # each forward's tensors went to its own hooks below
+    model.zero_grad(set_to_none=True)
+    assert same(want, step(model, x, square_loss))
+    offloadd.unrelay(model)

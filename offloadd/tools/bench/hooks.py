@@ -21,8 +21,9 @@ warm-up. Arms:
 For each: microseconds per saved tensor above ``none`` and the ratio to ``noop``'s. With
 ``--model gpt2`` the model is a small HF GPT-2 (12 layers, d=128, seq 64, batch 2) and the
 report is step time against ``none`` (the issue's "x plain"). ``relay`` (``--relay``) measures
-relay's host work per group swapped: the micro model with every block's Linear frozen and
-relayed (tier ssd, page cache warm) against the same model plain. Results: docs/benchmarks/.
+relay's cost per group swap: the micro model with every block's Linear frozen and relayed
+from host memory (relay's own host work) and from ssd (O_DIRECT reads: that work and the
+disk's latency the window does not hide), against the same model plain. Results: docs/benchmarks/.
 
     offloadd bench hooks --json hooks.json
 """
@@ -228,10 +229,12 @@ def format_report(doc: dict[str, Any]) -> str:
         lines.append(f"{name:<12}not run: {why}")
     if "relay" in doc:
         r = doc["relay"]
-        lines.append(
-            f"relay: {r['groups_swapped']} group swaps a step, "
-            f"{r['us_per_group']:.1f} us each above plain ({r['x_plain']:.3f} x plain's step)"
-        )
+        for store in ("host", "ssd"):
+            a = r[store]
+            lines.append(
+                f"relay ({store} store): {a['swaps_per_step']} group swaps a step, "
+                f"{a['us_per_swap']:.1f} us each above plain ({a['x_plain']:.3f} x plain's step)"
+            )
     return "\n".join(lines)
 
 

@@ -75,6 +75,9 @@ def _module_storage(p: torch.Tensor) -> torch.UntypedStorage | None:
     return storage_of(p)
 
 
+RELEARN_EVERY = 64
+
+
 class StorageIndex:
     """Parameter storages of the modules in the scope, and storages already saved (lock held).
 
@@ -89,12 +92,22 @@ class StorageIndex:
     the model's), and walks the models' modules again if it has not in this step (``step``, set
     by the Offloader at each outermost entry), so a model moved since (``.to()``) is learned
     anew. So nothing runs per module call, and a step pays a walk only if it moves a tensor
-    that does not require grad (the input batch, a frozen backbone's activations)."""
+    that does not require grad (the input batch, a frozen backbone's activations, tier keep's
+    statistics of a norm). The walk is skipped while each model's first and last parameter or
+    buffer are where they were (``.to()``, ``.half()`` and ``load_state_dict(assign=True)``
+    move them), for at most ``RELEARN_EVERY`` steps: a part of a model moved alone is learned
+    by then (until then, a buffer of it saved by an op may be moved, a waste, never a wrong
+    gradient). Tier keep's pack in C (held.c) asks the index only at the first such tensor of
+    a step; a second model called later in the scope is found in a step where one of its
+    tensors comes first, and until then its buffers count as kept activations."""
 
     def __init__(self, dedup: bool) -> None:
         self.dedup = dedup
         self.step = 0
-        self._learned = -1  # the step the parameters were last learned in
+        self._learned = -1  # the step the parameters were last learned in (or found unmoved)
+        self._walked = -1  # the step they were last learned in
+        # each model's first and last parameter or buffer as learned, and their storages
+        self._marks: list[tuple[weakref.ref[torch.Tensor], int]] = []
         self._models: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._saved: dict[tuple[Any, ...], tuple[StorageWeakRef, Any, Block]] = {}
         # By StorageImpl address; held.c's Pack reads it too (tier keep).
@@ -111,9 +124,10 @@ class StorageIndex:
     def _learn(self) -> None:
         known = dict(self._params)
         self._params.clear()  # the same dict: held.c's Pack holds it
+        self._marks.clear()
         for model in list(self._models):
             self._learn_one(model, known)
-        self._learned = self.step
+        self._learned = self._walked = self.step
 
     def _learn_one(
         self, model: torch.nn.Module, known: dict[int, StorageWeakRef] | None = None
@@ -125,18 +139,28 @@ class StorageIndex:
         ``known`` keeps its weak reference: it pins the address (see [dedup identity]), so an
         equal address is that same storage, and a new reference costs 0.5 us a tensor."""
         params = self._params
+        first: tuple[torch.Tensor, int] | None = None
+        last: tuple[torch.Tensor, int] | None = None
         with _NoTorchFunction():
             for module in model.modules():
                 for tensors in (module._parameters, module._buffers):
                     for p in tensors.values():
                         s = _module_storage(p) if p is not None else None
-                        if s is None:
+                        if p is None or s is None:
                             continue
                         key = s._cdata
+                        last = (p, key)
+                        if first is None:
+                            first = last
                         if known is not None and key in known:
                             params[key] = known[key]
                         else:
                             params[key] = StorageWeakRef(s)
+        # their storages' addresses stay pinned by ``params``' weak references (see [dedup
+        # identity]): an equal address is the same storage
+        for mark in (first, last):
+            if mark is not None:
+                self._marks.append((weakref.ref(mark[0]), mark[1]))
 
     def backs_parameter(self, t: torch.Tensor, storage: torch.UntypedStorage) -> bool:
         """Whether ``t`` is a parameter, a view of one, or shares the storage of a parameter or
@@ -153,8 +177,22 @@ class StorageIndex:
             self._learned = -1
         if self._learned == self.step:
             return False
+        if self._learned >= 0 and self._unmoved():
+            self._learned = self.step
+            return False
         self._learn()
         return self._known(t, storage)
+
+    def _unmoved(self) -> bool:
+        """Whether the models' marks are where they were, within ``RELEARN_EVERY`` steps."""
+        if self.step - self._walked >= RELEARN_EVERY:
+            return False
+        with _NoTorchFunction():
+            for ref, cdata in self._marks:
+                p = ref()
+                if p is None or p.untyped_storage()._cdata != cdata:
+                    return False
+        return True
 
     def _known(self, t: torch.Tensor, storage: torch.UntypedStorage) -> bool:
         ref = self._params.get(storage._cdata)

@@ -172,6 +172,47 @@ def test_a_buffer_is_never_moved_after_the_model_moves(disk_dir: Path) -> None:
     off.close()
 
 
+def test_parameters_learned_again_only_once_moved(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that saves a tensor that does not require grad (LayerNorm's statistics) walks
+    the model only when its parameters moved, or every RELEARN_EVERY steps (Note [parameters
+    learned])."""
+    from offloadd.runtime import dedup
+
+    walks: list[int] = []
+    learn = dedup.StorageIndex._learn
+
+    def counted(self: dedup.StorageIndex) -> None:
+        walks.append(self.step)
+        learn(self)
+
+    monkeypatch.setattr(dedup.StorageIndex, "_learn", counted)
+    model = _Scaled()
+    norm = nn.LayerNorm(64)
+    off = Offloader(tier="keep", min_bytes=0)
+
+    def step(dtype: torch.dtype) -> None:
+        with off:
+            y = norm(model(torch.randn(64, 64, dtype=dtype, requires_grad=True)))
+        # lin's input, norm's input, its mean and rstd; never the buffer mul saves
+        assert off.stats().resident_bytes == (2 * 64 * 64 + 2 * 64) * dtype.itemsize
+        y.sum().backward()
+
+    for _ in range(5):
+        step(torch.float32)
+    # step 1 finds model (its buffer); norm, a second root, is found in step 2: a step that
+    # learned once does not look for models again on tier keep's C path
+    assert walks == [1, 2], walks
+    model.double()
+    norm.double()
+    for _ in range(3):
+        step(torch.float64)
+    assert walks == [1, 2, 6], walks
+    for _ in range(dedup.RELEARN_EVERY):
+        step(torch.float64)
+    assert walks == [1, 2, 6, 6 + dedup.RELEARN_EVERY], walks
+    off.close()
+
+
 def test_ranges_in_the_users_profiler(disk_dir: Path) -> None:
     model = _model()
     off = Offloader(tier="ssd", ssd_dirs=[str(disk_dir)], min_bytes=0)

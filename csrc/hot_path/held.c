@@ -18,7 +18,7 @@
  *   the same for a tensor whose storage counts once however many saved tensors hold it (tier
  *   keep: its storage's bytes are held from its first save until its last Held goes; a later
  *   save of that storage counts its nbytes as deduplicated). The storages held are keyed by
- *   their StorageImpl's address, which cannot be reused while a Held holds a tensor on it.
+ *   their StorageImpl's address, pinned by a weak reference while they are held (see Shared).
  * Tally.take() -> (saved, saved_bytes, deduplicated_bytes, now, peak):
  *   the tensors and bytes counted since the last take (and of those bytes, the ones shared with
  *   an earlier save), the resident bytes held now, and the highest ``now`` since the last take;
@@ -43,8 +43,10 @@
 
 #if PY_VERSION_HEX >= 0x030D0000
 #define LOOKUP_ATTR PyObject_GetOptionalAttr
+#define IS_FINALIZING Py_IsFinalizing
 #else
 #define LOOKUP_ATTR _PyObject_LookupAttr /* the same, before 3.13 */
+#define IS_FINALIZING _Py_IsFinalizing
 #endif
 
 typedef struct {
@@ -57,13 +59,19 @@ typedef struct {
     PyObject *shared; /* {StorageImpl address: Shared} of the storages held through share */
 } Tally;
 
-/* One storage held through Tally.share, and how many Helds hold it. */
+/* One storage held through Tally.share, and how many Helds hold it. ``weak``: a weak reference
+ * to its StorageImpl (torch's ``_weak_ref()``), which pins the address ``key`` while the entry
+ * lives: a Held's tensor may move to other bytes (``x.data = y``) and free this storage, whose
+ * address a new one could otherwise take and be counted as this one. */
 typedef struct {
     PyObject_HEAD
     PyObject *key;
+    PyObject *weak;
     long long nbytes;
     long long count;
 } Shared;
+
+static PyObject *free_weak_ref; /* torch's UntypedStorage._free_weak_ref, found at first use */
 
 typedef struct {
     PyObject_HEAD
@@ -78,9 +86,19 @@ static PyTypeObject TallyType;
 static PyTypeObject HeldType;
 static PyTypeObject SharedType;
 static PyObject *s_requires_grad, *s_detach, *s_version, *s_num_pending, *s_claims, *s_layout,
-    *s_is_meta, *s_nbytes, *s_dict, *s_base, *s_untyped_storage, *s_cdata, *s_expired, *s_learned, *s_step, *s_params;
+    *s_is_meta, *s_nbytes, *s_dict, *s_base, *s_untyped_storage, *s_cdata, *s_expired, *s_learned, *s_step, *s_params, *s_weak_ref;
 
 static void shared_dealloc(Shared *self) {
+    if (self->weak != NULL && free_weak_ref != NULL && !IS_FINALIZING()) {
+        PyObject *type, *value, *tb; /* a dealloc may run while an exception is set */
+        PyErr_Fetch(&type, &value, &tb);
+        PyObject *r = PyObject_CallOneArg(free_weak_ref, self->weak);
+        if (r == NULL)
+            PyErr_Clear();
+        Py_XDECREF(r);
+        PyErr_Restore(type, value, tb);
+    }
+    Py_XDECREF(self->weak);
     Py_XDECREF(self->key);
     PyObject_Free(self);
 }
@@ -94,15 +112,25 @@ static PyTypeObject SharedType = {
 };
 
 /* The last Held of a shared storage is gone: its bytes are no longer held. */
+/* The entry leaves the tally's dict, if it is still the one there. */
+static void forget_shared(Tally *tally, Shared *shared) {
+    PyObject *type, *value, *tb; /* a dealloc may run while an exception is set */
+    PyErr_Fetch(&type, &value, &tb);
+    if (tally->shared != NULL) {
+        PyObject *now = PyDict_GetItemWithError(tally->shared, shared->key); /* borrowed */
+        if (now == (PyObject *)shared && PyDict_DelItem(tally->shared, shared->key) < 0)
+            PyErr_Clear();
+        if (now == NULL)
+            PyErr_Clear();
+    }
+    PyErr_Restore(type, value, tb);
+}
+
 static void release_shared(Tally *tally, Shared *shared) {
     if (--shared->count > 0)
         return;
     tally->now -= shared->nbytes;
-    PyObject *type, *value, *tb; /* a dealloc may run while an exception is set */
-    PyErr_Fetch(&type, &value, &tb);
-    if (tally->shared != NULL && PyDict_DelItem(tally->shared, shared->key) < 0)
-        PyErr_Clear();
-    PyErr_Restore(type, value, tb);
+    forget_shared(tally, shared);
 }
 
 static void held_dealloc(Held *self) {
@@ -180,65 +208,83 @@ static PyObject *keep(Tally *self, PyObject *t, long long nbytes, long long resi
     return (PyObject *)h;
 }
 
-/* The key and bytes of t's storage (its StorageImpl's address): 1, or 0 with no exception set
- * if it has none (a zero tensor), or -1 on error. */
-static int storage_of(PyObject *t, PyObject **key, long long *nbytes) {
-    PyObject *storage = PyObject_CallMethodNoArgs(t, s_untyped_storage);
-    if (storage == NULL) {
-        PyErr_Clear();
-        return 0;
-    }
-    *key = PyObject_GetAttr(storage, s_cdata);
-    PyObject *sn = *key == NULL ? NULL : PyObject_CallMethodNoArgs(storage, s_nbytes);
-    Py_DECREF(storage);
+/* 0 and the error cleared if it is an Exception (the tensor has no storage of its own: a zero
+ * tensor, a functional wrapper), else -1 (KeyboardInterrupt, MemoryError go on up). */
+static int no_storage(void) {
+    if (!PyErr_ExceptionMatches(PyExc_Exception) || PyErr_ExceptionMatches(PyExc_MemoryError))
+        return -1;
+    PyErr_Clear();
+    return 0;
+}
+
+/* t's storage (a new reference), its key (its StorageImpl's address) and bytes: 1, or 0 with no
+ * exception set if it has none, or -1 on error. */
+static int storage_of(PyObject *t, PyObject **storage, PyObject **key, long long *nbytes) {
+    *storage = PyObject_CallMethodNoArgs(t, s_untyped_storage);
+    if (*storage == NULL)
+        return no_storage();
+    *key = PyObject_GetAttr(*storage, s_cdata);
+    PyObject *sn = *key == NULL ? NULL : PyObject_CallMethodNoArgs(*storage, s_nbytes);
     if (sn == NULL) {
         Py_CLEAR(*key);
-        PyErr_Clear();
-        return 0;
+        Py_CLEAR(*storage);
+        return no_storage();
     }
     *nbytes = PyLong_AsLongLong(sn);
     Py_DECREF(sn);
     if (*nbytes == -1 && PyErr_Occurred()) {
         Py_CLEAR(*key);
+        Py_CLEAR(*storage);
         return -1;
     }
     return 1;
 }
 
 /* keep() for a tensor whose storage (key, storage_nbytes) counts once (Tally.share). */
-static PyObject *share(Tally *self, PyObject *t, long long nbytes, PyObject *key,
-                       long long storage_nbytes) {
+static PyObject *share(Tally *self, PyObject *t, long long nbytes, PyObject *storage,
+                       PyObject *key, long long storage_nbytes) {
     Shared *entry = (Shared *)PyDict_GetItemWithError(self->shared, key); /* borrowed */
     if (entry == NULL && PyErr_Occurred())
         return NULL;
-    long long resident = 0;
-    if (entry != NULL) {
+    int hit = entry != NULL;
+    if (hit) {
         Py_INCREF(entry);
-        self->deduplicated_bytes += nbytes;
     } else {
+        if (free_weak_ref == NULL) {
+            free_weak_ref = PyObject_GetAttrString((PyObject *)Py_TYPE(storage), "_free_weak_ref");
+            if (free_weak_ref == NULL)
+                return NULL;
+        }
         entry = PyObject_New(Shared, &SharedType);
         if (entry == NULL)
             return NULL;
         entry->key = Py_NewRef(key);
         entry->nbytes = storage_nbytes;
         entry->count = 0;
-        if (PyDict_SetItem(self->shared, key, (PyObject *)entry) < 0) {
+        entry->weak = PyObject_CallMethodNoArgs(storage, s_weak_ref);
+        if (entry->weak == NULL || PyDict_SetItem(self->shared, key, (PyObject *)entry) < 0) {
             Py_DECREF(entry);
             return NULL;
         }
-        resident = storage_nbytes;
     }
-    Held *h = (Held *)keep(self, t, nbytes, resident, 1);
+    /* Claimed before keep(), which runs Python code (detach) during which the entry's other
+     * Helds may go: it must not be dropped meanwhile. */
+    entry->count += 1;
+    Held *h = (Held *)keep(self, t, nbytes, hit ? 0 : storage_nbytes, 1);
     if (h == NULL) {
-        if (entry->count == 0 && PyDict_DelItem(self->shared, entry->key) < 0)
-            PyErr_Clear(); /* keep's error is the one to raise */
+        if (--entry->count == 0) {
+            if (hit) /* its bytes were counted by its first save, and its others went */
+                self->now -= entry->nbytes;
+            forget_shared(self, entry);
+        }
         Py_DECREF(entry);
         return NULL;
     }
+    if (hit)
+        self->deduplicated_bytes += nbytes;
     /* the bytes now held are the entry's: taken off when its last Held goes (release_shared) */
     h->nbytes = 0;
     h->shared = entry;
-    entry->count += 1;
     return (PyObject *)h;
 }
 
@@ -262,16 +308,17 @@ static PyObject *tally_share(Tally *self, PyObject *const *args, Py_ssize_t narg
     long long nbytes = PyLong_AsLongLong(args[1]);
     if (nbytes == -1 && PyErr_Occurred())
         return NULL;
-    PyObject *key;
+    PyObject *storage, *key;
     long long storage_nbytes;
-    int r = storage_of(args[0], &key, &storage_nbytes);
+    int r = storage_of(args[0], &storage, &key, &storage_nbytes);
     if (r <= 0) {
         if (r == 0)
             PyErr_SetString(PyExc_ValueError, "share: the tensor has no storage");
         return NULL;
     }
-    PyObject *h = share(self, args[0], nbytes, key, storage_nbytes);
+    PyObject *h = share(self, args[0], nbytes, storage, key, storage_nbytes);
     Py_DECREF(key);
+    Py_DECREF(storage);
     return h;
 }
 
@@ -458,18 +505,19 @@ static PyObject *pack_call(Pack *self, PyObject *args, PyObject *kwargs) {
         long long resident = resident_of(self, t, nbytes);
         if (resident <= 0) /* a parameter's view, or an error */
             return resident < 0 ? NULL : keep(self->tally, t, nbytes, 0, 1);
-        PyObject *key;
+        PyObject *storage, *key;
         long long storage_nbytes;
-        r = storage_of(t, &key, &storage_nbytes);
+        r = storage_of(t, &storage, &key, &storage_nbytes);
         if (r <= 0)
-            goto slow; /* no storage of its own: slow decides */
+            goto slow; /* no storage of its own (slow decides), or an error */
         int param = known_parameter(self, t, key);
         PyObject *h = NULL;
         if (param == 0)
-            h = share(self->tally, t, nbytes, key, storage_nbytes);
+            h = share(self->tally, t, nbytes, storage, key, storage_nbytes);
         else if (param == 1)
             h = keep(self->tally, t, nbytes, 0, 1);
         Py_DECREF(key);
+        Py_DECREF(storage);
         if (param == 2)
             goto slow;
         return h;
@@ -484,32 +532,52 @@ slow:
     return PyObject_CallOneArg(self->slow, t);
 }
 
+/* Release what the hook holds, its __dict__ aside. */
+static void pack_drop(Pack *self) {
+    Py_CLEAR(self->tally);
+    Py_CLEAR(self->index);
+    Py_CLEAR(self->params);
+    Py_CLEAR(self->captures);
+    Py_CLEAR(self->evicted);
+    Py_CLEAR(self->slow);
+    Py_CLEAR(self->tensor_type);
+    Py_CLEAR(self->parameter_type);
+    Py_CLEAR(self->strided);
+    Py_CLEAR(self->is_parameter);
+}
+
 static int pack_init(Pack *self, PyObject *args, PyObject *kwargs) {
-    PyObject *tally;
-    if (!PyArg_ParseTuple(args, "O!LOOOOOOOO:Pack", &TallyType, &tally, &self->min_bytes,
-                          &self->index, &self->captures, &self->evicted, &self->slow, &self->tensor_type,
-                          &self->parameter_type, &self->strided, &self->is_parameter))
+    /* parsed into locals (borrowed), kept only once nothing can fail: dealloc releases
+     * whatever self holds */
+    PyObject *tally, *index, *captures, *evicted, *slow, *tensor_type, *parameter_type, *strided,
+        *is_parameter, *params = NULL;
+    long long min_bytes;
+    if (!PyArg_ParseTuple(args, "O!LOOOOOOOO:Pack", &TallyType, &tally, &min_bytes, &index,
+                          &captures, &evicted, &slow, &tensor_type, &parameter_type, &strided,
+                          &is_parameter))
         return -1;
-    self->params = NULL;
-    if (self->index != Py_None) {
-        self->params = PyObject_GetAttr(self->index, s_params);
-        if (self->params == NULL)
+    if (index != Py_None) {
+        params = PyObject_GetAttr(index, s_params);
+        if (params == NULL)
             return -1;
-        if (!PyDict_Check(self->params)) {
-            Py_CLEAR(self->params);
+        if (!PyDict_Check(params)) {
+            Py_DECREF(params);
             PyErr_SetString(PyExc_TypeError, "Pack: index._params is not a dict");
             return -1;
         }
     }
-    Py_INCREF(self->index);
+    pack_drop(self); /* __init__ called again: the earlier references go */
+    self->min_bytes = min_bytes;
+    self->params = params;
+    self->index = Py_NewRef(index);
     self->tally = (Tally *)Py_NewRef(tally);
-    Py_INCREF(self->captures);
-    Py_INCREF(self->evicted);
-    Py_INCREF(self->slow);
-    Py_INCREF(self->tensor_type);
-    Py_INCREF(self->parameter_type);
-    Py_INCREF(self->strided);
-    Py_INCREF(self->is_parameter);
+    self->captures = Py_NewRef(captures);
+    self->evicted = Py_NewRef(evicted);
+    self->slow = Py_NewRef(slow);
+    self->tensor_type = Py_NewRef(tensor_type);
+    self->parameter_type = Py_NewRef(parameter_type);
+    self->strided = Py_NewRef(strided);
+    self->is_parameter = Py_NewRef(is_parameter);
     return 0;
 }
 
@@ -527,16 +595,7 @@ static int pack_traverse(Pack *self, visitproc visit, void *arg) {
 
 static int pack_clear(Pack *self) {
     Py_CLEAR(self->dict);
-    Py_CLEAR(self->tally);
-    Py_CLEAR(self->index);
-    Py_CLEAR(self->params);
-    Py_CLEAR(self->captures);
-    Py_CLEAR(self->evicted);
-    Py_CLEAR(self->slow);
-    Py_CLEAR(self->tensor_type);
-    Py_CLEAR(self->parameter_type);
-    Py_CLEAR(self->strided);
-    Py_CLEAR(self->is_parameter);
+    pack_drop(self);
     return 0;
 }
 
@@ -647,11 +706,12 @@ PyMODINIT_FUNC PyInit__held(void) {
     s_learned = PyUnicode_InternFromString("_learned");
     s_step = PyUnicode_InternFromString("step");
     s_params = PyUnicode_InternFromString("_params");
+    s_weak_ref = PyUnicode_InternFromString("_weak_ref");
     if (s_requires_grad == NULL || s_detach == NULL || s_version == NULL ||
         s_num_pending == NULL || s_claims == NULL || s_layout == NULL || s_is_meta == NULL ||
         s_nbytes == NULL || s_dict == NULL || s_base == NULL || s_untyped_storage == NULL ||
         s_cdata == NULL || s_expired == NULL || s_learned == NULL || s_step == NULL ||
-        s_params == NULL)
+        s_params == NULL || s_weak_ref == NULL)
         return NULL;
     if (PyType_Ready(&TallyType) < 0 || PyType_Ready(&HeldType) < 0 ||
         PyType_Ready(&SharedType) < 0 ||

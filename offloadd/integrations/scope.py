@@ -91,6 +91,7 @@ class ModuleScope:
         self._tls = threading.local()
         self._handles: list[Any] = []
         self._asked: Callable[[], bool] | None = None  # PyTorch's, while ours replaces it
+        self._asks: Callable[[], bool] | None = None  # ours
         self.enabled = True
         self.scopes = 0
         """Outermost calls that entered a scope (all threads)."""
@@ -112,6 +113,7 @@ class ModuleScope:
         asks = _others_than(lambda: {h.id for h in self._handles})
         if asks is not None:  # see [compile's warning]
             self._asked = mod._has_any_global_hook
+            self._asks = asks
             mod._has_any_global_hook = asks
 
     def remove(self) -> None:
@@ -119,7 +121,9 @@ class ModuleScope:
             h.remove()
         self._handles = []
         if self._asked is not None:
-            torch.nn.modules.module._has_any_global_hook = self._asked
+            mod = torch.nn.modules.module
+            if mod._has_any_global_hook is self._asks:  # not replaced by someone since
+                mod._has_any_global_hook = self._asked
             self._asked = None
 
     def _stack(self) -> list[nn.Module]:

@@ -87,16 +87,24 @@ class Transfer:
         t0 = time.perf_counter()
         reading = self.slab is not None  # a write stages from the data
         done = self.done
-        if done is not None:
-            if not done.acquire(blocking=False):
-                what = (
-                    f"relay's {'read' if reading else 'write'} of the weights of "
-                    f"{self.record.name!r}"
-                )
-                watch = StallWatch(what, self.hint)
-                while not done.acquire(timeout=watch.timeout()):
-                    watch.check()
-            done.release()  # done: a later wait returns at once
+        got = False
+        try:
+            if done is not None:
+                got = done.acquire(blocking=False)
+                if not got:
+                    what = (
+                        f"relay's {'read' if reading else 'write'} of the weights of "
+                        f"{self.record.name!r}"
+                    )
+                    watch = StallWatch(what, self.hint)
+                    while not got:
+                        got = done.acquire(timeout=watch.timeout())
+                        if not got:
+                            watch.check()
+        finally:
+            if got:  # done (an interrupt in the wait, too): a later wait returns at once
+                assert done is not None
+                done.release()
         waited = time.perf_counter() - t0
         if self.error is not None:
             raise RelayError(

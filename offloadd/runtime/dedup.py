@@ -94,20 +94,21 @@ class StorageIndex:
     anew. So nothing runs per module call, and a step pays a walk only if it moves a tensor
     that does not require grad (the input batch, a frozen backbone's activations, tier keep's
     statistics of a norm). The walk is skipped while each model's first and last parameter or
-    buffer are where they were (``.to()``, ``.half()`` and ``load_state_dict(assign=True)``
-    move them), for at most ``RELEARN_EVERY`` steps: a part of a model moved alone is learned
+    buffer, looked up by name, are where they were (``.to()``, ``.half()`` and
+    ``load_state_dict(assign=True)`` move them), for at most ``RELEARN_EVERY`` steps: a part of a model moved alone is learned
     by then (until then, a buffer of it saved by an op may be moved, a waste, never a wrong
     gradient). Tier keep's pack in C (held.c) asks the index only at the first such tensor of
-    a step; a second model called later in the scope is found in a step where one of its
-    tensors comes first, and until then its buffers count as kept activations."""
+    a step; a second model called later in the scope is found only in a step where one of its
+    tensors comes first (maybe never), and until then its buffers count as kept activations."""
 
     def __init__(self, dedup: bool) -> None:
         self.dedup = dedup
         self.step = 0
         self._learned = -1  # the step the parameters were last learned in (or found unmoved)
         self._walked = -1  # the step they were last learned in
-        # each model's first and last parameter or buffer as learned, and their storages
-        self._marks: list[tuple[weakref.ref[torch.Tensor], int]] = []
+        # each model's first and last parameter or buffer as learned: (its module, the table
+        # holding it, its name there, its storage's address)
+        self._marks: list[tuple[weakref.ref[torch.nn.Module], str, str, int]] = []
         self._models: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._saved: dict[tuple[Any, ...], tuple[StorageWeakRef, Any, Block]] = {}
         # By StorageImpl address; held.c's Pack reads it too (tier keep).
@@ -139,17 +140,18 @@ class StorageIndex:
         ``known`` keeps its weak reference: it pins the address (see [dedup identity]), so an
         equal address is that same storage, and a new reference costs 0.5 us a tensor."""
         params = self._params
-        first: tuple[torch.Tensor, int] | None = None
-        last: tuple[torch.Tensor, int] | None = None
+        first: tuple[torch.nn.Module, str, str, int] | None = None
+        last: tuple[torch.nn.Module, str, str, int] | None = None
         with _NoTorchFunction():
             for module in model.modules():
-                for tensors in (module._parameters, module._buffers):
-                    for p in tensors.values():
+                for table in ("_parameters", "_buffers"):
+                    tensors: dict[str, torch.Tensor | None] = getattr(module, table)
+                    for name, p in tensors.items():
                         s = _module_storage(p) if p is not None else None
                         if p is None or s is None:
                             continue
                         key = s._cdata
-                        last = (p, key)
+                        last = (module, table, name, key)
                         if first is None:
                             first = last
                         if known is not None and key in known:
@@ -160,7 +162,7 @@ class StorageIndex:
         # identity]): an equal address is the same storage
         for mark in (first, last):
             if mark is not None:
-                self._marks.append((weakref.ref(mark[0]), mark[1]))
+                self._marks.append((weakref.ref(mark[0]), *mark[1:]))
 
     def backs_parameter(self, t: torch.Tensor, storage: torch.UntypedStorage) -> bool:
         """Whether ``t`` is a parameter, a view of one, or shares the storage of a parameter or
@@ -188,10 +190,12 @@ class StorageIndex:
         if self.step - self._walked >= RELEARN_EVERY:
             return False
         with _NoTorchFunction():
-            for ref, cdata in self._marks:
-                p = ref()
-                if p is None or p.untyped_storage()._cdata != cdata:
-                    return False
+            for ref, table, name, cdata in self._marks:
+                module = ref()
+                p = None if module is None else getattr(module, table).get(name)
+                s = None if p is None else _module_storage(p)
+                if s is None or s._cdata != cdata:
+                    return False  # moved, replaced (an assign, a new Parameter) or gone
         return True
 
     def _known(self, t: torch.Tensor, storage: torch.UntypedStorage) -> bool:

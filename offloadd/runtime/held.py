@@ -14,8 +14,9 @@ one or, where a block was released before small tensors rose to their high, abov
 Tier keep holds every saved tensor where it is, whatever its size, so it needs no block either:
 :meth:`Tally.share` keeps it the same way but counts its *storage* once, from its first save
 until its last Held goes (views, transposes and other saves of that storage add their bytes to
-``deduplicated_bytes``). The storage is known by its StorageImpl's address, which no other
-storage can take while a Held holds a tensor on it. Nothing moves, so no version or root enters
+``deduplicated_bytes``). The storage is known by its StorageImpl's address, which its entry
+pins with a weak reference (a Held's tensor may leave that storage, ``x.data = y``, and free
+it; no new storage takes the address while the entry lives). Nothing moves, so no version or root enters
 the key (compare [dedup identity] in dedup.py, for bytes that leave and come back).
 
 The library built from csrc/hot_path/held.c does this in C (about 0.1 us per tensor); where it
@@ -25,6 +26,8 @@ is not built, the classes below do the same in Python (about 1 us).
 from __future__ import annotations
 
 from typing import Any
+
+from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = ["NATIVE", "Held", "Pack", "Tally", "Unpack"]
 
@@ -53,15 +56,23 @@ class _PyTally:
     def share(self, tensor: Any, nbytes: int) -> _PyHeld:
         storage = tensor.untyped_storage()
         entry = self.shared.get(storage._cdata)
-        if entry is not None:
+        hit = entry is not None
+        if entry is None:
+            entry = self.shared[storage._cdata] = _PyShared(storage)
+        entry.count += 1  # claimed before keep, whose detach may run a release (see held.c)
+        try:
+            held = self.keep(tensor, nbytes, 0 if hit else entry.nbytes)
+        except BaseException:
+            entry.count -= 1
+            if entry.count == 0:
+                if hit:
+                    self.now -= entry.nbytes
+                entry.forget(self)
+            raise
+        if hit:
             self.deduplicated_bytes += nbytes
-            held = self.keep(tensor, nbytes, 0)
-        else:
-            entry = self.shared[storage._cdata] = _PyShared(storage._cdata, storage.nbytes())
-            held = self.keep(tensor, nbytes, entry.nbytes)
-            held.nbytes = 0  # the entry's, taken off when its last Held goes
+        held.nbytes = 0  # the entry's, taken off when its last Held goes
         held.shared = entry
-        entry.count += 1
         return held
 
     def take(self) -> tuple[int, int, int, int, int]:
@@ -72,14 +83,20 @@ class _PyTally:
 
 
 class _PyShared:
-    """One storage held through ``Tally.share``, and how many Helds hold it."""
+    """One storage held through ``Tally.share``, and how many Helds hold it; its weak reference
+    pins the address ``key`` (see held.c's Shared)."""
 
-    __slots__ = ("count", "key", "nbytes")
+    __slots__ = ("count", "key", "nbytes", "weak")
 
-    def __init__(self, key: int, nbytes: int) -> None:
-        self.key = key
-        self.nbytes = nbytes
+    def __init__(self, storage: Any) -> None:
+        self.key = storage._cdata
+        self.nbytes = storage.nbytes()
+        self.weak = StorageWeakRef(storage)
         self.count = 0
+
+    def forget(self, tally: _PyTally) -> None:
+        if tally.shared.get(self.key) is self:
+            del tally.shared[self.key]
 
 
 class _PyHeld:
@@ -103,7 +120,7 @@ class _PyHeld:
             shared.count -= 1
             if shared.count == 0:
                 tally.now -= shared.nbytes
-                del tally.shared[shared.key]
+                shared.forget(tally)
 
 
 def _load() -> tuple[Any, Any, Any, Any, bool]:

@@ -26,6 +26,7 @@ from offloadd.runtime.handles import (
     inplace_error,
     movable_storage,
     nbytes_of,
+    storage_of,
     unlinked,
     version_handle,
 )
@@ -133,6 +134,8 @@ class SavedTensorHooks:
             if nbytes >= min_bytes and nbytes:
                 if transforms.holds_no_bytes(t):
                     nbytes = 0  # forward AD's zero tangent: no storage (see [zero tangents])
+                elif self._share:  # tier keep: nothing moves, any storage is held alike
+                    storage = storage_of(t)
                 else:
                     host_to_host = self.config.tier == "cpu" and not self._ordering.is_async(
                         t.device

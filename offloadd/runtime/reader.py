@@ -164,6 +164,33 @@ class Reader:
             if self.pool.created != created:
                 self.writer.note_buffers()
         self._made_resident(block, buf, prefetch)
+        block.move_back(Back.LOADING)  # until its reads land
+        try:
+            on_demand = self._fill(block, rec, buf, ready)
+        except BaseException as e:  # a submit refused (the engine closed): unpack raises it
+            # kept without its traceback, whose frames hold refs of this block
+            block.error = block.error or RuntimeError(f"the read was not started: {e!r}")
+            raise
+        finally:
+            if block.loading == 0:  # every chunk copied, or read (the reads land later)
+                block.move_back(Back.RESIDENT)
+        if prefetch:
+            ledger.stats.prefetched_bytes += block.padded
+        elif on_demand:
+            ledger.stats.on_demand_reads += 1
+
+    def _fill(
+        self,
+        block: Block,
+        rec: torch.Tensor,
+        buf: torch.Tensor,
+        ready: Callable[[], None] | None,
+    ) -> bool:
+        """Copy or read each chunk into the record ``rec`` (``buf`` viewing it); whether any
+        chunk is read from the backend."""
+        backend = self.backend
+        assert backend is not None
+        ledger = self.ledger
         on_demand = False
         pool = self.writer.pool
         pos = 0
@@ -200,18 +227,16 @@ class Reader:
                     keepalive=dst if block.direct else buf,
                     context=(block, chunk),
                 )
+                # counted once submitted (a refused one is not in flight); its completion
+                # waits for the lock this holds
+                backend.submit(req, direct=block.direct)
                 chunk.request = req
                 block.loading += 1
-                backend.submit(req, direct=block.direct)
                 on_demand = True
             else:
                 raise AssertionError("chunk without data")
             pos += chunk.nbytes
-        block.move_back(Back.LOADING if block.loading else Back.RESIDENT)
-        if prefetch:
-            ledger.stats.prefetched_bytes += block.padded
-        elif on_demand:
-            ledger.stats.on_demand_reads += 1
+        return on_demand
 
     def _made_resident(self, block: Block, buf: torch.Tensor, prefetch: bool) -> None:
         block.resident = buf

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from offloadd import Offloader
-from offloadd.runtime import held
 from tests._support.helpers import assert_bitwise_equal
 
 ENGINE_PARAMS = ("native-threads",)
@@ -41,18 +40,6 @@ def _steps(off: Offloader | None, steps: int = 3) -> tuple[list[list[torch.Tenso
         grads.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
         model.zero_grad()
     return grads, peaks
-
-
-@pytest.fixture(params=["native", "python"])
-def tally_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "native":
-        if not held.NATIVE:
-            pytest.fail("offloadd.runtime._held is not built (it must be wherever CI runs)")
-    else:
-        monkeypatch.setattr(held, "NATIVE", False)
-        monkeypatch.setattr(held, "Tally", held._PyTally)
-        monkeypatch.setattr(held, "Held", held._PyHeld)
-    return str(request.param)
 
 
 def test_kept_tensors_exact_and_counted_alike(tally_kind: str, disk_dir: Path) -> None:

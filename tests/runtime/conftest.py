@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from offloadd.runtime import held
+from offloadd.runtime import dedup, held
 
 
 @pytest.fixture(params=["native", "python"])
@@ -19,3 +19,17 @@ def tally_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
         monkeypatch.setattr(held, "Tally", held._PyTally)
         monkeypatch.setattr(held, "Held", held._PyHeld)
     return str(request.param)
+
+
+@pytest.fixture
+def walks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The steps in which the storage index walked its models (Note [parameters learned])."""
+    steps: list[int] = []
+    learn = dedup.StorageIndex._learn
+
+    def counted(self: dedup.StorageIndex) -> None:
+        steps.append(self.step)
+        learn(self)
+
+    monkeypatch.setattr(dedup.StorageIndex, "_learn", counted)
+    return steps

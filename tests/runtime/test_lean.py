@@ -159,20 +159,12 @@ def test_a_buffer_is_never_moved_after_the_model_moves(disk_dir: Path) -> None:
     off.close()
 
 
-def test_parameters_learned_again_only_once_moved(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_parameters_learned_again_only_once_moved(walks: list[int]) -> None:
     """A step that saves a tensor that does not require grad (LayerNorm's statistics) walks
     the model only when its parameters moved, or every RELEARN_EVERY steps (Note [parameters
     learned])."""
     from offloadd.runtime import dedup
 
-    walks: list[int] = []
-    learn = dedup.StorageIndex._learn
-
-    def counted(self: dedup.StorageIndex) -> None:
-        walks.append(self.step)
-        learn(self)
-
-    monkeypatch.setattr(dedup.StorageIndex, "_learn", counted)
     model = _Scaled()
     norm = nn.LayerNorm(64)
     off = Offloader(tier="keep", min_bytes=0)

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from offloadd import Offloader
-from offloadd.runtime import dedup, held
+from offloadd.runtime import held
 
 KIB16 = 64 * 64 * 4
 
@@ -118,17 +118,9 @@ def test_tier_keep_counts_any_storage_alike(tally_kind: str) -> None:
     off.close()
 
 
-def test_parameters_assigned_anew_are_learned(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_parameters_assigned_anew_are_learned(walks: list[int]) -> None:
     """``load_state_dict(assign=True)`` with an optimizer holding the old parameters: the
     index walks the model again at the next step (its marks are looked up by name)."""
-    walks: list[int] = []
-    learn = dedup.StorageIndex._learn
-
-    def counted(self: dedup.StorageIndex) -> None:
-        walks.append(self.step)
-        learn(self)
-
-    monkeypatch.setattr(dedup.StorageIndex, "_learn", counted)
 
     class Mul(nn.Module):
         def __init__(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -11,6 +12,8 @@ import sys
 import warnings
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 CLIENTS = Path(__file__).resolve().parent / "clients"
 RANKS = Path(__file__).resolve().parent / "ranks"
@@ -44,8 +47,9 @@ def run(
     args: list[str], env: dict[str, str], *, timeout: float = 300, cwd: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
     """Run a client to completion; fail with its output if it fails or runs past ``timeout``.
-    The client runs in its own session: on a timeout the whole group goes (torchrun's ranks
-    too, which a kill of torchrun alone leaves running, holding ports, cores and file locks)."""
+    The client runs in its own session: on a timeout the whole group goes, and every process
+    below it (torchrun starts its ranks in sessions of their own: left running, a rank holds
+    ports, cores, file locks, and the pipes whose end this waits for)."""
     with subprocess.Popen(
         args,
         env=env,
@@ -58,8 +62,11 @@ def run(
         try:
             out, err = child.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGKILL)
-            out, err = child.communicate()
+            _kill_tree(child.pid)
+            try:
+                out, err = child.communicate(timeout=30)
+            except subprocess.TimeoutExpired as e:  # a process outside the tree holds a pipe
+                out, err = _text(e.stdout), _text(e.stderr)
             raise AssertionError(
                 f"{args} ran past {timeout:g} s (its process group killed)\n"
                 f"--- stdout\n{out[-4000:]}\n--- stderr\n{err[-8000:]}"
@@ -71,6 +78,24 @@ def run(
             f"--- stderr\n{proc.stderr[-8000:]}"
         )
     return proc
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``'s process group and every process below it, whatever their session."""
+    below: list[psutil.Process] = []
+    with contextlib.suppress(psutil.Error):
+        below = psutil.Process(pid).children(recursive=True)
+    for proc in below:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _text(data: str | bytes | None) -> str:
+    if isinstance(data, bytes):
+        return data.decode(errors="replace")
+    return data or ""
 
 
 def last_json(text: str) -> dict[str, Any]:

@@ -160,7 +160,7 @@ class Block:
         ]
         self.refs = 0
         self.key: tuple[Any, ...] | None = None
-        self.kept = False  # held as saved, only counted (tier keep, or a block kept by a plan)
+        self.kept = False  # held as saved, only counted (a plan's keep; tier keep without dedup)
         self.out = Out.PENDING  # a kept one (a plan's keep) is made HELD at pack
         self.back = Back.ABSENT
         self.resident: torch.Tensor | None = None  # uint8, padded bytes, on host or device

@@ -84,7 +84,8 @@ def version_handle(t: torch.Tensor) -> torch.Tensor | None:
 
 
 class Ref:
-    """A saved tensor whose storage is a block (offloaded) or is held as is (tier keep)."""
+    """A saved tensor whose storage is a block: offloaded, or held as is and only counted (a
+    plan's keep, tier keep without dedup; tier keep otherwise holds a ``Held``, held.py)."""
 
     __slots__ = (
         "block",

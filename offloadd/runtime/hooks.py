@@ -84,8 +84,8 @@ class SavedTensorHooks:
         Offloader must go when its last reference does (see [shutdown]).
 
         Without a codec and with offloadd's C library, the hooks are its ``Pack`` and
-        ``Unpack``: a small plain tensor (under tier keep, any plain tensor that requires grad)
-        is kept and given back without a Python frame, and anything else goes on to :meth:`_pack` and :meth:`_unpack` (see [the tally] in held.py;
+        ``Unpack``: a small plain tensor (under tier keep, any plain tensor but one the index
+        must first be asked about) is kept and given back without a Python frame, and anything else goes on to :meth:`_pack` and :meth:`_unpack` (see [the tally] in held.py;
         ``offloadd bench hooks`` measures both)."""
         pack: Any
         unpack: Any
@@ -257,7 +257,7 @@ class SavedTensorHooks:
                 return evicted.placeholder(packed)  # its compiled backward fetches it
             return packed  # a traced tensor pack passed through (see [invisible to dynamo])
         ref: Ref = packed
-        if ref.tensor is not None:  # tier keep
+        if ref.tensor is not None:  # a kept block (see Ref)
             t = ref.tensor
             if t._version != ref.version:
                 raise inplace_error(ref.desc, ref.version, t._version)

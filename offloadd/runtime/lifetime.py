@@ -140,7 +140,7 @@ class Lifetime:
             ref = q.popleft()
             block = ref.block
             block.refs -= 1
-            if ref.tensor is not None:  # tier keep: the block is only accounting
+            if ref.tensor is not None:  # a kept block (see Ref): only accounting
                 if block.refs == 0:
                     ledger.sub_resident(block.resident_bytes, kept=True)
                     self.forget(block)

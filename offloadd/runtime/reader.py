@@ -137,8 +137,6 @@ class Reader:
             self._load(block, prefetch)
 
     def _load(self, block: Block, prefetch: bool) -> None:
-        backend = self.backend
-        assert backend is not None
         # Async devices: slots are complete only once the copy is; unpack waited for it without
         # the lock and prefetch only takes blocks whose copy completed.
         assert block.copy_completed()

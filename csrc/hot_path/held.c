@@ -86,7 +86,7 @@ static PyTypeObject TallyType;
 static PyTypeObject HeldType;
 static PyTypeObject SharedType;
 static PyObject *s_requires_grad, *s_detach, *s_version, *s_num_pending, *s_claims, *s_layout,
-    *s_is_meta, *s_nbytes, *s_dict, *s_base, *s_untyped_storage, *s_cdata, *s_expired, *s_learned, *s_step, *s_params, *s_weak_ref;
+    *s_is_meta, *s_nbytes, *s_base, *s_untyped_storage, *s_cdata, *s_expired, *s_learned, *s_step, *s_params, *s_weak_ref;
 
 static void shared_dealloc(Shared *self) {
     if (self->weak != NULL && free_weak_ref != NULL && !IS_FINALIZING()) {
@@ -163,19 +163,27 @@ static PyTypeObject HeldType = {
     .tp_members = held_members,
 };
 
+/* 1 if ``name`` of ``obj`` is set and true, 0 if not (or missing), -1 on error. */
+static int attr_true(PyObject *obj, PyObject *name) {
+    PyObject *v;
+    if (LOOKUP_ATTR(obj, name, &v) < 0)
+        return -1;
+    if (v == NULL)
+        return 0;
+    int r = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return r;
+}
+
 /* ``unlink``: detach a tensor that requires grad (an op's output saved by that op would make a
- * cycle through the graph); 0 for a parameter, a leaf, which makes none. */
+ * cycle through the graph): UNLINK_ASK reads ``requires_grad``, UNLINK_NO (a parameter, a leaf,
+ * which makes none) and UNLINK_YES (known to require grad) do not. */
+enum { UNLINK_NO = 0, UNLINK_YES = 1, UNLINK_ASK = 2 };
+
 static PyObject *keep(Tally *self, PyObject *t, long long nbytes, long long resident, int unlink) {
-    int requires = 0;
-    if (unlink) {
-        PyObject *rg = PyObject_GetAttr(t, s_requires_grad);
-        if (rg == NULL)
-            return NULL;
-        requires = PyObject_IsTrue(rg);
-        Py_DECREF(rg);
-        if (requires < 0)
-            return NULL;
-    }
+    int requires = unlink == UNLINK_ASK ? attr_true(t, s_requires_grad) : unlink;
+    if (requires < 0)
+        return NULL;
     PyObject *version = PyObject_GetAttr(t, s_version);
     if (version == NULL)
         return NULL;
@@ -242,7 +250,7 @@ static int storage_of(PyObject *t, PyObject **storage, PyObject **key, long long
 
 /* keep() for a tensor whose storage (key, storage_nbytes) counts once (Tally.share). */
 static PyObject *share(Tally *self, PyObject *t, long long nbytes, PyObject *storage,
-                       PyObject *key, long long storage_nbytes) {
+                       PyObject *key, long long storage_nbytes, int unlink) {
     Shared *entry = (Shared *)PyDict_GetItemWithError(self->shared, key); /* borrowed */
     if (entry == NULL && PyErr_Occurred())
         return NULL;
@@ -270,7 +278,7 @@ static PyObject *share(Tally *self, PyObject *t, long long nbytes, PyObject *sto
     /* Claimed before keep(), which runs Python code (detach) during which the entry's other
      * Helds may go: it must not be dropped meanwhile. */
     entry->count += 1;
-    Held *h = (Held *)keep(self, t, nbytes, hit ? 0 : storage_nbytes, 1);
+    Held *h = (Held *)keep(self, t, nbytes, hit ? 0 : storage_nbytes, unlink);
     if (h == NULL) {
         if (--entry->count == 0) {
             if (hit) /* its bytes were counted by its first save, and its others went */
@@ -297,7 +305,7 @@ static PyObject *tally_keep(Tally *self, PyObject *const *args, Py_ssize_t nargs
     long long resident = PyLong_AsLongLong(args[2]);
     if ((nbytes == -1 || resident == -1) && PyErr_Occurred())
         return NULL;
-    return keep(self, args[0], nbytes, resident, 1);
+    return keep(self, args[0], nbytes, resident, UNLINK_ASK);
 }
 
 static PyObject *tally_share(Tally *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -316,7 +324,7 @@ static PyObject *tally_share(Tally *self, PyObject *const *args, Py_ssize_t narg
             PyErr_SetString(PyExc_ValueError, "share: the tensor has no storage");
         return NULL;
     }
-    PyObject *h = share(self, args[0], nbytes, storage, key, storage_nbytes);
+    PyObject *h = share(self, args[0], nbytes, storage, key, storage_nbytes, UNLINK_ASK);
     Py_DECREF(key);
     Py_DECREF(storage);
     return h;
@@ -398,18 +406,6 @@ typedef struct {
 
 static PyTypeObject PackType;
 
-/* 1 if ``name`` of ``obj`` is set and true, 0 if not (or missing), -1 on error. */
-static int attr_true(PyObject *obj, PyObject *name) {
-    PyObject *v;
-    if (LOOKUP_ATTR(obj, name, &v) < 0)
-        return -1;
-    if (v == NULL)
-        return 0;
-    int r = PyObject_IsTrue(v);
-    Py_DECREF(v);
-    return r;
-}
-
 /* 1 if ``obj.name()`` is true, 0 if not, -1 on error. */
 static int attr_true_call(PyObject *obj, PyObject *name) {
     PyObject *v = PyObject_CallMethodNoArgs(obj, name);
@@ -422,11 +418,13 @@ static int attr_true_call(PyObject *obj, PyObject *name) {
 
 /* The resident bytes of a small plain tensor: 0 for a parameter or a view of one. */
 static long long resident_of(Pack *self, PyObject *t, long long nbytes) {
-    PyObject *d = PyObject_GetAttr(t, s_dict);
-    if (d == NULL)
-        return -1;
-    Py_ssize_t attrs = PyDict_Check(d) ? PyDict_GET_SIZE(d) : 1;
-    Py_DECREF(d);
+    /* the instance dict as it is: asking for ``__dict__`` would make one for every tensor */
+    PyObject **dp = _PyObject_GetDictPtr(t);
+    Py_ssize_t attrs = 1;
+    if (dp == NULL || *dp == NULL)
+        attrs = 0;
+    else if (PyDict_Check(*dp))
+        attrs = PyDict_GET_SIZE(*dp);
     int param;
     if (attrs) { /* attributes: offloadd's is_parameter in Python decides */
         PyObject *r = PyObject_CallOneArg(self->is_parameter, t);
@@ -446,14 +444,12 @@ static long long resident_of(Pack *self, PyObject *t, long long nbytes) {
     return param ? 0 : nbytes;
 }
 
-/* Tier keep, a plain tensor with storage ``key`` that is no parameter's view: 1 if it is a
- * module's storage (the index's parameters and buffers, see [parameters learned] in dedup.py),
- * 0 if not, 2 if the index must learn first (slow asks it), -1 on error. One that requires grad
- * is an op's output or an input, never a module's storage. */
-static int known_parameter(Pack *self, PyObject *t, PyObject *key) {
-    int r = attr_true(t, s_requires_grad);
-    if (r != 0)
-        return r < 0 ? -1 : 0;
+/* Tier keep, a plain tensor with storage ``key`` that is no parameter's view and does not
+ * require grad (one that does is an op's output or an input, never a module's storage): 1 if it
+ * is a module's storage (the index's parameters and buffers, see [parameters learned] in
+ * dedup.py), 0 if not, 2 if the index must learn first (slow asks it), -1 on error. */
+static int known_parameter(Pack *self, PyObject *key) {
+    int r;
     PyObject *ref = PyDict_GetItemWithError(self->params, key); /* borrowed */
     if (ref == NULL && PyErr_Occurred())
         return -1;
@@ -498,24 +494,25 @@ static PyObject *pack_call(Pack *self, PyObject *args, PyObject *kwargs) {
     if (nbytes == -1 && PyErr_Occurred())
         return NULL;
     if (type == self->parameter_type) /* held by the model anyway, whatever its size */
-        return keep(self->tally, t, nbytes, 0, 0);
+        return keep(self->tally, t, nbytes, 0, UNLINK_NO);
     if (nbytes >= self->min_bytes && nbytes != 0) {
         if (self->index == Py_None)
             goto slow;
         long long resident = resident_of(self, t, nbytes);
         if (resident <= 0) /* a parameter's view, or an error */
-            return resident < 0 ? NULL : keep(self->tally, t, nbytes, 0, 1);
+            return resident < 0 ? NULL : keep(self->tally, t, nbytes, 0, UNLINK_ASK);
         PyObject *storage, *key;
         long long storage_nbytes;
         r = storage_of(t, &storage, &key, &storage_nbytes);
         if (r <= 0)
             goto slow; /* no storage of its own (slow decides), or an error */
-        int param = known_parameter(self, t, key);
+        int requires = attr_true(t, s_requires_grad);
+        int param = requires < 0 ? -1 : requires ? 0 : known_parameter(self, key);
         PyObject *h = NULL;
         if (param == 0)
-            h = share(self->tally, t, nbytes, storage, key, storage_nbytes);
+            h = share(self->tally, t, nbytes, storage, key, storage_nbytes, requires);
         else if (param == 1)
-            h = keep(self->tally, t, nbytes, 0, 1);
+            h = keep(self->tally, t, nbytes, 0, UNLINK_NO);
         Py_DECREF(key);
         Py_DECREF(storage);
         if (param == 2)
@@ -525,7 +522,7 @@ static PyObject *pack_call(Pack *self, PyObject *args, PyObject *kwargs) {
     long long resident = resident_of(self, t, nbytes);
     if (resident < 0)
         return NULL;
-    return keep(self->tally, t, nbytes, resident, 1);
+    return keep(self->tally, t, nbytes, resident, UNLINK_ASK);
 slow:
     if (r < 0)
         return NULL;
@@ -698,7 +695,6 @@ PyMODINIT_FUNC PyInit__held(void) {
     s_layout = PyUnicode_InternFromString("layout");
     s_is_meta = PyUnicode_InternFromString("is_meta");
     s_nbytes = PyUnicode_InternFromString("nbytes");
-    s_dict = PyUnicode_InternFromString("__dict__");
     s_base = PyUnicode_InternFromString("_base");
     s_untyped_storage = PyUnicode_InternFromString("untyped_storage");
     s_cdata = PyUnicode_InternFromString("_cdata");
@@ -709,7 +705,7 @@ PyMODINIT_FUNC PyInit__held(void) {
     s_weak_ref = PyUnicode_InternFromString("_weak_ref");
     if (s_requires_grad == NULL || s_detach == NULL || s_version == NULL ||
         s_num_pending == NULL || s_claims == NULL || s_layout == NULL || s_is_meta == NULL ||
-        s_nbytes == NULL || s_dict == NULL || s_base == NULL || s_untyped_storage == NULL ||
+        s_nbytes == NULL || s_base == NULL || s_untyped_storage == NULL ||
         s_cdata == NULL || s_expired == NULL || s_learned == NULL || s_step == NULL ||
         s_params == NULL || s_weak_ref == NULL)
         return NULL;

@@ -10,6 +10,8 @@ warm-up. Arms:
 
 - ``none``: no hooks (the baseline every cost is above);
 - ``noop``: a ``saved_tensors_hooks`` pair that returns what it is given (the floor of any hook);
+- ``safe``: a pair whose pack detaches what is not a leaf, the floor of a hook that holds saved
+  tensors without leaking (a saved output returned as it is would hold its own graph);
 - ``keep-all``: tier keep with ``min_bytes=0`` (every tensor through offloadd's bookkeeping);
 - ``keep``, ``ssd``: tier keep and tier ssd with their defaults (every tensor below
   ``min_bytes``: the cost of deciding to do nothing);
@@ -18,7 +20,8 @@ warm-up. Arms:
 - ``auto``: a budget (``--budget``, default ``0.5x``) planned over the blocks;
 - ``cpu``, ``cpu-all``: tier cpu, where CUDA is present (the model then runs on the GPU).
 
-For each: microseconds per saved tensor above ``none`` and the ratio to ``noop``'s. With
+For each: microseconds per saved tensor above ``none`` and the ratio to ``noop``'s (and to
+``safe``'s, where that arm runs). With
 ``--model gpt2`` the model is a small HF GPT-2 (12 layers, d=128, seq 64, batch 2) and the
 report is step time against ``none`` (the issue's "x plain"). ``relay`` (``--relay``) measures
 relay's cost per group swap: the micro model with every block's Linear frozen and relayed
@@ -188,6 +191,7 @@ def _measure(ns: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     med = {name: statistics.median(ts) for name, ts in times.items()}
     base = med.get("none")
     noop = med.get("noop")
+    safe = med.get("safe")
     rows: dict[str, Any] = {}
     for name, m in med.items():
         row: dict[str, Any] = {"step_ms": m * 1e3, "steps_ms": [t * 1e3 for t in times[name]]}
@@ -196,6 +200,8 @@ def _measure(ns: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             row["us_per_saved"] = (m - base) / saved * 1e6
             if noop is not None and noop > base:
                 row["x_noop"] = (m - base) / (noop - base)
+            if safe is not None and safe > base:
+                row["x_safe"] = (m - base) / (safe - base)
         rows[name] = row
     return {
         "model": ns.model,
@@ -218,12 +224,14 @@ def _workdir(path: str | None) -> Iterator[Path]:
 def format_report(doc: dict[str, Any]) -> str:
     lines = [
         f"{doc['model']}: {doc['saved_per_step']} saved tensors a step on {doc['device']}",
-        f"{'arm':<12}{'step ms':>10}{'x none':>9}{'us/saved':>10}{'x noop':>9}",
+        f"{'arm':<12}{'step ms':>10}{'x none':>9}{'us/saved':>10}{'x noop':>9}{'x safe':>9}",
     ]
+    nan = float("nan")
     for name, row in doc["arms"].items():
         lines.append(
-            f"{name:<12}{row['step_ms']:>10.3f}{row.get('x_none', float('nan')):>9.3f}"
-            f"{row.get('us_per_saved', float('nan')):>10.2f}{row.get('x_noop', float('nan')):>9.2f}"
+            f"{name:<12}{row['step_ms']:>10.3f}{row.get('x_none', nan):>9.3f}"
+            f"{row.get('us_per_saved', nan):>10.2f}{row.get('x_noop', nan):>9.2f}"
+            f"{row.get('x_safe', nan):>9.2f}"
         )
     for name, why in doc.get("not_run", {}).items():
         lines.append(f"{name:<12}not run: {why}")

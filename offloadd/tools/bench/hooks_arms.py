@@ -25,6 +25,7 @@ __all__ = ["ARMS", "Arm", "open_arms", "relay_cost"]
 ARMS = (
     "none",
     "noop",
+    "safe",
     "keep-all",
     "keep",
     "ssd",
@@ -47,8 +48,19 @@ class Arm:
     skipped: str = ""
 
 
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_leaf else t.detach()
+
+
 def _noop() -> AbstractContextManager[Any]:
     return torch.autograd.graph.saved_tensors_hooks(_same, _same)
+
+
+def _safe() -> AbstractContextManager[Any]:
+    """The least a hook that holds saved tensors must do: detach what has a ``grad_fn`` (an op's
+    output saved by that op and returned as it is would hold its own graph: a cycle through C++,
+    never collected when the graph is dropped without a backward); a leaf makes none."""
+    return torch.autograd.graph.saved_tensors_hooks(_detached, _same)
 
 
 def _same_each_time(off: Offloader) -> Callable[[], AbstractContextManager[Any]]:
@@ -94,6 +106,8 @@ def open_arms(names: list[str], workdir: Path, budget: str, device: str) -> Iter
                 arms.append(Arm(name, nullcontext))
             elif name == "noop":
                 arms.append(Arm(name, _noop))
+            elif name == "safe":
+                arms.append(Arm(name, _safe))
             elif name.startswith("cpu") and device != "cuda":
                 arms.append(Arm(name, nullcontext, "tier cpu moves CUDA tensors: no GPU here"))
             elif name == "daemon-all":

@@ -628,7 +628,7 @@ def test_offloading_a_training_step_loads_no_tool(tmp_path: Path) -> None:
         OFFLOADD_SSD_DIRS=str(tmp_path),
         OFFLOADD_MIN_BYTES="16KiB",
     )
-    assert "offloadd.runtime.offloader" in result["modules"], "OFFLOADD=1 did not activate"
+    assert "offloadd.runtime.runtime" in result["modules"], "OFFLOADD=1 did not activate"
     loaded = _tools_loaded(result["modules"])
     assert not loaded, f"a training step under OFFLOADD=1 loaded {', '.join(loaded)}"
 

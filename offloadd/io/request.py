@@ -38,7 +38,7 @@ def mark_engine_thread() -> None:
 
     The finalizer of the engine's owner may run on such a thread (a garbage collection there);
     it must then not close the engine from it, since closing joins this very thread (see
-    [shutdown] in ``offloadd/runtime/offloader.py``)."""
+    [shutdown] in ``offloadd/runtime/shutdown.py``)."""
     _thread_role.engine = True
 
 

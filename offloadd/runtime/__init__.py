@@ -3,12 +3,12 @@
 See docs/architecture.md for its parts; :mod:`offloadd.runtime.simulated` has the simulated
 asynchronous device that tests run the ordering code against.
 
-:class:`Offloader` here is the runtime's own, which takes its optional stages (the budget
-planner, the codec) as ``stages``; users build ``offloadd.Offloader``, which passes both.
+:class:`Runtime` is one Offloader's machinery; users build ``offloadd.Offloader``, which owns
+one and gives it the optional stages (the budget planner, the codec).
 """
 
-from offloadd.runtime.offloader import Offloader
 from offloadd.runtime.ordering import CudaOrdering, Ordering
+from offloadd.runtime.runtime import Runtime
 from offloadd.runtime.stats import Stats
 
-__all__ = ["CudaOrdering", "Offloader", "Ordering", "Stats"]
+__all__ = ["CudaOrdering", "Ordering", "Runtime", "Stats"]

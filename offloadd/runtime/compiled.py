@@ -149,7 +149,7 @@ def _note(module: nn.Module, args: Any) -> None:
         off.note_module(module)
     with _lock:
         for off in offs:
-            if not off._awaits_model():
+            if not off.awaits_model():
                 _awaiting.discard(off)
         _unhook()
 
@@ -164,7 +164,7 @@ def scope_opened(off: Any) -> None:
     """``off`` has a scope open now."""
     with _lock:
         _in_scope.add(off)
-        if off._awaits_model():
+        if off.awaits_model():
             _awaiting.add(off)
             if not _hook:
                 _hook.append(nn.modules.module.register_module_forward_pre_hook(_note))
@@ -188,7 +188,7 @@ def _compile_starts(args: Any) -> None:
     """Dynamo begins to compile a frame: add the pass first if a model compiled whole is
     called in the scope of an Offloader that wants it (see [no module hook])."""
     with _lock:
-        wants = any(off._wants_pass() for off in _in_scope)
+        wants = any(off.wants_pass() for off in _in_scope)
     if wants and wrapper_on_stack() is not None:
         _install_pass()
 
@@ -235,7 +235,7 @@ def check_wrapper(off: Any, module: nn.Module) -> nn.Module:
     orig: nn.Module = module._orig_mod  # type: ignore[assignment]  # is_wrapper checked it
     if _in_scope_now(off):
         _refuse(off, orig, True)
-        if off._wants_pass():
+        if off.wants_pass():
             _install_pass()
     return orig
 
@@ -250,14 +250,14 @@ def check_children(off: Any, model: nn.Module) -> None:
 
 
 def _in_scope_now(off: Any) -> bool:
-    return bool(getattr(off._tls, "stack", None)) and torch.is_grad_enabled()
+    return off.in_scope() and torch.is_grad_enabled()
 
 
 def _refuse(off: Any, orig: nn.Module, outermost: bool) -> None:
     cfg = off.config
     if cfg.codec.name != "none":
         raise refuse_codec(cfg.codec.name)
-    planner = getattr(off, "_auto", None)
+    planner = off.planner
     if cfg.budget is not None and (outermost or planner is None or planner.plans_within(orig)):
         # what the budget plans is inside the region; a block compiled by a wrapper of its own
         # (``torch.compile(block)``) is planned around, as ``block.compile()`` is

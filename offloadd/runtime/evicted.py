@@ -134,7 +134,7 @@ def claim(t: Tensor) -> Any:
         # Versions from here on are those of the tensor autograd saves, which may be another
         # alias of the buffer evict saw, with a counter of its own (inductor's
         # reinterpret_tensor): an in-place change after the save is checked against it.
-        with c.off._lock:
+        with c.off.lock:
             block = packed.block
             block.handle = version_handle(t)
             block.version = packed.version = t._version
@@ -158,7 +158,7 @@ def placeholder(ev: Evicted) -> Tensor:
     passes (no fetch), the tensor itself, read back now."""
     ca = sys.modules.get("torch._dynamo.compiled_autograd")
     if ca is not None and (ca.compiled_autograd_enabled or ca.in_compiled_autograd_region):
-        t: Tensor = ev.off._unpack(ev.ref)
+        t: Tensor = ev.off.hooks.unpack(ev.ref)
         return t
     ref = ev.ref
     t = torch.empty(0, dtype=ref.dtype)

@@ -23,7 +23,7 @@ graph it compiles, and changes nothing else:
   that its own forward gave an evict (how its pass knows which: Note [whose backward] in
   graph_records.py), after the last gradient the graph returns before that op (a dependency:
   else inductor may run every fetch at the backward's start): the tensor read back through
-  ``Offloader._unpack`` (which prefetches the ones before it), copied into a buffer of ``t``'s
+  ``Hooks.unpack`` (which prefetches the ones before it), copied into a buffer of ``t``'s
   strides (inductor asserts them, and may reuse the memory of what an op returns). A ``t``
   with its bytes (not offloaded, or no Offloader) is copied as it is.
 
@@ -89,8 +89,8 @@ def evict(t: Tensor, after: Tensor, empty: bool) -> None:
     if not nbytes or storage._cdata in evicted.claims():
         return  # emptied, or packed already (an alias another evict saw)
     ran[0] += 1
-    packed = off._pack(t)
-    off._life.capture_all()  # t's producer has returned (and, to empty it, its readers)
+    packed = off.hooks.pack(t)
+    off.life.capture_all()  # t's producer has returned (and, to empty it, its readers)
     block = packed.block if type(packed) is Ref and packed.tensor is None else None
     if empty and block is not None and block.copy_done is None and block.nbytes == nbytes:
         evicted.note(off, t, packed, storage, block)  # emptied once its bytes are out
@@ -118,7 +118,7 @@ def fetch(t: Tensor, after: Tensor) -> Tensor:
             "offloadd: a compiled backward got a saved tensor without its bytes and without "
             "offloadd's record of them (see [emptied in the graph] in runtime/graph_ops.py)"
         )
-    return out.copy_(ev.off._unpack(ev.ref))
+    return out.copy_(ev.off.hooks.unpack(ev.ref))
 
 
 @fetch.register_fake

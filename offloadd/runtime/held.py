@@ -125,7 +125,7 @@ class _PyHeld:
 
 def _load() -> tuple[Any, Any, Any, Any, bool]:
     """The C library's Tally, Held, Pack and Unpack, or the Python Tally and Held and no hooks
-    (offloadd's hooks are then Python functions, see ``SavedTensorHooks._hook_pair``)."""
+    (offloadd's hooks are then Python functions, see ``Hooks.pair`` in hooks.py)."""
     try:
         from offloadd.runtime import _held
     except ImportError:  # not built (docs/native.md)

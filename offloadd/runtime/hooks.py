@@ -1,8 +1,8 @@
 """The hooks torch calls for each saved tensor: pack (keep it, or give it a block that moves)
 and unpack (check it, or have the reader bring it back), with and without a codec.
 
-:class:`SavedTensorHooks` holds only the hot path; :class:`~offloadd.runtime.offloader.Offloader`
-builds the parts it uses (see its ``__init__``) and is the public API.
+:class:`Hooks` holds only the hot path, over the parts it is given;
+:class:`~offloadd.runtime.runtime.Runtime` builds those parts and owns it.
 """
 
 from __future__ import annotations
@@ -35,11 +35,10 @@ from offloadd.runtime.lifetime import Lifetime
 from offloadd.runtime.ordering import Ordering
 from offloadd.runtime.reader import Reader
 from offloadd.runtime.stages import Coder, Planner
-from offloadd.runtime.stats import Stats
 from offloadd.runtime.writer import Writer
 from offloadd.trace import span
 
-__all__ = ["SavedTensorHooks", "ThreadState"]
+__all__ = ["Hooks", "ThreadState"]
 
 _Parameter = torch.nn.Parameter
 
@@ -53,39 +52,57 @@ class ThreadState(threading.local):
     keep: bool = False  # auto: the running block's decision is to keep
 
 
-class SavedTensorHooks:
-    """pack and unpack over the parts an Offloader builds (set by its ``__init__``)."""
+class Hooks:
+    """pack and unpack over the parts of one Offloader, given at construction."""
 
-    config: Config
-    _min_bytes: int
-    _share: bool
-    _ledger: Ledger
-    _lock: Any
-    _stats: Stats
-    _blocks: BlockMap
-    _index: StorageIndex
-    _tls: ThreadState
-    _ordering: Ordering
-    _writer: Writer
-    _reader: Reader
-    _life: Lifetime
-    _released: Any
-    _tally: Any
-    _captures: Any
-    _drain: Any
-    _closed: Any
-    _auto: Planner | None
-    _codec: Coder | None
-    _coded_type: type | None
+    def __init__(
+        self,
+        config: Config,
+        *,
+        ledger: Ledger,
+        blocks: BlockMap,
+        index: StorageIndex,
+        tls: ThreadState,
+        ordering: Ordering,
+        writer: Writer,
+        reader: Reader,
+        life: Lifetime,
+        planner: Planner | None,
+        codec: Coder | None,
+    ) -> None:
+        self.config = config
+        self._min_bytes = config.min_bytes
+        self._ledger = ledger
+        self._lock = ledger.lock
+        self._stats = ledger.stats
+        self._blocks = blocks
+        self._index = index
+        self._tls = tls
+        self._ordering = ordering
+        self._writer = writer
+        self._reader = reader
+        self._life = life
+        self._released = life.released  # refs released (see [freeing] in handles.py)
+        self._tally = life.tally  # tensors kept as they are (see [the tally] in held.py)
+        self._captures = life.captures
+        self._drain = life.drain
+        self._closed = lambda: life.closed
+        self._auto = planner
+        # Tier keep: every saved tensor held where it is, its storage counted once, no block
+        # (see [the tally] in held.py). Without dedup, each save counts its storage: blocks.
+        self._share = config.tier == "keep" and planner is None and config.dedup
+        self._codec = codec
+        self._coded_type = codec.handle_type if codec is not None else None
 
-    def _hook_pair(self) -> tuple[Any, Any]:
+    def pair(self, owner: Any) -> tuple[Any, Any]:
         """What torch calls; dynamo never traces them (see [invisible to dynamo] in compiled.py).
-        Made at each entry: kept on the Offloader, they would make a cycle with it, and an
-        Offloader must go when its last reference does (see [shutdown]).
+        Made at each entry: kept on the runtime, they would make a cycle with it, and an
+        Offloader must go when its last reference does (see [shutdown] in shutdown.py).
+        ``owner`` (the runtime) is what a compiled graph's evict reaches through the pack.
 
         Without a codec and with offloadd's C library, the hooks are its ``Pack`` and
         ``Unpack``: a small plain tensor (under tier keep, any plain tensor but one the index
-        must first be asked about) is kept and given back without a Python frame, and anything else goes on to :meth:`_pack` and :meth:`_unpack` (see [the tally] in held.py;
+        must first be asked about) is kept and given back without a Python frame, and anything else goes on to :meth:`pack` and :meth:`unpack` (see [the tally] in held.py;
         ``offloadd bench hooks`` measures both)."""
         pack: Any
         unpack: Any
@@ -99,23 +116,23 @@ class SavedTensorHooks:
                 self._index if self._share else None,
                 self._captures,
                 evicted.tls(),
-                unseen(self._pack),
+                unseen(self.pack),
                 torch.Tensor,
                 torch.nn.Parameter,
                 torch.strided,
                 is_parameter,
             )
-            unpack = held.Unpack(unseen(self._unpack))
+            unpack = held.Unpack(unseen(self.unpack))
         else:
-            pack, unpack = unseen(self._pack), unseen(self._unpack)
+            pack, unpack = unseen(self.pack), unseen(self.unpack)
         if self._codec is None:
-            pack.offloader = self  # evict's (graph_ops.py)
+            pack.offloader = owner  # evict's (graph_ops.py)
         setattr(pack, PASSES_TO, True)
         return pack, unpack
 
     # -- pack ------------------------------------------------------------------------------
 
-    def _pack(self, t: torch.Tensor, min_bytes: int = -1) -> Any:
+    def pack(self, t: torch.Tensor, min_bytes: int = -1) -> Any:
         if min_bytes < 0:
             min_bytes = self._min_bytes
         if self._captures.num_pending:  # the copies and writes of earlier saves (timed)
@@ -208,23 +225,23 @@ class SavedTensorHooks:
 
     def _pack_coded(self, t: torch.Tensor) -> Any:
         """pack with a codec: encoded where [what gets compressed] in codec/allowlist.py allows it
-        and the storage is not already saved exactly, else :meth:`_pack`."""
+        and the storage is not already saved exactly, else :meth:`pack`."""
         codec = self._codec
         assert codec is not None
         if wrapper_on_stack() is not None:  # a model compiled whole (a walk of the stack, ~2 us)
             raise refuse_codec(self.config.codec.name)
         if codec.wants(t) and not codec.saved_exactly(t) and not self._backs_parameter(t):
             big = t.nbytes >= self._min_bytes
-            coded = codec.pack(t, self._pack_codes if big else self._pack, self._pack)
+            coded = codec.pack(t, self._pack_codes if big else self.pack, self.pack)
             if coded is not None:
                 return coded
-        packed = self._pack(t)
+        packed = self.pack(t)
         codec.note_exact(t)
         return packed
 
     def _pack_codes(self, codes: torch.Tensor) -> Any:
         """The codes of an activation that is itself worth moving move whatever their size."""
-        return self._pack(codes, 1)
+        return self.pack(codes, 1)
 
     def _backs_parameter(self, t: torch.Tensor) -> bool:
         storage = movable_storage(t, False)
@@ -236,8 +253,8 @@ class SavedTensorHooks:
     def _unpack_coded(self, packed: Any) -> torch.Tensor:
         if type(packed) is self._coded_type:
             assert self._codec is not None
-            return self._codec.unpack(packed, self._unpack)
-        return self._unpack(packed)
+            return self._codec.unpack(packed, self.unpack)
+        return self.unpack(packed)
 
     def _note_saved(self, auto: Planner, nbytes: int) -> None:
         tag = getattr(self._tls, "tag", None)
@@ -246,7 +263,7 @@ class SavedTensorHooks:
 
     # -- unpack ----------------------------------------------------------------------------
 
-    def _unpack(self, packed: Any) -> torch.Tensor:
+    def unpack(self, packed: Any) -> torch.Tensor:
         if type(packed) is held.Held:
             t = packed.tensor
             if t._version != packed.version:
@@ -262,7 +279,7 @@ class SavedTensorHooks:
             if t._version != ref.version:
                 raise inplace_error(ref.desc, ref.version, t._version)
             return t
-        start = time.perf_counter()  # Stats.unpack_s: offloaded tensors only (see _pack)
+        start = time.perf_counter()  # Stats.unpack_s: offloaded tensors only (see pack)
         try:
             with span("offloadd::unpack"):
                 return self._reader.unpack(ref, self._drain, self._closed)

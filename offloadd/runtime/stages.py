@@ -5,8 +5,8 @@ The runtime owns these interfaces and implements neither: :mod:`offloadd.auto` i
 :mod:`offloadd.codec` implements :class:`Coder` (lossy codes of some saved activations, opt-in
 with ``Config.codec``). They sit above the runtime and import it; the runtime never imports them.
 The wiring is done once, at the edge: ``offloadd.Offloader`` (offloadd/offloader.py) passes
-:class:`Stages` holding both factories to :class:`~offloadd.runtime.offloader.Offloader`, which
-builds a stage only when its config asks for it.
+:class:`Stages` holding both factories to the :class:`~offloadd.runtime.runtime.Runtime` it
+owns, which builds a stage only when its config asks for it.
 """
 
 from __future__ import annotations

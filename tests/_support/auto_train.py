@@ -13,17 +13,17 @@ from offloadd.auto.solver import Plan
 
 def no_race(off: Offloader) -> None:
     """No race ([race] in auto/race.py): the plans as the test sets them, every step."""
-    assert off._auto is not None
-    off._auto.shapes.race = None
-    off._auto.shapes.waiting.clear()
+    assert off.planner is not None
+    off.planner.shapes.race = None
+    off.planner.shapes.waiting.clear()
 
 
 def set_plans(off: Offloader | None, change: Callable[[Plan], Plan] | None) -> None:
     """Once the planner has planned, each shape's plan replaced by ``change(plan)``, unraced."""
-    if change is None or off is None or off._auto is None or not off._auto.plans:
+    if change is None or off is None or off.planner is None or not off.planner.plans:
         return
     no_race(off)
-    plans = off._auto.plans
+    plans = off.planner.plans
     for sig, plan in plans.items():
         plans[sig] = change(plan)
 

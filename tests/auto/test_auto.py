@@ -298,7 +298,7 @@ def test_every_plan_is_bit_identical(decisions: tuple[str, ...], disk_dir: Path)
     w, losses = _train(_gpt(), off, batches, force=decisions)
     plan = off.plan()
     assert plan is not None and plan.blocks[-1].name == HEAD and plan.blocks[-1].saved > 0
-    assert off.plan() is not None and off._auto is not None and off._auto.profiles == 1
+    assert off.plan() is not None and off.planner is not None and off.planner.profiles == 1
     assert losses == ref_l
     assert all(torch.equal(a, b) for a, b in zip(ref_w, w, strict=True))
     st = off.stats()
@@ -331,7 +331,7 @@ def test_the_measured_peak_of_a_planned_step_fits_the_budget(
     peaks = []
     ran = []  # the plan each step ran (None: a profile step, everything kept)
     caplog.set_level(logging.WARNING, logger="offloadd")
-    assert off._auto is not None
+    assert off.planner is not None
     for x in batches:
         x = x % 2048
         cache = host_allocator.current()
@@ -340,7 +340,7 @@ def test_the_measured_peak_of_a_planned_step_fits_the_budget(
         level = cache.counters().live_bytes
         with off:
             loss = model(x[:, :-1], x[:, 1:])
-        ran.append(off._auto.plan)
+        ran.append(off.planner.plan)
         loss.backward()
         peaks.append(cache.counters().window_peak_live_bytes - level)
         opt.step()
@@ -348,7 +348,7 @@ def test_the_measured_peak_of_a_planned_step_fits_the_budget(
         del loss
     plan = off.plan()
     assert plan is not None and plan.blocks[0].measured and plan.count(KEEP) < len(plan.blocks)
-    assert off._auto is not None and off._auto.profiles >= 1  # more: forward times drifted
+    assert off.planner is not None and off.planner.profiles >= 1  # more: forward times drifted
     # every planned step over its plan's budget was planned again (at the next forward: the
     # last has none); a busy machine's drift profiles again, and a profile step keeps all
     assert sum(r is not None for r in ran) > len(ran) // 2, ran  # most steps ran a plan
@@ -376,7 +376,7 @@ def test_what_runs_between_steps_is_not_the_steps(
         budget="0.6x",
     )  # fmt: skip
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    assert off._auto is not None
+    assert off.planner is not None
     caplog.set_level(logging.WARNING, logger="offloadd")
     settled_at = None
     for x in batches:
@@ -387,7 +387,7 @@ def test_what_runs_between_steps_is_not_the_steps(
         opt.step()
         opt.zero_grad()
         del loss
-        if settled_at is None and off._auto.settled:
+        if settled_at is None and off.planner.settled:
             settled_at = len(caplog.records)
         plan = off.plan()
         if plan is not None:  # "evaluation": far more than the budget, freed before the next
@@ -516,7 +516,7 @@ def test_a_new_shape_is_profiled_and_plans_are_kept_per_shape(
     short, long = _batches(3, seq=16), _batches(3, seq=32)
     with caplog.at_level(logging.INFO, logger="offloadd"):
         _train(model, off, short + long + short + long)
-    auto = off._auto
+    auto = off.planner
     assert auto is not None and auto.profiles == 2 and len(auto.plans) == 2
     planned = sum("plan for a budget of" in r.getMessage() for r in caplog.records)
     replanned = sum("planning again" in r.getMessage() for r in caplog.records)
@@ -547,7 +547,7 @@ def test_drifting_forward_times_profile_again_and_stay_exact(
     with caplog.at_level(logging.INFO, logger="offloadd"):
         w, losses = _train(_gpt(), off, batches)
     assert any("profiling again" in r.getMessage() for r in caplog.records)
-    assert off._auto is not None and off._auto.profiles >= 2
+    assert off.planner is not None and off.planner.profiles >= 2
     assert losses == ref_l and all(torch.equal(a, b) for a, b in zip(ref_w, w, strict=True))
     off.close()
 
@@ -560,7 +560,7 @@ def test_drift_is_measured_from_the_second_planned_step() -> None:
     off = Offloader(tier="cpu", min_bytes=1024, budget="100x")
     model = _gpt()
     _train(model, off, _batches(planner.WARMUP_STEPS_MAX + 2))
-    auto = off._auto
+    auto = off.planner
     assert auto is not None
     for _ in range(2 * planner.WARMUP_STEPS_MAX):  # a busy machine's drift races again
         if auto.settled:
@@ -613,7 +613,9 @@ def test_transformers_families_bit_identical_under_mixed_plans(family: str, disk
     ref_w, ref_l = _train(Loss(), None, batches)
     off = Offloader(tier="ssd", ssd_dirs=[str(disk_dir)], min_bytes=1024, budget="100x")
     w, losses = _train(Loss(), off, batches, force=(RECOMPUTE, OFFLOAD, KEEP, OFFLOAD))
-    assert off._auto is not None and len(off._auto.names) == 3, off._auto and off._auto.names
+    assert off.planner is not None and len(off.planner.names) == 3, (
+        off.planner and off.planner.names
+    )
     assert off.plan() is not None
     assert losses == ref_l and all(torch.equal(a, b) for a, b in zip(ref_w, w, strict=True))
     off.close()
@@ -787,7 +789,7 @@ def _race_run(
     now = [0.0]
 
     def clock() -> float:  # a raced step ends in backward: it lasted step_s(its plan)
-        auto = off._auto
+        auto = off.planner
         plan = auto.plan if auto is not None else None
         if torch._C._current_graph_task_id() != -1:
             now[0] += step_s(plan.decisions if plan is not None else None)
@@ -800,10 +802,10 @@ def _race_run(
     losses = []
     for x in batches:
         with off:
-            assert off._auto is not None
-            off._auto.clock = clock
+            assert off.planner is not None
+            off.planner.clock = clock
             loss = model(x[:, :-1], x[:, 1:])
-            plan = off._auto.plan
+            plan = off.planner.plan
             ran.append(plan.decisions if plan is not None else ())
         loss.backward()
         opt.step()
@@ -834,7 +836,7 @@ def test_race_finds_offloading_free_and_holds_the_least_memory(disk_dir: Path) -
     plan = off.plan()
     assert plan is not None and plan.decisions == everything and plan.race is not None
     assert plan.race[:2] == pytest.approx((1.0, 1.01))
-    assert off._auto is not None and off._auto.settled and off._auto.profiles == 1
+    assert off.planner is not None and off.planner.settled and off.planner.profiles == 1
     d = plan_dict(plan)
     assert d["race_s"] == pytest.approx([1.0, 1.01]) and d["race_blocks"] == 3
     assert d["race"] == "1.010x (95 % 1.010-1.010, 3 blocks)"
@@ -856,8 +858,8 @@ def test_race_learns_what_offloading_costs(disk_dir: Path) -> None:
     plan = off.plan()
     assert plan is not None and plan.decisions == (KEEP,) * 5
     assert plan.race[:2] == pytest.approx((1.0, 1.5))
-    assert off._auto is not None and off._auto.settled
-    alpha = next(v for v in off._auto.shapes.verdicts.values() if v is not None).alpha
+    assert off.planner is not None and off.planner.settled
+    alpha = next(v for v in off.planner.shapes.verdicts.values() if v is not None).alpha
     assert alpha == pytest.approx(0.5 / sum(b.saved for b in plan.blocks))
     assert ran[-1] == (KEEP,) * 5 and everything in ran  # raced, then kept
     off.close()
@@ -865,9 +867,9 @@ def test_race_learns_what_offloading_costs(disk_dir: Path) -> None:
     plan = off.plan()
     assert plan is not None and plan.race is not None and ran[-1] == plan.decisions
     assert KEEP in plan.decisions and RECOMPUTE in plan.decisions
-    assert off._auto is not None
+    assert off.planner is not None
     alpha = next(
-        v for v in off._auto.shapes.verdicts.values() if v is not None
+        v for v in off.planner.shapes.verdicts.values() if v is not None
     ).alpha  # this race's plan differed: its own figure
     assert alpha > 0
     assert [b.offload_s for b in plan.blocks] == pytest.approx(
@@ -960,7 +962,7 @@ def test_races_run_one_at_a_time_and_each_shape_gets_its_own(disk_dir: Path) -> 
     short, long = _batches(n + 4, seq=16), _batches(n + 4, seq=32)
     batches = short[:3] + long[:3] + short[3 : 3 + n] + long[3 : 4 + n] + short[3 + n : 4 + n]
     off, ran, _, _ = _race_run(disk_dir, "100x", lambda d: 1.0, batches=batches)
-    auto = off._auto
+    auto = off.planner
     assert auto is not None and auto.settled and auto.profiles == 2
     assert len(auto.shapes.verdicts) == 2 and all(
         v is not None and v.free for v in auto.shapes.verdicts.values()
@@ -981,7 +983,7 @@ def test_a_replan_during_the_race_races_again(disk_dir: Path) -> None:
             loss = model(x[:, :-1], x[:, 1:])
         loss.backward()
         del loss
-    auto = off._auto
+    auto = off.planner
     assert auto is not None and auto.shapes.race is not None and auto.shapes.race.turn == 2
     sig = auto.shapes.race.signature
     plan = auto.plans[sig]

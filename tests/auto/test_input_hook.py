@@ -38,8 +38,8 @@ def _train(off: Offloader | None, steps: int) -> tuple[list[torch.Tensor], list[
         during = _hooks(latents)
         loss.backward()
         counts.append((during, _hooks(latents)))
-        if off is not None and off._auto is not None and off._auto._armed:
-            assert off._auto._step_peak is not None  # the gradient at the input ended the window
+        if off is not None and off.planner is not None and off.planner._armed:
+            assert off.planner._step_peak is not None  # the gradient at the input ended the window
         opt.step()
         opt.zero_grad()
         del loss
@@ -58,7 +58,7 @@ def test_a_leaf_fed_to_the_first_block_every_step_carries_one_hook(disk_dir: Pat
     )  # fmt: skip
     got, counts = _train(off, steps)
     # planned and raced (settled too, on a quiet machine: a loaded one can race past the steps)
-    assert off._auto is not None and off._auto.plans and off._auto.profiles >= 1
+    assert off.planner is not None and off.planner.plans and off.planner.profiles >= 1
     assert max(max(c) for c in counts) <= 1, counts
     assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
     off.close()
@@ -75,7 +75,7 @@ def test_a_closed_offloaders_planner_is_not_kept_alive_by_its_hooks() -> None:
         assert _hooks(latents) <= 1  # the profile's hook and the window's mark: one between them
         del loss  # no backward: the hook stays on the leaf until close
     assert _hooks(latents) == 1
-    planner = weakref.ref(off._auto)
+    planner = weakref.ref(off.planner)
     off.close()
     assert _hooks(latents) == 0
     del off

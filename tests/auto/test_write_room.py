@@ -53,14 +53,14 @@ running (None: none), whether a profile step runs."""
 
 def _record_writes(off: Offloader) -> list[Write]:
     """Each in-place write as it starts, read under the lock right after its wait for room."""
-    in_place = off._writer.in_place
+    in_place = off.runtime.writer.in_place
     assert in_place is not None
     seen: list[Write] = []
     wait_room = in_place._wait_room
 
     def record(nbytes: int) -> None:
         wait_room(nbytes)  # the block's bytes are added to held_bytes next, under this lock
-        planner = off._auto
+        planner = off.planner
         plan = planner.plan if planner is not None else None
         profiling = planner is not None and planner._profile is not None and plan is None
         seen.append((in_place.held_bytes + nbytes, nbytes, in_place.limit(), plan, profiling))
@@ -120,7 +120,9 @@ def test_without_a_budget_writes_hold_up_to_staging_bytes(disk_dir: Path) -> Non
     rooms above (a disk 5x slower still: a forward on a loaded machine must not keep up)."""
     off = _offloader(disk_dir, 5 * DELAY_S)
     writes = _record_writes(off)
-    assert off._writer.in_place is not None and off._writer.in_place.limit() == STAGING
+    assert (
+        off.runtime.writer.in_place is not None and off.runtime.writer.in_place.limit() == STAGING
+    )
     _train(off, _batches(1))
     off.close()
     assert writes and all(lim == STAGING for _, _, lim, _, _ in writes)

@@ -471,7 +471,7 @@ def test_codec_none_is_bit_exact() -> None:
     finally:
         off.close()
     assert_bitwise_equal(plain_run(), got)
-    assert off._codec is None and st.codec == "" and st.coded_tensors == 0
+    assert off.runtime.codec is None and st.codec == "" and st.coded_tensors == 0
     assert "codec" not in st.summary()
 
 
@@ -506,7 +506,7 @@ def keep_offloader(*, min_bytes: int = 1, **codec: Any) -> Offloader:
 def coded_shapes(off: Offloader, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
     """The shapes of the tensors ``off``'s codec hands a coded handle for, as they are saved (a
     shared handle once per save)."""
-    codec = off._codec
+    codec = off.runtime.codec
     assert isinstance(codec, Codec)
     shapes: list[tuple[int, ...]] = []
     pack = codec.pack

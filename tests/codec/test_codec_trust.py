@@ -137,7 +137,7 @@ def test_what_attention_saves_of_the_mask_shape_stays_exact(
     padded copy, on CUDA): the mask's shape at a new address. Of ``finfo.min`` it is finite, so
     only its shape tells it apart: a copy of the mask is never coded, v is."""
     off = coded_offloader("int8")
-    codec = off._codec
+    codec = off.runtime.codec
     assert isinstance(codec, Codec)
     wants = codec.wants
     copies: list[bool] = []
@@ -197,7 +197,7 @@ def test_the_codec_s_memory_stays_flat_over_hundreds_of_steps() -> None:
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     off = coded_offloader("int8")
-    codec = off._codec
+    codec = off.runtime.codec
     assert isinstance(codec, Codec)
     x = torch.randn(8, 16)
     own = [tracemalloc.Filter(True, str(Path(offloadd.__file__).parent / "*"))]

@@ -273,7 +273,7 @@ def test_kill_9_of_the_daemon_mid_step(where: str, own_daemon: Callable[..., Dae
     reference = train(*MODELS["gpt"], None, steps=4)
     d = own_daemon().start()
     off = small_offloader(d.dirs[0], daemon={"socket": d.socket})
-    assert off._backend is not None
+    assert off.runtime.backend is not None
     again = own_daemon(dirs=d.dirs)
     used: list[dict[str, object]] = []
 
@@ -281,7 +281,7 @@ def test_kill_9_of_the_daemon_mid_step(where: str, own_daemon: Callable[..., Dae
         if step == 1 and at == where:
             d.kill()
         elif step == 2 and at == "start":
-            assert not off._backend.connected
+            assert not off.runtime.backend.connected
             again.start()
         elif step == 3 and at == "backward":
             used.append(again.status())
@@ -289,7 +289,7 @@ def test_kill_9_of_the_daemon_mid_step(where: str, own_daemon: Callable[..., Dae
     with pytest.warns(RuntimeWarning, match="lost the daemon"):
         got = _steps(off, 4, hook=hook)
     assert_bitwise_equal(reference, got)
-    assert off._backend.connected
+    assert off.runtime.backend.connected
     sessions = used[0]["sessions"]
     assert isinstance(sessions, list) and len(sessions) == 1 and sessions[0]["bytes_written"] > 0
     off.close()

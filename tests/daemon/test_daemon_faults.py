@@ -301,7 +301,7 @@ def test_every_daemon_loss_is_reported(own_daemon: Callable[..., DaemonProc]) ->
     """Two losses of two daemons (each gave this client session 1): two warnings, not one."""
     first = own_daemon().start()
     off = small_offloader(first.dirs[0], daemon={"socket": first.socket})
-    daemon = off._backend
+    daemon = off.runtime.backend
     assert daemon is not None
 
     def lose(d: DaemonProc) -> None:

@@ -26,7 +26,7 @@ def _held(off: Offloader, dirs: list[str]) -> dict[str, int]:
     """What this process holds: all its descriptors, the offload files and memfds among them,
     and the file space kept allocated by descriptors of files that are not the current
     session's (a dead daemon's unlinked files keep their space while a descriptor is open)."""
-    backend = off._backend
+    backend = off.runtime.backend
     current = backend._current if backend is not None else None  # type: ignore[attr-defined]
     own = set(current.file_fds) if current is not None else set()
     fd_dir = "/proc/self/fd"
@@ -44,7 +44,7 @@ def _held(off: Offloader, dirs: list[str]) -> dict[str, int]:
 
 
 def _wait_lost(off: Offloader) -> None:
-    backend = off._backend
+    backend = off.runtime.backend
     assert backend is not None
     deadline = time.monotonic() + 10
     while backend.connected:  # type: ignore[attr-defined]
@@ -125,7 +125,7 @@ class _LateDaemon:
     late, into the session's shared memory)."""
 
     def __init__(self, off: Offloader, slots: list[int]) -> None:
-        backend = off._backend
+        backend = off.runtime.backend
         assert backend is not None and slots
         base = backend._buffer.address + backend.staging_bytes  # type: ignore[attr-defined]
         chunk = backend.chunk_bytes  # type: ignore[attr-defined]
@@ -149,7 +149,7 @@ def _lose_during_reads(off: Offloader, daemon: DaemonProc) -> list[int]:
     """With ``daemon`` paused and backward waiting on its reads: note the read slots in
     flight, break the connection from the client's side (the daemon lives on), continue the
     daemon. Returns the slots."""
-    backend = off._backend
+    backend = off.runtime.backend
     gen = backend._current  # type: ignore[attr-defined]
     deadline = time.monotonic() + 20
     slots: list[int] = []
@@ -181,7 +181,7 @@ def test_read_slots_of_a_live_lost_daemon_are_never_reused(
     reference = train(*MODELS["gpt"], None, steps=steps)
     d = own_daemon().start()
     off = small_offloader(d.dirs[0], daemon={"socket": d.socket}, prefetch_bytes=1 << 20)
-    backend = off._backend
+    backend = off.runtime.backend
     assert backend is not None
     lost_slots: list[int] = []
     loser: list[threading.Thread] = []
@@ -289,7 +289,7 @@ def test_a_daemon_lost_right_after_the_handshake_is_not_made_current(
     reference = train(*MODELS["gpt"], None, steps=steps)
     d = own_daemon().start()
     off = small_offloader(d.dirs[0], daemon={"socket": d.socket})
-    backend = off._backend
+    backend = off.runtime.backend
     assert backend is not None
     real_connect = backend._connect  # type: ignore[attr-defined]
     died: list[object] = []

@@ -93,4 +93,4 @@ def test_no_stderr_at_exit_is_no_error(monkeypatch: pytest.MonkeyPatch) -> None:
     auto.offloader = Offloader(auto.settings.config)
     monkeypatch.setattr(sys, "stderr", None)
     auto.finish()
-    assert auto._finished and auto.offloader._closed()
+    assert auto._finished and auto.offloader.runtime.closed

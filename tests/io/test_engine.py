@@ -137,7 +137,7 @@ def test_striping_over_three_dirs(disk_dir: Path) -> None:
     with off:
         y = SavePayload.apply(x, payload)
     off.synchronize()
-    disk = off._backend._disk  # type: ignore[union-attr]
+    disk = off.runtime.backend._disk  # type: ignore[union-attr]
     used = [f.used_slots for f in disk.files]
     assert all(u >= 5 for u in used), used
     y.sum().backward()

@@ -104,7 +104,7 @@ def test_chunk_and_pool_sizes(chunk_kib: int, in_place: bool, disk_dir: Path) ->
         # on a loaded machine (256 KiB in place once finished every write in time: no wait)
         io_engine=SlowEngine(0.005 * max(1, chunk_kib // 64), pages=in_place),
     )
-    assert (off._writer.in_place is not None) == in_place
+    assert (off.runtime.writer.in_place is not None) == in_place
     try:
         got = train(make_model, make_input, off)
         st = off.stats()

@@ -84,20 +84,20 @@ def test_same_node_packs_wait_for_the_op(disk_dir: Path) -> None:
     """Every pack of one op shares a node number; only a later node's pack captures them."""
     off = small_offloader(disk_dir, min_bytes=0)
     numbers: list[int] = []
-    real_add = off._captures.add
+    real_add = off.runtime.captures.add
 
     def add(item: object) -> None:
         numbers.append(capture.next_node_number())
         real_add(item)
 
-    off._captures.add = add  # type: ignore[method-assign]
+    off.runtime.captures.add = add  # type: ignore[method-assign]
     x = torch.randn(N, N, requires_grad=True)
     with off:
         y = F.rrelu(x * 1.0, training=True)  # saves noise and self: one node
-        assert off._captures.num_pending == 2
+        assert off.runtime.captures.num_pending == 2
         z = y.sigmoid()  # saves its result: the next node captures rrelu's two
-        assert off._captures.num_pending == 1
-    assert off._captures.num_pending == 0
+        assert off.runtime.captures.num_pending == 1
+    assert off.runtime.captures.num_pending == 0
     assert numbers[0] == numbers[1] < numbers[2]
     z.sum().backward()
     off.close()
@@ -112,7 +112,7 @@ def test_without_node_numbers_everything_waits_for_the_scope(
     expected = _grads(_rrelu, x, None)
     off = small_offloader(disk_dir, min_bytes=0)
     got = _grads(_rrelu, x, off)
-    assert off._captures.num_pending == 0
+    assert off.runtime.captures.num_pending == 0
     assert off.stats().offloaded_bytes >= 2 * N * N * 4
     off.close()
     for a, b in zip(expected, got, strict=True):
@@ -367,7 +367,7 @@ def test_inplace_by_another_thread_during_capture_raises(disk_dir: Path) -> None
     x = torch.randn(N, N, requires_grad=True)
     y = x * 1.0
     off = small_offloader(disk_dir)
-    real = off._writer.write_out
+    real = off.runtime.writer.write_out
 
     def write_out(block: object, t: torch.Tensor) -> None:
         def change() -> None:
@@ -379,7 +379,7 @@ def test_inplace_by_another_thread_during_capture_raises(disk_dir: Path) -> None
         worker.join()
         real(block, t)  # type: ignore[arg-type]
 
-    off._writer.write_out = write_out  # type: ignore[method-assign]
+    off.runtime.writer.write_out = write_out  # type: ignore[method-assign]
     with off:
         z = y.sin()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
@@ -394,7 +394,7 @@ def test_block_freed_while_captured_is_not_joined(disk_dir: Path) -> None:
     expected = torch.autograd.grad(x.sin().sum(), x)[0]
     off = small_offloader(disk_dir)
     in_write, go = threading.Event(), threading.Event()
-    real = off._writer.write_out
+    real = off.runtime.writer.write_out
 
     def write_out(block: object, t: torch.Tensor) -> None:
         if threading.current_thread().name == "capturer":
@@ -402,7 +402,7 @@ def test_block_freed_while_captured_is_not_joined(disk_dir: Path) -> None:
             go.wait()
         real(block, t)  # type: ignore[arg-type]
 
-    off._writer.write_out = write_out  # type: ignore[method-assign]
+    off.runtime.writer.write_out = write_out  # type: ignore[method-assign]
     box: dict[str, torch.Tensor] = {}
 
     def first() -> None:
@@ -432,9 +432,9 @@ def test_interrupt_during_capture_settles_the_block(in_place: bool, disk_dir: Pa
     x = torch.randn(N, N, requires_grad=True)
     expected = torch.autograd.grad(x.sin().sum(), x)[0]
     off = small_offloader(disk_dir, io_engine=PythonEngine(2) if in_place else StagedEngine(2))
-    writer = off._writer.in_place
+    writer = off.runtime.writer.in_place
     assert (writer is not None) == in_place
-    owner: object = writer if writer is not None else off._writer
+    owner: object = writer if writer is not None else off.runtime.writer
     name = "_wait_room" if writer is not None else "_acquire_slot"
     real = getattr(owner, name)
     calls = [0]

@@ -211,7 +211,8 @@ def test_regions_stream_per_block_and_hold_whole(disk_dir: Path) -> None:
         torch._dynamo.reset()
         off = _offloader(disk_dir)
         seen = nodes[how] = set()
-        pack = off._pack
+        hooks = off.runtime.hooks
+        pack = hooks.pack
 
         def counting(
             t: torch.Tensor, min_bytes: int = -1, seen: set[int] = seen, pack: Any = pack
@@ -220,7 +221,7 @@ def test_regions_stream_per_block_and_hold_whole(disk_dir: Path) -> None:
                 seen.add(torch.autograd._get_sequence_nr())
             return pack(t, min_bytes)
 
-        off._pack = counting  # type: ignore[method-assign]
+        hooks.pack = counting  # type: ignore[method-assign]
         got = _steps(runs[1], mine, xs, off)
         assert_bitwise_equal(want, got)
         assert off.stats().offloaded_bytes > 0

@@ -175,8 +175,8 @@ def test_cuda_budget_bounds_the_measured_peak(disk_dir: Path) -> None:
     got, peaks = train(off)
     plan = off.plan()
     assert plan is not None and plan.blocks[0].measured
-    assert off._auto is not None and off._auto.probe is not None
-    assert off._auto.probe.name == "cuda"
+    assert off.planner is not None and off.planner.probe is not None
+    assert off.planner.probe.name == "cuda"
     # max_memory_allocated is reset by the planner only in its profile step and the first step
     # under a new plan: read after the last step, it is the most any step since then used above
     # its start (copies in flight hold device memory for a while: a step over the budget makes

@@ -201,7 +201,7 @@ def test_gradients_bit_identical_under_each_allocator(allocator: str, disk_dir: 
         got = train(wide_mlp, wide_input, off, steps=4)
         off.synchronize()
         st = off.stats()
-        read_buffers = off._reader.pool.created
+        read_buffers = off.runtime.reader.pool.created
     finally:
         off.close()
     assert_bitwise_equal(reference, got)

@@ -405,8 +405,8 @@ def test_unsupported_tensors_are_kept(disk_dir: Path) -> None:
 def test_heap_trim_cadence(trim_bytes: int, disk_dir: Path) -> None:
     off = small_offloader(disk_dir, trim_host_bytes=trim_bytes)
     calls: list[int] = []
-    if off._ledger._trim is not None:
-        off._ledger._trim = lambda pad: calls.append(pad) or 1  # type: ignore[assignment]
+    if off.runtime.ledger._trim is not None:
+        off.runtime.ledger._trim = lambda pad: calls.append(pad) or 1  # type: ignore[assignment]
     x = torch.randn(N, N, requires_grad=True)
     with off:
         h = x
@@ -417,7 +417,7 @@ def test_heap_trim_cadence(trim_bytes: int, disk_dir: Path) -> None:
     if trim_bytes:
         assert len(calls) >= moved // trim_bytes  # out and back in: about twice that
     else:
-        assert off._ledger._trim is None and not calls
+        assert off.runtime.ledger._trim is None and not calls
     off.close()
 
 
@@ -491,9 +491,9 @@ def test_two_threads_packing_at_once(disk_dir: Path) -> None:
             assert all(
                 torch.equal(p.grad, e) for p, e in zip(m.parameters(), expected, strict=True)
             )
-        staging = [p for p in off._writer.pools if isinstance(p, SlotPool)]
+        staging = [p for p in off.runtime.writer.pools if isinstance(p, SlotPool)]
         # one staging pool, or none where CPU tensors are written in place
-        assert len(staging) == (0 if off._writer.in_place is not None else 1)
+        assert len(staging) == (0 if off.runtime.writer.in_place is not None else 1)
         off.close()
 
 
@@ -502,8 +502,8 @@ def test_memory_fallback_chunk_of_unaligned_size(
 ) -> None:
     """When no staging slot can ever be had, the chunk stays in memory, padded like the rest."""
     off = small_offloader(disk_dir, min_bytes=1, io_engine=StagedEngine(2))
-    assert off._writer.in_place is None
-    monkeypatch.setattr(off._writer, "_acquire_slot", lambda pool: None)
+    assert off.runtime.writer.in_place is None
+    monkeypatch.setattr(off.runtime.writer, "_acquire_slot", lambda pool: None)
     payload = torch.randint(0, 256, (3 * 65536 + 7,), dtype=torch.uint8)
     SavePayload.seen.clear()
     x = torch.ones(1, requires_grad=True)

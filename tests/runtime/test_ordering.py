@@ -223,9 +223,9 @@ def test_a_block_made_resident_before_close_is_unpacked_without_reading_ahead(
             a = SavePayload.apply(x, torch.randn(two_chunks))
             b = SavePayload.apply(a, torch.randn(two_chunks))
         off.synchronize()  # copied into their slots
-        with off._lock:
-            last = list(off._blocks)[-1]
-            off._reader.load(last, prefetch=True)  # as the prefetcher does ahead of unpack
+        with off.runtime.lock:
+            last = list(off.runtime.blocks)[-1]
+            off.runtime.reader.load(last, prefetch=True)  # as the prefetcher does ahead of unpack
         off.close()
         with pytest.raises(RuntimeError, match=r"unpack after Offloader.close\(\)"):
             b.sum().backward()

@@ -1,5 +1,5 @@
 """An Offloader collected on one of its own I/O threads: see [shutdown] in
-offloadd/runtime/offloader.py."""
+offloadd/runtime/shutdown.py."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def unraisable() -> Iterator[list[str]]:
 
 def _gate_writes(off: Offloader, gate: threading.Event) -> None:
     """Hold every write of ``off`` on its backend until ``gate`` is set."""
-    backend = off._backend
+    backend = off.runtime.backend
     assert backend is not None
     real = backend.submit
 
@@ -88,17 +88,17 @@ def test_shutdown_on_an_io_thread_moves_to_a_fresh_thread(disk_dir: Path) -> Non
     backend from it: closing joins that very thread. It hands the shutdown to a new thread."""
     off = small_offloader(disk_dir)
     ran_on: list[str] = []
-    real_close = off._backend.close  # type: ignore[union-attr]
+    real_close = off.runtime.backend.close  # type: ignore[union-attr]
 
     def close() -> None:
         ran_on.append(threading.current_thread().name)
         real_close()
 
-    off._backend.close = close  # type: ignore[method-assign,union-attr]
+    off.runtime.backend.close = close  # type: ignore[method-assign,union-attr]
 
     def on_io_thread() -> None:
         mark_engine_thread()
-        off._finalizer()
+        off.runtime.finalizer()
 
     t = threading.Thread(target=on_io_thread, name="offloadd-io-test")
     t.start()

@@ -158,7 +158,7 @@ def test_a_read_back_refused_midway_releases_its_bytes(disk_dir: Path) -> None:
         y = (x * 2).sin()
         z = y.sin()
     off.synchronize()
-    backend = off._backend
+    backend = off.runtime.backend
     assert backend is not None
     submit, calls = backend.submit, [0]
 

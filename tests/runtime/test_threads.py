@@ -62,7 +62,7 @@ def test_small_tensors_counted_exactly_nothing_queued() -> None:
         y = x
         for _ in range(n):
             y = y.sin()  # saves its input
-            assert not off._released
+            assert not off.runtime.life.released
     st = off.stats()
     assert (st.saved_tensors, st.saved_bytes, st.kept_bytes) == (n, 64 * n, 64 * n)
     assert st.resident_bytes == st.peak_resident_bytes == 64 * n
@@ -83,20 +83,22 @@ def test_warn_once_is_once_across_threads(disk_dir: Path) -> None:
             time.sleep(0.05)  # widen the window between the check and the add
             return found
 
-    off._ledger._warned = SlowSet()
+    off.runtime.ledger._warned = SlowSet()
     import offloadd.runtime.accounting as mod
 
     real = mod.log.warning
     mod.log.warning = lambda msg, *a: logged.append(msg)  # type: ignore[method-assign]
     try:
-        pool = [threading.Thread(target=off._ledger.warn_once, args=("k", "m")) for _ in range(4)]
+        pool = [
+            threading.Thread(target=off.runtime.ledger.warn_once, args=("k", "m")) for _ in range(4)
+        ]
         for t in pool:
             t.start()
         for t in pool:
             t.join()
     finally:
         mod.log.warning = real  # type: ignore[method-assign]
-    off._ledger._warnings.clear()
+    off.runtime.ledger._warnings.clear()
     off.close()
     assert logged == ["m"]
 
@@ -112,7 +114,7 @@ class _FakeCopy:
 
     def done(self, *, wait: bool) -> bool:
         if wait:
-            if self.off._lock.locked():
+            if self.off.runtime.lock.locked():
                 self.waited_with_lock.append("done(wait=True)")
             self.complete = True
         else:
@@ -130,7 +132,7 @@ def test_copy_waits_are_made_without_the_lock(disk_dir: Path) -> None:
     SavePayload.seen.clear()
     with off:
         y = SavePayload.apply(x, payload)
-    block = next(iter(off._blocks))
+    block = next(iter(off.runtime.blocks))
     fake = _FakeCopy(off)
     block.copy_done = fake  # type: ignore[assignment]
     y.sum().backward()
@@ -139,17 +141,17 @@ def test_copy_waits_are_made_without_the_lock(disk_dir: Path) -> None:
     # freed while "copying": the chunks stay until a poll sees the copy complete
     with off:
         y = SavePayload.apply(x, payload)
-    block = next(iter(off._blocks))
+    block = next(iter(off.runtime.blocks))
     fake = _FakeCopy(off)
     block.copy_done = fake  # type: ignore[assignment]
     off.synchronize()
     del y
     gc.collect()
     off.stats()  # drains the release: the copy is still running
-    assert off._writer.awaiting_copy == [block]
-    while off._writer.awaiting_copy:
-        with off._lock:
-            off._writer.poll_copies()
+    assert off.runtime.writer.awaiting_copy == [block]
+    while off.runtime.writer.awaiting_copy:
+        with off.runtime.lock:
+            off.runtime.writer.poll_copies()
     assert fake.waited_with_lock == []
     assert all(c.slot is None and c.offset < 0 for c in block.chunks)
     off.close()
@@ -182,8 +184,8 @@ def test_finalizer_drains_copy_streams_before_freeing_pools(
         y = SavePayload.apply(x, torch.randn(1 << 16))
     y.sum().backward()
     off.synchronize()
-    assert off._writer.pools
-    off._ordering._streams[0] = _FakeStream(log)  # type: ignore[attr-defined]
+    assert off.runtime.writer.pools
+    off.runtime.ordering._streams[0] = _FakeStream(log)  # type: ignore[attr-defined]
     del off
     gc.collect()
     assert log[:2] == ["stream", "pool"], log

@@ -210,7 +210,7 @@ def test_a_copy_that_fails_leaves_no_chunk_marked_filling(disk_dir: Path) -> Non
     try:
         with pytest.warns(RuntimeWarning, match="offloading failed"):
             got = _run(off, None)
-        assert off._writer.filling == 0
+        assert off.runtime.writer.filling == 0
         st = off.stats()
     finally:
         off.close()

@@ -38,7 +38,7 @@ def test_round_trip_from_any_offset_in_a_page(nbytes: int, skew: int, disk_dir: 
     payload, keep = _payload(nbytes, skew, seed=nbytes + skew)
     expect = payload.clone()
     off = small_offloader(disk_dir, min_bytes=1)
-    assert off._writer.in_place is not None, "the embedded engines write in place"
+    assert off.runtime.writer.in_place is not None, "the embedded engines write in place"
     SavePayload.seen.clear()
     x = torch.ones(1, requires_grad=True)
     with off:
@@ -46,13 +46,15 @@ def test_round_trip_from_any_offset_in_a_page(nbytes: int, skew: int, disk_dir: 
     off.synchronize()
     st = off.stats()
     assert st.bytes_written >= nbytes and st.forwarded_bytes == 0
-    assert not any(isinstance(p, SlotPool) for p in off._writer.pools), "no staging copy"
+    assert not any(isinstance(p, SlotPool) for p in off.runtime.writer.pools), "no staging copy"
     y.sum().backward()
     assert torch.equal(SavePayload.seen[0], expect)
     after = off.stats()
     assert after.bytes_read >= nbytes
     if after.host_allocator == "caching" and nbytes >= MIN_BYTES:
-        assert off._reader.pool.created == 0  # read into a block of the host cache: [one pool]
+        assert (
+            off.runtime.reader.pool.created == 0
+        )  # read into a block of the host cache: [one pool]
         assert after.peak_resident_bytes >= nbytes
     else:
         assert after.peak_buffer_bytes >= nbytes  # the read buffer (and bounce pages) counted
@@ -135,7 +137,7 @@ def test_read_buffers_are_recycled_warm(disk_dir: Path) -> None:
         off.synchronize()  # all written: backward reads from the files
         loss.backward()
         gc.collect()
-        created.append(off._reader.pool.created)
+        created.append(off.runtime.reader.pool.created)
     assert off.stats().bytes_read > 0
     assert created[0] > 0 and created[-1] == created[1], created
     off.close()
@@ -213,7 +215,7 @@ def test_read_buffers_do_not_follow_the_heap_layout(disk_dir: Path) -> None:
         y.sum().backward()
         del y
         gc.collect()
-        created.append(off._reader.pool.created)
+        created.append(off.runtime.reader.pool.created)
     assert off.stats().bytes_read >= 5 * (64 << 10)
     assert created == [created[0]] * 4, created
     off.close()
@@ -269,7 +271,7 @@ def test_read_buffers_are_recycled_when_backward_jumps_between_sweeps(disk_dir: 
         y.backward()
         del y
         gc.collect()
-        created.append(off._reader.pool.created)
+        created.append(off.runtime.reader.pool.created)
     assert off.stats().bytes_read > 0
     assert created[1] > 0 and created[-1] == created[1], created
     off.close()

@@ -115,7 +115,7 @@ def held(t: torch.Tensor) -> torch.Tensor:
 class Audit:
     """Wraps the offloader's pack hook: classifies each saved tensor and what pack made of it.
 
-    Wraps the Offloader's private ``_hook_pair`` (the pair it installs at each ``__enter__``); the
+    Wraps the Offloader's ``runtime.hooks.pair`` (the pair it installs at each ``__enter__``); the
     wrapper returns pack's own result, so unpack and everything after it are offloadd's alone."""
 
     def __init__(self, off: offloadd.Offloader, model: nn.Module) -> None:
@@ -123,13 +123,14 @@ class Audit:
         self.counts: dict[str, int] = {}
         self.local_bytes: dict[str, int] = {}  # a DTensor's local shard, not its global size
         self.bad: list[str] = []
-        made = off._hook_pair
+        hooks = off.runtime.hooks
+        made = hooks.pair
 
-        def pair() -> tuple[Any, Any]:
-            pack, unpack = made()
+        def pair(owner: Any) -> tuple[Any, Any]:
+            pack, unpack = made(owner)
             return self._wrap(pack), unpack
 
-        off._hook_pair = pair  # type: ignore[method-assign]
+        hooks.pair = pair  # type: ignore[method-assign]
 
     def _param_storages(self) -> set[int]:
         """Storages behind the parameters the modules hold now: FSDP2's shards outside its

@@ -25,18 +25,17 @@ from offloadd.auto.solver import Plan
 from offloadd.codec.coder import Codec
 from offloadd.config import Config
 from offloadd.io.request import Engine
-from offloadd.runtime.accounting import Ledger
 from offloadd.runtime.ordering import Ordering
 from offloadd.runtime.runtime import Runtime
-from offloadd.runtime.stages import Stages
+from offloadd.runtime.stages import PlannerView, Stages
 from offloadd.runtime.stats import Stats
 
 __all__ = ["STAGES", "Offloader"]
 
 
-def _planner(cfg: Config, ledger: Ledger, tls: Any) -> AutoPlanner:
+def _planner(cfg: Config, view: PlannerView) -> AutoPlanner:
     assert cfg.budget is not None
-    return AutoPlanner(cfg.budget, offload=cfg.tier != "keep", ledger=ledger, tls=tls)
+    return AutoPlanner(cfg.budget, offload=cfg.tier != "keep", view=view)
 
 
 STAGES = Stages(planner=_planner, coder=Codec)

@@ -32,7 +32,6 @@ is final (more where a replan, a re-profile or another shape restarts the race).
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from typing import Any
@@ -49,9 +48,8 @@ from offloadd.auto.probe import CudaProbe, HostCacheProbe, MemoryProbe, open_pro
 from offloadd.auto.profile import HEAD, StepProfile, first_grad_tensor
 from offloadd.auto.race import PATIENCE, RACE_STEPS_MAX, RACE_STEPS_MIN, Race
 from offloadd.auto.solver import OFFLOAD, RECOMPUTE, Plan
-from offloadd.runtime.accounting import Ledger
 from offloadd.runtime.hook_stack import saves_reach_offloadd
-from offloadd.runtime.stats import Stats
+from offloadd.runtime.stages import PlannerView
 
 __all__ = ["WARMUP_STEPS", "WARMUP_STEPS_MAX", "AutoPlanner"]
 
@@ -70,10 +68,6 @@ def _in_backward() -> bool:
     return bool(torch._C._current_graph_task_id() != -1)
 
 
-def _io_wait(stats: Stats) -> float:
-    return stats.io_wait_s
-
-
 def _signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
     return tuple(
         (tuple(a.shape), a.dtype, a.device.type)
@@ -86,14 +80,13 @@ class AutoPlanner:
     """Keep / offload / recompute per block under ``budget`` (see [auto]).
 
     ``budget``: bytes (int) or a fraction of keep's footprint (float). ``offload``: whether the
-    tier can offload (False for tier keep). ``tls``: the offloader's thread-local, whose ``keep``
-    and ``tag`` this sets around each block, and whose ``stack`` says a scope is open."""
+    tier can offload (False for tier keep). ``view``: what it sees of the runtime and sets for
+    each block (:class:`~offloadd.runtime.stages.PlannerView`)."""
 
-    def __init__(self, budget: int | float, *, offload: bool, ledger: Ledger, tls: Any) -> None:
+    def __init__(self, budget: int | float, *, offload: bool, view: PlannerView) -> None:
         self.budget = budget
         self.offload = offload
-        self.ledger = ledger
-        self.tls = tls
+        self.view = view
         self.model = PlannedModel()  # planned.py
         self._grad_hooks = GradHooks()  # see [one hook per tensor] in grad_hooks.py
         self.shapes = ShapePlans(budget, offload)  # plans.py
@@ -146,10 +139,10 @@ class AutoPlanner:
             log.info("offloadd: budget: the model planned is gone; planning the next one")
         self.shapes.held = self.model.held
         sample = next(root.parameters(), None)
-        stats = self.ledger.stats  # not the planner: what a user's tensor holds must not keep it
-        self.probe = open_probe(sample, lambda: stats.buffer_bytes)
+        # the view's method, not the planner's: what a user's tensor holds must not keep it
+        self.probe = open_probe(sample, self.view.buffer_bytes)
         if not self.model.hook(root, self):
-            self.tls.keep = False
+            self.view.set_keep(False)
 
     def detach(self) -> None:
         self.model.unhook()
@@ -182,7 +175,7 @@ class AutoPlanner:
         )
 
     def _scope_open(self) -> bool:
-        return bool(getattr(self.tls, "stack", None))
+        return self.view.in_scope()
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -210,13 +203,10 @@ class AutoPlanner:
         self.plan = None
         self._first = True
         self._fwd_s = 0.0
-        with self.ledger.lock:
-            st = self.ledger.stats
-            self.ledger.window_peak = st.resident_bytes + st.buffer_bytes
-            self.ledger.kept_peak = self.ledger.kept_now
+        self.view.open_window()
         # Outside the blocks: kept (and before the model is known); without blocks: as usual.
-        self.tls.keep = self.root is None or bool(self.model.modules)
-        self.tls.tag = None
+        self.view.set_keep(self.root is None or bool(self.model.modules))
+        self.view.set_tag(None)
 
     def forward_ends(self) -> None:
         if self._recording and self._profile is not None:
@@ -245,10 +235,10 @@ class AutoPlanner:
             if k == 0:
                 self._mark_backward(args, kwargs)
         plan = self.plan
-        self.tls.keep = plan is not None and plan.decisions[k] != OFFLOAD
+        self.view.set_keep(plan is not None and plan.decisions[k] != OFFLOAD)
         if self._recording:
             assert self._profile is not None
-            self.tls.tag = k
+            self.view.set_tag(k)
             if args and isinstance(args[0], torch.Tensor) and args[0].is_cuda:
                 torch.cuda.synchronize()
             self._profile.block_begins(k, args, kwargs, module)
@@ -259,12 +249,12 @@ class AutoPlanner:
         if k is None or _in_backward() or not self._scope_open() or not torch.is_grad_enabled():
             return
         last = k == len(self.model.modules) - 1
-        self.tls.keep = True  # between blocks
-        self.tls.tag = None
+        self.view.set_keep(True)  # between blocks
+        self.view.set_tag(None)
         if last:  # what runs after the blocks: the plan's last unit (see [the plan])
             plan = self.plan
-            self.tls.keep = plan is not None and plan.decisions[k + 1] != OFFLOAD
-            self.tls.tag = k + 1 if self._recording else None
+            self.view.set_keep(plan is not None and plan.decisions[k + 1] != OFFLOAD)
+            self.view.set_tag(k + 1 if self._recording else None)
         start = self._fwd_start.pop(k, None)
         if self._recording:
             assert self._profile is not None
@@ -296,7 +286,7 @@ class AutoPlanner:
         self._profile = StepProfile(
             [*self.model.names, HEAD],
             sig,
-            functools.partial(_io_wait, self.ledger.stats),
+            self.view.io_wait_s,
             probe=self.probe,
             base_level=self._level0,
             hooks=self._grad_hooks,
@@ -376,8 +366,7 @@ class AutoPlanner:
 
     def _learn(self, prof: StepProfile) -> None:
         costs = prof.costs(kept=not self.offload)
-        with self.ledger.lock:
-            base, kept = self.ledger.window_peak, self.ledger.kept_peak
+        base, kept = self.view.window()
         self.shapes.measure = self.probe.name if self.probe is not None else None
         self._adopt(prof.signature, self.shapes.learn(prof.signature, costs, base, kept))
 
@@ -403,8 +392,7 @@ class AutoPlanner:
             return
         held: int | None = None
         if not self.shapes.costs[sig][0][0].measured:
-            with self.ledger.lock:
-                held = self.ledger.window_peak
+            held = self.view.window()[0]
         elif self._armed and self.probe is not None:  # measured from its start
             self._verify = False
             peak = self._step_peak if self._step_peak is not None else self.probe.peak()

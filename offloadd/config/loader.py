@@ -43,11 +43,19 @@ __all__ = [
 ENV_PREFIX = "OFFLOADD_"
 #: ``OFFLOADD_*`` variables that are not config keys but are read by other parts of offloadd.
 RESERVED_ENV = frozenset(
-    {"OFFLOADD", "OFFLOADD_CONFIG", "OFFLOADD_REPORT", "OFFLOADD_LOG", "OFFLOADD_MEMSAVE_KERNELS"}
+    {
+        "OFFLOADD",
+        "OFFLOADD_CONFIG",
+        "OFFLOADD_REPORT",
+        "OFFLOADD_LOG",
+        "OFFLOADD_MEMSAVE_KERNELS",
+        "OFFLOADD_TEST_DIR",
+    }
 )
 """Read elsewhere: the switch, the config file, the report and log destinations
-(:mod:`offloadd.integrations`), and memsave's kernels (:mod:`offloadd.memsave.kernels`, a
-process-wide switch for a diagnosis, not a setting of a run)."""
+(:mod:`offloadd.integrations`), memsave's kernels (:mod:`offloadd.memsave.kernels`, a
+process-wide switch for a diagnosis, not a setting of a run), and the test suite's directory
+(tests/conftest.py), which every Offloader built under it would otherwise refuse."""
 
 Flat = dict[str, tuple[object, str | None]]
 """Dotted key -> (the value as given, where it came from: a file, a variable; None: code)."""

@@ -39,13 +39,14 @@ from offloadd.runtime import compiled, evicted, host_allocator, transforms
 from offloadd.runtime.accounting import Ledger
 from offloadd.runtime.blocks import BlockMap
 from offloadd.runtime.dedup import StorageIndex
-from offloadd.runtime.hooks import Hooks, ThreadState
+from offloadd.runtime.hooks import Hooks
 from offloadd.runtime.lifetime import Lifetime
 from offloadd.runtime.ordering import CudaOrdering, Ordering
 from offloadd.runtime.reader import Reader
 from offloadd.runtime.shutdown import shutdown
-from offloadd.runtime.stages import Coder, Planner, Stages
+from offloadd.runtime.stages import Coder, Planner, PlannerView, Stages
 from offloadd.runtime.stats import Stats
+from offloadd.runtime.thread_state import ThreadState
 from offloadd.runtime.writer import Writer
 
 __all__ = ["Runtime"]
@@ -88,7 +89,7 @@ class Runtime:
         # With a budget: keep, offload or recompute per block (see [auto] in auto/planner.py).
         self.planner: Planner | None = None
         if cfg.budget is not None and stages.planner is not None:
-            self.planner = stages.planner(cfg, ledger, self.tls)
+            self.planner = stages.planner(cfg, PlannerView(ledger, self.tls))
             if self.writer.in_place is not None:  # see [room for writes]
                 self.writer.in_place.room = self.planner.write_room
         # Lossy codes of some saved activations, opt-in (see [codes through the tiers]).

@@ -22,6 +22,7 @@ from torch import nn
 from offloadd.config import Config
 from offloadd.runtime.accounting import Ledger
 from offloadd.runtime.stats import Stats
+from offloadd.runtime.thread_state import ThreadState
 
 __all__ = [
     "HELD_ELSEWHERE",
@@ -29,6 +30,7 @@ __all__ = [
     "CoderFactory",
     "Planner",
     "PlannerFactory",
+    "PlannerView",
     "Stages",
     "held_elsewhere",
 ]
@@ -44,11 +46,55 @@ def held_elsewhere(model: nn.Module | None) -> int:
     return int(held()) if held is not None else 0
 
 
-class Planner(Protocol):
-    """Keep, offload or recompute per block (see [auto] in auto/planner.py).
+class PlannerView:
+    """All a planner sees of the runtime and all it may set (see [auto] in auto/planner.py):
+    the marks the hooks read for the block running on this thread, whether a scope is open on
+    this thread, and the window of bytes held over a step. It holds no planner: what a user's
+    tensor holds through it (a probe's callable) keeps no planner alive."""
 
-    It sets ``keep`` and ``tag`` on the offloader's thread-local around each block it hooks, and
-    reads the ledger's counters and peaks under its lock."""
+    def __init__(self, ledger: Ledger, tls: ThreadState) -> None:
+        self._ledger = ledger
+        self._tls = tls
+
+    def set_keep(self, keep: bool) -> None:
+        """The block running on this thread keeps its saved tensors (its decision)."""
+        self._tls.keep = keep
+
+    def set_tag(self, tag: int | None) -> None:
+        """The new storages saved on this thread count for block ``tag`` (None: for none)."""
+        self._tls.tag = tag
+
+    def in_scope(self) -> bool:
+        """Whether one of the Offloader's scopes is open on this thread."""
+        return bool(self._tls.stack)
+
+    def open_window(self) -> None:
+        """Start the step's window: its peaks start from what is held now."""
+        ledger = self._ledger
+        with ledger.lock:
+            st = ledger.stats
+            ledger.window_peak = st.resident_bytes + st.buffer_bytes
+            ledger.kept_peak = ledger.kept_now
+
+    def window(self) -> tuple[int, int]:
+        """The most bytes held since :meth:`open_window` (resident and buffers), and of them
+        the most kept as saved."""
+        ledger = self._ledger
+        with ledger.lock:
+            return ledger.window_peak, ledger.kept_peak
+
+    def buffer_bytes(self) -> int:
+        """The bytes of offloadd's I/O buffers now."""
+        return self._ledger.stats.buffer_bytes
+
+    def io_wait_s(self) -> float:
+        """The seconds backward has waited for reads so far."""
+        return self._ledger.stats.io_wait_s
+
+
+class Planner(Protocol):
+    """Keep, offload or recompute per block (see [auto] in auto/planner.py), through the
+    :class:`PlannerView` it is made with."""
 
     @property
     def root(self) -> nn.Module | None:
@@ -89,8 +135,8 @@ class Planner(Protocol):
         warm-up step, or a budget of device memory)."""
 
 
-PlannerFactory = Callable[[Config, Ledger, Any], Planner]
-"""``(config, ledger, thread_local) -> Planner``, called when ``config.budget`` is set."""
+PlannerFactory = Callable[[Config, PlannerView], Planner]
+"""``(config, view) -> Planner``, called when ``config.budget`` is set."""
 
 
 class Coder(Protocol):

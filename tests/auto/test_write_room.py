@@ -5,7 +5,6 @@ without one, within ``staging_bytes`` (see [room for writes] in runtime/writer_i
 from __future__ import annotations
 
 import dataclasses
-import types
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,8 @@ from offloadd.auto.planner import AutoPlanner
 from offloadd.auto.probe import CudaProbe
 from offloadd.auto.solver import OFFLOAD, BlockCost, Plan
 from offloadd.runtime.accounting import Ledger
+from offloadd.runtime.stages import PlannerView
+from offloadd.runtime.thread_state import ThreadState
 from offloadd.tools.models.gpt import GPT, GPTConfig
 from tests._support.auto_train import train
 from tests._support.helpers import SlowEngine
@@ -134,7 +135,7 @@ def test_write_room_is_the_running_plans() -> None:
     """The room is the plan's budget less its predicted peak; none in a profile step; no bound
     in the warm-up step, nor where the budget is CUDA's memory, which the held CPU tensors are
     not."""
-    planner = AutoPlanner(64 * MiB, offload=True, ledger=Ledger(0), tls=types.SimpleNamespace())
+    planner = AutoPlanner(64 * MiB, offload=True, view=PlannerView(Ledger(0), ThreadState()))
     assert planner.write_room() is None  # warm-up
     planner._profile = object()  # type: ignore[assignment]
     assert planner.write_room() == 0  # a profile step: one chunk (see [room for writes])

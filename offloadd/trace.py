@@ -3,8 +3,9 @@
 :func:`span` is a ``record_function`` range while a profiler runs (``torch.profiler.profile``,
 ``torch.autograd.profiler.profile``; under ``torch.autograd.profiler.emit_nvtx()`` torch makes
 each an NVTX range, for Nsight Systems), and a shared no-op context otherwise: one C call to
-ask, about 0.1 us, on paths that already cost tens of microseconds (a tensor that moves, a wait,
-a read, a relayed group). The ranges (docs/troubleshooting.md shows how to read them):
+ask, a small fraction of what the paths it is on already cost (a tensor that moves, a wait,
+a read, a relayed group; docs/benchmarks/hooks_cpu-2core_2026-12-05.md). The ranges
+(docs/troubleshooting.md shows how to read them):
 
 ==========================  ==========================================================
 ``offloadd::pack``          pack of a tensor that may move (its block, dedup, the plan)

@@ -4,10 +4,10 @@
 // ~~~~~~~~~~~~~~~~~
 // With offloading on, a CPU training step allocates an activation, writes it out, frees it, and
 // allocates the next one. glibc serves those from its heap once its dynamic mmap threshold has
-// risen, and the heap fragments: about 4.5x what it holds stays resident (measured in
-// docs/benchmarks/fastpath_allocator_cpu-2core_2026-11-23.md). Handing the pages back instead
-// (a fixed mmap threshold, malloc_trim) makes every activation fault its pages in and zero them
-// again, 13-25 % of the step.
+// risen, and the heap fragments: several times what it holds stays resident. Handing the pages
+// back instead (a fixed mmap threshold, malloc_trim) makes every activation fault its pages in
+// and zero them again, a large share of the step. Both figures are in
+// docs/benchmarks/fastpath_allocator_cpu-2core_2026-11-23.md.
 //
 // This allocator keeps the pages warm and the footprint tight at once:
 //   * Allocations of at least `min_bytes` get a mapping of their own, rounded up to a size class

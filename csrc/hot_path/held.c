@@ -4,8 +4,9 @@
  * Most saved tensors are small: offloadd keeps them, and for each it must remember the version
  * counter (to raise PyTorch's in-place error at unpack) and count its bytes while autograd holds
  * it (the peak of saved activation memory). In Python that was an object with __slots__ and a
- * __del__ queueing its release, applied later under the lock: about 1 us per saved tensor, half
- * of what a no-op hook pair costs (offloadd bench hooks). Here a Held is made and freed in C and
+ * __del__ queueing its release, applied later under the lock, a cost of the same order as a
+ * no-op hook pair's (offloadd bench hooks; the figures are in
+ * docs/benchmarks/hooks_cpu-2core_2026-12-05.md). Here a Held is made and freed in C and
  * its bytes are added and taken off a Tally at once, under the GIL; the lock-holding paths read
  * the tally with Tally.take() (offloadd/runtime/held.py has the same in Python, used where this
  * library is not built, and says how the ledger applies it).

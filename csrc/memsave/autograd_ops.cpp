@@ -22,10 +22,11 @@
  * below autograd, then a Node with typed fields records the graph (set_history, or
  * rebase_history in place, with check_inplace and one version bump, as plain's relu_).  The
  * generic torch::autograd::Function costs more than the op itself on small tensors (a context
- * with a map of IValues, _wrap_outputs): measured at 14 us forward and 7 us backward per call,
- * against about 2 us here.  Backward behaves as torch's @once_differentiable: it computes under
- * no_grad, and with create_graph=True its results carry a DelayedError node, so a second
- * differentiation raises torch's own message (Note [double backward] in pointwise.py).
+ * with a map of IValues, _wrap_outputs), several times what these typed Nodes cost
+ * (docs/benchmarks/memsave_cppops_cpu-2core_2026-11-24.md).  Backward behaves as torch's
+ * @once_differentiable: it computes under no_grad, and with create_graph=True its results carry
+ * a DelayedError node, so a second differentiation raises torch's own message (Note [double
+ * backward] in pointwise.py).
  * Forward-mode AD is refused, as a Python autograd.Function without jvp refuses it.
  */
 #include "kernels.h"

@@ -2,7 +2,8 @@
 to profile it again (Note [auto] in planner.py).
 
 A shape's reference is the summed block forward time of its second planned step (the first warms
-caches to the plan's allocations: on small blocks it ran 4x slower than later ones). A planned
+caches to the plan's allocations, and on small blocks runs several times slower than later ones:
+docs/benchmarks/auto-paired_rok-models_cpu-2core_2026-11-27.md). A planned
 step off the reference by more than ``DRIFT`` either way, ``DRIFT_STEPS`` steps in a row, is
 drift. CPU only: on CUDA forward times are the host's, which runs ahead of the device.
 """

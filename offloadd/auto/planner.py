@@ -91,7 +91,7 @@ class AutoPlanner:
         self._grad_hooks = GradHooks()  # see [one hook per tensor] in grad_hooks.py
         self.shapes = ShapePlans(budget, offload)  # plans.py
         # Drift's reference: the block forward time of a shape's second planned step (the first
-        # warms caches to the plan's allocations: on small blocks it ran 4x slower than later ones)
+        # warms caches to the plan's allocations, so on small blocks it is the slowest: drift.py)
         self.drift = Drift()  # block forward times against each shape's planned ones
         self._warm: set[tuple[Any, ...]] = set()  # shapes whose warm-up forward ran
         self.plan: Plan | None = None  # of the forward running now (None: profiling or none)

@@ -1,10 +1,11 @@
 """Racing the plan against offloading every block, in real training steps.
 
 Note: [race] The profile prices an offloaded block at the I/O wait measured for it. That is not
-offloading's whole cost, nor always a cost at all: on a 2-core VM the disk traffic slows the
-compute around it (the hypervisor's steal rises), which no wait shows, and where the allocator
-keeps freed activations warm, offloading can make a step faster than keeping them (measured:
-auto's plan k3 o6 ran at 0.93x offloading every block, which also held less). So after
+offloading's whole cost, nor always a cost at all: on a virtual machine with few cores the disk
+traffic slows the compute around it (the hypervisor's steal rises), which no wait shows, and
+where the allocator keeps freed activations warm, offloading can make a step faster than keeping
+them (a plan that kept blocks has run slower than offloading every block, which also held less:
+docs/benchmarks/rok-race_hf-gpt2_cpu-2core_2026-11-26.md). So after
 the first plan for a shape, the planner races it against offloading every block (the leanest of
 the plans that offload; where it does not fit the budget, or is the plan, there is no race) over
 as many steps as it takes to tell them apart (below). A raced step is timed from its
@@ -19,9 +20,9 @@ log of B's two steps over A's. The first block is not counted: each plan's first
 for planning and for caches warming to its allocations. After ``MIN_BLOCKS`` counted blocks, and
 after each one more, the race looks at the 95 % interval of the mean of those figures (Student's
 t): offloading every block costs more than ``NOISE`` (the interval lies above it) or not (the
-interval lies below it), or the race runs another block, up to ``MAX_BLOCKS``. On this project's
-2-core VM steps of one process vary by a few per cent; three fixed steps a side (the race before
-this one) picked a plan 6-9 % slower than offloading every block.
+interval lies below it), or the race runs another block, up to ``MAX_BLOCKS``. Steps of one
+process vary by a few per cent on a shared virtual machine, so a fixed, small number of steps a
+side can pick the slower contender (docs/benchmarks/README.md#the-budget-planner).
 
 - Offloading every block within ``NOISE`` of the plan's time, or faster, or not shown slower by
   more than that in ``MAX_BLOCKS`` blocks: offloading is taken to cost nothing here, and of plans

@@ -13,8 +13,8 @@ thread) notes the torch function running at the outermost level (``linear``, ``s
 * it is not an argument the op needs exactly (``_EXACT_ARGS``: attention's q and k, from which
   backward recomputes the attention weights). This matches the argument itself: where sdpa
   falls back to its math backend (a mask that requires grad, a 3-D mask), it saves a scaled
-  copy of q, which has q's shape at a new address and is coded (measured at int4: q's gradient
-  6 % off and k's 13 %, the size of the error on the fused path),
+  copy of q, which has q's shape at a new address and is coded (an error of the same size as on
+  the fused path: docs/benchmarks/codec_error_cpu-2core_2026-11-24.md),
 * it does not have the shape of a mask the op takes (``_MASK_ARGS``: attention's ``attn_mask``),
   folded or not. A kernel may save what it derives from a mask, a new tensor of the mask's
   shape that backward needs exactly: sdpa turns a bool mask into a float one of 0 and -inf.
@@ -74,17 +74,18 @@ DEFAULT_OPS: Final[dict[str, str]] = {
     "layer_norm": (
         "saves its input (mean and rstd stay exact: other shapes); not with fp8: backward "
         "subtracts the exact mean from the decoded input, and fp8 keeps only 3 or 2 mantissa "
-        "bits of a value near a large common offset (N(0,1) + 50: 65 % off at e4m3, 167 % at "
-        "e5m2; int8 6 %, the integer codes are uniform across the group)"
+        "bits of a value near a large common offset, while the integer codes are uniform across "
+        "the group, so int8 errs far less (docs/benchmarks/codec_error_cpu-2core_2026-11-24.md)"
     ),
     "mul": "saves both operands; each gradient is grad times the other",
     "scaled_dot_product_attention": (
         "saves q, k, v, the mask and the output; only v and the output are coded, and only "
         "without dropout: backward recomputes the attention weights from q, k and the mask "
         "against the exact logsumexp, so a rounding of those would be exponentiated (q's "
-        "gradient 1.6 % off at int8 and 24 % at int4 with q and k coded); nothing of the mask's "
-        "shape is coded (a -inf turns its group into NaN; beside a large fill such as finfo.min "
-        "or -10000, a bias added to the mask rounds away)"
+        "gradient far off with q and k coded: "
+        "docs/benchmarks/codec_error_cpu-2core_2026-11-24.md); nothing of the mask's shape is "
+        "coded (a -inf turns its group into NaN; beside a large fill such as finfo.min or "
+        "-10000, a bias added to the mask rounds away)"
     ),
 }
 """The default allow list: torch function name -> why a rounded saved activation is safe."""

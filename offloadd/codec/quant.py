@@ -36,10 +36,10 @@ rounding, an install without the compiled kernels, or with kernels built from a 
 older than its ``VERSION`` 2, whose encode does not count the groups not finite) runs as the
 torch ops.
 
-The kernels run on the calling thread. They used to split the groups over torch's thread count
-of pthreads, which alone is faster, but inside a training step torch's OpenMP workers spin on
-the same cores between ops and the extra threads fought them: on the bench step model (2 cores)
-one thread took encode from 149 to 129 ms per step and decode from 92 to 43 ms.
+The kernels run on the calling thread. Splitting the groups over torch's thread count of
+pthreads is faster alone, but inside a training step torch's OpenMP workers spin on the same
+cores between ops and the extra threads fight them: one thread makes encode and decode faster per
+step (docs/benchmarks/codec_step_cpu-2core_2026-11-24_fused-fp8.md).
 """
 
 from __future__ import annotations

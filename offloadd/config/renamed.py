@@ -4,7 +4,7 @@ Note: [renamed keys]
 ~~~~~~~~~~~~~~~~~~~~
 :data:`RENAMED` maps each old key to the dotted key it became. The first release's
 ``daemon_socket`` (the socket of the daemon that does the I/O) became ``daemon.socket`` when the
-daemon's settings became the ``daemon`` section (eefab01). The codec's flat keys became the
+daemon's settings became the ``daemon`` section. The codec's flat keys became the
 ``codec`` section: ``codec`` (the codec's name) is ``codec.name``, ``codec_<key>`` is
 ``codec.<key>``. Every place a user gives keys reads the old names: keyword arguments
 (``Offloader(**kw)`` and ``Config.replace`` through :func:`move_renamed`, ``Config(...)``

@@ -2,11 +2,10 @@
 
 Note: [huge-page buffers] An O_DIRECT request pins its buffer's pages and hands the device one
 segment per physically contiguous run. From 4 KiB pages a 4 MiB request is up to 1024 segments;
-from 2 MiB huge pages it is 2. On the 2-core virtual machine of docs/benchmarks/
-native-io_cpu-2core_2026-11-23.md that doubled what the engines write per second (3.3 -> 6.6
-GB/s with 64 MiB requests) and more than doubled reads, with every engine and setting alike: the
-cost was per page, not per request in flight. Systems default to THP ``madvise`` (as that one
-does), so a buffer gets huge pages only when asked: :func:`advise_huge_pages` asks with
+from 2 MiB huge pages it is 2. Where the cost is per page, not per request in flight, huge pages
+multiply what the engines write and read per second, with every engine and setting alike
+(docs/benchmarks/native-io_cpu-2core_2026-11-23.md). Systems default to THP ``madvise``, so a
+buffer gets huge pages only when asked: :func:`advise_huge_pages` asks with
 ``MADV_HUGEPAGE`` (pages faulted from now on) and ``MADV_COLLAPSE`` (Linux >= 6.1: pages already
 there, copied into huge pages now). Either may be refused (THP ``never``, an old kernel, no
 free huge pages); the buffer then stays as it was, which is only slower.

@@ -1,9 +1,10 @@
 """Warm memory that offloadd recycles: read-back buffers and the bounce pages of zero-copy writes.
 
-Note: [warm buffers] A page touched for the first time costs a fault and a zeroing: on the
-machines we measured, memcpy into fresh pages runs at 0.3-1.5 GiB/s against 8-10 GiB/s into warm
-ones. A read-back buffer taken from the C heap is warm only if glibc kept the pages of what was
-freed, and trimming the heap (to make RSS drop) hands exactly those pages back. So read-backs
+Note: [warm buffers] A page touched for the first time costs a fault and a zeroing, so memcpy
+into fresh pages runs several times slower than into warm ones
+(docs/benchmarks/fastpath_allocator_cpu-2core_2026-11-23.md). A read-back buffer taken from the
+C heap is warm only if glibc kept the pages of what was freed, and trimming the heap (to make RSS
+drop) hands exactly those pages back. So read-backs
 land in buffers of offloadd's own, mapped and touched once, and recycled when autograd frees the
 tensors that view them: the heap then holds only the forward window, and nothing needs trimming.
 
@@ -21,20 +22,21 @@ boundary fit the 64 KiB class, the same tensor 16 bytes further did not, and the
 whenever the heap's layout changed). A class that two training steps in a row did not take is
 unmapped. Steps, not read-ahead sweeps: backward restarts its sweep whenever an unpack jumps
 above where the sweep began (a node unpacks its saved tensors in pack order, so once per layer
-in a transformer), and aged per sweep, classes were unmapped and mapped again within every
-step (HF GPT-2: 112 fresh buffers a step, 0.4 s of page faults, most of offloading's cost).
+in a transformer), and aged per sweep, classes would be unmapped and mapped again within every
+step, their page faults then most of offloading's cost
+(docs/benchmarks/steady_hf-gpt2_cpu-2core_2026-11-26.md).
 
 Note: [one pool] While offloadd's host cache is torch's CPU allocator (runtime/host_allocator.py),
 records (always in CPU memory) of the sizes it serves (``host_allocator.MIN_BYTES`` and more) are
 taken from the host cache instead (its blocks are page-aligned and warm too), and
 freed back to it. Two reserves of warm memory were one too many:
 in backward the host cache kept the blocks of the forward's activations, freed once written and
-sized like exactly the records being read back, while the read pool mapped 140 MiB more beside
-them. HF GPT-2 (steady_hf-gpt2 page): ssd's peak RSS above the model fell from 387 to 309 MiB,
-0.17 to 0.135 x plain's, with no blocks mapped after warm-up (the host cache's ``SLACK`` went from
-0.25 to 0.4 for that: at 0.25 the records' size classes did not fit beside the gradients', and
-backward mapped 1 GiB of fresh blocks a step). Elsewhere (glibc's heap, which tier ssd keeps
-where CUDA is available; small records) this pool serves them as above. A record from the host
+sized like exactly the records being read back, while the read pool mapped more beside them.
+One pool lowers ssd's peak RSS, with no blocks mapped after warm-up, provided the host cache's
+``SLACK`` leaves room for the records' size classes beside the gradients' (see ``SLACK`` in
+runtime/host_allocator.py; docs/benchmarks/steady-pool_hf-gpt2_cpu-2core_2026-11-26.md).
+Elsewhere (glibc's heap, which tier ssd keeps where CUDA is available; small records) this pool
+serves them as above. A record from the host
 cache is in no Stats field but ``resident_bytes`` while it holds a block; its memory is the host
 cache's (its live bytes, which the planner's probe reads).
 """

@@ -5,11 +5,12 @@ Note: [fully trainable]
 In a model whose parameters all require grad, selective saving has nothing to leave out: Conv and
 BatchNorm with a trainable weight need their input and run plain PyTorch's forward anyway, and a
 ReLU's output is saved by the trainable layer after it whatever the ReLU keeps, so a bit mask
-there adds bytes and memory passes instead of removing any (measured on ResNet-101: 0.975x the
-saved bytes at 1.04x the step time). So :func:`~offloadd.memsave.memsave` puts a :class:`Gate` on
-the model: a forward pre-hook that, at every forward of the model, notes whether any of its
-parameters is frozen (or it has none: a lone ReLU on an input that requires grad), and the ReLU,
-LeakyReLU, Dropout and MaxPool replacements run plain PyTorch's forward while it is off. A fully
+there adds bytes and memory passes instead of removing any (ResNet-101 fully trainable:
+docs/benchmarks/memsave_cpu-2core_2026-11-24.md). So :func:`~offloadd.memsave.memsave` puts a
+:class:`Gate` on the model: a forward pre-hook that, at every forward of the model, notes
+whether any of its parameters is frozen (or it has none: a lone ReLU on an input that requires
+grad), and the ReLU, LeakyReLU, Dropout and MaxPool replacements run plain PyTorch's forward
+while it is off. A fully
 trainable model then runs exactly as without memsave (same saved tensors, same speed); freezing a
 parameter switches the masks on at the next forward.
 """

@@ -17,16 +17,16 @@ Note: [C++ functions]
 ~~~~~~~~~~~~~~~~~~~~~
 A Python ``autograd.Function`` costs tens of microseconds per call beyond the op it wraps: its
 context is built in Python, and backward has the engine take the GIL to call back into Python.
-A ResNet-101 step has 104 frozen convolutions and 100 ReLUs: measured at 64 px, batch 2, memsave
-took 12 ms more than plain in forward and 13 ms more in backward (of 76 and 63 ms). So the ReLU
-that keeps bits and the selective convolution are also C++ ops (csrc/memsave/autograd_ops.cpp),
+A ResNet-101 step has 104 frozen convolutions and 100 ReLUs, so at small images those calls are
+a visible share of memsave's step over plain's. So the ReLU that keeps bits and the selective
+convolution are also C++ ops (csrc/memsave/autograd_ops.cpp),
 registered as ``torch.ops.offloadd_memsave.*`` when the library loads, and written as PyTorch's
 generated autograd kernels are: a typed backward Node, ``set_history`` (``rebase_history`` in
-place). (``torch::autograd::Function``, tried first, spent 14 us forward and 7 us backward per
-call in its generic context.) They run the same forward, save the same tensors (offloadd's hooks
-see them), call the same backward ops on the same arguments and behave as
-``once_differentiable``. Per call on a tiny tensor: the ReLU 3.4 us (torch's relu: 3.0), the
-convolution 12.9 us (``F.conv2d``: 7.5); at 64 px, batch 2, backward is now 2 ms over plain.
+place), because ``torch::autograd::Function`` costs more per call in its generic context. They
+run the same forward, save the same tensors (offloadd's hooks see them), call the same backward
+ops on the same arguments and behave as ``once_differentiable``; per call they cost little more
+than torch's own ops (the figures, before and after:
+docs/benchmarks/memsave_cppops_cpu-2core_2026-11-24.md).
 :func:`~offloadd.memsave.pointwise.relu_bits` and :func:`~offloadd.memsave.conv.conv_selective`
 call them when :func:`native` serves and their Python functions otherwise, so the tests compare
 both paths with plain PyTorch. The rest (LeakyReLU, Dropout, MaxPool, BatchNorm and the norms)

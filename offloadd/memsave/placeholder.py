@@ -14,12 +14,12 @@ stand-in, made in backward and dropped right after the call:
   ``suggest_memory_format`` reads as contiguous, the layout PyTorch picks for a contiguous input.
 - :func:`uninitialised`, for ``convolution_backward``: a contiguous tensor that is never written
   or read. ``convolution_backward`` hands every backend ``input.contiguous(memory_format)``,
-  which turns an expanded placeholder into a full copy of the input's size (10 ms of a 35 ms
-  backward for an 8x256x56x56 float32 input on this project's machine: 0.3x the convolution's
-  own backward, at every frozen convolution). An uninitialised tensor is already contiguous:
-  it costs an allocation, and on the CPU not even its pages (nothing touches them). On a GPU it
-  takes the input's bytes from the caching allocator for the duration of the call, which the
-  backend's copy would have taken too.
+  which turns an expanded placeholder into a full copy of the input's size, a sizeable share of
+  the convolution's own backward at every frozen convolution
+  (docs/benchmarks/memsave_kernels_cpu-2core_2026-11-24.md). An uninitialised tensor is already
+  contiguous: it costs an allocation, and on the CPU not even its pages (nothing touches them).
+  On a GPU it takes the input's bytes from the caching allocator for the duration of the call,
+  which the backend's copy would have taken too.
 
 Callers use them only for inputs that are contiguous, so the backward runs the same kernel as
 plain PyTorch's and returns the same bits (the tests compare them).

@@ -13,15 +13,16 @@ Note: [relu mask]
 ~~~~~~~~~~~~~~~~~
 The mask is ``result.bool()``, not ``~(result <= 0)``: a ReLU's result is never below zero, so
 the two agree on every value (positive: true; +0.0 and -0.0: false; NaN: true, as ``NaN <= 0``
-is false), and on CPU the cast is vectorised where a comparison that yields bool is not (about
-5x faster on a 1M-element float32 tensor on this project's machine).
+is false), and on CPU the cast is vectorised where a comparison that yields bool is not (several
+times faster: docs/benchmarks/memsave_cpu-2core_2026-11-24.md).
 
 Note: [fused relu]
 ~~~~~~~~~~~~~~~~~~
 The mask above, in torch ops, costs five passes over memory in forward (the cast, the packing)
 and four in backward (unpacking, the conversion to the gradient's dtype), where plain's ReLU
-makes one each way (part of the 1.09-1.12x plain's step time that memsave first measured for
-ResNet-101 with frozen convolutions). On contiguous float32 CPU tensors, memsave's kernels
+makes one each way (part of memsave's first step-time overhead on ResNet-101 with frozen
+convolutions: docs/benchmarks/memsave_cpu-2core_2026-11-24.md). On contiguous float32 CPU
+tensors, memsave's kernels
 (:mod:`offloadd.memsave.kernels`, csrc/memsave/kernels.cpp) compute the ReLU and its bits in the one pass plain makes (torch's own
 ``max(0, x)`` instruction, so NaN payloads and -0.0 come out as torch's) and backward's
 ``result <= 0 ? 0 : grad`` from the bits in one pass; bfloat16 gets the bits in one pass and

@@ -10,7 +10,8 @@ input's shape (Note [placeholder]): bitwise plain's gradient. Padding, dilation,
 and any stride are handled (the window of an output position starts at
 ``o * stride - padding``). On contiguous indices memsave's kernels (:mod:`offloadd.memsave.kernels`)
 do this arithmetic in one pass each way; the torch ops below (several passes of int64 division,
-about 4x slower on ResNet's stem pool) serve where the kernels cannot.
+several times slower: docs/benchmarks/memsave_kernels_cpu-2core_2026-11-24.md) serve where the
+kernels cannot.
 
 Left to plain PyTorch: ``return_indices=True`` (the caller holds the int64 indices anyway),
 unbatched inputs, inputs that are not contiguous, and devices other than the CPU.

@@ -141,10 +141,11 @@ class Saved:
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
     # Each group's forward pushes a pack and unpack pair that passes every tensor but the
     # group's weights to the hooks below it. The pair is made once for those hooks and kept
-    # until the model's forward ends (a closure and two wrappers a group cost ~10 us); a group
-    # run under other hooks (an Offloader opened inside the forward) gets a pair of its own. It
-    # is not kept past the forward (nor made for one outside it: a layer recomputed in
-    # backward), which would keep the hooks below alive, and what they hold, after their scope.
+    # until the model's forward ends (a closure and two wrappers a group are a cost of their own,
+    # docs/benchmarks/hooks-round2_cpu-2core_2026-12-05.md); a group run under other hooks (an
+    # Offloader opened inside the forward) gets a pair of its own. It is not kept past the
+    # forward (nor made for one outside it: a layer recomputed in backward), which would keep
+    # the hooks below alive, and what they hold, after their scope.
     def hooks(self) -> tuple[Any, Any]:
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         outer_pack, outer_unpack = top if top is not None else (None, None)

@@ -114,8 +114,9 @@ class Slabs:
             mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         view = memoryview(mm)
         slab = torch.frombuffer(view, dtype=torch.uint8)
-        # a weak reference's callback, not a weakref.finalize (a third of its cost): the view
-        # dies with the slab's storage, and the callback gives the slab back
+        # a weak reference's callback, not a weakref.finalize (which costs more: see
+        # docs/benchmarks/hooks-round2_cpu-2core_2026-12-05.md): the view dies with the slab's
+        # storage, and the callback gives the slab back
         ref = weakref.ref(view, self._back)
         self._out[id(ref)] = (ref, mm, size, slab.data_ptr())
         return slab

@@ -66,8 +66,9 @@ class Transfer:
         self.pending = pending
         self.hint = hint  # who does the I/O, for a long wait's warning (StallWatch)
         self.error: BaseException | None = None
-        # held until the last request lands (a lock is a third of an Event's cost to make and
-        # to wait on); none for a transfer done already (a copy made on the spot)
+        # held until the last request lands (a lock is cheaper than an Event to make and to
+        # wait on: docs/benchmarks/hooks-round2_cpu-2core_2026-12-05.md); none for a transfer
+        # done already (a copy made on the spot)
         self.done: threading.Lock | None = None
         if pending:
             self.done = threading.Lock()
@@ -360,7 +361,8 @@ class HostStore:
         held: torch.Tensor = record.places[0]  # type: ignore[assignment]
         if device is None or device.type != "cuda":
             slab = slabs.take(record.nbytes)
-            # both contiguous bytes on the host: a memmove is a tenth of copy_'s cost at 64 KiB
+            # both contiguous bytes on the host: a memmove costs far less than copy_ at a
+            # group's size (docs/benchmarks/hooks-round2_cpu-2core_2026-12-05.md)
             ctypes.memmove(slab.data_ptr(), held.data_ptr(), held.numel())
             return Transfer(record, slab, 0)
         o = self._ordering

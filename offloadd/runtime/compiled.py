@@ -8,7 +8,8 @@ then). But the region runs with dynamo's frame callback installed, so the hook's
 caught and traced like user code: dynamo then meets ``t.nbytes`` on a symbolic size, or builds
 handles whose ``__init__`` it half ran. Every hook offloadd gives torch therefore runs with the
 callback off (``unseen``), as ``torch.compiler.disable`` does, but through the C entry point, so
-that a user who never compiles does not import dynamo (1.7 s here) and each call costs ~0.2 µs.
+that a user who never compiles does not pay for importing dynamo and each call costs next to
+nothing (docs/benchmarks/hooks_cpu-2core_2026-12-05.md).
 
 offloadd's common pack and unpack are C callables (``offloadd.runtime._held``): they have no
 Python frame for dynamo to catch, and pass anything but a small tensor kept as it is to the
@@ -107,18 +108,19 @@ def _traced_types() -> tuple[type, ...]:
 # inductor pass empties each saved activation inside the graph once read and its backward reads
 # it back (Note [emptied in the graph] in graph_ops.py), bit-exact.
 #
-# Splitting a whole-model compile at its blocks (a graph break after each block) was tried
-# first and removed: inductor fuses across the block boundaries of the whole graph, so the split
-# model's gradients differed in the last bits from the model compiled whole (head.bias by
-# 9.3e-9 on a 6-block MLP), which is what the user gets without offloadd.
+# A whole-model compile is not split at its blocks (a graph break after each block): inductor
+# fuses across the block boundaries of the whole graph, so the split model's gradients differ in
+# the last bits from the model compiled whole, which is what the user gets without offloadd
+# (docs/benchmarks/compile-evict_cpu-2core_2026-11-25.md).
 
 # -- no module hook ----------------------------------------------------------------------------
 #
 # Note [no module hook]
 # ~~~~~~~~~~~~~~~~~~~~~
 # An Offloader needs three things from the modules called in its scope, and takes each without
-# a global module hook (one costs ~1 us on every module call, and makes ``torch.compile(model)``
-# warn for every user that global hooks fire an extra time):
+# a global module hook (one adds a cost to every module call, docs/benchmarks/
+# hooks_cpu-2core_2026-12-05.md, and makes ``torch.compile(model)`` warn for every user that
+# global hooks fire an extra time):
 #
 # - the storages of parameters and buffers, which are never moved: a parameter or a view of one
 #   is told by its type alone; a buffer or another plain alias of a module's storage is looked up

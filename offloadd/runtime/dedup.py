@@ -39,7 +39,8 @@ def is_parameter(t: torch.Tensor) -> bool:
         return True
     if tp is _Tensor and not t.__dict__:
         # A plain tensor without attributes cannot pass Parameter's isinstance (which looks for
-        # ``_is_param``, raising inside getattr: 1 µs per saved tensor); its base still may.
+        # ``_is_param``, raising inside getattr: a cost per saved tensor, see
+        # docs/benchmarks/hooks_cpu-2core_2026-12-05.md); its base still may.
         base = t._base
         return base is not None and (type(base) is _Parameter or isinstance(base, _Parameter))
     return isinstance(t, _Parameter) or isinstance(t._base, _Parameter)
@@ -138,7 +139,8 @@ class StorageIndex:
         read with torch functions off: a torch function mode may be on (the codec's
         ``OpScope``, a user's), and each read would be a call of it in Python. A storage in
         ``known`` keeps its weak reference: it pins the address (see [dedup identity]), so an
-        equal address is that same storage, and a new reference costs 0.5 us a tensor."""
+        equal address is that same storage, and the cost of a new reference per tensor is saved
+        (docs/benchmarks/hooks_cpu-2core_2026-12-05.md)."""
         params = self._params
         first: tuple[torch.nn.Module, str, str, int] | None = None
         last: tuple[torch.nn.Module, str, str, int] | None = None

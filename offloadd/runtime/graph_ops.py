@@ -35,13 +35,13 @@ it); ``fetch`` stands in for a graph input with a buffer of the same layout. The
 saved-tensor hooks inlined by AOTAutograd, changed what the graph returns, and inductor fused
 one loop differently (one ulp on ``(h.t().contiguous().t() * h[:, ::2].sin().repeat(1,
 2)).cos().sum()``, now a test). Not by construction, though: the scheduler may still group
-kernels differently around an ``evict`` (a review saw one fused kernel become two on a
-``bmm`` model, with identical results). Every model tried is bit-identical (tests/runtime/test_compile.py
+kernels differently around an ``evict`` (one fused kernel has become two on a ``bmm`` model,
+with identical results). Every model tried is bit-identical (tests/runtime/test_compile.py
 and the sweep in docs/benchmarks/compile-evict_cpu-2core_2026-11-25.md); ``compile_ops=false``
 is the switch for a model that is not.
 
 Limits: only CPU tensors are emptied (a CUDA copy out is asynchronous, and freeing its source
-needs stream ordering that has never run on a GPU here; such regions hold their saved tensors
+needs stream ordering that no run on a GPU has tried yet; such regions hold their saved tensors
 to the end of forward, as without this); not with CUDA graphs, whose memory is theirs. A graph
 compiled before its model was called in a scope has no ops (exact; streams as a region), and
 one compiled with them and run without offloadd copies each saved tensor in backward. The pass
@@ -65,7 +65,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 try:
     from torch._inductor.custom_graph_pass import get_custom_graph_passes
-except ImportError:  # torch < 2.12: inductor runs one post-grad pass (torch 2.11 on a GPU here)
+except ImportError:  # torch < 2.12: inductor runs one post-grad pass
     get_custom_graph_passes = None  # type: ignore[assignment]
 
 from offloadd.runtime import evicted, graph_records
@@ -167,7 +167,7 @@ class Placement(CustomGraphPass):
     def uuid(self) -> Any:
         # A cached graph is placed by this code; a backward's fetches also depend on what its
         # forward's pass gave an evict (forward-only facts: user outputs, views), so that
-        # record is part of its key (a review find: a cached backward lacked a fetch). A
+        # record is part of its key (without it, a cached backward lacked a fetch). A
         # forward is keyed before its pass runs: no record yet.
         files = (__file__, graph_records.__file__)
         return (get_hash_for_files(files), graph_records.recorded())
@@ -281,8 +281,8 @@ def _realizes_inputs(node: torch.fx.Node) -> bool:
     """Whether inductor certainly reads ``node``'s inputs from buffers: an op it has no
     lowering for or falls back on (a ``FallbackKernel`` realizes every input). Not
     ``lowering.needs_realized_inputs``: some of its ops (pooling, upsampling) only hint, and a
-    one-read pointwise input is then inlined (a review's reproducer, now a test, read emptied
-    bytes that way); not the matmuls either: a ``bmm`` with a dimension of 1 is lowered as a
+    one-read pointwise input is then inlined (a reproducer, now a test, read emptied bytes that
+    way); not the matmuls either: a ``bmm`` with a dimension of 1 is lowered as a
     multiply and a sum, which inline their input."""
     from torch._inductor import lowering
 
@@ -329,7 +329,7 @@ def _reach(node: torch.fx.Node, follow: Any) -> set[torch.fx.Node]:
 # * a node the graph returns is realized as soon as it is lowered (``GraphLowering.run_node``;
 #   one without reads, a constant, may wait, but reads nothing);
 # * a node whose every user is a fallback kernel is read from a buffer by all of them (not so
-#   for ops that only hint: pooling inlined a ``t * 2`` after evict, a review's crash);
+#   for ops that only hint: pooling inlined a ``t * 2`` after evict, a crash);
 # * a view is ``t``'s own storage: the walk goes through it (and ``t`` is never emptied if the
 #   graph returns a view of it).
 # So the nodes whose kernels may read ``t`` are those reached from its readers without passing
@@ -355,8 +355,8 @@ class _Both(CustomGraphPass):
 
     def uuid(self) -> Any:
         # No key (None: inductor does not cache) unless the first pass has one: a pass that
-        # declines caching keeps declining it (a review's find: a key made of its None served
-        # a stale graph once it changed what it does).
+        # declines caching keeps declining it (a key made of its None served a stale graph once
+        # it changed what it does).
         first = self.first.uuid() if isinstance(self.first, CustomGraphPass) else None
         return (first, _PASS.uuid()) if first else None
 

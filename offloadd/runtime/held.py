@@ -19,8 +19,9 @@ pins with a weak reference (a Held's tensor may leave that storage, ``x.data = y
 it; no new storage takes the address while the entry lives). Nothing moves, so no version or root enters
 the key (compare [dedup identity] in dedup.py, for bytes that leave and come back).
 
-The library built from csrc/hot_path/held.c does this in C (about 0.1 us per tensor); where it
-is not built, the classes below do the same in Python (about 1 us).
+The library built from csrc/hot_path/held.c does this in C, several times faster per tensor; where
+it is not built, the classes below do the same in Python
+(docs/benchmarks/hooks_cpu-2core_2026-12-05.md).
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 csrc/host_allocator/host_allocator.cpp), installed while an Offloader needs it.
 
 Why it exists: on CPU, offloading frees each activation soon after it is made. glibc's heap then
-fragments and keeps about 4.5x what it holds resident, and every way of trimming it makes the next
-activations fault their pages in again (docs/benchmarks/fastpath_allocator_cpu-2core_2026-11-23.md).
+fragments and keeps several times what it holds resident, and every way of trimming it makes the
+next activations fault their pages in again
+(docs/benchmarks/fastpath_allocator_cpu-2core_2026-11-23.md).
 The host cache recycles freed blocks by size class, warm, and caps what it keeps at what was live.
 
 How it is built: by offloadd's install, against the torch installed then, as the extension module
@@ -56,14 +57,15 @@ FLOOR_BYTES = 64 << 20
 """The cache may always keep this much, however little is live."""
 SLACK = 0.4
 """Live plus cached bytes stay within (1 + SLACK) x the most bytes ever live at once. A bound, not
-a reserve: blocks are cached only as the size classes in use at once need them. At 0.25, tier
-ssd's read-back records (see [one pool] in io/pools.py) made HF GPT-2's backward evict and map
-1 GiB of blocks a step; at 0.4 none, at the same peak."""
+a reserve: blocks are cached only as the size classes in use at once need them. A smaller slack
+left no room for tier ssd's read-back records (see [one pool] in io/pools.py) beside the
+gradients, and HF GPT-2's backward evicted and mapped blocks every step; at 0.4 none, at the same
+peak (docs/benchmarks/steady-pool_hf-gpt2_cpu-2core_2026-11-26.md)."""
 
 HUGE_PAGES = True
-"""Blocks of 2 MiB and more are aligned to huge pages and advised to use them: on the machine of
-docs/benchmarks/ the built-in GPT's ssd step ran 3 % faster from the second step on (the first,
-which faults the blocks in, 8 % slower), at the same RSS."""
+"""Blocks of 2 MiB and more are aligned to huge pages and advised to use them: the built-in GPT's
+ssd step runs faster from the second step on, at the same RSS, while the first, which faults the
+blocks in, is slower (docs/benchmarks/fastpath_allocator_cpu-2core_2026-11-23.md)."""
 
 EXTENSION = "offloadd.runtime._host_cache"
 """The extension module that holds the host cache (built by offloadd's install)."""

@@ -39,7 +39,7 @@ class Lifetime:
             self.ledger.warn_once(
                 "held",
                 "offloadd: offloadd.runtime._held is not built: the saved-tensor hooks run in "
-                "Python, about 2 us more per saved tensor (docs/native.md)",
+                "Python, slower per saved tensor (docs/native.md)",
             )
         self.captures = CaptureQueue()  # packed, not yet captured (see capture.py)
         self.closed = False

@@ -14,8 +14,8 @@ GB moved: the process's CPU time for the engines (every thread), fio's own usr+s
 
 The engines' buffers are backed by huge pages, as offloadd's staging slots are (see
 [huge-page buffers] in offloadd/io/hugepages.py); fio's are not (it cannot ask for them), which
-on a virtual disk is worth up to 2x. ``--small-pages`` measures the engines on 4 KiB pages, like
-for like with fio.
+on a virtual disk is worth a large factor (docs/benchmarks/native-io_cpu-2core_2026-11-23.md).
+``--small-pages`` measures the engines on 4 KiB pages, like for like with fio.
 
 ``--gil`` adds the mode that made csrc/ necessary: the same engine runs while the main thread
 spins in a pure-Python loop (holding the GIL, as a training loop does), and the ratio to its

@@ -6,14 +6,15 @@ numjobs {1, 4}, O_DIRECT) in which the benchmark looks for the device's practica
 Note: [fio's wall span] fio's own bandwidth with ``--group_reporting`` is the bytes of all jobs
 divided by the *longest single job's* run time. Its jobs are processes that start together but
 need the CPU to submit (pinning the pages of a 64 MiB O_DIRECT request is real work), so on a
-2-core machine 4 jobs of a few large requests run largely one after another: each job's run
-time is short and the group figure adds them up as if they had overlapped (measured: 9.5-12.3
-GB/s reported where the wall span from the first request issued to the last completed gave
-3.2-3.5 GB/s). The engines are timed from the first submission to the last completion, so fio
-is timed the same way: every request's completion time and latency come from fio's latency log
+machine with fewer cores than jobs, jobs of a few large requests run largely one after another:
+each job's run time is short, and the group figure, which adds them up as if they had
+overlapped, comes out several times what the wall span from the first request issued to the last
+completed gives (docs/benchmarks/native-io_cpu-2core_2026-11-23.md). The engines are timed from
+the first submission to the last completion, so fio is timed the same way: every request's
+completion time and latency come from fio's latency log
 (``--write_lat_log`` with epoch time stamps), and the span runs from the earliest issue
 (completion minus latency) to the latest completion. The log's time stamps are whole
-milliseconds, so a span is known to about 1 ms. fio's own figure is kept as ``reported_s``.
+milliseconds, so a span is known to the millisecond. fio's own figure is kept as ``reported_s``.
 """
 
 from __future__ import annotations

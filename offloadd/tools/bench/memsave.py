@@ -25,14 +25,14 @@ noise and bias, to read the others against. Example (the docs/benchmarks run):
 
 Note: [page faults]
 ~~~~~~~~~~~~~~~~~~~
-On the development VM, a step's time depends as much on page faults as on the work: glibc gives
-large freed blocks back to the kernel, and the next allocation of that memory faults every page
-in again (zeroed by the kernel: about as dear as writing it twice, more under a hypervisor).
+On a virtual machine, a step's time can depend as much on page faults as on the work: glibc
+gives large freed blocks back to the kernel, and the next allocation of that memory faults every
+page in again (zeroed by the kernel: about as dear as writing it twice, more under a hypervisor).
 Which steps fault, and how much, depends on the order of allocations and frees, so it differs by
-configuration and from run to run (one run: plain 18,769 faults per step, memsave 0, memsave with
-its ReLU outputs held as plain holds them 126,068, and step times following the faults). The
-report gives the median faults per step next to each time. ``--keep-freed-memory`` sets glibc's
-thresholds so that freed memory stays in the process (``keep_freed_memory``): after warm-up no
+configuration and from run to run, and step times follow the faults
+(docs/benchmarks/memsave_kernels_cpu-2core_2026-11-24.md). The report gives the median faults
+per step next to each time. ``--keep-freed-memory`` sets glibc's thresholds so that freed memory
+stays in the process (``keep_freed_memory``): after warm-up no
 configuration faults, and the times compare the work alone.
 """
 

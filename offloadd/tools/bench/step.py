@@ -218,7 +218,7 @@ def hook_cost_us(ops: int = 5000, pairs: int = 15) -> dict[str, float]:
     """Microseconds added per saved small tensor (pack + unpack + release), over identity hooks.
 
     Runs alternate (identity, offloadd) ``pairs`` times; the minimum of each is compared, which
-    filters out the noise of a shared 2-core machine."""
+    filters out the noise of a shared machine with few cores."""
     x = torch.randn(16, requires_grad=True)
     off = Offloader(tier="keep")
     identity = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)

@@ -196,8 +196,9 @@ def auto_budget(
     once more with offloadd's budget smaller by the excess and ``RETRY_MARGIN`` of ``B`` (its plan
     then says "2nd try"); still over, it is shown so. The margin: a plan that fills its budget
     lands on ``B`` give or take what RSS moves between runs (a second try smaller by the excess
-    alone, 0.4 MB, still went 1.001x over: the race's steps of a plan that keeps blocks count in
-    the run's peak). Returns (B or None, offloadd's budget or None, why not).
+    alone still went over: the race's steps of a plan that keeps blocks count in the run's peak;
+    docs/benchmarks/rok-race_mini-gpt_b1-b8_cpu-2core_2026-11-26.md). Returns (B or None,
+    offloadd's budget or None, why not).
     """
 
     def latest(strategy: str) -> dict[str, Any] | None:

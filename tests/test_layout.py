@@ -16,6 +16,9 @@ docs/architecture.md row for row, and the tests hold all three to each other:
 The subcommands of ``offloadd`` (``cli._COMMANDS``) and the package root's public names
 (``offloadd._HOMES``) are imported by name on first use; their tables count as imports.
 
+The experiments of ``scripts/`` (scripts/README.md) stand outside the package: they may import
+offloadd, and no module of the distribution imports them, read the same way.
+
 ``offloadd.tools`` (demo, plan, bench/, rok/, doctor/, harness/, models/) is built on offloadd and
 nothing imports it
 but the tools and ``offloadd.cli``: checked statically (the table) and by running (a fresh
@@ -523,6 +526,63 @@ def test_every_room_has_modules(imports: list[Import]) -> None:
     empty = set(ROOMS) - {room_of(m) for m in modules}
     assert not empty, f"rooms with no module: {sorted(empty)}"
     assert any(imp.type_only for imp in imports), "no TYPE_CHECKING import seen: reader broken?"
+
+
+# -- the lab stays outside ------------------------------------------------------------------
+
+LAB = "scripts"
+"""The experiments beside the package (scripts/README.md): they import offloadd, never the
+reverse, so that the package installs and runs without them."""
+
+
+def lab_imports(
+    path: Path, source: str | None = None, modules: set[str] | None = None
+) -> list[Import]:
+    """Every import of :data:`LAB` or a module in it by the file at ``path``, read as
+    :func:`read_imports` reads the package's own: wherever it stands, ``TYPE_CHECKING`` blocks
+    included (the type checker, run on the package alone, would not find the lab either)."""
+    modules = (known_modules() if modules is None else modules) | {LAB}
+    return [imp for imp in read_imports(path, source, modules) if under(imp.target, LAB)]
+
+
+def test_the_package_never_imports_the_lab() -> None:
+    modules = known_modules()
+    found = [
+        f"{imp.where()}: `{imp.text}`"
+        for path in source_files()
+        for imp in lab_imports(path, modules=modules)
+    ]
+    assert not found, (
+        "the package imports scripts/ (scripts may import offloadd; offloadd never imports "
+        "scripts: move what both need into offloadd):\n" + "\n".join(found)
+    )
+
+
+_LAB_SAMPLE = """
+import scripts
+import scripts.bench_compile as bench
+from scripts import io_floor
+from scripts.codec_error.common import SEED
+from offloadd.config import Config
+import scripts_elsewhere
+if TYPE_CHECKING:
+    from scripts.long_run import Row
+
+def later():
+    return importlib.import_module("scripts.relay_cost")
+"""
+
+
+def test_lab_reader_sees_every_form_of_import() -> None:
+    found = lab_imports(PACKAGE / "tools" / "sample.py", _LAB_SAMPLE, {"offloadd.config"})
+    assert [(i.line, i.target, i.type_only) for i in found] == [
+        (2, "scripts", False),
+        (3, "scripts.bench_compile", False),
+        (4, "scripts", False),
+        (5, "scripts.codec_error.common", False),
+        (9, "scripts.long_run", True),
+        (12, "scripts.relay_cost", False),
+    ]
 
 
 # -- the same, by running --------------------------------------------------------------------

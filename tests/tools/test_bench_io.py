@@ -10,13 +10,12 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
 ENGINE_PARAMS = ("default",)  # disk_dir once: the benchmark runs every engine itself
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_io.py"), *args],
+        [sys.executable, "-m", "offloadd", "bench", "io", *args],
         capture_output=True,
         text=True,
         timeout=300,

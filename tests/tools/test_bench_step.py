@@ -19,18 +19,14 @@ from offloadd.tools.bench.step_report import RATIOS, format_report, per_round
 from offloadd.tools.harness.step_trace import StepTrace, medians, preload_path
 from offloadd.tools.harness.train import RunSpec, run_in_subprocess
 
-ROOT = Path(__file__).resolve().parents[2]
 ENGINE_PARAMS = ("default",)  # the benchmark runs the default engine (auto)
 
 _TINY = ["--layers", "2", "--d-model", "64", "--heads", "2", "--seq", "64", "--batch", "2"]
 
 
-def _bench(*args: str, script: bool = True) -> subprocess.CompletedProcess[str]:
-    head = [str(ROOT / "scripts" / "bench_step.py")] if script else ["-m", "offloadd", "bench"]
-    if not script:
-        head.append("step")
+def _bench(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, *head, *args],
+        [sys.executable, "-m", "offloadd", "bench", "step", *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -48,7 +44,7 @@ def _ratio_rows(out: str) -> dict[str, str]:
     return rows
 
 
-def test_bench_step_script_end_to_end(disk_dir: Path, tmp_path: Path) -> None:
+def test_bench_step_end_to_end(disk_dir: Path, tmp_path: Path) -> None:
     out, doc = tmp_path / "step.md", tmp_path / "step.json"
     args = [*_TINY, "--steps", "2", "--warmup", "1", "--rounds", "1", "--deep-layers", "3"]
     proc = _bench(
@@ -130,7 +126,7 @@ def test_bench_step_hf_gpt2(disk_dir: Path) -> None:
     pytest.importorskip("transformers")
     args = [*_TINY, "--steps", "1", "--warmup", "0", "--rounds", "1", "--deep-layers", "0"]
     args += ["--no-hook-cost", "--vocab", "300", "--strategies", "keep,ssd"]
-    proc = _bench("--model", "gpt", *args, "--ssd-dir", str(disk_dir), script=False)
+    proc = _bench("--model", "gpt", *args, "--ssd-dir", str(disk_dir))
     assert proc.returncode == 0, proc.stderr
     assert "- model: GPT-2 (transformers, random weights), 2 layers" in proc.stdout
     assert "- command: `python -m offloadd bench step --model gpt --layers 2" in proc.stdout

@@ -6,7 +6,7 @@
    ========================  ==============================  =====================================
    csrc/                     extension module                binding
    ========================  ==============================  =====================================
-   io_native/native.c        offloadd.io._native             CPython C API (no torch)
+   io_native/*.c             offloadd.io._native             CPython C API (no torch)
    codec/codec.c             offloadd.codec._kernels         CPython C API (no torch)
    write_guard/*.c           offloadd.relay._write_guard     CPython C API (no torch)
    hot_path/held.c           offloadd.runtime._held          CPython C API (no torch)
@@ -59,8 +59,24 @@ def c_extensions() -> list[Extension]:
     return [
         Extension(
             "offloadd.io._native",
-            sources=["csrc/io_native/native.c"],
-            extra_compile_args=["-O2", *C_FLAGS],
+            sources=[
+                "csrc/io_native/engine.c",
+                "csrc/io_native/posix_io.c",
+                "csrc/io_native/ring.c",
+                "csrc/io_native/uring_backend.c",
+                "csrc/io_native/module.c",
+                "csrc/io_native/faults.c",
+            ],
+            define_macros=[("OFFLOADD_FAULTS", "1")],  # the tests' fault hooks, for now
+            depends=[
+                "csrc/io_native/engine.h",
+                "csrc/io_native/faults.h",
+                "csrc/io_native/posix_io.h",
+                "csrc/io_native/request.h",
+                "csrc/io_native/ring.h",
+            ],
+            # hidden: the engine's C functions (engine_*, ring_*) are not the module's interface
+            extra_compile_args=["-O2", *C_FLAGS, "-fvisibility=hidden"],
             extra_link_args=["-pthread"],
             optional=True,
         ),

@@ -1,4 +1,4 @@
-"""Type stub for the C extension built from csrc/io_native/native.c."""
+"""Type stub for the C extension built from csrc/io_native/ (module.c is its binding)."""
 
 HAVE_URING: int
 ALIGN: int

@@ -7,7 +7,7 @@
    csrc/                     extension module                binding
    ========================  ==============================  =====================================
    io_native/*.c             offloadd.io._native             CPython C API (no torch)
-   codec/codec.c             offloadd.codec._kernels         CPython C API (no torch)
+   codec/*.c                 offloadd.codec._kernels         CPython C API (no torch)
    write_guard/*.c           offloadd.relay._write_guard     CPython C API (no torch)
    hot_path/held.c           offloadd.runtime._held          CPython C API (no torch)
    host_allocator/*.cpp      offloadd.runtime._host_cache    torch ops (torch.utils.cpp_extension)
@@ -82,13 +82,15 @@ def c_extensions() -> list[Extension]:
         ),
         Extension(
             "offloadd.codec._kernels",
-            sources=["csrc/codec/codec.c"],
+            sources=["csrc/codec/codec.c", "csrc/codec/module.c"],
+            depends=["csrc/codec/codec.h"],
             # -ffp-contract=off: no fused multiply-add, so results match the torch path bitwise
             extra_compile_args=[
                 "-O3",
                 *C_FLAGS,
                 "-Wno-missing-field-initializers",
                 "-ffp-contract=off",
+                "-fvisibility=hidden",
             ],
             optional=True,
         ),

@@ -1,7 +1,8 @@
 """Build steps that pyproject.toml cannot express.
 
 1. Every native library, compiled here, once, by the package build (``pip install``, a wheel,
-   ``pip install -e``); nothing is compiled at run time. One folder of csrc/ per library:
+   ``pip install -e``); nothing is compiled at run time. One folder of csrc/ per library (and
+   csrc/tests/, the C libraries' C tests, which no install builds: docs/native.md):
 
    ========================  ==============================  =====================================
    csrc/                     extension module                binding

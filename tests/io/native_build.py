@@ -1,10 +1,13 @@
 """Builds of csrc/io_native/ that only the tests use, compiled here with the C compiler.
 
-The *test build* adds csrc/io_native/faults.c and ``-DOFFLOADD_FAULTS``: the module then has
-the fault hooks ``_inject_fault``, ``_hold_copies`` and ``_held_copies`` (faults.h), which the
-production ``offloadd.io._native`` that setup.py builds does not hold.
+- The *test build* adds csrc/io_native/faults.c and ``-DOFFLOADD_FAULTS``: the module then has
+  the fault hooks ``_inject_fault``, ``_hold_copies`` and ``_held_copies`` (faults.h), which the
+  production ``offloadd.io._native`` that setup.py builds does not hold.
+- With ``NATIVE_TESTS_SANITIZE=1`` (csrc/tests/sanitize.sh), every build here is instrumented
+  with ASan and UBSan, and the tests of tests/io/ run on a sanitized build of the production
+  sources in place of the installed module (tests/io/conftest.py).
 
-It is a module named ``offloadd.io._native`` (the sources' ``PyInit__native``), loaded from its
+Each is a module named ``offloadd.io._native`` (the sources' ``PyInit__native``), loaded from its
 own file; the fixtures of tests/io/conftest.py put it where ``offloadd.io.native`` finds it, and
 :data:`CHILD_INSTALL` does the same in a child process. A test that
 cannot get its build (no compiler, no Python headers) skips and says why; one whose build fails
@@ -18,21 +21,31 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-__all__ = ["NoBuild", "build", "load", "sources"]
+__all__ = ["SANITIZE", "NoBuild", "build", "install", "load", "sources"]
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 SOURCES = ROOT / "csrc" / "io_native"
 FAULTS_SOURCE = "faults.c"
 
-# the flags of setup.py's extension, and -g for a debugger
+SANITIZE = os.environ.get("NATIVE_TESTS_SANITIZE") == "1"
+"""Whether this run builds with ASan and UBSan (csrc/tests/sanitize.sh sets it; not an
+``OFFLOADD_*`` variable, which offloadd's config would refuse as an unknown key)."""
+
+# the flags of setup.py's extension, and -g for a debugger and the sanitizers' reports
 FLAGS = ["-std=gnu11", "-O2", "-g", "-Wall", "-Wextra", "-Wno-unused-parameter"]
 FLAGS += ["-fvisibility=hidden", "-fPIC", "-shared", "-pthread"]
+SANITIZE_FLAGS = [
+    "-fsanitize=address,undefined",
+    "-fno-sanitize-recover=all",  # a UBSan report ends the process: the run cannot miss it
+    "-fno-omit-frame-pointer",
+]
 
 
 class NoBuild(Exception):
@@ -51,7 +64,7 @@ def _compiler() -> list[str]:
     return cc
 
 
-def build(out_dir: Path, *, faults: bool) -> Path:
+def build(out_dir: Path, *, faults: bool, sanitize: bool = SANITIZE) -> Path:
     """Compile the module into ``out_dir``; returns the path of the shared object."""
     include = sysconfig.get_paths()["include"]
     if not (Path(include) / "Python.h").is_file():
@@ -59,6 +72,8 @@ def build(out_dir: Path, *, faults: bool) -> Path:
     cmd = [*_compiler(), *FLAGS, f"-I{include}"]
     if faults:
         cmd.append("-DOFFLOADD_FAULTS")
+    if sanitize:
+        cmd += SANITIZE_FLAGS
     out = out_dir / f"_native{sysconfig.get_config_var('EXT_SUFFIX')}"
     cmd += [str(p) for p in sources(faults=faults)] + ["-o", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -88,6 +103,14 @@ def load(path: Path) -> ModuleType:
                 sys.modules[spec.name] = before
         _LOADED[path] = module
     return _LOADED[path]
+
+
+def install(module: ModuleType) -> None:
+    """Make ``module`` the ``offloadd.io._native`` that ``offloadd.io.native`` loads."""
+    import offloadd.io
+
+    sys.modules["offloadd.io._native"] = module
+    offloadd.io._native = module  # type: ignore[attr-defined]
 
 
 # The child processes of tests/io/test_native_faults.py run this first: argv[2] is the test build.

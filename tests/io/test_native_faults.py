@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from offloadd.io import native
-from tests.io.native_build import CHILD_INSTALL
+from tests.io.native_build import CHILD_INSTALL, SANITIZE
 
 ENGINE_PARAMS = ("default",)  # disk_dir once: these tests choose their engines themselves
 
@@ -472,3 +472,12 @@ def test_test_build_is_the_production_sources_and_faults_c(native_faults: Module
     for path in native_build.sources(faults=True):
         listed = f'"csrc/io_native/{path.name}"' in setup
         assert listed == (path.name != native_build.FAULTS_SOURCE), path.name
+
+
+@pytest.mark.skipif(not SANITIZE, reason="only in a sanitized run (csrc/tests/sanitize.sh)")
+def test_a_sanitized_run_uses_the_sanitized_build() -> None:
+    """Under NATIVE_TESTS_SANITIZE=1 the engine the tests get is the sanitized build."""
+    from offloadd.io import _native
+
+    assert "offloadd-native-sanitized-" in str(_native.__file__)
+    assert native._load()[0] is _native

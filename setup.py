@@ -1,13 +1,14 @@
 """Build steps that pyproject.toml cannot express.
 
 1. Every native library, compiled here, once, by the package build (``pip install``, a wheel,
-   ``pip install -e``); nothing is compiled at run time. One folder of csrc/ per library:
+   ``pip install -e``); nothing is compiled at run time. One folder of csrc/ per library (and
+   csrc/tests/, the C libraries' C tests, which no install builds: docs/native.md):
 
    ========================  ==============================  =====================================
    csrc/                     extension module                binding
    ========================  ==============================  =====================================
-   io_native/native.c        offloadd.io._native             CPython C API (no torch)
-   codec/codec.c             offloadd.codec._kernels         CPython C API (no torch)
+   io_native/*.c             offloadd.io._native             CPython C API (no torch)
+   codec/*.c                 offloadd.codec._kernels         CPython C API (no torch)
    write_guard/*.c           offloadd.relay._write_guard     CPython C API (no torch)
    hot_path/held.c           offloadd.runtime._held          CPython C API (no torch)
    host_allocator/*.cpp      offloadd.runtime._host_cache    torch ops (torch.utils.cpp_extension)
@@ -59,20 +60,38 @@ def c_extensions() -> list[Extension]:
     return [
         Extension(
             "offloadd.io._native",
-            sources=["csrc/io_native/native.c"],
-            extra_compile_args=["-O2", *C_FLAGS],
+            # every .c of csrc/io_native but faults.c, which only the tests' build compiles in
+            # (-DOFFLOADD_FAULTS: tests/io/native_build.py, docs/native.md)
+            sources=[
+                "csrc/io_native/engine.c",
+                "csrc/io_native/posix_io.c",
+                "csrc/io_native/ring.c",
+                "csrc/io_native/uring_backend.c",
+                "csrc/io_native/module.c",
+            ],
+            depends=[
+                "csrc/io_native/engine.h",
+                "csrc/io_native/faults.h",
+                "csrc/io_native/posix_io.h",
+                "csrc/io_native/request.h",
+                "csrc/io_native/ring.h",
+            ],
+            # hidden: the engine's C functions (engine_*, ring_*) are not the module's interface
+            extra_compile_args=["-O2", *C_FLAGS, "-fvisibility=hidden"],
             extra_link_args=["-pthread"],
             optional=True,
         ),
         Extension(
             "offloadd.codec._kernels",
-            sources=["csrc/codec/codec.c"],
+            sources=["csrc/codec/codec.c", "csrc/codec/module.c"],
+            depends=["csrc/codec/codec.h"],
             # -ffp-contract=off: no fused multiply-add, so results match the torch path bitwise
             extra_compile_args=[
                 "-O3",
                 *C_FLAGS,
                 "-Wno-missing-field-initializers",
                 "-ffp-contract=off",
+                "-fvisibility=hidden",
             ],
             optional=True,
         ),

@@ -42,9 +42,13 @@ def test_each_extension_is_built_and_loads(name: str) -> None:
     assert (ROOT / EXTENSIONS[name]).is_dir()
 
 
+NATIVE_TESTS = "csrc/tests"
+"""The C tests of the libraries (csrc/tests/run.sh): the one folder of csrc/ that is no library."""
+
+
 def test_setup_builds_every_folder_of_csrc() -> None:
     folders = {p.relative_to(ROOT).as_posix() for p in (ROOT / "csrc").iterdir() if p.is_dir()}
-    assert folders == set(EXTENSIONS.values())
+    assert folders == {*EXTENSIONS.values(), NATIVE_TESTS}
     setup = (ROOT / "setup.py").read_text(encoding="utf-8")
     for name, folder in EXTENSIONS.items():
         assert f'"{name}"' in setup and f'"{folder}/' in setup, (name, folder)

@@ -1,5 +1,6 @@
 /*
- * offloadd.codec._kernels: per-group integer and fp8 quantisation of host tensors in one pass.
+ * The codec's fused kernels: per-group integer and fp8 quantisation of host tensors in one pass
+ * (codec.h; module.c binds them as offloadd.codec._kernels).
  *
  * The same arithmetic as the torch path of offloadd/codec/quant.py (Note [the codes]), fused:
  * each group of `group` values is read once from memory into cache, its range found, its codes
@@ -7,36 +8,19 @@
  * torch path: the same float32 operations in the same order (a true division, round half to
  * even, the same clamps), the padding of the last group with zeros included in its range.
  *
- *   encode(src, dtype, n, group, bits, affine, codes, params, fp8) -> groups not finite
- *   decode(codes, params, n, group, bits, affine, dst, dtype, fp8)
- *
- * Addresses are integers (tensor.data_ptr()); dtype 0 is float32, 1 bfloat16.  bits is 8, 4 or
- * 2; affine 0 is symmetric (int8 only: a scale per group, codes -127..127 as int8), 1 a minimum
- * and a step per group (codes 0..2^bits-1, packed 8/bits to a byte, the first in the low bits).
- * params holds a float32 scale per group, or lo and step.  A group holding an infinity, a NaN or
- * a magnitude above EDGE gets NaN params (its codes are 0), and encode returns how many groups
- * did: the range pass finds them, so the coder saves such a tensor exactly at no extra cost.
- * fp8 is 0 for integer codes, 1 for float8 e4m3fn, 2 for e5m2 (8 bits, symmetric: a scale per
- * group, codes as torch's float8 bytes, see fp8_code).  The work runs on the calling thread,
- * the GIL released: inside a training step torch's OpenMP workers spin on the other cores
- * between ops, and threads of our own fought them (slower, see offloadd/codec/quant.py).
- * Stochastic rounding stays with the torch path.
+ * dtype 0 is float32, 1 bfloat16.  bits is 8, 4 or 2; affine 0 is symmetric (int8 only: a scale
+ * per group, codes -127..127 as int8), 1 a minimum and a step per group (codes 0..2^bits-1,
+ * packed 8/bits to a byte, the first in the low bits).  params holds a float32 scale per group,
+ * or lo and step.  A group holding an infinity, a NaN or a magnitude above EDGE gets NaN params
+ * (its codes are 0), and encode returns how many groups did: the range pass finds them, so the
+ * coder saves such a tensor exactly at no extra cost.  fp8 is 0 for integer codes, 1 for float8
+ * e4m3fn, 2 for e5m2 (8 bits, symmetric: a scale per group, codes as torch's float8 bytes, see
+ * fp8_code).  Stochastic rounding stays with the torch path.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "codec.h"
 
 #include <math.h>
-#include <stdint.h>
 #include <string.h>
-
-typedef struct {
-    const void *src;
-    void *dst;
-    uint8_t *codes;
-    float *params;
-    int dtype, fp8;
-    int64_t n, group, bits, affine;
-} Job;
 
 static inline float load(const void *src, int dtype, int64_t i, int64_t n) {
     if (i >= n) return 0.0f;
@@ -107,10 +91,10 @@ static inline uint8_t fp8_code(float v, Fp8 f) {
     return (uint8_t)(sign | (uint32_t)((sub & is_sub) | (normal & ~is_sub)));
 }
 
-/* The value of every float8 byte, per format (filled at import; NaN codes decode to NaN). */
+/* The value of every float8 byte, per format (filled by codec_init; NaN codes decode to NaN). */
 static float FP8_VALUE[3][256];
 
-static void fill_fp8_values(void) {
+void codec_init(void) {
     for (int k = 1; k < 3; k++) {
         const Fp8 f = FP8[k];
         const int e_bits = 7 - f.m;
@@ -334,76 +318,12 @@ HOT static void decode_groups(const Job *j) {
     }
 }
 
-static int check(int dtype, long long n, long long group, int bits, int affine, int fp8) {
-    if (dtype != 0 && dtype != 1) {
-        PyErr_Format(PyExc_ValueError, "dtype code must be 0 (float32) or 1 (bfloat16), got %d",
-                     dtype);
-        return -1;
+int64_t codec_encode(const Job *j) {
+    if (j->bits < 8) { /* packed codes are or-ed in: start from zero */
+        const int64_t groups = (j->n + j->group - 1) / j->group, per = 8 / j->bits;
+        memset(j->codes, 0, (size_t)((groups * j->group + per - 1) / per));
     }
-    if (fp8 < 0 || fp8 > 2 || (fp8 && (bits != 8 || affine))) {
-        PyErr_Format(PyExc_ValueError, "fp8 must be 0, 1 (e4m3) or 2 (e5m2), symmetric 8-bit codes; got %d",
-                     fp8);
-        return -1;
-    }
-    if (n < 0 || group < 1 || (bits != 8 && bits != 4 && bits != 2) || (bits < 8 && !affine)) {
-        PyErr_SetString(PyExc_ValueError, "bad n, group or bits (symmetric codes are 8 bits)");
-        return -1;
-    }
-    return 0;
+    return encode_groups(j);
 }
 
-static PyObject *py_encode(PyObject *self, PyObject *args) {
-    unsigned long long src, codes, params;
-    long long n, group;
-    int dtype, bits, affine, fp8;
-    if (!PyArg_ParseTuple(args, "KiLLiiKKi", &src, &dtype, &n, &group, &bits, &affine, &codes,
-                          &params, &fp8))
-        return NULL;
-    if (check(dtype, n, group, bits, affine, fp8) < 0) return NULL;
-    Job job = {(const void *)(uintptr_t)src, NULL, (uint8_t *)(uintptr_t)codes,
-               (float *)(uintptr_t)params, dtype, fp8, n, group, bits, affine};
-    if (bits < 8) { /* packed codes are or-ed in: start from zero */
-        const int64_t groups = (n + group - 1) / group, per = 8 / bits;
-        memset(job.codes, 0, (size_t)((groups * group + per - 1) / per));
-    }
-    int64_t not_finite;
-    Py_BEGIN_ALLOW_THREADS not_finite = encode_groups(&job);
-    Py_END_ALLOW_THREADS return PyLong_FromLongLong((long long)not_finite);
-}
-
-static PyObject *py_decode(PyObject *self, PyObject *args) {
-    unsigned long long codes, params, dst;
-    long long n, group;
-    int dtype, bits, affine, fp8;
-    if (!PyArg_ParseTuple(args, "KKLLiiKii", &codes, &params, &n, &group, &bits, &affine, &dst,
-                          &dtype, &fp8))
-        return NULL;
-    if (check(dtype, n, group, bits, affine, fp8) < 0) return NULL;
-    Job job = {NULL, (void *)(uintptr_t)dst, (uint8_t *)(uintptr_t)codes,
-               (float *)(uintptr_t)params, dtype, fp8, n, group, bits, affine};
-    Py_BEGIN_ALLOW_THREADS decode_groups(&job);
-    Py_END_ALLOW_THREADS Py_RETURN_NONE;
-}
-
-static PyMethodDef methods[] = {
-    {"encode", py_encode, METH_VARARGS,
-     "encode(src, dtype, n, group, bits, affine, codes, params, fp8) -> groups not finite"},
-    {"decode", py_decode, METH_VARARGS,
-     "decode(codes, params, n, group, bits, affine, dst, dtype, fp8)"},
-    {NULL, NULL, 0, NULL},
-};
-
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels",
-                                    "offloadd's fused per-group quantisation (csrc/codec/codec.c)",
-                                    -1, methods};
-
-PyMODINIT_FUNC PyInit__kernels(void) {
-    fill_fp8_values();
-    PyObject *m = PyModule_Create(&module);
-    /* 2: encode returns the groups not finite (quant.py uses no older build) */
-    if (m != NULL && PyModule_AddIntConstant(m, "VERSION", 2) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
-}
+void codec_decode(const Job *j) { decode_groups(j); }

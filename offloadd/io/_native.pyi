@@ -1,22 +1,13 @@
-"""Type stub for the C extension built from csrc/io_native/native.c."""
+"""Type stub for the C extension built from csrc/io_native/ (module.c is its binding).
+
+The fault hooks (``_inject_fault``, ``_hold_copies``, ``_held_copies``) are only in the tests'
+build of these sources (tests/io/native_build.py), not in this module."""
 
 HAVE_URING: int
 ALIGN: int
 
 def probe_uring() -> tuple[bool, str]:
     """Whether io_uring works in this process, and why not."""
-
-# Test hooks: fault injection and a gate on bounce-buffer copies. Not for production use.
-def _inject_fault(name: str, count: int, errno: int, /) -> None:
-    """The next ``count`` passes through fault point ``name`` ("uring_enter", "alloc",
-    "completion") fail with ``errno`` instead of making the call (every pass if ``count`` < 0);
-    ``count`` 0 disarms it."""
-
-def _hold_copies(on: bool, /) -> None:
-    """While on, every bounce-buffer copy waits (at most 5 s) before it starts."""
-
-def _held_copies() -> int:
-    """How many bounce-buffer copies are waiting in ``_hold_copies`` now."""
 
 class Engine:
     """Native I/O engine: a pthread pool or one io_uring ring; completions via an eventfd."""

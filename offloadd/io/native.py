@@ -1,4 +1,4 @@
-"""The native I/O engine (csrc/io_native/native.c) behind the :class:`~offloadd.io.request.Engine` protocol.
+"""The native I/O engine (csrc/io_native/) behind the :class:`~offloadd.io.request.Engine` protocol.
 
 The C side moves the bytes: a pthread pool doing ``pread``/``pwrite``, or one thread driving an
 io_uring ring, splitting each request into chunks that run concurrently, never touching the GIL.

@@ -3,9 +3,10 @@ completions are handed to Python. None may kill the process, lose a request or h
 submitted request calls back exactly once, with an ``OSError``/``MemoryError`` or with its data
 intact, and the engine goes on working (after a ring failure, on its thread pool).
 
-The faults come from test hooks in the extension (``_native._inject_fault``,
-``_native._hold_copies``). Scenarios that used to ``abort()`` run in a child process, so that a
-regression fails the test instead of killing pytest."""
+The faults come from test hooks (``_native._inject_fault``, ``_native._hold_copies``) that only
+the test build of the extension holds (tests/io/native_build.py; the fixtures of
+tests/io/conftest.py put it in place of the installed module). Scenarios that used to ``abort()``
+run in a child process, so that a regression fails the test instead of killing pytest."""
 
 from __future__ import annotations
 
@@ -17,12 +18,14 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 
 from offloadd.io import native
+from tests.io.native_build import CHILD_INSTALL, SANITIZE
 
 ENGINE_PARAMS = ("default",)  # disk_dir once: these tests choose their engines themselves
 
@@ -30,8 +33,11 @@ needs_uring = pytest.mark.skipif(
     not native.uring_available()[0], reason=f"io_uring unavailable: {native.uring_available()[1]}"
 )
 
-# Shared by the child processes: argv[1] is a directory on disk for O_DIRECT files.
-_PRELUDE = r"""
+# Shared by the child processes: argv[1] is a directory on disk for O_DIRECT files, argv[2] the
+# test build of offloadd.io._native (CHILD_INSTALL puts it in place).
+_PRELUDE = (
+    CHILD_INSTALL
+    + r"""
 import collections, errno, json, logging, os, sys, threading
 import torch
 from offloadd.io import _native
@@ -122,15 +128,16 @@ def write_read(eng, fd, path, sizes, seed, batch, misalign=(0, 100)):
             assert torch.equal(s, d), "data did not round-trip"
     return writes, reads
 """
+)
 
 
-def _child(body: str, disk_dir: Path, timeout: float = 120) -> dict[str, Any]:
-    """Run ``_PRELUDE + body`` in a fresh interpreter (``-P``: the installed offloadd); it must
-    exit 0 and print one JSON line last."""
+def _child(body: str, build: Path, disk_dir: Path, timeout: float = 120) -> dict[str, Any]:
+    """Run ``_PRELUDE + body`` in a fresh interpreter (``-P``: the installed offloadd, with the
+    test build ``build`` of its native engine); it must exit 0 and print one JSON line last."""
     code = _PRELUDE + body
     try:
         proc = subprocess.run(
-            [sys.executable, "-P", "-c", code, str(disk_dir)],
+            [sys.executable, "-P", "-c", code, str(disk_dir), str(build)],
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -158,7 +165,7 @@ def scratch(disk_dir: Path) -> Iterator[Path]:
 # -- completions -------------------------------------------------------------------------------
 
 
-def test_completion_delivery_failing_loses_nothing(scratch: Path) -> None:
+def test_completion_delivery_failing_loses_nothing(scratch: Path, native_test_build: Path) -> None:
     """Handing finished requests to Python fails for lack of memory (the completion list could
     not grow): the completions wait for the next reap(), none is lost, the process lives."""
     backends = ["threads", "uring"] if native.uring_available()[0] else ["threads"]
@@ -193,6 +200,7 @@ assert got == [(1, 0, 0), (2, 0, 0), (3, 0, 0)], got
 errors = [r.getMessage() for r in RECORDS if r.levelname == "ERROR"]
 print(json.dumps({{"errors_logged": len(errors)}}))
 """,
+        native_test_build,
         scratch,
     )
     assert out["errors_logged"] >= 3  # the dispatcher said so each time, and went on
@@ -202,7 +210,9 @@ print(json.dumps({{"errors_logged": len(errors)}}))
 
 
 @needs_uring
-def test_ring_slot_table_allocation_failing_raises_memoryerror(scratch: Path) -> None:
+def test_ring_slot_table_allocation_failing_raises_memoryerror(
+    scratch: Path, native_test_build: Path
+) -> None:
     """No memory for the io_uring backend's slot table: Engine() raises MemoryError (the ring
     thread used to abort() the process); the next engine works."""
     out = _child(
@@ -222,16 +232,18 @@ eng.close()
 assert all(r.error is None for r in writes + reads)
 print(json.dumps({"ok": True}))
 """,
+        native_test_build,
         scratch,
     )
     assert out == {"ok": True}
 
 
 @pytest.mark.parametrize("kind", ["threads", pytest.param("uring", marks=needs_uring)])
-def test_bounce_buffer_allocation_failing_fails_the_request(scratch: Path, kind: str) -> None:
+def test_bounce_buffer_allocation_failing_fails_the_request(
+    scratch: Path, kind: str, native_faults: ModuleType
+) -> None:
     """No memory for a bounce buffer: that request fails with OSError(ENOMEM, path); the next
     one succeeds and the data round-trips."""
-    from offloadd.io import _native
     from offloadd.io.request import Op, Request
     from tests.io.test_native import Waiter, _bytes, _direct_file
 
@@ -239,7 +251,7 @@ def test_bounce_buffer_allocation_failing_fails_the_request(scratch: Path, kind:
     fd, path = _direct_file(scratch)
     src = _bytes(5000 + 3, 11)[3:]  # unaligned and not a multiple of 4096: bounced
     try:
-        _native._inject_fault("alloc", 1, errno.ENOMEM)
+        native_faults._inject_fault("alloc", 1, errno.ENOMEM)
         w = Waiter()
         eng.submit(Request(Op.WRITE, fd, path, 0, src.data_ptr(), src.numel(), w))
         (failed,) = w.wait(1)
@@ -254,7 +266,7 @@ def test_bounce_buffer_allocation_failing_fails_the_request(scratch: Path, kind:
         assert w.wait(1)[0].error is None
         assert torch.equal(dst, src)
     finally:
-        _native._inject_fault("alloc", 0, 0)
+        native_faults._inject_fault("alloc", 0, 0)
         eng.close()
         os.close(fd)
 
@@ -297,11 +309,11 @@ print(json.dumps({"backend": backend, "why": why, "warnings": warnings}))
 
 
 @needs_uring
-def test_ring_failure_falls_back_to_threads(scratch: Path) -> None:
+def test_ring_failure_falls_back_to_threads(scratch: Path, native_test_build: Path) -> None:
     """io_uring_enter fails (EPERM, as from a seccomp filter): the engine moves to its thread pool
     for good, serves what it held and everything after, and says so once at WARNING."""
     body = _RING_FAILS.replace("FAULTS", "1").replace("ERRNO", "errno.EPERM")
-    out = _child(body, scratch)
+    out = _child(body, native_test_build, scratch)
     assert out["backend"] == "threads"
     assert "io_uring_enter" in out["why"] and os.strerror(errno.EPERM) in out["why"]
     assert len(out["warnings"]) == 1, out["warnings"]
@@ -340,28 +352,30 @@ print(json.dumps({"first": first, "after": st.engine, "same": same, "written": s
 
 
 @needs_uring
-def test_ring_failure_in_training_is_reported_and_lossless(scratch: Path) -> None:
+def test_ring_failure_in_training_is_reported_and_lossless(
+    scratch: Path, native_test_build: Path
+) -> None:
     """The ring fails mid-step under an Offloader: gradients stay bit-identical, nothing falls
     back to memory, and stats() names the engine that now runs (it said native/uring before)."""
-    out = _child(_RING_FAILS_IN_TRAINING, scratch)
+    out = _child(_RING_FAILS_IN_TRAINING, native_test_build, scratch)
     assert out["first"] == "native/uring" and out["after"] == "native/threads", out
     assert out["same"] and out["written"] > 0 and out["fallbacks"] == 0, out
 
 
 @needs_uring
-def test_ring_transient_errors_are_retried(scratch: Path) -> None:
+def test_ring_transient_errors_are_retried(scratch: Path, native_test_build: Path) -> None:
     """A few EAGAIN from io_uring_enter are retried: still io_uring, nothing fails, no warning."""
     body = _RING_FAILS.replace("FAULTS", "5").replace("ERRNO", "errno.EAGAIN")
-    out = _child(body, scratch)
+    out = _child(body, native_test_build, scratch)
     assert out == {"backend": "uring", "why": None, "warnings": []}
 
 
 @needs_uring
-def test_ring_persistent_eagain_falls_back(scratch: Path) -> None:
+def test_ring_persistent_eagain_falls_back(scratch: Path, native_test_build: Path) -> None:
     """EAGAIN that never ends (the kernel out of memory for requests) is not retried forever:
     after about a second the engine falls back to threads."""
     body = _RING_FAILS.replace("FAULTS", "-1").replace("ERRNO", "errno.EAGAIN")
-    out = _child(body, scratch, timeout=60)
+    out = _child(body, native_test_build, scratch, timeout=60)
     assert out["backend"] == "threads" and os.strerror(errno.EAGAIN) in out["why"]
     assert len(out["warnings"]) == 1
 
@@ -371,12 +385,13 @@ def test_ring_persistent_eagain_falls_back(scratch: Path) -> None:
 
 @pytest.mark.parametrize("op", ["write", "read"])
 @pytest.mark.parametrize("kind", ["threads", pytest.param("uring", marks=needs_uring)])
-def test_bounce_copy_runs_without_the_engine_mutex(scratch: Path, kind: str, op: str) -> None:
+def test_bounce_copy_runs_without_the_engine_mutex(
+    scratch: Path, kind: str, op: str, native_faults: ModuleType
+) -> None:
     """While a bounce-buffer copy is in progress (held in place by a test hook, as a copy of
     hundreds of MiB would be), submit(), cancel() and counters() return at once: the copy does
     not hold the engine's mutex, which those take with the GIL held."""
-    from offloadd.io import _native
-
+    _native = native_faults
     eng = _native.Engine(threads=2, chunk_bytes=1 << 20, backend=kind, depth=4)
     fd = os.open(str(scratch / "data"), os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
     n = 100_000
@@ -423,11 +438,46 @@ def test_bounce_copy_runs_without_the_engine_mutex(scratch: Path, kind: str, op:
     os.close(fd)
 
 
-def test_fault_hooks_refuse_unknown_names() -> None:
-    from offloadd.io import _native
+def test_fault_hooks_refuse_unknown_names(native_faults: ModuleType) -> None:
+    _native = native_faults
 
     with pytest.raises(ValueError, match="unknown fault point 'disk'"):
         _native._inject_fault("disk", 1, errno.EIO)
     with pytest.raises(ValueError, match="errno"):
         _native._inject_fault("alloc", 1, 0)
     _native._inject_fault("alloc", 0, 0)
+
+
+# -- the builds --------------------------------------------------------------------------------
+
+HOOKS = ("_inject_fault", "_hold_copies", "_held_copies")
+
+
+def test_production_module_holds_no_fault_hooks() -> None:
+    """The module setup.py builds has none of the hooks, not even as a name in its binary."""
+    from offloadd.io import _native
+
+    assert [h for h in HOOKS if hasattr(_native, h)] == []
+    binary = Path(str(_native.__file__)).read_bytes()
+    assert [h for h in HOOKS if h.encode() in binary] == []
+
+
+def test_test_build_is_the_production_sources_and_faults_c(native_faults: ModuleType) -> None:
+    """The test build compiles what setup.py compiles, plus faults.c: setup.py lists every C
+    source of csrc/io_native/ but that one."""
+    from tests.io import native_build
+
+    assert all(hasattr(native_faults, h) for h in HOOKS)
+    setup = (native_build.ROOT / "setup.py").read_text(encoding="utf-8")
+    for path in native_build.sources(faults=True):
+        listed = f'"csrc/io_native/{path.name}"' in setup
+        assert listed == (path.name != native_build.FAULTS_SOURCE), path.name
+
+
+@pytest.mark.skipif(not SANITIZE, reason="only in a sanitized run (csrc/tests/sanitize.sh)")
+def test_a_sanitized_run_uses_the_sanitized_build() -> None:
+    """Under NATIVE_TESTS_SANITIZE=1 the engine the tests get is the sanitized build."""
+    from offloadd.io import _native
+
+    assert "offloadd-native-sanitized-" in str(_native.__file__)
+    assert native._load()[0] is _native

@@ -227,14 +227,6 @@ LAB_NOTES_ALLOWED: tuple[tuple[str, str], ...] = (
     ("offloadd/auto/solver.py", "(1 GiB at the 10th unit: 0.1 ms)"),
 )
 """(file, a fragment of the line) of each lab note let stay in offloadd/ or csrc/."""
-LAB_NOTES_PENDING: tuple[tuple[str, str], ...] = (
-    # In files another change restructures; the limit does not count them, and they go with it.
-    # pending: restructured elsewhere
-    ("offloadd/runtime/hooks.py", "(about 1.4 µs each, per saved tensor)"),
-    # pending: restructured elsewhere
-    ("offloadd/runtime/hooks.py", "(a walk of the stack, ~2 us)"),
-)
-"""The same for lines of files this change does not edit: they leave with their rework."""
 LAB_NOTES_MAX_ALLOWED = 15
 
 
@@ -247,8 +239,7 @@ def lab_notes(path: Path, root: Path = ROOT) -> list[str]:
         found = [
             (kind, m.group(0).strip()) for kind, rx in _LAB_NOTES.items() for m in rx.finditer(text)
         ]
-        allowed = (*LAB_NOTES_ALLOWED, *LAB_NOTES_PENDING)
-        if found and not any(f == where and frag in line for f, frag in allowed):
+        if found and not any(f == where and frag in line for f, frag in LAB_NOTES_ALLOWED):
             out.extend(
                 f"{where}:{number}: [{kind}] {what!r} in {line.strip()!r}" for kind, what in found
             )
@@ -273,7 +264,7 @@ def test_lab_notes_allowlist_is_short_and_live() -> None:
     assert len(LAB_NOTES_ALLOWED) <= LAB_NOTES_MAX_ALLOWED
     stale = [
         (f, frag)
-        for f, frag in (*LAB_NOTES_ALLOWED, *LAB_NOTES_PENDING)
+        for f, frag in LAB_NOTES_ALLOWED
         if frag not in (ROOT / f).read_text(encoding="utf-8")
     ]
     assert stale == [], f"allowlist entries that name no line: {stale}"

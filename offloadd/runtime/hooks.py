@@ -159,8 +159,8 @@ class Hooks:
             with self._lock:
                 param = self._index.backs_parameter(t, storage)
             return self._tally.keep(t, nbytes, 0) if param else self._tally.share(t, nbytes)
-        # Timed from here on (Stats.pack_s): tensors that may move; a small one costs a few
-        # microseconds, and timing it would add a tenth of that (see bench step's hook cost).
+        # Timed from here on (Stats.pack_s): tensors that may move. A kept small one is not
+        # timed: the clock's reads would be a noticeable part of its cost (bench hooks).
         start = time.perf_counter()
         try:
             with span("offloadd::pack"):
@@ -219,7 +219,7 @@ class Hooks:
         and the storage is not already saved exactly, else :meth:`pack`."""
         codec = self._codec
         assert codec is not None
-        if wrapper_on_stack() is not None:  # a model compiled whole (a walk of the stack, ~2 us)
+        if wrapper_on_stack() is not None:  # a model compiled whole (a walk of the stack)
             raise refuse_codec(self.config.codec.name)
         if codec.wants(t) and not codec.saved_exactly(t) and not self._backs_parameter(t):
             big = t.nbytes >= self._min_bytes

@@ -28,7 +28,12 @@ from .report import markdown
 # -- main -------------------------------------------------------------------------------------
 
 
-CODE = ("offloadd/codec/*.py", "offloadd/runtime/offloader.py", "offloadd/config/schema.py")
+CODE = (
+    "offloadd/codec/*.py",
+    "offloadd/offloader.py",
+    "offloadd/runtime/runtime.py",
+    "offloadd/config/schema.py",
+)
 
 
 def code_hashes() -> dict[str, str]:

@@ -14,7 +14,7 @@
  * Tally.keep(tensor, nbytes, resident) -> Held:
  *   counts one saved tensor of nbytes, of which resident bytes are held for it (0 for a
  *   parameter: the model holds it anyway); the Held holds the tensor (detached if it requires
- *   grad: see [no cycle through the graph] in handles.py) and its version at pack.
+ *   grad: see [no cycle through the graph] in identity.py) and its version at pack.
  * Tally.share(tensor, nbytes) -> Held:
  *   the same for a tensor whose storage counts once however many saved tensors hold it (tier
  *   keep: its storage's bytes are held from its first save until its last Held goes; a later

@@ -53,8 +53,13 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from offloadd.codec.allowlist import DEFAULT_OPS, OpScope, kept_exact, saved_shapes, unknown_ops
 from offloadd.codec.quant import Encoded, Scheme, coded_nbytes, decode, encode, group_size
-from offloadd.runtime.dedup import is_parameter
-from offloadd.runtime.handles import describe, inplace_error, storage_of, version_handle
+from offloadd.runtime.identity import (
+    describe,
+    inplace_error,
+    is_parameter,
+    storage_of,
+    version_handle,
+)
 
 if TYPE_CHECKING:
     from offloadd.config import Config

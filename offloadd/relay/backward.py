@@ -14,8 +14,8 @@ from offloadd.relay.groups import Group
 from offloadd.relay.placeholder import RelayError
 from offloadd.relay.store import Transfer
 from offloadd.runtime.compiled import unseen
-from offloadd.runtime.handles import storage_of
 from offloadd.runtime.hook_stack import PASSES_TO
+from offloadd.runtime.identity import storage_of
 
 __all__ = ["Reader", "Saved", "WeightRef"]
 

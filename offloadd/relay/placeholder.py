@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from offloadd.runtime.handles import HoldsNoBytes
+from offloadd.runtime.identity import HoldsNoBytes
 
 __all__ = ["RelayError", "RelayedWeight"]
 

@@ -21,29 +21,13 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from offloadd.runtime.blocks import Block
-from offloadd.runtime.handles import storage_of
+from offloadd.runtime.identity import is_parameter, storage_of
 
-__all__ = ["StorageIndex", "is_parameter", "outermost_module", "outermost_self"]
+__all__ = ["StorageIndex", "outermost_module", "outermost_self"]
 
 _Parameter = torch.nn.Parameter
 _Tensor = torch.Tensor
 _NoTorchFunction = torch._C.DisableTorchFunction
-
-
-def is_parameter(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a parameter or a view of one (no storage lookup: pack's lock-free path
-    asks too). A leaf that requires grad is not a parameter by itself: the detached inputs of
-    reentrant checkpointing are such leaves, and they are activations."""
-    tp = type(t)
-    if tp is _Parameter:
-        return True
-    if tp is _Tensor and not t.__dict__:
-        # A plain tensor without attributes cannot pass Parameter's isinstance (which looks for
-        # ``_is_param``, raising inside getattr: a cost per saved tensor, see
-        # docs/benchmarks/hooks_cpu-2core_2026-12-05.md); its base still may.
-        base = t._base
-        return base is not None and (type(base) is _Parameter or isinstance(base, _Parameter))
-    return isinstance(t, _Parameter) or isinstance(t._base, _Parameter)
 
 
 _CALL_IMPL = torch.nn.Module._call_impl.__code__

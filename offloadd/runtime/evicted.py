@@ -12,7 +12,8 @@ import torch
 from torch import Tensor
 
 from offloadd.runtime.blocks import Out
-from offloadd.runtime.handles import Ref, version_handle
+from offloadd.runtime.handles import Ref
+from offloadd.runtime.identity import version_handle
 
 __all__ = [
     "Evicted",

@@ -106,7 +106,7 @@ class _PyHeld:
     __slots__ = ("nbytes", "shared", "tally", "tensor", "version")
 
     def __init__(self, tensor: Any, nbytes: int, tally: _PyTally) -> None:
-        # see [no cycle through the graph] in handles.py
+        # see [no cycle through the graph] in identity.py
         self.tensor = tensor.detach() if tensor.requires_grad else tensor
         self.version = tensor._version
         self.nbytes = nbytes

@@ -17,19 +17,20 @@ from offloadd.runtime import evicted, held, transforms
 from offloadd.runtime.accounting import Ledger
 from offloadd.runtime.blocks import BlockMap, Out
 from offloadd.runtime.compiled import is_traced, refuse_codec, unseen, wrapper_on_stack
-from offloadd.runtime.dedup import StorageIndex, is_parameter
+from offloadd.runtime.dedup import StorageIndex
 from offloadd.runtime.evicted import Evicted
-from offloadd.runtime.handles import (
-    Ref,
+from offloadd.runtime.handles import Ref
+from offloadd.runtime.hook_stack import PASSES_TO
+from offloadd.runtime.identity import (
     describe,
     inplace_error,
+    is_parameter,
     movable_storage,
     nbytes_of,
     storage_of,
     unlinked,
     version_handle,
 )
-from offloadd.runtime.hook_stack import PASSES_TO
 from offloadd.runtime.lifetime import Lifetime
 from offloadd.runtime.ordering import Ordering
 from offloadd.runtime.reader import Reader

@@ -32,7 +32,8 @@ from offloadd.io.pools import ReadPool
 from offloadd.io.request import Op, Request
 from offloadd.runtime import host_allocator
 from offloadd.runtime.blocks import Back, Block, Out
-from offloadd.runtime.handles import Ref, inplace_error, storage_bytes, view
+from offloadd.runtime.handles import Ref, view
+from offloadd.runtime.identity import inplace_error, storage_bytes
 from offloadd.runtime.writer import Writer
 from offloadd.trace import span
 from offloadd.units import format_bytes

@@ -41,7 +41,7 @@ from offloadd.io.pools import Pool
 from offloadd.io.request import Op, Request
 from offloadd.runtime.accounting import Ledger
 from offloadd.runtime.blocks import Block, BlockMap, Chunk
-from offloadd.runtime.handles import storage_bytes
+from offloadd.runtime.identity import storage_bytes
 from offloadd.runtime.ordering import Ordering, StagedCopy
 from offloadd.runtime.stall_watch import StallWatch
 from offloadd.runtime.writer_in_place import InPlace

@@ -40,7 +40,7 @@ import torch
 from offloadd.io.buffers import ALIGN
 from offloadd.io.pools import PagePool
 from offloadd.runtime.blocks import Block, Chunk
-from offloadd.runtime.handles import storage_bytes
+from offloadd.runtime.identity import storage_bytes
 from offloadd.units import format_bytes
 
 if TYPE_CHECKING:

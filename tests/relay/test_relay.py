@@ -18,7 +18,7 @@ from torch import nn
 
 import offloadd
 from offloadd.relay import RelayError
-from offloadd.runtime.handles import storage_of
+from offloadd.runtime.identity import storage_of
 from tests.relay.cases import (
     CASES,
     Layered,

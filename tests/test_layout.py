@@ -436,6 +436,34 @@ def test_the_table_covers_every_room() -> None:
         assert not unknown, f"{room} may import rooms that do not exist: {unknown}"
 
 
+def drawn_rows(text: str) -> dict[str, int]:
+    """Each room drawn in docs/architecture.md's layers below the line, and the row it is on
+    (its first appearance; the chains above the line are the entry points)."""
+    block = text.split("```")[1]
+    below = block.split("─" * 20, 1)[1].splitlines()
+    rows: dict[str, int] = {}
+    for row, line in enumerate(below):
+        for room in ROOMS:
+            if re.search(rf"(?<![\w/]){re.escape(room)}(?![\w/])", line):
+                rows.setdefault(room, row)
+    return rows
+
+
+def test_the_diagram_draws_each_room_above_what_it_imports() -> None:
+    rows = drawn_rows(ARCHITECTURE.read_text())
+    assert {"runtime/", "relay/", "offloader.py", "backend/", "config/"} <= set(rows), rows
+    wrong = [
+        f"{room} (row {rows[room]}) imports {dep} (row {rows[dep]})"
+        for room, allowed in ROOMS.items()
+        if room in rows
+        for dep in allowed
+        if dep in rows and rows[dep] <= rows[room]
+    ]
+    assert not wrong, "docs/architecture.md draws a room at or below one it imports: " + (
+        "; ".join(wrong)
+    )
+
+
 def test_the_documented_table_is_the_tested_one() -> None:
     documented = documented_rooms(ARCHITECTURE.read_text())
     assert list(documented) == list(ROOMS), (

@@ -66,3 +66,33 @@ def test_planner_view_marks_this_thread_and_windows_the_ledger() -> None:
     view.open_window()
     assert view.window() == (15, 7)
     assert view.buffer_bytes() == 5
+
+
+def test_held_elsewhere_is_declared_weakly() -> None:
+    """Relay declares what a model holds outside offloadd's counts; the planner's view reads
+    it; neither the model nor the declaring object is kept alive by the registry."""
+    import gc
+
+    from torch import nn
+
+    from offloadd.runtime.stages import HeldElsewhere
+
+    class Holder:
+        def held(self) -> int:
+            return 42
+
+    reg, model, holder = HeldElsewhere(), nn.Linear(2, 2), Holder()
+    assert reg.of(model) == 0 and reg.of(None) == 0
+    reg.declare(model, holder.held)
+    assert reg.of(model) == 42
+    del holder
+    gc.collect()
+    assert reg.of(model) == 0  # the declaring object went: nothing held
+    holder = Holder()
+    reg.declare(model, holder.held)
+    reg.forget(model)
+    assert reg.of(model) == 0
+    reg.declare(model, holder.held)
+    del model
+    gc.collect()
+    assert not list(reg._by_model.keys())  # the model went: its entry too

@@ -12,7 +12,6 @@ from torch import nn
 
 from offloadd.auto import recompute
 from offloadd.auto.discover import find_blocks
-from offloadd.runtime.stages import held_elsewhere
 
 __all__ = ["PlannedModel"]
 
@@ -54,10 +53,6 @@ class PlannedModel:
     def gone(self) -> bool:
         """A model was planned, and nothing holds it any more."""
         return self._root is not None and self._root() is None
-
-    def held(self) -> int:
-        """What the model holds that the budget counts beside its activations."""
-        return held_elsewhere(self.root)
 
     def hook(self, root: nn.Module, planner: Any) -> bool:
         """Plan ``root``: find its blocks and give each the planner's hooks and its recompute

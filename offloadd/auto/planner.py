@@ -137,7 +137,8 @@ class AutoPlanner:
             self.shapes = ShapePlans(self.budget, self.offload)
             self._warm, self.plan, self.last_plan, self._profile = set(), None, None, None
             log.info("offloadd: budget: the model planned is gone; planning the next one")
-        self.shapes.held = self.model.held
+        view, planned = self.view, self.model  # not self: shapes is the planner's own
+        self.shapes.held = lambda: view.held_elsewhere(planned.root)
         sample = next(root.parameters(), None)
         # the view's method, not the planner's: what a user's tensor holds must not keep it
         self.probe = open_probe(sample, self.view.buffer_bytes)

@@ -102,7 +102,7 @@ def relay(
     state = RelayState(r, win, cfg, kept)
     _hook(model, state)
     model.__dict__[ATTR] = state
-    model.__dict__[HELD_ELSEWHERE] = r.held_for_budget
+    HELD_ELSEWHERE.declare(model, r.held_for_budget)
     # a model dropped without unrelay: its store's engine stops, its files (no names) close
     state.finalizer = weakref.finalize(model, _close, store, r.slabs)
     return model
@@ -199,8 +199,9 @@ def unrelay(model: nn.Module) -> nn.Module:
             e.module._parameters[e.attr] = e.param
             r.forget_placeholder(e)
     unpatch(state)
-    for name in ("__reduce_ex__", "__deepcopy__", ATTR, HELD_ELSEWHERE):
+    for name in ("__reduce_ex__", "__deepcopy__", ATTR):
         model.__dict__.pop(name, None)
+    HELD_ELSEWHERE.forget(model)
     state.finalizer()
     return model
 

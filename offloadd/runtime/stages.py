@@ -11,6 +11,7 @@ owns, which builds a stage only when its config asks for it.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -26,24 +27,44 @@ from offloadd.runtime.thread_state import ThreadState
 
 __all__ = [
     "HELD_ELSEWHERE",
+    "HeldElsewhere",
     "Coder",
     "CoderFactory",
     "Planner",
     "PlannerFactory",
     "PlannerView",
     "Stages",
-    "held_elsewhere",
 ]
 
-HELD_ELSEWHERE = "_offloadd_held_elsewhere"
-"""A model's attribute: a callable giving the bytes it holds outside offloadd's accounting and
-the allocator's counts, that a budget must leave room for (relay's weights in host memory)."""
+
+class HeldElsewhere:
+    """Bytes a model holds outside offloadd's accounting and the allocator's counts, that a
+    budget must leave room for (relay's slabs in host memory). The plug-in that holds them
+    declares a bound method that counts them (:meth:`declare`); a planner asks through its view
+    (:meth:`PlannerView.held_elsewhere`). Both sides are weak: the model, and the method's
+    object (which the model holds), go when nothing else holds them."""
+
+    def __init__(self) -> None:
+        self._by_model: weakref.WeakKeyDictionary[nn.Module, weakref.WeakMethod[Any]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def declare(self, model: nn.Module, held: Callable[[], int]) -> None:
+        """``held()`` (a bound method) counts what ``model`` holds elsewhere, from now on."""
+        self._by_model[model] = weakref.WeakMethod(held)
+
+    def forget(self, model: nn.Module) -> None:
+        self._by_model.pop(model, None)
+
+    def of(self, model: nn.Module | None) -> int:
+        """What ``model`` holds elsewhere now (0 if nothing is declared)."""
+        ref = self._by_model.get(model) if model is not None else None
+        held = ref() if ref is not None else None
+        return int(held()) if held is not None else 0
 
 
-def held_elsewhere(model: nn.Module | None) -> int:
-    """What ``model`` holds that the budget counts beside its activations (0 if nothing)."""
-    held = getattr(model, "__dict__", {}).get(HELD_ELSEWHERE)
-    return int(held()) if held is not None else 0
+HELD_ELSEWHERE = HeldElsewhere()
+"""The one registry: relay declares into it, the planner's view reads it."""
 
 
 class PlannerView:
@@ -90,6 +111,11 @@ class PlannerView:
     def io_wait_s(self) -> float:
         """The seconds backward has waited for reads so far."""
         return self._ledger.stats.io_wait_s
+
+    def held_elsewhere(self, model: nn.Module | None) -> int:
+        """What ``model`` holds outside offloadd's counts that a budget must leave room for
+        (:class:`HeldElsewhere`: relay's slabs)."""
+        return HELD_ELSEWHERE.of(model)
 
 
 class Planner(Protocol):

@@ -27,7 +27,7 @@ from offloadd.auto.solver import RECOMPUTE
 from offloadd.codec import CODECS, DEFAULT_OPS, Codec, Scheme, coded_nbytes, decode, encode
 from offloadd.codec.quant import group_size, native_available
 from offloadd.tools.models.gpt import GPT, GPTConfig
-from tests._support.helpers import assert_bitwise_equal, small_offloader, train
+from tests._support.helpers import MakeOffloader, assert_bitwise_equal, train
 
 # Tiny tensors: one intra-op thread is fastest, and immune to a busy machine.
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -430,11 +430,13 @@ def keep_run(case: str) -> list[list[torch.Tensor]]:
 @pytest.mark.usefixtures("backend")
 @pytest.mark.parametrize("tier", ["keep", "cpu", "ssd"])
 @pytest.mark.parametrize("case", sorted(TIER_CASES))
-def test_codes_move_losslessly_through_every_tier(case: str, tier: str, disk_dir: Path) -> None:
+def test_codes_move_losslessly_through_every_tier(
+    make_offloader: MakeOffloader, case: str, tier: str, disk_dir: Path
+) -> None:
     """The same codec gives bitwise the same gradients whatever the tier (and through the daemon),
     close to plain PyTorch's; the codec encoded tensors and saved bytes, and everything is
     released after backward."""
-    off = small_offloader(disk_dir, tier=tier, **coded(**TIER_CASES[case]))
+    off = make_offloader(disk_dir, tier=tier, **coded(**TIER_CASES[case]))
     try:
         got = train(two_blocks, block_input, off, steps=2, settle_first=True)
         off.synchronize()
@@ -735,7 +737,7 @@ def test_a_misspelt_codec_op_is_refused() -> None:
 
 @pytest.mark.parametrize("tier", ["keep", "ssd"])
 def test_one_input_of_three_projections_is_encoded_once(
-    tier: str, disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+    make_offloader: MakeOffloader, tier: str, disk_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     torch.manual_seed(0)
     ln = nn.LayerNorm(64)
@@ -746,7 +748,7 @@ def test_one_input_of_three_projections_is_encoded_once(
         return sum((p(h).square().sum() for p in proj), torch.zeros(()))
 
     x = torch.randn(4, 32, 64)
-    off = small_offloader(disk_dir, tier=tier, **coded(name="int8"))
+    off = make_offloader(disk_dir, tier=tier, **coded(name="int8"))
     shapes = coded_shapes(off, monkeypatch)
     got = run(fn, [x], off, module=proj)
     st = off.stats()
@@ -781,7 +783,9 @@ def test_a_tensor_saved_exactly_first_is_not_encoded_again() -> None:
 
 
 @pytest.mark.parametrize("where", ["cpu-tier", "under-min-bytes"])
-def test_a_tensor_kept_exactly_first_is_not_encoded_again(where: str, disk_dir: Path) -> None:
+def test_a_tensor_kept_exactly_first_is_not_encoded_again(
+    make_offloader: MakeOffloader, where: str, disk_dir: Path
+) -> None:
     torch.manual_seed(0)
     lin = nn.Linear(64, 64).requires_grad_(False)
 
@@ -791,7 +795,7 @@ def test_a_tensor_kept_exactly_first_is_not_encoded_again(where: str, disk_dir: 
 
     x = torch.randn(32, 64)
     if where == "cpu-tier":
-        off = small_offloader(disk_dir, tier="cpu", **coded(name="int8"))
+        off = make_offloader(disk_dir, tier="cpu", **coded(name="int8"))
     else:
         off = keep_offloader(min_bytes=1 << 20)
     got = run(fn, [x], off)
@@ -804,12 +808,14 @@ def test_a_tensor_kept_exactly_first_is_not_encoded_again(where: str, disk_dir: 
 
 
 @pytest.mark.parametrize("tier", ["keep", "ssd"])
-def test_a_permuted_tensor_decodes_with_its_strides(tier: str, disk_dir: Path) -> None:
+def test_a_permuted_tensor_decodes_with_its_strides(
+    make_offloader: MakeOffloader, tier: str, disk_dir: Path
+) -> None:
     a = torch.randn(64, 32, requires_grad=True)
     b = torch.randn(64, 48, requires_grad=True)
     c = torch.randn(16, 24, 8, requires_grad=True)
     d = torch.randn(8, 16, 24, requires_grad=True)
-    off = small_offloader(disk_dir, tier=tier, **coded(name="int8"))
+    off = make_offloader(disk_dir, tier=tier, **coded(name="int8"))
     with off:
         at = a.t()  # (32, 64), strides (1, 32)
         y = torch.matmul(at, b)  # mm saves at as it is
@@ -883,7 +889,9 @@ def test_an_expanded_tensor_is_not_encoded(monkeypatch: pytest.MonkeyPatch) -> N
 
 @pytest.mark.usefixtures("backend")
 @pytest.mark.parametrize("tier", ["keep", "ssd"])
-def test_an_inplace_change_after_the_save_raises(tier: str, disk_dir: Path) -> None:
+def test_an_inplace_change_after_the_save_raises(
+    make_offloader: MakeOffloader, tier: str, disk_dir: Path
+) -> None:
     lin = nn.Linear(64, 64)
     x = torch.randn(64, 64)
     h = lin(x)
@@ -891,7 +899,7 @@ def test_an_inplace_change_after_the_save_raises(tier: str, disk_dir: Path) -> N
     h.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()  # plain PyTorch
-    off = small_offloader(disk_dir, tier=tier, **coded(name="int8"))
+    off = make_offloader(disk_dir, tier=tier, **coded(name="int8"))
     with off:
         h = lin(x)
         y = F.gelu(h)  # saves h: encoded
@@ -906,11 +914,13 @@ def test_an_inplace_change_after_the_save_raises(tier: str, disk_dir: Path) -> N
 
 @pytest.mark.usefixtures("backend")
 @pytest.mark.parametrize("tier", ["keep", "ssd"])
-def test_a_coded_tensor_unpacks_again_with_retain_graph(tier: str, disk_dir: Path) -> None:
+def test_a_coded_tensor_unpacks_again_with_retain_graph(
+    make_offloader: MakeOffloader, tier: str, disk_dir: Path
+) -> None:
     torch.manual_seed(0)
     lin = nn.Linear(64, 256)
     x = torch.randn(64, 64, requires_grad=True)
-    off = small_offloader(disk_dir, tier=tier, **coded(name="int4"))
+    off = make_offloader(disk_dir, tier=tier, **coded(name="int4"))
     with off:
         loss = F.gelu(lin(x)).square().sum()
     off.synchronize()

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import shutil
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from offloadd import Offloader
 from offloadd.io import native
 from offloadd.io.files import filesystem_type
 from tests._support import helpers
@@ -62,8 +64,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.fixture
-def engine_name(request: pytest.FixtureRequest) -> Iterator[str]:
-    """The engine this test runs on; ``helpers.small_offloader`` uses it unless told otherwise."""
+def engine_name(request: pytest.FixtureRequest) -> str:
+    """The engine this test runs on (``engine_options`` are its Offloader options)."""
     name: str = request.param
     if name.startswith("native"):
         ok, why = native.available()
@@ -71,9 +73,44 @@ def engine_name(request: pytest.FixtureRequest) -> Iterator[str]:
             pytest.fail(f"native engine unavailable: {why}")  # it must build wherever CI runs
         if name == "native-uring" and not native.uring_available()[0]:
             pytest.skip(f"io_uring unavailable: {native.uring_available()[1]}")
-    helpers.ENGINE = helpers.ENGINE_OPTIONS[name]
-    yield name
-    helpers.ENGINE = helpers.ENGINE_OPTIONS["default"]
+    return name
+
+
+@pytest.fixture
+def engine_options(engine_name: str) -> dict[str, str]:
+    """The Offloader options that pick this test's engine."""
+    return dict(helpers.ENGINE_OPTIONS[engine_name])
+
+
+@pytest.fixture
+def offload_options(
+    request: pytest.FixtureRequest, engine_options: dict[str, str]
+) -> dict[str, object]:
+    """The Offloader options of this test's engine, and, in a test run through the daemon by
+    the ``backend`` fixture, its socket. Asking for the fixture does not run a test on the
+    backends: only naming ``backend`` does (see pytest_generate_tests)."""
+    opts: dict[str, object] = dict(engine_options)
+    if "backend" in request.fixturenames and request.getfixturevalue("backend") == "daemon":
+        proc: DaemonProc = request.getfixturevalue("daemon")
+        opts["daemon"] = {"socket": proc.socket}
+    return opts
+
+
+@pytest.fixture
+def make_offloader(offload_options: dict[str, object]) -> helpers.MakeOffloader:
+    """``make_offloader(directory, **overrides)``: ``helpers.small_offloader`` on this test's
+    engine and backend (``offload_options``), the overrides taking precedence."""
+
+    def make(directory: object, **overrides: object) -> Offloader:
+        return helpers.small_offloader(directory, **{**offload_options, **overrides})
+
+    return make
+
+
+@pytest.fixture
+def make_engine(engine_options: dict[str, str]) -> helpers.MakeEngine:
+    """``make_engine(num_threads)``: a standalone engine of the kind this test runs on."""
+    return functools.partial(helpers.open_engine, options=engine_options)
 
 
 @pytest.fixture(params=["native", "torch-ops"])
@@ -170,8 +207,8 @@ def own_daemon() -> Iterator[Callable[..., DaemonProc]]:
 
 @pytest.fixture
 def backend(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Run a test with the embedded engine and again through a real daemon (``small_offloader``
-    picks the daemon up); in daemon mode, afterwards no session, file or memfd may be left."""
+    """Run a test with the embedded engine and again through a real daemon (``make_offloader``
+    and the other factories pick the daemon up); in daemon mode, afterwards no session, file or memfd may be left."""
     if request.param == "embedded":
         yield "embedded"
         return
@@ -180,11 +217,7 @@ def backend(request: pytest.FixtureRequest) -> Iterator[str]:
     if tier != "ssd":
         pytest.skip(f"tier {tier} does not use the daemon: the embedded run covers it")
     proc: DaemonProc = request.getfixturevalue("daemon")
-    helpers.BACKEND["daemon"] = {"socket": proc.socket}
-    try:
-        yield "daemon"
-    finally:
-        helpers.BACKEND.clear()
+    yield "daemon"  # offload_options routes the test's Offloaders to it
     gc.collect()  # Offloaders a test did not close end their sessions when collected
     doc = proc.wait_idle()
     assert not doc["sessions"], f"sessions left open: {doc['sessions']}"

@@ -414,6 +414,7 @@ def test_every_import_goes_where_the_table_allows(imports: list[Import]) -> None
     assert not found, "imports across rooms that the table does not allow:\n" + "\n".join(found)
 
 
+@pytest.mark.unit
 def test_the_rooms_import_as_a_dag(imports: list[Import]) -> None:
     found = cycles(room_graph(imports))
     assert not found, f"rooms that import each other: {found}"
@@ -473,6 +474,7 @@ def test_the_documented_table_is_the_tested_one() -> None:
         assert set(documented[room]) == set(allowed), (room, documented[room], allowed)
 
 
+@pytest.mark.unit
 def test_modules_of_a_room_import_as_a_dag(imports: list[Import]) -> None:
     found = [set(c) for c in cycles(module_graph(imports))]
     unknown = [sorted(c) for c in found if c not in KNOWN_CYCLES]
@@ -547,6 +549,7 @@ def test_cycles_are_found() -> None:
     assert cycles({"x": {"y"}, "y": set()}) == []
 
 
+@pytest.mark.unit
 def test_every_room_has_modules(imports: list[Import]) -> None:
     """A row whose room holds no module (a package renamed) would pass silently."""
     modules = known_modules()
@@ -783,6 +786,7 @@ def _tool_files() -> list[Path]:
     return sorted(TOOLS.rglob("*.py"))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("path", _tool_files(), ids=lambda p: str(p.relative_to(TOOLS)))
 def test_tool_module_is_short(path: Path) -> None:
     lines = len(path.read_text().splitlines())
@@ -846,6 +850,7 @@ def _tool_folders() -> list[Path]:
     return sorted(p for p in TOOLS.rglob("*") if p.is_dir() and p.name != "__pycache__")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("folder", _tool_folders(), ids=lambda p: str(p.relative_to(TOOLS)))
 def test_tool_folder_is_a_package_named_once(folder: Path) -> None:
     """A folder of the tools is a package with its own ``__init__.py`` (its ``__all__`` is
@@ -869,6 +874,7 @@ TEST_FOLDERS_BESIDE_ROOMS = {
 }
 
 
+@pytest.mark.unit
 def test_tests_mirror_the_package() -> None:
     """``tests/`` has one folder per room of ``offloadd/`` that has tests, plus
     :data:`TEST_FOLDERS_BESIDE_ROOMS`; each is a package (unique module names); at the top only

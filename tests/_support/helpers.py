@@ -7,7 +7,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import ClassVar
 
@@ -26,22 +26,24 @@ ENGINE_OPTIONS: dict[str, dict[str, str]] = {
     "python": {"engine": "python"},
     "default": {},  # what users get: engine = auto
 }
-ENGINE: dict[str, str] = ENGINE_OPTIONS["default"]  # set per test by the engine_name fixture
+
+#: The ``make_offloader`` fixture (tests/conftest.py): :func:`small_offloader` with the test's
+#: engine and backend options, which the call's own options override.
+MakeOffloader = Callable[..., Offloader]
+#: The ``make_engine`` fixture: :func:`open_engine` on the test's engine, given its threads.
+MakeEngine = Callable[[int], Engine]
 
 
-def make_engine(num_threads: int) -> Engine:
-    """The engine the current test runs on (see ``engine_name``), standalone."""
-    engine, _ = open_host_engine(Config(io_threads=num_threads, **ENGINE))  # type: ignore[arg-type]
+def open_engine(num_threads: int, options: Mapping[str, str]) -> Engine:
+    """A standalone engine with ``options`` (one of :data:`ENGINE_OPTIONS`)."""
+    engine, _ = open_host_engine(Config(io_threads=num_threads, **options))  # type: ignore[arg-type]
     return engine
 
 
-#: Options set by the ``backend`` fixture (tests/conftest.py) to route offloaders to a daemon.
-BACKEND: dict[str, object] = {}
-
-
 def small_offloader(disk_dir: object, **kw: object) -> Offloader:
-    """An Offloader sized so tiny models still exercise chunking, staging and prefetch
-    (through a daemon when the ``backend`` fixture says so)."""
+    """An Offloader sized so tiny models still exercise chunking, staging and prefetch, on the
+    default engine unless ``kw`` names one (tests on the engine and backend they are run on
+    take the ``make_offloader`` fixture instead, which passes theirs)."""
     opts: dict[str, object] = dict(
         tier="ssd",
         ssd_dirs=[str(disk_dir)],
@@ -51,8 +53,6 @@ def small_offloader(disk_dir: object, **kw: object) -> Offloader:
         prefetch_bytes=512 << 10,
         io_threads=2,
     )
-    opts.update(ENGINE)
-    opts.update(BACKEND)
     opts.update(kw)
     daemon = opts.get("daemon")
     if isinstance(daemon, dict) and daemon.get("socket") and "io_engine" in opts:

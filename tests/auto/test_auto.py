@@ -93,6 +93,7 @@ def _measured(b: BlockCost, rng: random.Random) -> BlockCost:
     )
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("measured", [False, True], ids=["accounted", "measured"])
 @pytest.mark.parametrize("seed", range(25))
 def test_solver_matches_brute_force(seed: int, measured: bool) -> None:
@@ -243,6 +244,7 @@ def test_find_blocks_of_hf_models() -> None:
 # -- the config --------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_budget_config() -> None:
     assert Config().budget is None
     assert Config(budget="6GiB").budget == 6 << 30
@@ -621,6 +623,7 @@ def test_transformers_families_bit_identical_under_mixed_plans(family: str, disk
     off.close()
 
 
+@pytest.mark.unit
 def test_a_model_without_blocks_offloads_as_usual(
     disk_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -27,7 +27,7 @@ from offloadd.auto.solver import RECOMPUTE
 from offloadd.codec import CODECS, DEFAULT_OPS, Codec, Scheme, coded_nbytes, decode, encode
 from offloadd.codec.quant import group_size, native_available
 from offloadd.tools.models.gpt import GPT, GPTConfig
-from tests._support.helpers import assert_bitwise_equal, small_offloader, train
+from tests._support.helpers import MakeOffloader, assert_bitwise_equal, train
 
 # Tiny tensors: one intra-op thread is fastest, and immune to a busy machine.
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -105,6 +105,7 @@ def _varied(numel: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     return x.to(dtype)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("label", sorted(CODEC_KW))
 def test_round_trip_within_the_bound(label: str, dtype: torch.dtype) -> None:
@@ -142,6 +143,7 @@ def _round_trip(s: Scheme, dtype: torch.dtype, native: bool) -> None:
     assert enc.params.dtype == torch.float32 and enc.params.shape == (9, 2 if s.affine else 1)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
 @pytest.mark.parametrize("label", sorted(CODEC_KW))
 def test_codes_never_wrap_around(label: str, stochastic: bool) -> None:
@@ -165,6 +167,7 @@ def test_codes_never_wrap_around(label: str, stochastic: bool) -> None:
         assert bool((y[:, :1] <= lo + step[:, :1]).all())
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("label", sorted(CODEC_KW))
 def test_an_infinity_or_nan_makes_its_group_nan(label: str, dtype: torch.dtype) -> None:
@@ -180,6 +183,7 @@ def test_an_infinity_or_nan_makes_its_group_nan(label: str, dtype: torch.dtype) 
         assert torch.equal(y[[1, 3, 5]], clean[[1, 3, 5]])
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("numel", [1, 2, 3, 5, 63, 255, 257, 1001])
 @pytest.mark.parametrize("label", sorted(CODEC_KW))
 def test_values_on_the_grid_round_trip_exactly(label: str, numel: int) -> None:
@@ -211,6 +215,7 @@ def test_values_on_the_grid_round_trip_exactly(label: str, numel: int) -> None:
         assert torch.equal(decode(enc, s, torch.float32, native=native), x)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("label", sorted(CODEC_KW))
 def test_coded_nbytes_is_what_encode_makes(label: str) -> None:
     s = scheme(label)
@@ -221,6 +226,7 @@ def test_coded_nbytes_is_what_encode_makes(label: str) -> None:
         assert coded_nbytes(numel, s, group) == enc.codes.nbytes + enc.params.nbytes
 
 
+@pytest.mark.unit
 @pytest.mark.skipif(not native_available(), reason="offloadd.codec._kernels was not built")
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -284,6 +290,7 @@ def test_the_fused_fp8_cast_rounds_like_torch_at_every_boundary(label: str) -> N
     assert torch.equal(decode(a, s, torch.float32), decode(b, s, torch.float32, native=False))
 
 
+@pytest.mark.unit
 def test_int8_is_about_a_quarter_of_float32() -> None:
     """At the default group, int8 codes and scales: at most 0.27 of float32, 0.52 of bf16."""
     shape = (8, 512, 512)
@@ -320,6 +327,7 @@ def test_group_size_follows_rows_and_heads() -> None:
 # -- stochastic rounding -----------------------------------------------------------------------
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("label", INTEGER)
 def test_stochastic_rounding_is_unbiased(label: str) -> None:
     """The mean of many decodes (different seeds) approaches x, far closer than one decode."""
@@ -337,6 +345,7 @@ def test_stochastic_rounding_is_unbiased(label: str) -> None:
     assert float(mean.mean()) < 0.3 * float(nearest.mean())
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("label", INTEGER)
 def test_stochastic_rounding_repeats_with_its_seed(label: str) -> None:
     s = scheme(label, stochastic=True)
@@ -346,6 +355,7 @@ def test_stochastic_rounding_repeats_with_its_seed(label: str) -> None:
     assert not torch.equal(a.codes, c.codes)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", ["fp8-e4m3", "fp8-e5m2"])
 def test_fp8_refuses_stochastic_rounding(name: str) -> None:
     with pytest.raises(ValueError, match=r"codec\.stochastic"):
@@ -430,11 +440,13 @@ def keep_run(case: str) -> list[list[torch.Tensor]]:
 @pytest.mark.usefixtures("backend")
 @pytest.mark.parametrize("tier", ["keep", "cpu", "ssd"])
 @pytest.mark.parametrize("case", sorted(TIER_CASES))
-def test_codes_move_losslessly_through_every_tier(case: str, tier: str, disk_dir: Path) -> None:
+def test_codes_move_losslessly_through_every_tier(
+    make_offloader: MakeOffloader, case: str, tier: str, disk_dir: Path
+) -> None:
     """The same codec gives bitwise the same gradients whatever the tier (and through the daemon),
     close to plain PyTorch's; the codec encoded tensors and saved bytes, and everything is
     released after backward."""
-    off = small_offloader(disk_dir, tier=tier, **coded(**TIER_CASES[case]))
+    off = make_offloader(disk_dir, tier=tier, **coded(**TIER_CASES[case]))
     try:
         got = train(two_blocks, block_input, off, steps=2, settle_first=True)
         off.synchronize()
@@ -643,6 +655,7 @@ def test_what_ops_save_beside_their_arguments_stays_exact(
     off.close()
 
 
+@pytest.mark.unit
 def test_codec_ops_replaces_the_allow_list(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64), nn.Softmax(-1))
@@ -679,6 +692,7 @@ def test_attention_with_dropout_stays_exact(how: str) -> None:
     off.close()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("codec", ["int8", "int4"])
 @pytest.mark.parametrize("mask", [False, True])
 def test_attention_codes_only_v_and_its_output(
@@ -712,6 +726,7 @@ def test_a_tensor_shorter_than_its_codes_stays_exact() -> None:
     off.close()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("codec", ["fp8-e4m3", "fp8-e5m2"])
 def test_layer_norm_stays_exact_under_fp8(codec: str) -> None:
     ln = nn.LayerNorm(64)
@@ -735,7 +750,7 @@ def test_a_misspelt_codec_op_is_refused() -> None:
 
 @pytest.mark.parametrize("tier", ["keep", "ssd"])
 def test_one_input_of_three_projections_is_encoded_once(
-    tier: str, disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+    make_offloader: MakeOffloader, tier: str, disk_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     torch.manual_seed(0)
     ln = nn.LayerNorm(64)
@@ -746,7 +761,7 @@ def test_one_input_of_three_projections_is_encoded_once(
         return sum((p(h).square().sum() for p in proj), torch.zeros(()))
 
     x = torch.randn(4, 32, 64)
-    off = small_offloader(disk_dir, tier=tier, **coded(name="int8"))
+    off = make_offloader(disk_dir, tier=tier, **coded(name="int8"))
     shapes = coded_shapes(off, monkeypatch)
     got = run(fn, [x], off, module=proj)
     st = off.stats()
@@ -781,7 +796,9 @@ def test_a_tensor_saved_exactly_first_is_not_encoded_again() -> None:
 
 
 @pytest.mark.parametrize("where", ["cpu-tier", "under-min-bytes"])
-def test_a_tensor_kept_exactly_first_is_not_encoded_again(where: str, disk_dir: Path) -> None:
+def test_a_tensor_kept_exactly_first_is_not_encoded_again(
+    make_offloader: MakeOffloader, where: str, disk_dir: Path
+) -> None:
     torch.manual_seed(0)
     lin = nn.Linear(64, 64).requires_grad_(False)
 
@@ -791,7 +808,7 @@ def test_a_tensor_kept_exactly_first_is_not_encoded_again(where: str, disk_dir: 
 
     x = torch.randn(32, 64)
     if where == "cpu-tier":
-        off = small_offloader(disk_dir, tier="cpu", **coded(name="int8"))
+        off = make_offloader(disk_dir, tier="cpu", **coded(name="int8"))
     else:
         off = keep_offloader(min_bytes=1 << 20)
     got = run(fn, [x], off)
@@ -804,12 +821,14 @@ def test_a_tensor_kept_exactly_first_is_not_encoded_again(where: str, disk_dir: 
 
 
 @pytest.mark.parametrize("tier", ["keep", "ssd"])
-def test_a_permuted_tensor_decodes_with_its_strides(tier: str, disk_dir: Path) -> None:
+def test_a_permuted_tensor_decodes_with_its_strides(
+    make_offloader: MakeOffloader, tier: str, disk_dir: Path
+) -> None:
     a = torch.randn(64, 32, requires_grad=True)
     b = torch.randn(64, 48, requires_grad=True)
     c = torch.randn(16, 24, 8, requires_grad=True)
     d = torch.randn(8, 16, 24, requires_grad=True)
-    off = small_offloader(disk_dir, tier=tier, **coded(name="int8"))
+    off = make_offloader(disk_dir, tier=tier, **coded(name="int8"))
     with off:
         at = a.t()  # (32, 64), strides (1, 32)
         y = torch.matmul(at, b)  # mm saves at as it is
@@ -883,7 +902,9 @@ def test_an_expanded_tensor_is_not_encoded(monkeypatch: pytest.MonkeyPatch) -> N
 
 @pytest.mark.usefixtures("backend")
 @pytest.mark.parametrize("tier", ["keep", "ssd"])
-def test_an_inplace_change_after_the_save_raises(tier: str, disk_dir: Path) -> None:
+def test_an_inplace_change_after_the_save_raises(
+    make_offloader: MakeOffloader, tier: str, disk_dir: Path
+) -> None:
     lin = nn.Linear(64, 64)
     x = torch.randn(64, 64)
     h = lin(x)
@@ -891,7 +912,7 @@ def test_an_inplace_change_after_the_save_raises(tier: str, disk_dir: Path) -> N
     h.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()  # plain PyTorch
-    off = small_offloader(disk_dir, tier=tier, **coded(name="int8"))
+    off = make_offloader(disk_dir, tier=tier, **coded(name="int8"))
     with off:
         h = lin(x)
         y = F.gelu(h)  # saves h: encoded
@@ -906,11 +927,13 @@ def test_an_inplace_change_after_the_save_raises(tier: str, disk_dir: Path) -> N
 
 @pytest.mark.usefixtures("backend")
 @pytest.mark.parametrize("tier", ["keep", "ssd"])
-def test_a_coded_tensor_unpacks_again_with_retain_graph(tier: str, disk_dir: Path) -> None:
+def test_a_coded_tensor_unpacks_again_with_retain_graph(
+    make_offloader: MakeOffloader, tier: str, disk_dir: Path
+) -> None:
     torch.manual_seed(0)
     lin = nn.Linear(64, 256)
     x = torch.randn(64, 64, requires_grad=True)
-    off = small_offloader(disk_dir, tier=tier, **coded(name="int4"))
+    off = make_offloader(disk_dir, tier=tier, **coded(name="int4"))
     with off:
         loss = F.gelu(lin(x)).square().sum()
     off.synchronize()
@@ -981,6 +1004,7 @@ def test_codec_keys_load_from_toml_and_the_environment(tmp_path: Path) -> None:
     assert codec.ops == {"linear", "matmul"} and Codec(int8).ops == set(DEFAULT_OPS)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("key", "value"),
     [

@@ -9,6 +9,8 @@ import pytest
 from offloadd import Config, Offloader
 from offloadd.config import CodecConfig, DaemonConfig, parse_size
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -21,6 +21,8 @@ import pytest
 
 from offloadd import CodecConfig, Config, DaemonConfig, Offloader
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[2]
 SOCK = "/run/old.sock"
 

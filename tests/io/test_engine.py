@@ -15,8 +15,7 @@ from offloadd.io.buffers import AlignedBuffer
 from offloadd.io.files import DiskStore, SlotFile
 from offloadd.io.python_engine import PythonEngine
 from offloadd.io.request import Op, Request
-from tests._support import helpers
-from tests._support.helpers import SavePayload, loop_ext4, make_engine, small_offloader
+from tests._support.helpers import MakeEngine, MakeOffloader, SavePayload, loop_ext4
 
 pytestmark = pytest.mark.every_engine  # the engines' own tests: each engine, by default
 
@@ -34,24 +33,26 @@ def test_o_direct_is_really_on(disk_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("nbytes", [1, 4095, 4096, 4097, 3 * 65536 + 7])
-def test_round_trip_odd_sizes(nbytes: int, disk_dir: Path) -> None:
-    _round_trip(nbytes, disk_dir, chunk_bytes=64 << 10)
+def test_round_trip_odd_sizes(make_offloader: MakeOffloader, nbytes: int, disk_dir: Path) -> None:
+    _round_trip(make_offloader, nbytes, disk_dir, chunk_bytes=64 << 10)
 
 
 @pytest.mark.slow
-def test_round_trip_199_mib_plus_one(disk_dir: Path) -> None:
-    _round_trip((199 << 20) + 1, disk_dir, chunk_bytes=4 << 20)
+def test_round_trip_199_mib_plus_one(make_offloader: MakeOffloader, disk_dir: Path) -> None:
+    _round_trip(make_offloader, (199 << 20) + 1, disk_dir, chunk_bytes=4 << 20)
 
 
-def test_round_trip_larger_than_staging(disk_dir: Path) -> None:
-    _round_trip((9 << 20) + 1, disk_dir, chunk_bytes=1 << 20)  # staging is 1 MiB
+def test_round_trip_larger_than_staging(make_offloader: MakeOffloader, disk_dir: Path) -> None:
+    _round_trip(make_offloader, (9 << 20) + 1, disk_dir, chunk_bytes=1 << 20)  # staging is 1 MiB
 
 
-def _round_trip(nbytes: int, disk_dir: Path, chunk_bytes: int) -> None:
+def _round_trip(
+    make_offloader: MakeOffloader, nbytes: int, disk_dir: Path, chunk_bytes: int
+) -> None:
     payload = torch.randint(
         0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes)
     )
-    off = small_offloader(
+    off = make_offloader(
         disk_dir, min_bytes=1, chunk_bytes=chunk_bytes, staging_bytes=max(1 << 20, chunk_bytes)
     )
     SavePayload.seen.clear()
@@ -67,7 +68,7 @@ def _round_trip(nbytes: int, disk_dir: Path, chunk_bytes: int) -> None:
     off.close()
 
 
-def test_engine_concurrent_requests(disk_dir: Path) -> None:
+def test_engine_concurrent_requests(make_engine: MakeEngine, disk_dir: Path) -> None:
     store = DiskStore([str(disk_dir)], 64 << 10, "auto")
     f = store.files[0]
     engine = make_engine(4)
@@ -102,7 +103,7 @@ def test_engine_concurrent_requests(disk_dir: Path) -> None:
     src.close()
 
 
-def test_engine_error_names_path(disk_dir: Path) -> None:
+def test_engine_error_names_path(make_engine: MakeEngine, disk_dir: Path) -> None:
     engine = make_engine(1)  # first: engines open descriptors of their own (eventfd, ring)
     f = SlotFile(str(disk_dir), 4096, "auto")
     fd, path = f.fd, f.path
@@ -120,7 +121,7 @@ def test_engine_error_names_path(disk_dir: Path) -> None:
     buf.close()
 
 
-def test_striping_over_three_dirs(disk_dir: Path) -> None:
+def test_striping_over_three_dirs(engine_options: dict[str, str], disk_dir: Path) -> None:
     dirs = [disk_dir / f"d{i}" for i in range(3)]
     for d in dirs:
         d.mkdir()
@@ -129,7 +130,7 @@ def test_striping_over_three_dirs(disk_dir: Path) -> None:
         min_bytes=1,
         chunk_bytes=64 << 10,
         staging_bytes=4 << 20,
-        **helpers.ENGINE,  # type: ignore[arg-type]
+        **engine_options,  # type: ignore[arg-type]
     )
     x = torch.ones(1, requires_grad=True)
     payload = torch.randn(1 << 18)  # 1 MiB = 16 chunks
@@ -177,13 +178,13 @@ def _raiser(code: int, path: str):  # type: ignore[no-untyped-def]
     return f
 
 
-def test_disk_full_keeps_tensors_and_result(disk_dir: Path) -> None:
+def test_disk_full_keeps_tensors_and_result(make_offloader: MakeOffloader, disk_dir: Path) -> None:
     from tests._support.helpers import assert_bitwise_equal, train
     from tests.properties.test_equivalence import MODELS
 
     make_model, make_input = MODELS["gpt"]
     reference = train(make_model, make_input, None)
-    off = small_offloader(disk_dir, io_engine=FaultyEngine(ok_writes=5))
+    off = make_offloader(disk_dir, io_engine=FaultyEngine(ok_writes=5))
     with pytest.warns(RuntimeWarning, match="write failed"):
         got = train(make_model, make_input, off)
     assert_bitwise_equal(reference, got)
@@ -193,8 +194,8 @@ def test_disk_full_keeps_tensors_and_result(disk_dir: Path) -> None:
     off.close()
 
 
-def test_read_error_raises_never_wrong_bytes(disk_dir: Path) -> None:
-    off = small_offloader(disk_dir, io_engine=FaultyEngine(fail_reads=True))
+def test_read_error_raises_never_wrong_bytes(make_offloader: MakeOffloader, disk_dir: Path) -> None:
+    off = make_offloader(disk_dir, io_engine=FaultyEngine(fail_reads=True))
     x = torch.randn(512, 512, requires_grad=True)
     with off:
         z = (x * 2).sin()
@@ -205,7 +206,9 @@ def test_read_error_raises_never_wrong_bytes(disk_dir: Path) -> None:
     off.close()
 
 
-def test_real_enospc_on_small_filesystem(tmp_path: Path, engine_name: str) -> None:
+def test_real_enospc_on_small_filesystem(
+    make_offloader: MakeOffloader, tmp_path: Path, engine_name: str
+) -> None:
     """A 16 MiB loop-mounted ext4: the disk really fills up, and the engine says so (ENOSPC,
     not a generic EIO, even when the last write before the end was short)."""
     with loop_ext4(tmp_path) as mnt:
@@ -216,7 +219,7 @@ def test_real_enospc_on_small_filesystem(tmp_path: Path, engine_name: str) -> No
             return torch.randn(16384, 64, generator=g)  # ~ 50 MiB of activations per step
 
         reference = train(mlp, make_input, None, steps=2)
-        off = small_offloader(mnt, staging_bytes=4 << 20)
+        off = make_offloader(mnt, staging_bytes=4 << 20)
         with pytest.warns(RuntimeWarning, match=r"write failed \(\[Errno 28\]"):
             got = train(mlp, make_input, off, steps=2)
         assert_bitwise_equal(reference, got)
@@ -226,7 +229,10 @@ def test_real_enospc_on_small_filesystem(tmp_path: Path, engine_name: str) -> No
 
 
 def test_buffered_fallback_when_o_direct_refused(
-    disk_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    make_offloader: MakeOffloader,
+    disk_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A file system that refuses O_DIRECT (EINVAL at open) gets buffered I/O, logged and counted."""
     real_open = os.open
@@ -238,18 +244,18 @@ def test_buffered_fallback_when_o_direct_refused(
 
     monkeypatch.setattr(os, "open", fake_open)
     with caplog.at_level("WARNING", logger="offloadd"):
-        off = small_offloader(disk_dir)
+        off = make_offloader(disk_dir)
     assert off.stats().buffered_io
     assert any("buffered" in r.message for r in caplog.records)
     monkeypatch.undo()
     _check_round_trip(off)
     with pytest.raises(ValueError, match="cannot create"):
         monkeypatch.setattr(os, "open", fake_open)
-        small_offloader(disk_dir, direct_io="on")
+        make_offloader(disk_dir, direct_io="on")
 
 
-def test_direct_io_off(disk_dir: Path) -> None:
-    off = small_offloader(disk_dir, direct_io="off")
+def test_direct_io_off(make_offloader: MakeOffloader, disk_dir: Path) -> None:
+    off = make_offloader(disk_dir, direct_io="off")
     assert off.stats().buffered_io
     _check_round_trip(off)
 
@@ -266,7 +272,9 @@ def _check_round_trip(off: Offloader) -> None:
     off.close()
 
 
-def test_callback_exception_does_not_kill_io_thread(disk_dir: Path) -> None:
+def test_callback_exception_does_not_kill_io_thread(
+    make_engine: MakeEngine, disk_dir: Path
+) -> None:
     f = SlotFile(str(disk_dir), 4096, "auto")
     engine = make_engine(1)
     buf = AlignedBuffer(4096)
@@ -287,7 +295,9 @@ def test_callback_exception_does_not_kill_io_thread(disk_dir: Path) -> None:
     ("npages", "head", "tail"),
     [(1, True, False), (2, True, True), (2, False, True), (3, True, True), (700, True, True)],
 )
-def test_write_head_and_tail_pages(npages: int, head: bool, tail: bool, disk_dir: Path) -> None:
+def test_write_head_and_tail_pages(
+    make_engine: MakeEngine, npages: int, head: bool, tail: bool, disk_dir: Path
+) -> None:
     """A write's first and last page come from their own addresses (the zero-copy path's bounce
     pages), in file order; the rest from the request's address, cut into chunks as usual."""
     nbytes = npages * 4096

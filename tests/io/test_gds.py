@@ -14,7 +14,7 @@ import pytest
 from offloadd import Offloader
 from offloadd.io import gds
 from offloadd.io.request import Op, Request
-from tests._support.helpers import assert_bitwise_equal, small_offloader
+from tests._support.helpers import MakeOffloader, assert_bitwise_equal
 from tests.runtime.test_cuda import (
     check_inplace_before_capture_raises,
     check_producer_stream,
@@ -59,8 +59,8 @@ def test_every_gds_extra_names_a_kvikio() -> None:
     assert extras["gds-cu13"][0].startswith("kvikio-cu13")
 
 
-def test_auto_without_gds_keeps_cpu_paths(disk_dir: Path) -> None:
-    off = small_offloader(disk_dir, engine="auto")
+def test_auto_without_gds_keeps_cpu_paths(make_offloader: MakeOffloader, disk_dir: Path) -> None:
+    off = make_offloader(disk_dir, engine="auto")
     assert "kvikio" not in off.stats().engine
     off.close()
 
@@ -79,10 +79,12 @@ def _need_gds(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.cuda
-def test_gds_bit_identical(disk_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gds_bit_identical(
+    make_offloader: MakeOffloader, disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _need_gds(monkeypatch)
     ref = train_cuda(None, rows=1000)
-    off = small_offloader(disk_dir, engine="kvikio")
+    off = make_offloader(disk_dir, engine="kvikio")
     got = train_cuda(off, rows=1000)
     st = off.stats()
     off.close()
@@ -91,22 +93,24 @@ def test_gds_bit_identical(disk_dir: Path, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 @pytest.mark.cuda
-def test_gds_inplace_before_capture_raises(disk_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gds_inplace_before_capture_raises(
+    make_offloader: MakeOffloader, disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _need_gds(monkeypatch)
-    check_inplace_before_capture_raises(small_offloader(disk_dir, engine="kvikio"))
+    check_inplace_before_capture_raises(make_offloader(disk_dir, engine="kvikio"))
 
 
 @pytest.mark.cuda
 def test_gds_write_waits_for_the_producer_stream(
-    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+    make_offloader: MakeOffloader, disk_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _need_gds(monkeypatch)
-    check_producer_stream(small_offloader(disk_dir, engine="kvikio"))
+    check_producer_stream(make_offloader(disk_dir, engine="kvikio"))
 
 
 @pytest.mark.cuda
 def test_gds_write_error_falls_back_exactly(
-    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+    make_offloader: MakeOffloader, disk_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _need_gds(monkeypatch)
     real = gds.KvikioEngine.transfer
@@ -118,7 +122,7 @@ def test_gds_write_error_falls_back_exactly(
 
     monkeypatch.setattr(gds.KvikioEngine, "transfer", failing)
     ref = train_cuda(None, rows=1000)
-    off = small_offloader(disk_dir, engine="kvikio")
+    off = make_offloader(disk_dir, engine="kvikio")
     with pytest.warns(RuntimeWarning, match="write failed"):
         got = train_cuda(off, rows=1000)
     st = off.stats()

@@ -17,7 +17,7 @@ from torch import nn
 import offloadd
 from offloadd.memsave.replace import memsave, unmemsave
 from offloadd.tools.bench.memsave import Logits
-from tests._support.helpers import small_offloader
+from tests._support.helpers import MakeOffloader
 from tests._support.memsave_cases import DTYPES, compare, rand, run, same
 
 ENGINE_PARAMS = ("python",)  # the offload composition tests: one engine is enough here
@@ -209,14 +209,14 @@ def test_whole_model_bitwise(
         assert ms_bytes <= 0.6 * plain_bytes  # BN tuning
 
 
-def test_memsave_with_offloader(disk_dir: Path) -> None:
+def test_memsave_with_offloader(make_offloader: MakeOffloader, disk_dir: Path) -> None:
     torch.manual_seed(0)
     plain = freeze(tiny_resnet(), "norm-bias").train()
     ms = memsave(copy.deepcopy(plain))
     x = rand(4, 3, 32, 32)
     a, _ = run(plain, x, True, 0, steps=2)
     results = []
-    off = small_offloader(disk_dir, min_bytes=0)
+    off = make_offloader(disk_dir, min_bytes=0)
     try:
         for step in range(2):
             leaf = x.clone().requires_grad_()
@@ -258,7 +258,9 @@ def test_conv_realistic_sizes(
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
-def test_sgd_steps_with_offload_match_plain(disk_dir: Path, dropout: float) -> None:
+def test_sgd_steps_with_offload_match_plain(
+    make_offloader: MakeOffloader, disk_dir: Path, dropout: float
+) -> None:
     """helpers.train (SGD, three steps, RNG state compared; every parameter trains, as the
     equivalence tests' models do): plain PyTorch without offloadd against memsave inside an
     Offloader."""
@@ -276,7 +278,7 @@ def test_sgd_steps_with_offload_match_plain(disk_dir: Path, dropout: float) -> N
         return torch.randn(4, 3, 8, 8, generator=gen)
 
     reference = train(make(False), make_input, None)
-    off = small_offloader(disk_dir, min_bytes=0)
+    off = make_offloader(disk_dir, min_bytes=0)
     try:
         got = train(make(True), make_input, off, settle_first=True)
         off.synchronize()
@@ -360,7 +362,7 @@ def _first_layer_frozen(make: Callable[[], nn.Module], memsaved: bool) -> Callab
 @pytest.mark.parametrize("tier", ["keep", "ssd", "cpu"])
 @pytest.mark.parametrize("model", ["mlp", "convnet", "encoder", "gpt"])
 def test_equivalence_models_memsaved_under_every_tier(
-    model: str, tier: str, disk_dir: Path
+    make_offloader: MakeOffloader, model: str, tier: str, disk_dir: Path
 ) -> None:
     """The models of tests/properties/test_equivalence.py, first layer frozen: memsaved and offloaded,
     bitwise the unmodified model trained without offloadd (dropout on)."""
@@ -369,7 +371,7 @@ def test_equivalence_models_memsaved_under_every_tier(
 
     make, make_input = MODELS[model]
     reference = train(_first_layer_frozen(make, False), make_input, None)
-    off = small_offloader(disk_dir, tier=tier)
+    off = make_offloader(disk_dir, tier=tier)
     try:
         got = train(_first_layer_frozen(make, True), make_input, off, settle_first=True)
     finally:

@@ -62,6 +62,7 @@ def bits_of(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("inplace", [False, True], ids=["new", "inplace"])
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -77,6 +78,7 @@ def test_relu_and_its_mask_are_torchs(
     assert packed.numel() == (n + 7) // 8
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("n", SIZES)
 def test_select_is_threshold_backward(k: kernels.Kernels, n: int) -> None:
     result = torch.relu(special(n, torch.float32, seed=n))
@@ -85,6 +87,7 @@ def test_select_is_threshold_backward(k: kernels.Kernels, n: int) -> None:
     assert torch.equal(bits_of(got), bits_of(_THRESHOLD_BACKWARD(grad, result, 0)))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_pack_and_expand(k: kernels.Kernels, dtype: torch.dtype, n: int) -> None:
@@ -97,6 +100,7 @@ def test_pack_and_expand(k: kernels.Kernels, dtype: torch.dtype, n: int) -> None
     )
 
 
+@pytest.mark.unit
 def test_one_thread_gives_the_same_bits(k: kernels.Kernels) -> None:
     x = special((1 << 20) + 5, torch.float32, seed=3)
     threads = torch.get_num_threads()
@@ -125,6 +129,7 @@ def test_the_ops_refuse_what_they_cannot_read(k: kernels.Kernels) -> None:
 POOL_2X = ([2], [2], [0], [1])
 
 
+@pytest.mark.unit
 def test_serves_only_contiguous_cpu_float32_and_bfloat16() -> None:
     assert kernels.serves(torch.zeros(4)) and kernels.serves(torch.zeros(4, dtype=torch.bfloat16))
     assert not kernels.serves(torch.zeros(4, dtype=torch.float16))
@@ -146,6 +151,7 @@ POOLS = [  # (input shape, kernel, stride, padding, dilation, ceil_mode)
 ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("case", POOLS, ids=lambda c: "x".join(map(str, c[0])))
 def test_pool_offsets_are_pool_pys(k: kernels.Kernels, case: tuple) -> None:
     shape, kernel, stride, padding, dilation, ceil = case
@@ -212,6 +218,7 @@ def test_modules_bitwise_plain_either_path(
         assert torch.equal(bits_of(u), bits_of(v))
 
 
+@pytest.mark.unit
 def test_relu_with_denormals_flushed(memsave_path: str) -> None:
     if not torch.set_flush_denormal(True):
         pytest.skip("this CPU cannot flush denormals")

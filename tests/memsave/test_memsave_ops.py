@@ -18,6 +18,8 @@ from offloadd.memsave import kernels
 from offloadd.memsave.bits import packed_bytes
 from offloadd.memsave.replace import memsave
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def native() -> kernels.Kernels:

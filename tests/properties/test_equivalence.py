@@ -11,9 +11,9 @@ from torch import nn
 
 from offloadd.tools.models import GPT, GPTConfig
 from tests._support.helpers import (
+    MakeOffloader,
     SlowEngine,
     assert_bitwise_equal,
-    small_offloader,
     train,
     train_and_compare,
 )
@@ -72,8 +72,10 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], tor
 @pytest.mark.parametrize("dedup", [True, False], ids=["dedup", "nodedup"])
 @pytest.mark.parametrize("tier", ["keep", "ssd", "cpu"])
 @pytest.mark.parametrize("model", sorted(MODELS))
-def test_gradients_bit_identical(model: str, tier: str, dedup: bool, disk_dir: Path) -> None:
-    off = small_offloader(disk_dir, tier=tier, dedup=dedup)
+def test_gradients_bit_identical(
+    make_offloader: MakeOffloader, model: str, tier: str, dedup: bool, disk_dir: Path
+) -> None:
+    off = make_offloader(disk_dir, tier=tier, dedup=dedup)
     # Settled first step: it writes and reads back whatever the timing (an engine that got no
     # CPU before backward would otherwise see every write forwarded and cancelled).
     st = train_and_compare(*MODELS[model], off, settle_first=True)
@@ -90,12 +92,14 @@ def test_gradients_bit_identical(model: str, tier: str, dedup: bool, disk_dir: P
     ("chunk_kib", "in_place"),
     [(4, True), (64, True), (256, True), (4, False), (64, False), (1024, False)],
 )
-def test_chunk_and_pool_sizes(chunk_kib: int, in_place: bool, disk_dir: Path) -> None:
+def test_chunk_and_pool_sizes(
+    make_offloader: MakeOffloader, chunk_kib: int, in_place: bool, disk_dir: Path
+) -> None:
     """Blocks larger than the staging pool stream through it; tiny pools force backpressure
     (in-place writes: holding more than ``staging_bytes`` of sources)."""
     make_model, make_input = MODELS["gpt"]
     reference = train(make_model, make_input, None)
-    off = small_offloader(
+    off = make_offloader(
         disk_dir,
         chunk_bytes=chunk_kib << 10,
         staging_bytes=chunk_kib << (10 if in_place else 11),

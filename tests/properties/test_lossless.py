@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from offloadd import Offloader
 from offloadd.io.python_engine import PythonEngine
 from offloadd.runtime import capture
-from tests._support.helpers import SavePayload, StagedEngine, small_offloader
+from tests._support.helpers import MakeOffloader, SavePayload, StagedEngine
 
 pytestmark = pytest.mark.usefixtures("backend")
 # What is captured, and when, does not depend on the engine: one embedded engine and the daemon.
@@ -63,14 +63,18 @@ def _rrelu_inplace(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("fn", [_rrelu, _rrelu_inplace], ids=["rrelu", "rrelu_"])
 @pytest.mark.parametrize("tier", ["ssd", "cpu"])
 def test_rrelu_noise_filled_by_the_op(
-    tier: str, fn: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype, disk_dir: Path
+    make_offloader: MakeOffloader,
+    tier: str,
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    dtype: torch.dtype,
+    disk_dir: Path,
 ) -> None:
     """rrelu saves ``noise`` before its kernel fills it (without a version bump): the bytes
     offloaded must be the ones after the kernel, as autograd sees them without hooks."""
     x = torch.randn(N, N, dtype=dtype)
     expected = _grads(fn, x, None)
     for min_bytes in (0, 4096):
-        off = small_offloader(disk_dir, tier=tier, min_bytes=min_bytes)
+        off = make_offloader(disk_dir, tier=tier, min_bytes=min_bytes)
         got = _grads(fn, x, off)
         st = off.stats()
         off.close()
@@ -80,9 +84,9 @@ def test_rrelu_noise_filled_by_the_op(
             assert st.offloaded_bytes >= N * N * dtype.itemsize
 
 
-def test_same_node_packs_wait_for_the_op(disk_dir: Path) -> None:
+def test_same_node_packs_wait_for_the_op(make_offloader: MakeOffloader, disk_dir: Path) -> None:
     """Every pack of one op shares a node number; only a later node's pack captures them."""
-    off = small_offloader(disk_dir, min_bytes=0)
+    off = make_offloader(disk_dir, min_bytes=0)
     numbers: list[int] = []
     real_add = off.runtime.captures.add
 
@@ -104,13 +108,13 @@ def test_same_node_packs_wait_for_the_op(disk_dir: Path) -> None:
 
 
 def test_without_node_numbers_everything_waits_for_the_scope(
-    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+    make_offloader: MakeOffloader, disk_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A torch without the node counter: exact still, captured when the scope ends."""
     monkeypatch.setattr(capture, "_SEQUENCE_NR", None)
     x = torch.randn(N, N)
     expected = _grads(_rrelu, x, None)
-    off = small_offloader(disk_dir, min_bytes=0)
+    off = make_offloader(disk_dir, min_bytes=0)
     got = _grads(_rrelu, x, off)
     assert off.runtime.captures.num_pending == 0
     assert off.stats().offloaded_bytes >= 2 * N * N * 4
@@ -119,12 +123,14 @@ def test_without_node_numbers_everything_waits_for_the_scope(
         assert torch.equal(a, b)
 
 
-def test_backward_before_capture_uses_the_tensor_itself(disk_dir: Path) -> None:
+def test_backward_before_capture_uses_the_tensor_itself(
+    make_offloader: MakeOffloader, disk_dir: Path
+) -> None:
     """Backward inside the scope, before the last op's tensors were captured: they are used as
     they are (checked like kept ones) and never written."""
     x = torch.randn(N, N, requires_grad=True)
     expected = torch.autograd.grad(x.sin().sum(), x)[0]
-    off = small_offloader(disk_dir)
+    off = make_offloader(disk_dir)
     with off:
         z = x.sin()  # saves x: pending
         (g,) = torch.autograd.grad(z.sum(), x)
@@ -163,10 +169,12 @@ def test_small_parameters_are_kept_but_not_resident(disk_dir: Path) -> None:
     off.close()
 
 
-def test_detached_leaves_are_activations_not_parameters(disk_dir: Path) -> None:
+def test_detached_leaves_are_activations_not_parameters(
+    make_offloader: MakeOffloader, disk_dir: Path
+) -> None:
     """A leaf that requires grad is offloaded unless it is (a view of) a parameter or backs a
     module's parameter or buffer: reentrant checkpointing's detached inputs are such leaves."""
-    off = small_offloader(disk_dir)
+    off = make_offloader(disk_dir)
     lin = nn.Linear(N, N)
     x = torch.randn(N, N, requires_grad=True)
     with off:
@@ -193,7 +201,7 @@ def test_detached_leaves_are_activations_not_parameters(disk_dir: Path) -> None:
         return x, x.grad  # type: ignore[return-value]
 
     _, expected = run(None)
-    off = small_offloader(disk_dir)
+    off = make_offloader(disk_dir)
     _, got = run(off)
     st = off.stats()
     off.close()
@@ -211,7 +219,7 @@ LAZY = {
 
 
 @pytest.mark.parametrize("name", sorted(LAZY))
-def test_lazy_modules(name: str, disk_dir: Path) -> None:
+def test_lazy_modules(make_offloader: MakeOffloader, name: str, disk_dir: Path) -> None:
     """Uninitialized parameters and buffers reach the module tracking: skipped, no crash; the
     gradients (first step materializes the module) are bit-identical."""
     make, shape = LAZY[name]
@@ -230,18 +238,20 @@ def test_lazy_modules(name: str, disk_dir: Path) -> None:
         return [x.grad] + [p.grad for p in m.parameters()]  # type: ignore[list-item]
 
     expected = run(None)
-    off = small_offloader(disk_dir, min_bytes=0)
+    off = make_offloader(disk_dir, min_bytes=0)
     got = run(off)
     off.close()
     assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
 
 
-def test_meta_fake_and_subclass_tensors_pass_through(disk_dir: Path) -> None:
+def test_meta_fake_and_subclass_tensors_pass_through(
+    make_offloader: MakeOffloader, disk_dir: Path
+) -> None:
     """Tensors offloadd cannot or should not move reach the hooks: left untouched."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.two_tensor import TwoTensor
 
-    off = small_offloader(disk_dir, min_bytes=0)
+    off = make_offloader(disk_dir, min_bytes=0)
     # meta
     x = torch.randn(N, N, device="meta", requires_grad=True)
     with off:
@@ -268,11 +278,13 @@ def test_meta_fake_and_subclass_tensors_pass_through(disk_dir: Path) -> None:
     assert st.resident_bytes == 0
 
 
-def test_inplace_on_output_before_the_next_op(disk_dir: Path) -> None:
+def test_inplace_on_output_before_the_next_op(
+    make_offloader: MakeOffloader, disk_dir: Path
+) -> None:
     """A saved output changed in place before anything else was saved: PyTorch's error, as
     without hooks."""
     x = torch.randn(N, N, requires_grad=True)
-    off = small_offloader(disk_dir)
+    off = make_offloader(disk_dir)
     with off:
         y = x.exp()  # saves its result
         y.mul_(2)
@@ -287,12 +299,12 @@ def test_inplace_on_output_before_the_next_op(disk_dir: Path) -> None:
     ids=["keep", "cpu", "ssd-small-kept", "ssd-moved"],
 )
 def test_saved_outputs_of_a_dropped_graph_are_released(
-    tier: str, min_bytes: int, disk_dir: Path
+    make_offloader: MakeOffloader, tier: str, min_bytes: int, disk_dir: Path
 ) -> None:
     """exp() saves its own output. Holding that tensor (with its grad_fn) from the packed object
     would make a cycle through autograd's C++ graph that no garbage collector sees: a graph
     dropped without backward (a metric computed inside the block) would never be freed."""
-    off = small_offloader(disk_dir, tier=tier, min_bytes=min_bytes)
+    off = make_offloader(disk_dir, tier=tier, min_bytes=min_bytes)
     x = torch.rand(N, N, requires_grad=True)
     for _ in range(3):
         with off:
@@ -312,7 +324,9 @@ def _raises_inplace(fn: Callable[[], object]) -> bool:
     return False
 
 
-def test_double_backward_before_capture_sees_inplace_changes(disk_dir: Path) -> None:
+def test_double_backward_before_capture_sees_inplace_changes(
+    make_offloader: MakeOffloader, disk_dir: Path
+) -> None:
     """create_graph inside the block, before the saved output was captured: the double-backward
     graph is built on what unpack returned, which must share the saved tensor's version counter,
     so that a later in-place change still raises, as without hooks."""
@@ -327,13 +341,15 @@ def test_double_backward_before_capture_sees_inplace_changes(disk_dir: Path) -> 
         return _raises_inplace(lambda: torch.autograd.grad(g.sum(), v))
 
     assert run(None)
-    off = small_offloader(disk_dir)
+    off = make_offloader(disk_dir)
     assert run(off)
     off.close()
 
 
 @pytest.mark.parametrize("case", ["foreach", "mul_self"])
-def test_version_moved_by_the_op_itself_raises(case: str, disk_dir: Path) -> None:
+def test_version_moved_by_the_op_itself_raises(
+    make_offloader: MakeOffloader, case: str, disk_dir: Path
+) -> None:
     """Some in-place ops create a node between their saves and their kernel (``a.mul_(a)``
     clones the original self; ``_foreach_mul_`` saves every element first), so the node number
     can capture a save before the kernel ran. The kernel bumps the version, and the version
@@ -351,7 +367,7 @@ def test_version_moved_by_the_op_itself_raises(case: str, disk_dir: Path) -> Non
 
     assert _raises_inplace(body)
     for min_bytes in (0, 4096):
-        off = small_offloader(disk_dir, min_bytes=min_bytes)
+        off = make_offloader(disk_dir, min_bytes=min_bytes)
 
         def scoped(off: object = off) -> torch.Tensor:
             with off:  # type: ignore[attr-defined]
@@ -361,12 +377,14 @@ def test_version_moved_by_the_op_itself_raises(case: str, disk_dir: Path) -> Non
         off.close()
 
 
-def test_inplace_by_another_thread_during_capture_raises(disk_dir: Path) -> None:
+def test_inplace_by_another_thread_during_capture_raises(
+    make_offloader: MakeOffloader, disk_dir: Path
+) -> None:
     """The version may move between capture's check and its copy (another thread): the version
     handle catches it at unpack."""
     x = torch.randn(N, N, requires_grad=True)
     y = x * 1.0
-    off = small_offloader(disk_dir)
+    off = make_offloader(disk_dir)
     real = off.runtime.writer.write_out
 
     def write_out(block: object, t: torch.Tensor) -> None:
@@ -387,12 +405,14 @@ def test_inplace_by_another_thread_during_capture_raises(disk_dir: Path) -> None
     off.close()
 
 
-def test_block_freed_while_captured_is_not_joined(disk_dir: Path) -> None:
+def test_block_freed_while_captured_is_not_joined(
+    make_offloader: MakeOffloader, disk_dir: Path
+) -> None:
     """A block whose refs all died while another thread copied it out must not be found by
     dedup: a new save of the same tensor gets a block of its own."""
     x = torch.randn(N, N, requires_grad=True)
     expected = torch.autograd.grad(x.sin().sum(), x)[0]
-    off = small_offloader(disk_dir)
+    off = make_offloader(disk_dir)
     in_write, go = threading.Event(), threading.Event()
     real = off.runtime.writer.write_out
 
@@ -425,13 +445,15 @@ def test_block_freed_while_captured_is_not_joined(disk_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("in_place", [True, False])
-def test_interrupt_during_capture_settles_the_block(in_place: bool, disk_dir: Path) -> None:
+def test_interrupt_during_capture_settles_the_block(
+    make_offloader: MakeOffloader, in_place: bool, disk_dir: Path
+) -> None:
     """A KeyboardInterrupt while capture waits for a staging slot (in place: for room among the
     sources held) propagates, and the block is settled (kept in memory): backward still works,
     nothing leaks, nothing hangs."""
     x = torch.randn(N, N, requires_grad=True)
     expected = torch.autograd.grad(x.sin().sum(), x)[0]
-    off = small_offloader(disk_dir, io_engine=PythonEngine(2) if in_place else StagedEngine(2))
+    off = make_offloader(disk_dir, io_engine=PythonEngine(2) if in_place else StagedEngine(2))
     writer = off.runtime.writer.in_place
     assert (writer is not None) == in_place
     owner: object = writer if writer is not None else off.runtime.writer

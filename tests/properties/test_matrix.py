@@ -26,7 +26,7 @@ from torch.utils.checkpoint import (
 
 from offloadd import Offloader
 from offloadd.runtime import transforms
-from tests._support.helpers import assert_bitwise_equal, small_offloader, train, train_and_compare
+from tests._support.helpers import MakeOffloader, assert_bitwise_equal, train, train_and_compare
 
 ENGINE_PARAMS = ("default",)  # composition, not I/O: the engine users get is enough
 pytestmark = [
@@ -126,18 +126,20 @@ _SAC_HELD = BLOCKS * (B * H + B * D) * F32  # the two addmm outputs of each bloc
 
 
 @pytest.mark.parametrize("mode", ["none", "reentrant", "non-reentrant", "sac"])
-def test_checkpointing(mode: str, disk_dir: Path) -> None:
+def test_checkpointing(make_offloader: MakeOffloader, mode: str, disk_dir: Path) -> None:
     """Outer scope, blocks checkpointed: checkpointing (any kind) runs the region's saves
     through its own hooks, so offloadd moves only each checkpoint's input; the recomputation in
     backward runs outside the scope."""
-    st = train_and_compare(lambda: _Net(mode), _inputs, small_offloader(disk_dir))
+    st = train_and_compare(lambda: _Net(mode), _inputs, make_offloader(disk_dir))
     assert st.bytes_read + st.forwarded_bytes > 0, st.summary()
     expected = _NONE_SEEN if mode == "none" else _CKPT_SEEN
     assert st.offloaded_bytes == STEPS * expected, st.summary()
     assert st.saved_bytes == st.offloaded_bytes + st.kept_bytes
 
 
-def test_selective_checkpointing_keeps_what_it_saves_out_of_reach(disk_dir: Path) -> None:
+def test_selective_checkpointing_keeps_what_it_saves_out_of_reach(
+    make_offloader: MakeOffloader, disk_dir: Path
+) -> None:
     """What SAC's policy saves (here the matmuls' outputs) is held by SAC's own cache, a dispatch
     mode below autograd: no saved-tensor hook sees it, so offloadd moves only the checkpoints'
     inputs. Each block's last matmul output is also the next block's input (or the loss's): the
@@ -149,7 +151,7 @@ def test_selective_checkpointing_keeps_what_it_saves_out_of_reach(disk_dir: Path
     inputs: list[int] = []
     for block in model.blocks:
         block.register_forward_pre_hook(lambda m, a: inputs.append(a[0].data_ptr()))
-    off = small_offloader(disk_dir)
+    off = make_offloader(disk_dir)
     try:
         with off:
             out = model(_inputs(torch.Generator().manual_seed(1)))
@@ -167,14 +169,16 @@ def test_selective_checkpointing_keeps_what_it_saves_out_of_reach(disk_dir: Path
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
-def test_scope_inside_the_checkpointed_function(reentrant: bool, disk_dir: Path) -> None:
+def test_scope_inside_the_checkpointed_function(
+    make_offloader: MakeOffloader, reentrant: bool, disk_dir: Path
+) -> None:
     """``with off:`` inside the checkpointed function. Non-reentrant: offloadd's hooks are the
     innermost, so they take every save of the region and the checkpoint sees none: the blocks
     are offloaded instead of recomputed. Reentrant: forward runs under no_grad and saves nothing;
     backward's recomputation enters the scope and moves what it saves, to use it at once."""
     mode = "reentrant" if reentrant else "non-reentrant"
     expected = train(lambda: _Net(mode), _inputs, None)
-    off = small_offloader(disk_dir)
+    off = make_offloader(disk_dir)
     try:
         torch.manual_seed(0)
         loss = _Net(mode, inner=off)(_inputs(torch.Generator().manual_seed(1))).square().mean()
@@ -242,12 +246,14 @@ def _bits(steps: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
     [(torch.bfloat16, False), (torch.float16, True)],
     ids=["bf16", "fp16-scaler"],
 )
-def test_autocast(dtype: torch.dtype, scaled: bool, disk_dir: Path) -> None:
+def test_autocast(
+    make_offloader: MakeOffloader, dtype: torch.dtype, scaled: bool, disk_dir: Path
+) -> None:
     """CPU autocast (torch 2.13 has float16 on CPU, and ``GradScaler("cpu")``). The low-precision
     copy autocast makes of a weight for a matmul is a new tensor, not the parameter: offloadd
     moves it like an activation (the 512 x 128 weight's bfloat16 copy, 128 KiB a step)."""
     expected, expected_scales = _train_amp(dtype, scaled, None)
-    off = small_offloader(disk_dir)
+    off = make_offloader(disk_dir)
     try:
         got, scales = _train_amp(dtype, scaled, off)
         off.synchronize()
@@ -295,11 +301,13 @@ def _train_accumulating(
 
 
 @pytest.mark.parametrize("forwards_first", [False, True], ids=["interleaved", "forwards-first"])
-def test_gradient_accumulation(forwards_first: bool, disk_dir: Path) -> None:
+def test_gradient_accumulation(
+    make_offloader: MakeOffloader, forwards_first: bool, disk_dir: Path
+) -> None:
     """Three micro-batches per optimizer step, each forward in the scope; backward after each,
     or after all three forwards, newest first (a pipeline's order)."""
     expected = _train_accumulating(None, forwards_first)
-    off = small_offloader(disk_dir)
+    off = make_offloader(disk_dir)
     try:
         got = _train_accumulating(off, forwards_first)
         off.synchronize()
@@ -313,7 +321,7 @@ def test_gradient_accumulation(forwards_first: bool, disk_dir: Path) -> None:
 # -- row 4: nn.DataParallel ---------------------------------------------------------------------
 
 
-def test_data_parallel_on_cpu(disk_dir: Path) -> None:
+def test_data_parallel_on_cpu(make_offloader: MakeOffloader, disk_dir: Path) -> None:
     """Without a GPU, ``nn.DataParallel`` has no device ids and its forward calls the module on
     the caller's thread: this proves the wrapper composes (parameters, module hooks, state),
     not the replicas, scatter/gather or the threads, which need two GPUs
@@ -324,7 +332,7 @@ def test_data_parallel_on_cpu(disk_dir: Path) -> None:
         assert dp.device_ids == []
         return dp
 
-    st = train_and_compare(make, _inputs, small_offloader(disk_dir))
+    st = train_and_compare(make, _inputs, make_offloader(disk_dir))
     assert st.offloaded_bytes > 0 and st.bytes_read + st.forwarded_bytes > 0, st.summary()
 
 
@@ -349,11 +357,13 @@ def _refusing_transforms() -> Iterator[tuple[str, Callable[[], object]]]:
     yield "jacrev", lambda: torch.func.jacrev(lambda a: loss(params, a))(x)
 
 
-def test_func_grad_vjp_jacrev_refused_never_silent(disk_dir: Path) -> None:
+def test_func_grad_vjp_jacrev_refused_never_silent(
+    make_offloader: MakeOffloader, disk_dir: Path
+) -> None:
     """torch.func's own autograd transforms raise in a scope (torch refuses saved-tensor hooks
     under them), before any op ran; so does entering the scope inside them. The Offloader stays
     usable."""
-    off = small_offloader(disk_dir)
+    off = make_offloader(disk_dir)
     model, params, x = _func_setup()
     try:
         for name, call in _refusing_transforms():
@@ -376,9 +386,9 @@ def test_func_grad_vjp_jacrev_refused_never_silent(disk_dir: Path) -> None:
         off.close()
 
 
-def test_func_refusal_says_what_to_do(disk_dir: Path) -> None:
+def test_func_refusal_says_what_to_do(make_offloader: MakeOffloader, disk_dir: Path) -> None:
     """Both refusals are offloadd's TransformRefused, naming the remedy."""
-    off = small_offloader(disk_dir)
+    off = make_offloader(disk_dir)
     try:
         for name, call in _refusing_transforms():
             with pytest.raises(RuntimeError) as info, off:
@@ -496,12 +506,14 @@ def _train_func(
     "name",
     [pytest.param(n) for n in _PASSING],
 )
-def test_func_transforms_that_compose(name: str, disk_dir: Path) -> None:
+def test_func_transforms_that_compose(
+    make_offloader: MakeOffloader, name: str, disk_dir: Path
+) -> None:
     """vmap, functional_call, functionalize, jvp and jacfwd in the scope (and forward-mode AD
     without torch.func), backward outside: the tensors autograd saves under them reach pack as
     plain tensors, are moved, and come back exact."""
     expected = _train_func(_PASSING[name], None)
-    off = small_offloader(disk_dir)
+    off = make_offloader(disk_dir)
     try:
         got = _train_func(_PASSING[name], off)
         off.synchronize()

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from tests._support.envrun import RANKS, clean_env, run
-from tests._support.helpers import small_offloader
+from tests._support.helpers import MakeOffloader
 
 # scripts that use offloadd explicitly (not clients)
 
@@ -86,7 +86,9 @@ def test_fsdp2_ddp_tp_two_ranks_bit_identical(disk_dir: Path) -> None:
             assert sum(row["audit_local_bytes"].values()) == row["saved_bytes"], where
 
 
-def test_wrapper_subclass_counted_by_the_tensors_it_holds(disk_dir: Path) -> None:
+def test_wrapper_subclass_counted_by_the_tensors_it_holds(
+    make_offloader: MakeOffloader, disk_dir: Path
+) -> None:
     """A saved wrapper subclass is kept; its bytes in the stats are its inner tensors' (a
     DTensor's local shard; here both halves of a TwoTensor), not its outer ``nbytes``."""
     from torch.testing._internal.two_tensor import TwoTensor
@@ -94,7 +96,7 @@ def test_wrapper_subclass_counted_by_the_tensors_it_holds(disk_dir: Path) -> Non
     a, b = torch.randn(64, 64), torch.randn(64, 64)
     t = TwoTensor(a, b).requires_grad_()
     assert t.nbytes == a.nbytes  # the outer size counts one half
-    off = small_offloader(disk_dir, min_bytes=0)
+    off = make_offloader(disk_dir, min_bytes=0)
     with off:
         u = (t * 2).sin()  # sin saves its input, a TwoTensor
     mid = off.stats()

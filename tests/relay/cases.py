@@ -12,19 +12,21 @@ from torch import nn
 
 from offloadd import Offloader
 from offloadd.config import Config
-from tests._support import helpers
 
 Step = tuple[torch.Tensor, dict[str, torch.Tensor]]
 
 
+#: The ``make_relay_config`` fixture (tests/relay/conftest.py): :func:`relay_config` with the
+#: test's engine and backend options, which the call's own options override.
+MakeRelayConfig = Callable[..., Config]
+
+
 def relay_config(disk_dir: Path, **kw: Any) -> Config:
-    """The store in ``disk_dir`` on the test's engine (through the daemon when the ``backend``
-    fixture says so), with chunks small enough that a layer spans several."""
+    """The store in ``disk_dir`` (on the default engine unless ``kw`` names one), with chunks
+    small enough that a layer spans several."""
     opts: dict[str, Any] = dict(
         tier="ssd", ssd_dirs=(str(disk_dir),), chunk_bytes=64 << 10, io_threads=2
     )
-    opts.update(helpers.ENGINE)
-    opts.update(helpers.BACKEND)
     opts.update(kw)
     opts.pop("io_engine", None)
     return Config().replace(**opts)

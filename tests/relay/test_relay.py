@@ -22,10 +22,10 @@ from offloadd.runtime.identity import storage_of
 from tests.relay.cases import (
     CASES,
     Layered,
+    MakeRelayConfig,
     build,
     freeze_layers,
     llama,
-    relay_config,
     same,
     square_loss,
     step,
@@ -35,9 +35,11 @@ from tests.relay.cases import (
 
 @pytest.mark.parametrize("window", [1, 2, 64])
 @pytest.mark.parametrize("case", list(CASES))
-def test_gradients_bit_identical(case: str, window: int, disk_dir: Path, backend: str) -> None:
+def test_gradients_bit_identical(
+    make_relay_config: MakeRelayConfig, case: str, window: int, disk_dir: Path, backend: str
+) -> None:
     want = train(build(case), case)
-    model = offloadd.relay(build(case), window=window, config=relay_config(disk_dir))
+    model = offloadd.relay(build(case), window=window, config=make_relay_config(disk_dir))
     got = train(model, case)
     st = offloadd.relay_stats(model)
     assert st.groups > 0 and st.written_bytes >= st.relayed_bytes  # records are whole pages
@@ -47,13 +49,13 @@ def test_gradients_bit_identical(case: str, window: int, disk_dir: Path, backend
     offloadd.unrelay(model)
 
 
-def test_held_weights_flat_in_depth(disk_dir: Path) -> None:
+def test_held_weights_flat_in_depth(make_relay_config: MakeRelayConfig, disk_dir: Path) -> None:
     """What relay holds is a few groups, however deep the model: 4 and 16 layers alike."""
     peaks = []
     for depth in (4, 16):
         torch.manual_seed(0)
         model = freeze_layers(Layered(layers=depth, d=256))
-        offloadd.relay(model, window=2, config=relay_config(disk_dir))
+        offloadd.relay(model, window=2, config=make_relay_config(disk_dir))
         for _ in range(3):
             step(model, torch.randn(4, 16), square_loss)
         st = offloadd.relay_stats(model)
@@ -65,12 +67,14 @@ def test_held_weights_flat_in_depth(disk_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("window", [1, 2, 3])
-def test_forward_carries_its_last_groups_into_backward(window: int, disk_dir: Path) -> None:
+def test_forward_carries_its_last_groups_into_backward(
+    make_relay_config: MakeRelayConfig, window: int, disk_dir: Path
+) -> None:
     """A step reads each group twice but the last ``window`` once: forward keeps them for
     backward, which needs them first. What is held stays ``window`` groups."""
     torch.manual_seed(0)
     model = offloadd.relay(
-        freeze_layers(Layered(layers=8)), window=window, config=relay_config(disk_dir)
+        freeze_layers(Layered(layers=8)), window=window, config=make_relay_config(disk_dir)
     )
     x = torch.randn(3, 16)
     step(model, x, square_loss)
@@ -84,15 +88,15 @@ def test_forward_carries_its_last_groups_into_backward(window: int, disk_dir: Pa
     offloadd.unrelay(model)
 
 
-def test_tied_weights_stay_resident(disk_dir: Path) -> None:
+def test_tied_weights_stay_resident(make_relay_config: MakeRelayConfig, disk_dir: Path) -> None:
     want = train(build_tied := (lambda: (torch.manual_seed(0), llama(tied=True))[1])(), "hf-llama")
-    model = offloadd.relay(build_tied, config=relay_config(disk_dir))
+    model = offloadd.relay(build_tied, config=make_relay_config(disk_dir))
     st = offloadd.relay_stats(model)
     assert "model.embed_tokens.weight" in st.kept and "lm_head.weight" in st.kept
     assert type(model.lm_head.weight) is nn.Parameter  # tied: never a placeholder
     offloadd.unrelay(model)
     torch.manual_seed(0)
-    model = offloadd.relay(llama(tied=True), config=relay_config(disk_dir))
+    model = offloadd.relay(llama(tied=True), config=make_relay_config(disk_dir))
     got = train(model, "hf-llama")
     assert all(same(a, b) for a, b in zip(want, got, strict=True))  # type: ignore[arg-type]
 
@@ -120,8 +124,10 @@ class InPlace(nn.Module):
         return x
 
 
-def test_misuse_raises_naming_the_weight(disk_dir: Path) -> None:
-    model = offloadd.relay(InPlace(), config=relay_config(disk_dir, chunk_bytes=4096))
+def test_misuse_raises_naming_the_weight(
+    make_relay_config: MakeRelayConfig, disk_dir: Path
+) -> None:
+    model = offloadd.relay(InPlace(), config=make_relay_config(disk_dir, chunk_bytes=4096))
     w = model.layers[0].weight
     assert w.shape == (256, 256) and w.dtype == torch.float32 and w.device.type == "cpu"
     assert w.is_cpu and not w.is_meta and not w.is_cuda  # the real device's answers
@@ -148,17 +154,19 @@ def test_misuse_raises_naming_the_weight(disk_dir: Path) -> None:
     model.layers[1].bump = False
     assert type(model.layers[1].weight).__name__ == "RelayedWeight"  # swapped back
     with pytest.raises(RelayError, match="relayed already"):
-        offloadd.relay(model, config=relay_config(disk_dir))
+        offloadd.relay(model, config=make_relay_config(disk_dir))
     offloadd.unrelay(model)
     with pytest.raises(RelayError, match="relay_window"):
-        offloadd.relay(InPlace(), window=0, config=relay_config(disk_dir))
+        offloadd.relay(InPlace(), window=0, config=make_relay_config(disk_dir))
     with pytest.raises(RelayError, match=r"tier: relay keeps .* not 'keep'"):
-        offloadd.relay(InPlace(), config=relay_config(disk_dir, tier="keep"))
+        offloadd.relay(InPlace(), config=make_relay_config(disk_dir, tier="keep"))
 
 
-def test_exception_in_forward_leaves_it_usable(disk_dir: Path) -> None:
+def test_exception_in_forward_leaves_it_usable(
+    make_relay_config: MakeRelayConfig, disk_dir: Path
+) -> None:
     torch.manual_seed(0)
-    model = offloadd.relay(freeze_layers(Layered()), config=relay_config(disk_dir))
+    model = offloadd.relay(freeze_layers(Layered()), config=make_relay_config(disk_dir))
     with pytest.raises(RuntimeError):
         model(torch.randn(3, 17))  # wrong width: the first layer raises
     torch.manual_seed(0)
@@ -168,11 +176,11 @@ def test_exception_in_forward_leaves_it_usable(disk_dir: Path) -> None:
     offloadd.unrelay(model)
 
 
-def test_state_dict_load_and_to(disk_dir: Path) -> None:
+def test_state_dict_load_and_to(make_relay_config: MakeRelayConfig, disk_dir: Path) -> None:
     torch.manual_seed(0)
     ref = freeze_layers(Layered())
     torch.manual_seed(0)
-    model = offloadd.relay(freeze_layers(Layered()), config=relay_config(disk_dir))
+    model = offloadd.relay(freeze_layers(Layered()), config=make_relay_config(disk_dir))
     sd = model.state_dict()
     assert sd.keys() == ref.state_dict().keys()
     assert all(torch.equal(sd[k], v) for k, v in ref.state_dict().items())
@@ -203,12 +211,12 @@ def test_state_dict_load_and_to(disk_dir: Path) -> None:
     offloadd.unrelay(model)
 
 
-def test_resident_and_unrelay(disk_dir: Path) -> None:
+def test_resident_and_unrelay(make_relay_config: MakeRelayConfig, disk_dir: Path) -> None:
     torch.manual_seed(0)
     model = freeze_layers(Layered())
     original = model.layers[2][1].weight
     values = original.detach().clone()
-    offloadd.relay(model, config=relay_config(disk_dir))
+    offloadd.relay(model, config=make_relay_config(disk_dir))
     with offloadd.resident(model):
         assert torch.equal(model.layers[2][1].weight, values)
         with torch.no_grad():
@@ -219,10 +227,10 @@ def test_resident_and_unrelay(disk_dir: Path) -> None:
     assert torch.equal(original, values + 1)
 
 
-def test_dropped_model_stops_its_store(disk_dir: Path) -> None:
+def test_dropped_model_stops_its_store(make_relay_config: MakeRelayConfig, disk_dir: Path) -> None:
     before = threading.active_count()
     torch.manual_seed(0)
-    model = offloadd.relay(freeze_layers(Layered()), config=relay_config(disk_dir))
+    model = offloadd.relay(freeze_layers(Layered()), config=make_relay_config(disk_dir))
     step(model, torch.randn(2, 16), square_loss)
     del model
     gc.collect()
@@ -253,7 +261,7 @@ def test_host_store_round_trip() -> None:
 
 
 def test_weights_on_several_devices_are_refused(
-    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+    make_relay_config: MakeRelayConfig, disk_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A model split across devices (device_map="auto") is refused before anything is written.
     This machine has one device: the groups found are made to say two."""
@@ -268,4 +276,4 @@ def test_weights_on_several_devices_are_refused(
 
     monkeypatch.setattr(surface, "find_groups", two_devices)
     with pytest.raises(RelayError, match=r"several devices \(cpu, cuda:1\)"):
-        offloadd.relay(InPlace(), config=relay_config(disk_dir))
+        offloadd.relay(InPlace(), config=make_relay_config(disk_dir))

@@ -23,10 +23,10 @@ from offloadd.relay.state import state_of
 from offloadd.relay.store import HostStore, WeightStore
 from tests.relay.cases import (
     Layered,
+    MakeRelayConfig,
     freeze_layers,
     llama,
     llama_loss,
-    relay_config,
     same,
     square_loss,
     step,
@@ -117,14 +117,19 @@ Stepped = tuple[nn.Module, nn.Module, Callable[[int], torch.Tensor], Loss]
 
 @pytest.fixture
 def stepped(
-    case: str, reentrant: bool, store: str, disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+    make_relay_config: MakeRelayConfig,
+    case: str,
+    reentrant: bool,
+    store: str,
+    disk_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[Stepped]:
     """The plain model and the relayed one after a training step with gradient checkpointing
     (the same losses and gradients), and the case's inputs and loss."""
     _, make_input, loss_of = CASES[case]
     use_store(store, monkeypatch)
     ref = build(case, reentrant)
-    model = offloadd.relay(build(case, reentrant), config=relay_config(disk_dir, tier=store))
+    model = offloadd.relay(build(case, reentrant), config=make_relay_config(disk_dir, tier=store))
     kind = HostStore if store == "cpu" else WeightStore
     assert isinstance(state_of(model).relay.store, kind)
     assert same(step(ref, make_input(1), loss_of), step(model, make_input(1), loss_of))
@@ -246,11 +251,13 @@ def test_state_dict_after_a_checkpointed_step(stepped: Stepped) -> None:
     assert all(torch.equal(want[k], got[k]) for k in want)
 
 
-def _after_a_backward_that_raised(disk_dir: Path) -> tuple[nn.Module, nn.Module]:
+def _after_a_backward_that_raised(
+    make_relay_config: MakeRelayConfig, disk_dir: Path
+) -> tuple[nn.Module, nn.Module]:
     """The reference, and the relayed model after a checkpointed backward that raised, the
     groups it read in on demand still in (its callbacks never ran)."""
     ref = build("checkpoint", False)
-    model = offloadd.relay(build("checkpoint", False), config=relay_config(disk_dir))
+    model = offloadd.relay(build("checkpoint", False), config=make_relay_config(disk_dir))
 
     def fail(grad: torch.Tensor) -> None:
         raise KeyError("in backward")
@@ -263,10 +270,10 @@ def _after_a_backward_that_raised(disk_dir: Path) -> tuple[nn.Module, nn.Module]
     return ref, model
 
 
-def test_after_a_backward_that_raised(disk_dir: Path) -> None:
+def test_after_a_backward_that_raised(make_relay_config: MakeRelayConfig, disk_dir: Path) -> None:
     """A backward that raised ends without its callbacks, so the groups it read in on demand
     stay in: the next load, conversion and ``resident()`` swap them out first."""
-    ref, model = _after_a_backward_that_raised(disk_dir)
+    ref, model = _after_a_backward_that_raised(make_relay_config, disk_dir)
     model.zero_grad(set_to_none=True)
     sd = build("checkpoint", False, seed=5).state_dict()
     for m in (ref, model):
@@ -277,10 +284,12 @@ def test_after_a_backward_that_raised(disk_dir: Path) -> None:
     offloadd.unrelay(model)
 
 
-def test_unrelay_after_a_backward_that_raised(disk_dir: Path) -> None:
+def test_unrelay_after_a_backward_that_raised(
+    make_relay_config: MakeRelayConfig, disk_dir: Path
+) -> None:
     """``unrelay`` after a backward that raised: the groups it left in (swapped in, guarded)
     come back as plain weights, writable, with the store's values."""
-    ref, model = _after_a_backward_that_raised(disk_dir)
+    ref, model = _after_a_backward_that_raised(make_relay_config, disk_dir)
     offloadd.unrelay(model)
     for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
@@ -290,11 +299,13 @@ def test_unrelay_after_a_backward_that_raised(disk_dir: Path) -> None:
     assert same(step(ref, x, square_loss), step(model, x, square_loss))
 
 
-def test_a_write_in_backward_raises_as_backward_ends(disk_dir: Path) -> None:
+def test_a_write_in_backward_raises_as_backward_ends(
+    make_relay_config: MakeRelayConfig, disk_dir: Path
+) -> None:
     """A ``.data`` write into a weight read in on demand by backward's recomputation: backward
     raises naming it as it ends, nothing is left swapped in, and the store keeps the weights."""
     ref = build("checkpoint", False)
-    model = offloadd.relay(build("checkpoint", False), config=relay_config(disk_dir))
+    model = offloadd.relay(build("checkpoint", False), config=make_relay_config(disk_dir))
 
     def write(m: nn.Module, args: object) -> None:
         if torch._C._current_graph_task_id() != -1:  # the recomputation
@@ -310,14 +321,14 @@ def test_a_write_in_backward_raises_as_backward_ends(disk_dir: Path) -> None:
     offloadd.unrelay(model)
 
 
-def test_setting_grad_to_none(disk_dir: Path) -> None:
+def test_setting_grad_to_none(make_relay_config: MakeRelayConfig, disk_dir: Path) -> None:
     """``p.grad = None`` over every parameter, the optimizer's ``zero_grad()`` either way, and
     ``del p.grad``: a relayed weight has no gradient to clear, and clearing it is no write. A
     gradient given to one, or a write to its values, still raises."""
     torch.manual_seed(0)
     ref = freeze_layers(Layered())
     torch.manual_seed(0)
-    model = offloadd.relay(freeze_layers(Layered()), config=relay_config(disk_dir))
+    model = offloadd.relay(freeze_layers(Layered()), config=make_relay_config(disk_dir))
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ref, model)]
     x = torch.randn(3, 16)
     for clear in (

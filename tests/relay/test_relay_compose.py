@@ -16,7 +16,6 @@ from torch import nn
 import offloadd
 from offloadd.config import Config
 from offloadd.runtime.compiled import unseen
-from tests._support import helpers
 from tests._support.envrun import (
     CLIENTS,
     PYTHON,
@@ -27,26 +26,29 @@ from tests._support.envrun import (
     run,
     torchrun,
 )
+from tests._support.helpers import MakeOffloader
 from tests.relay.cases import (
     Convs,
     Layered,
+    MakeRelayConfig,
     freeze_layers,
     llama,
     llama_loss,
-    relay_config,
     same,
     square_loss,
     step,
 )
 
 
-def test_with_activation_offload(disk_dir: Path, backend: str) -> None:
+def test_with_activation_offload(
+    make_offloader: MakeOffloader, make_relay_config: MakeRelayConfig, disk_dir: Path, backend: str
+) -> None:
     """Relay's saved-tensor hook sits above the Offloader's: weights become refs, every other
     saved tensor goes on to the Offloader, which moves as much as without relay."""
     x = torch.randn(6, 16)
     torch.manual_seed(0)
     ref = freeze_layers(Layered())
-    plain = helpers.small_offloader(disk_dir)
+    plain = make_offloader(disk_dir)
     with plain:
         loss = square_loss(ref, x)
     loss.backward()
@@ -56,8 +58,8 @@ def test_with_activation_offload(disk_dir: Path, backend: str) -> None:
     want = step(freeze_layers(Layered()), x, square_loss)
 
     torch.manual_seed(0)
-    model = offloadd.relay(freeze_layers(Layered()), config=relay_config(disk_dir))
-    off = helpers.small_offloader(disk_dir)
+    model = offloadd.relay(freeze_layers(Layered()), config=make_relay_config(disk_dir))
+    off = make_offloader(disk_dir)
     for _ in range(2):
         assert same(want, step(model, x, square_loss, off))
     assert off.stats().offloaded_bytes == 2 * want_moved
@@ -65,19 +67,21 @@ def test_with_activation_offload(disk_dir: Path, backend: str) -> None:
     offloadd.unrelay(model)
 
 
-def test_with_memsave(disk_dir: Path) -> None:
+def test_with_memsave(make_relay_config: MakeRelayConfig, disk_dir: Path) -> None:
     x = torch.randn(2, 3, 12, 12)
     torch.manual_seed(0)
     want = step(Convs(), x, square_loss)
     torch.manual_seed(0)
-    model = offloadd.relay(offloadd.memsave(Convs()), config=relay_config(disk_dir))
+    model = offloadd.relay(offloadd.memsave(Convs()), config=make_relay_config(disk_dir))
     assert type(model.trunk[0]).__name__ == "MemsaveConv2d"
     for _ in range(2):
         assert same(want, step(model, x, square_loss))
     offloadd.unrelay(model)
 
 
-def test_compiled(disk_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_compiled(
+    make_relay_config: MakeRelayConfig, disk_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """Under torch.compile, relay's hooks run eagerly: a graph break at each group's forward.
     The same model compiled with a no-op hook at the same places computes the same bits, and
     relay says once that the kernels are not those of the model compiled whole."""
@@ -96,7 +100,9 @@ def test_compiled(disk_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     ref = torch.compile(reference())
     want = [step(ref, x, square_loss) for x in xs]
     torch.manual_seed(0)
-    model = torch.compile(offloadd.relay(freeze_layers(Layered()), config=relay_config(disk_dir)))
+    model = torch.compile(
+        offloadd.relay(freeze_layers(Layered()), config=make_relay_config(disk_dir))
+    )
     with caplog.at_level(logging.WARNING, logger="offloadd"):
         for x, w in zip(xs, want, strict=True):
             assert same(w, step(model, x, square_loss))
@@ -105,7 +111,7 @@ def test_compiled(disk_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     offloadd.unrelay(model._orig_mod)  # type: ignore[arg-type]
 
 
-def test_lora(disk_dir: Path) -> None:
+def test_lora(make_relay_config: MakeRelayConfig, disk_dir: Path) -> None:
     """A PEFT LoRA model: the base weights PEFT froze are relayed; the adapters train."""
     peft = pytest.importorskip("peft")
     ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(3))
@@ -116,7 +122,7 @@ def test_lora(disk_dir: Path) -> None:
         return peft.get_peft_model(llama(), cfg)
 
     want = step(lora(), ids, llama_loss)
-    model = offloadd.relay(lora(), config=relay_config(disk_dir))
+    model = offloadd.relay(lora(), config=make_relay_config(disk_dir))
     st = offloadd.relay_stats(model)
     assert st.groups >= 3
     assert (
@@ -129,12 +135,14 @@ def test_lora(disk_dir: Path) -> None:
     offloadd.unrelay(model)
 
 
-def test_budget_counts_relayed_weights(disk_dir: Path) -> None:
+def test_budget_counts_relayed_weights(
+    make_offloader: MakeOffloader, make_relay_config: MakeRelayConfig, disk_dir: Path
+) -> None:
     """On CPU the planner leaves room in the budget for what relay holds (its slabs' peak)."""
     torch.manual_seed(0)
-    model = offloadd.relay(freeze_layers(Layered(layers=6)), config=relay_config(disk_dir))
+    model = offloadd.relay(freeze_layers(Layered(layers=6)), config=make_relay_config(disk_dir))
     budget = 8 << 20
-    off = helpers.small_offloader(disk_dir, budget=budget)
+    off = make_offloader(disk_dir, budget=budget)
     torch.manual_seed(0)
     ref = freeze_layers(Layered(layers=6))
     gen = torch.Generator().manual_seed(2)

@@ -14,13 +14,13 @@ from torch import nn
 
 import offloadd
 from offloadd.runtime.compiled import unseen
-from tests._support import helpers
+from tests._support.helpers import MakeOffloader
 from tests.relay.cases import CASES as SHARED
 from tests.relay.cases import (
     Case,
     Layered,
+    MakeRelayConfig,
     freeze_layers,
-    relay_config,
     same,
     square_loss,
     step,
@@ -75,9 +75,13 @@ def assert_same(want: list[object], got: list[object]) -> None:
 @pytest.mark.parametrize("window", [1, 2])
 @pytest.mark.parametrize("tier", ["cpu", "ssd"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_cuda_relay_bit_identical(case: str, tier: str, window: int, disk_dir: Path) -> None:
+def test_cuda_relay_bit_identical(
+    make_relay_config: MakeRelayConfig, case: str, tier: str, window: int, disk_dir: Path
+) -> None:
     want = train(build(case), case)
-    model = offloadd.relay(build(case), window=window, config=relay_config(disk_dir, tier=tier))
+    model = offloadd.relay(
+        build(case), window=window, config=make_relay_config(disk_dir, tier=tier)
+    )
     assert all(p.is_cuda for p in model.parameters())  # placeholders say the real device
     got = train(model, case)
     st = offloadd.relay_stats(model)
@@ -88,7 +92,9 @@ def test_cuda_relay_bit_identical(case: str, tier: str, window: int, disk_dir: P
 
 
 @pytest.mark.parametrize("tier", ["cpu", "ssd"])
-def test_cuda_device_memory_flat_in_depth(tier: str, disk_dir: Path) -> None:
+def test_cuda_device_memory_flat_in_depth(
+    make_relay_config: MakeRelayConfig, tier: str, disk_dir: Path
+) -> None:
     """The device holds a few groups of frozen weights, however deep the model: a step's peak of
     allocated device memory is the same at 4 and 16 layers, and far below the frozen bytes."""
     peaks = []
@@ -97,7 +103,7 @@ def test_cuda_device_memory_flat_in_depth(tier: str, disk_dir: Path) -> None:
         torch.manual_seed(0)
         model = freeze_layers(Layered(layers=depth, d=512)).cuda()
         frozen = sum(p.nbytes for p in model.parameters() if not p.requires_grad)
-        offloadd.relay(model, window=2, config=relay_config(disk_dir, tier=tier))
+        offloadd.relay(model, window=2, config=make_relay_config(disk_dir, tier=tier))
         x = torch.randn(4, 16, device=CUDA)
         step(model, x, square_loss)  # warm: the caching allocator's blocks, the side stream
         torch.cuda.synchronize()
@@ -114,13 +120,15 @@ def test_cuda_device_memory_flat_in_depth(tier: str, disk_dir: Path) -> None:
     assert peaks[1] <= 6 * group, (peaks, group)  # window 2: a few groups, not 16
 
 
-def test_cuda_with_activation_offload(disk_dir: Path) -> None:
+def test_cuda_with_activation_offload(
+    make_offloader: MakeOffloader, make_relay_config: MakeRelayConfig, disk_dir: Path
+) -> None:
     """Relay's hook above the Offloader's on a GPU: weights become refs, the activations go to
     the Offloader's cpu tier."""
     case = "layered"
     want = train(build(case), case)
-    model = offloadd.relay(build(case), config=relay_config(disk_dir, tier="cpu"))
-    off = helpers.small_offloader(disk_dir, tier="cpu")
+    model = offloadd.relay(build(case), config=make_relay_config(disk_dir, tier="cpu"))
+    off = make_offloader(disk_dir, tier="cpu")
     _, make_input, loss_of = CASES[case]
     g = torch.Generator().manual_seed(1)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
@@ -134,29 +142,29 @@ def test_cuda_with_activation_offload(disk_dir: Path) -> None:
     offloadd.unrelay(model)
 
 
-def test_cuda_moved_after_relay(disk_dir: Path) -> None:
+def test_cuda_moved_after_relay(make_relay_config: MakeRelayConfig, disk_dir: Path) -> None:
     """Relayed on the CPU (ssd tier), then moved to the GPU: reads are copied to it. Relayed on
     the GPU (cpu tier), then moved to the CPU: each read is a slab copy of the pinned record."""
     case = "hf-llama"
     want = train(build(case), case)
-    model = offloadd.relay(build(case, "cpu"), config=relay_config(disk_dir))
+    model = offloadd.relay(build(case, "cpu"), config=make_relay_config(disk_dir))
     model.to(CUDA)
     assert_same(want, train(model, case))
     offloadd.unrelay(model)
 
     want_cpu = train(build(case, "cpu"), case, device="cpu")
-    model = offloadd.relay(build(case), config=relay_config(disk_dir, tier="cpu"))
+    model = offloadd.relay(build(case), config=make_relay_config(disk_dir, tier="cpu"))
     model.to("cpu")
     assert_same(want_cpu, train(model, case, device="cpu"))
     offloadd.unrelay(model)
 
 
-def test_cuda_state_dict_and_resident(disk_dir: Path) -> None:
+def test_cuda_state_dict_and_resident(make_relay_config: MakeRelayConfig, disk_dir: Path) -> None:
     """state_dict() reads the weights back to the GPU; resident() swaps them all in, and a load
     inside it is written back to the pinned records."""
     case = "layered"
     plain = build(case)
-    model = offloadd.relay(build(case), config=relay_config(disk_dir, tier="cpu"))
+    model = offloadd.relay(build(case), config=make_relay_config(disk_dir, tier="cpu"))
     want = plain.state_dict()
     got = model.state_dict()
     assert want.keys() == got.keys()
@@ -169,7 +177,7 @@ def test_cuda_state_dict_and_resident(disk_dir: Path) -> None:
     offloadd.unrelay(model)
 
 
-def test_cuda_compiled(disk_dir: Path) -> None:
+def test_cuda_compiled(make_relay_config: MakeRelayConfig, disk_dir: Path) -> None:
     """Inductor on the GPU, relay's hooks run eagerly between the compiled regions: the same
     bits as the same model compiled with a no-op hook at the same places."""
     noop = unseen(lambda *args: None)
@@ -183,6 +191,6 @@ def test_cuda_compiled(disk_dir: Path) -> None:
         return m
 
     want = train(torch.compile(reference()), "layered")  # type: ignore[arg-type]
-    model = offloadd.relay(build("layered"), config=relay_config(disk_dir, tier="cpu"))
+    model = offloadd.relay(build("layered"), config=make_relay_config(disk_dir, tier="cpu"))
     assert_same(want, train(torch.compile(model), "layered"))  # type: ignore[arg-type]
     offloadd.unrelay(model)

@@ -18,10 +18,10 @@ from offloadd.relay import RelayError
 from offloadd.relay.state import state_of
 from tests.relay.cases import (
     Layered,
+    MakeRelayConfig,
     freeze_layers,
     llama,
     llama_loss,
-    relay_config,
     same,
     square_loss,
     step,
@@ -29,7 +29,9 @@ from tests.relay.cases import (
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_hf_gradient_checkpointing(reentrant: bool, disk_dir: Path) -> None:
+def test_hf_gradient_checkpointing(
+    make_relay_config: MakeRelayConfig, reentrant: bool, disk_dir: Path
+) -> None:
     """transformers recomputes a checkpointed layer by calling its forward directly: relay's
     hooks do not run, and the weights are read in on demand (Note [on demand])."""
     ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(3))
@@ -43,7 +45,7 @@ def test_hf_gradient_checkpointing(reentrant: bool, disk_dir: Path) -> None:
 
     want = [step(m := build(), ids, llama_loss) for _ in range(2)]
     del m
-    model = offloadd.relay(build(), config=relay_config(disk_dir))
+    model = offloadd.relay(build(), config=make_relay_config(disk_dir))
     got = [step(model, ids, llama_loss) for _ in range(2)]
     assert all(same(a, b) for a, b in zip(want, got, strict=True))
     offloadd.unrelay(model)
@@ -80,12 +82,12 @@ class Shapes(nn.Module):
         return self.head(x)
 
 
-def test_weights_reached_other_ways(disk_dir: Path) -> None:
+def test_weights_reached_other_ways(make_relay_config: MakeRelayConfig, disk_dir: Path) -> None:
     x = torch.randn(2, 5, 128)
     torch.manual_seed(0)
     want = step(Shapes(), x, square_loss)
     torch.manual_seed(0)
-    model = offloadd.relay(Shapes(), config=relay_config(disk_dir))
+    model = offloadd.relay(Shapes(), config=make_relay_config(disk_dir))
     st = offloadd.relay_stats(model)
     assert {"pair.1.0.weight", "pair.1.0.bias"} <= set(st.kept)  # one module, two layers: kept
     assert type(model.attn.out_proj.weight).__name__ == "RelayedWeight"
@@ -119,7 +121,9 @@ class Mixed(Layered):
 
 @pytest.mark.parametrize("take", list(_TAKE))
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
-def test_an_op_taking_more_groups_than_the_window(grad: bool, take: str, disk_dir: Path) -> None:
+def test_an_op_taking_more_groups_than_the_window(
+    make_relay_config: MakeRelayConfig, grad: bool, take: str, disk_dir: Path
+) -> None:
     """Each placeholder of the op is read in on demand: all of them must be there when it runs
     (the window is kept once it has run), not the first ones swapped out by the last ones; an
     op that gives the weight back (``.float()`` of a float32 weight, a view) gives a tensor
@@ -128,7 +132,7 @@ def test_an_op_taking_more_groups_than_the_window(grad: bool, take: str, disk_di
     torch.manual_seed(0)
     ref = freeze_layers(Mixed(take))
     torch.manual_seed(0)
-    model = offloadd.relay(freeze_layers(Mixed(take)), window=2, config=relay_config(disk_dir))
+    model = offloadd.relay(freeze_layers(Mixed(take)), window=2, config=make_relay_config(disk_dir))
     if grad:
         assert same(step(ref, x, square_loss), step(model, x, square_loss))
     else:
@@ -139,20 +143,20 @@ def test_an_op_taking_more_groups_than_the_window(grad: bool, take: str, disk_di
     offloadd.unrelay(model)
 
 
-def test_assigned_weight_is_refused(disk_dir: Path) -> None:
+def test_assigned_weight_is_refused(make_relay_config: MakeRelayConfig, disk_dir: Path) -> None:
     torch.manual_seed(0)
-    model = offloadd.relay(freeze_layers(Layered()), config=relay_config(disk_dir))
+    model = offloadd.relay(freeze_layers(Layered()), config=make_relay_config(disk_dir))
     model.layers[1][1].weight = nn.Parameter(torch.zeros(384, 128), requires_grad=False)
     with pytest.raises(RelayError, match=r"layers\.1\.1\.weight.*replaced"):
         model(torch.randn(2, 16))
     del model.layers[1][1]._parameters["weight"]
 
 
-def test_forward_inside_resident(disk_dir: Path) -> None:
+def test_forward_inside_resident(make_relay_config: MakeRelayConfig, disk_dir: Path) -> None:
     torch.manual_seed(0)
     ref = freeze_layers(Layered())
     torch.manual_seed(0)
-    model = offloadd.relay(freeze_layers(Layered()), config=relay_config(disk_dir))
+    model = offloadd.relay(freeze_layers(Layered()), config=make_relay_config(disk_dir))
     x = torch.randn(3, 16)
     with offloadd.resident(model):
         assert same(step(ref, x, square_loss), step(model, x, square_loss))
@@ -171,7 +175,9 @@ def _held_peak(model: nn.Module, run: object) -> int:
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_checkpointed_layers_keep_the_window(reentrant: bool, disk_dir: Path) -> None:
+def test_checkpointed_layers_keep_the_window(
+    make_relay_config: MakeRelayConfig, reentrant: bool, disk_dir: Path
+) -> None:
     class Ckpt(Layered):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             x = self.inp(x)
@@ -183,7 +189,9 @@ def test_checkpointed_layers_keep_the_window(reentrant: bool, disk_dir: Path) ->
     torch.manual_seed(0)
     want = step(freeze_layers(Ckpt(layers=8)), x, square_loss)
     torch.manual_seed(0)
-    model = offloadd.relay(freeze_layers(Ckpt(layers=8)), window=2, config=relay_config(disk_dir))
+    model = offloadd.relay(
+        freeze_layers(Ckpt(layers=8)), window=2, config=make_relay_config(disk_dir)
+    )
     got: list[object] = []
     peak = _held_peak(model, lambda: got.append(step(model, x, square_loss)))
     assert same(want, got[0])  # type: ignore[arg-type]
@@ -192,7 +200,7 @@ def test_checkpointed_layers_keep_the_window(reentrant: bool, disk_dir: Path) ->
     offloadd.unrelay(model)
 
 
-def test_two_forwards_one_backward(disk_dir: Path) -> None:
+def test_two_forwards_one_backward(make_relay_config: MakeRelayConfig, disk_dir: Path) -> None:
     """Summed micro-batches: each forward's refs hold their own slab, not every layer."""
     xs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(i)) for i in range(2)]
 
@@ -203,7 +211,7 @@ def test_two_forwards_one_backward(disk_dir: Path) -> None:
     want = step(freeze_layers(Layered(layers=8)), xs[0], two)
     torch.manual_seed(0)
     model = offloadd.relay(
-        freeze_layers(Layered(layers=8)), window=2, config=relay_config(disk_dir)
+        freeze_layers(Layered(layers=8)), window=2, config=make_relay_config(disk_dir)
     )
     got: list[object] = []
     peak = _held_peak(model, lambda: got.append(step(model, xs[0], two)))
@@ -213,11 +221,13 @@ def test_two_forwards_one_backward(disk_dir: Path) -> None:
     offloadd.unrelay(model)
 
 
-def test_reads_once_where_once_is_enough(disk_dir: Path) -> None:
+def test_reads_once_where_once_is_enough(
+    make_relay_config: MakeRelayConfig, disk_dir: Path
+) -> None:
     """state_dict() reads each group once; a conversion that changes nothing reads nothing;
     one that changes the dtype holds one group at a time and stays exact."""
     torch.manual_seed(0)
-    model = offloadd.relay(freeze_layers(Layered()), config=relay_config(disk_dir))
+    model = offloadd.relay(freeze_layers(Layered()), config=make_relay_config(disk_dir))
     st = offloadd.relay_stats(model)
     model.state_dict()
     read = offloadd.relay_stats(model).read_bytes - st.read_bytes
@@ -235,17 +245,17 @@ def test_reads_once_where_once_is_enough(disk_dir: Path) -> None:
     offloadd.unrelay(model)
 
 
-def test_dropped_without_collection(disk_dir: Path) -> None:
+def test_dropped_without_collection(make_relay_config: MakeRelayConfig, disk_dir: Path) -> None:
     """No reference cycle keeps a dropped relayed model (and its store's threads) alive."""
     before = threading.active_count()
     torch.manual_seed(0)
-    model = offloadd.relay(freeze_layers(Layered()), config=relay_config(disk_dir))
+    model = offloadd.relay(freeze_layers(Layered()), config=make_relay_config(disk_dir))
     step(model, torch.randn(2, 16), square_loss)
     del model
     assert threading.active_count() <= before
 
 
-def test_retained_graph_backward_twice(disk_dir: Path) -> None:
+def test_retained_graph_backward_twice(make_relay_config: MakeRelayConfig, disk_dir: Path) -> None:
     """A second backward through a retained graph unpacks every saved weight again: the same
     gradients as without relay, each group read once, not once per saved view."""
     x = torch.randn(3, 16)
@@ -259,7 +269,7 @@ def test_retained_graph_backward_twice(disk_dir: Path) -> None:
     torch.manual_seed(0)
     want = twice(freeze_layers(Layered(layers=6)))
     torch.manual_seed(0)
-    model = offloadd.relay(freeze_layers(Layered(layers=6)), config=relay_config(disk_dir))
+    model = offloadd.relay(freeze_layers(Layered(layers=6)), config=make_relay_config(disk_dir))
     before = offloadd.relay_stats(model, reset_peak=True)
     got = twice(model)
     after = offloadd.relay_stats(model)
@@ -270,7 +280,9 @@ def test_retained_graph_backward_twice(disk_dir: Path) -> None:
     offloadd.unrelay(model)
 
 
-def test_detach_refused_after_a_state_dict_that_raised(disk_dir: Path) -> None:
+def test_detach_refused_after_a_state_dict_that_raised(
+    make_relay_config: MakeRelayConfig, disk_dir: Path
+) -> None:
     """detach() of a relayed weight is let through only while its module saves it into a
     state_dict(): one that raised half-way (a child's hook, a read that failed) leaves it
     refused, so DDP's broadcast cannot skip the weight silently afterwards."""
@@ -284,7 +296,7 @@ def test_detach_refused_after_a_state_dict_that_raised(disk_dir: Path) -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.child(x) + self.table[:1, :4]
 
-    model = offloadd.relay(Root(), config=relay_config(disk_dir))
+    model = offloadd.relay(Root(), config=make_relay_config(disk_dir))
     placeholder = model._parameters["table"]
 
     def fail(*args: object) -> None:
@@ -300,7 +312,9 @@ def test_detach_refused_after_a_state_dict_that_raised(disk_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("window", [1, 2, 3])
-def test_a_forward_in_another_order_keeps_the_window(window: int, disk_dir: Path) -> None:
+def test_a_forward_in_another_order_keeps_the_window(
+    make_relay_config: MakeRelayConfig, window: int, disk_dir: Path
+) -> None:
     """A forward that runs the layers in another order than the last one (routing, a model
     that picks its path) reads ahead for places it has passed: those reads are dropped, and
     what forward carries into backward is trimmed, so relay holds about ``window`` groups (the
@@ -320,7 +334,7 @@ def test_a_forward_in_another_order_keeps_the_window(window: int, disk_dir: Path
     plain = freeze_layers(Turned(layers=8))
     torch.manual_seed(0)
     model = offloadd.relay(
-        freeze_layers(Turned(layers=8)), window=window, config=relay_config(disk_dir)
+        freeze_layers(Turned(layers=8)), window=window, config=make_relay_config(disk_dir)
     )
     group = offloadd.relay_stats(model).written_bytes // 8
     assert same(step(plain, x, square_loss), step(model, x, square_loss))
@@ -336,7 +350,9 @@ def test_a_forward_in_another_order_keeps_the_window(window: int, disk_dir: Path
 
 
 @pytest.mark.parametrize("window", [1, 2])
-def test_a_layer_called_again_takes_the_slab_forward_carries(window: int, disk_dir: Path) -> None:
+def test_a_layer_called_again_takes_the_slab_forward_carries(
+    make_relay_config: MakeRelayConfig, window: int, disk_dir: Path
+) -> None:
     """The last layer called twice in a row (a weight used at two places): its second call
     swaps in the slab forward carries for backward, not a second read of it beside that one,
     so what relay holds stays ``window`` groups."""
@@ -353,7 +369,7 @@ def test_a_layer_called_again_takes_the_slab_forward_carries(window: int, disk_d
     plain = freeze_layers(Again(layers=6))
     torch.manual_seed(0)
     model = offloadd.relay(
-        freeze_layers(Again(layers=6)), window=window, config=relay_config(disk_dir)
+        freeze_layers(Again(layers=6)), window=window, config=make_relay_config(disk_dir)
     )
     assert same(step(plain, x, square_loss), step(model, x, square_loss))
     before = offloadd.relay_stats(model, reset_peak=True)
@@ -365,7 +381,9 @@ def test_a_layer_called_again_takes_the_slab_forward_carries(window: int, disk_d
     offloadd.unrelay(model)
 
 
-def test_a_write_in_a_second_call_leaves_the_first_calls_weights(disk_dir: Path) -> None:
+def test_a_write_in_a_second_call_leaves_the_first_calls_weights(
+    make_relay_config: MakeRelayConfig, disk_dir: Path
+) -> None:
     """A layer called twice, its weight written through .data in the second call: that forward
     raises, and the first call's graph, kept by the caller, still gets the stored weights in
     backward (the slab forward carried for it was the one written: it is not used)."""
@@ -386,7 +404,7 @@ def test_a_write_in_a_second_call_leaves_the_first_calls_weights(disk_dir: Path)
     plain(x)
     plain.kept.square().sum().backward()
     torch.manual_seed(0)
-    model = offloadd.relay(freeze_layers(Twice(layers=4)), config=relay_config(disk_dir))
+    model = offloadd.relay(freeze_layers(Twice(layers=4)), config=make_relay_config(disk_dir))
     step(model, x, square_loss)  # the order: the last layer carried
     model.zero_grad(set_to_none=True)
     calls = []
@@ -406,11 +424,13 @@ def test_a_write_in_a_second_call_leaves_the_first_calls_weights(disk_dir: Path)
         ), name
 
 
-def test_backward_bookkeeping_stays_flat_over_steps(disk_dir: Path) -> None:
+def test_backward_bookkeeping_stays_flat_over_steps(
+    make_relay_config: MakeRelayConfig, disk_dir: Path
+) -> None:
     """Backward's refs are kept per group and forward: a key whose refs are all unpacked is
     forgotten, so neither memory nor each forward's look over them grows with the steps."""
     torch.manual_seed(0)
-    model = offloadd.relay(freeze_layers(Layered()), window=2, config=relay_config(disk_dir))
+    model = offloadd.relay(freeze_layers(Layered()), window=2, config=make_relay_config(disk_dir))
     saved = state_of(model).relay.saved
     x = torch.randn(2, 16)
     for _ in range(20):
@@ -419,7 +439,9 @@ def test_backward_bookkeeping_stays_flat_over_steps(disk_dir: Path) -> None:
     offloadd.unrelay(model)
 
 
-def test_layers_called_without_the_model(disk_dir: Path) -> None:
+def test_layers_called_without_the_model(
+    make_relay_config: MakeRelayConfig, disk_dir: Path
+) -> None:
     """A loop that calls the relayed model's layers itself, never the model (an inner model
     of a wrapper called directly): the same gradients, and nothing kept grows with the steps
     (the order of the last forward is learned from the model's forwards only)."""
@@ -433,7 +455,7 @@ def test_layers_called_without_the_model(disk_dir: Path) -> None:
     torch.manual_seed(0)
     plain = freeze_layers(Layered())
     torch.manual_seed(0)
-    model = offloadd.relay(freeze_layers(Layered()), window=2, config=relay_config(disk_dir))
+    model = offloadd.relay(freeze_layers(Layered()), window=2, config=make_relay_config(disk_dir))
     for _ in range(10):
         x = torch.randn(2, 16)
         run(plain, x).backward()
@@ -446,7 +468,9 @@ def test_layers_called_without_the_model(disk_dir: Path) -> None:
     offloadd.unrelay(model)
 
 
-def test_hook_pair_follows_the_hooks_below(disk_dir: Path) -> None:
+def test_hook_pair_follows_the_hooks_below(
+    make_relay_config: MakeRelayConfig, disk_dir: Path
+) -> None:
     """The pack/unpack pair a forward makes once (Note [hooks made once a forward] in
     relay/backward.py) passes each forward's other tensors to the hooks below it then, not to
     those of an earlier forward, and is not kept after the forward ends."""
@@ -454,7 +478,7 @@ def test_hook_pair_follows_the_hooks_below(disk_dir: Path) -> None:
     torch.manual_seed(0)
     want = step(freeze_layers(Layered()), x, square_loss)
     torch.manual_seed(0)
-    model = offloadd.relay(freeze_layers(Layered()), config=relay_config(disk_dir))
+    model = offloadd.relay(freeze_layers(Layered()), config=make_relay_config(disk_dir))
     saved = state_of(model).relay.saved
     seen: dict[str, int] = {"a": 0, "b": 0}
 

@@ -21,9 +21,9 @@ import offloadd
 from offloadd.relay import RelayError, slabs
 from tests.relay.cases import (
     Layered,
+    MakeRelayConfig,
     Strided,
     freeze_layers,
-    relay_config,
     same,
     square_loss,
     step,
@@ -41,9 +41,11 @@ WRITES: dict[str, Callable[[nn.Parameter], None]] = {
 
 
 @pytest.mark.parametrize("how", list(WRITES))
-def test_writes_in_forward_raise(how: str, disk_dir: Path) -> None:
+def test_writes_in_forward_raise(
+    make_relay_config: MakeRelayConfig, how: str, disk_dir: Path
+) -> None:
     torch.manual_seed(0)
-    model = offloadd.relay(freeze_layers(Layered(d=256)), config=relay_config(disk_dir))
+    model = offloadd.relay(freeze_layers(Layered(d=256)), config=make_relay_config(disk_dir))
     lin = model.layers[1][1]
     handle = lin.register_forward_pre_hook(lambda m, args: WRITES[how](m.weight))
     with pytest.raises(RelayError, match=r"changed in place during forward: layers\.1\.1\.weight"):
@@ -58,11 +60,13 @@ def test_writes_in_forward_raise(how: str, disk_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("how", ["data in place", "data assigned", "worker threads"])
-def test_writes_inside_resident_are_kept(how: str, disk_dir: Path) -> None:
+def test_writes_inside_resident_are_kept(
+    make_relay_config: MakeRelayConfig, how: str, disk_dir: Path
+) -> None:
     torch.manual_seed(0)
     ref = freeze_layers(Layered(d=256))
     torch.manual_seed(0)
-    model = offloadd.relay(freeze_layers(Layered(d=256)), config=relay_config(disk_dir))
+    model = offloadd.relay(freeze_layers(Layered(d=256)), config=make_relay_config(disk_dir))
     before = offloadd.relay_stats(model).written_bytes
     with offloadd.resident(model):
         pass
@@ -77,12 +81,14 @@ def test_writes_inside_resident_are_kept(how: str, disk_dir: Path) -> None:
     offloadd.unrelay(model)
 
 
-def test_a_write_by_the_kernel_inside_resident_is_kept(disk_dir: Path) -> None:
+def test_a_write_by_the_kernel_inside_resident_is_kept(
+    make_relay_config: MakeRelayConfig, disk_dir: Path
+) -> None:
     """A system call writing into a weight (``readinto``; a gloo collective receives the same
     way) cannot fault into a guard (it failed with EFAULT, and a gloo broadcast hung): inside
     resident() nothing is guarded, and what changed is found by comparing with the store."""
     torch.manual_seed(0)
-    model = offloadd.relay(freeze_layers(Layered(d=256)), config=relay_config(disk_dir))
+    model = offloadd.relay(freeze_layers(Layered(d=256)), config=make_relay_config(disk_dir))
     new = torch.randn(256 * 768)
     path = disk_dir / "new-weight"
     path.write_bytes(new.numpy().tobytes())
@@ -99,7 +105,10 @@ def test_a_write_by_the_kernel_inside_resident_is_kept(disk_dir: Path) -> None:
 
 
 def test_without_the_guard_resident_writes_back(
-    disk_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    make_relay_config: MakeRelayConfig,
+    disk_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Built without csrc/write_guard: one warning; resident() (never guarded) writes back what
     changed all the same."""
@@ -109,7 +118,7 @@ def test_without_the_guard_resident_writes_back(
     ref = freeze_layers(Layered())
     torch.manual_seed(0)
     with caplog.at_level("WARNING", logger="offloadd"):
-        model = offloadd.relay(freeze_layers(Layered()), config=relay_config(disk_dir))
+        model = offloadd.relay(freeze_layers(Layered()), config=make_relay_config(disk_dir))
     assert "offloadd.relay._write_guard is not built" in caplog.text
     st = offloadd.relay_stats(model)
     with offloadd.resident(model):
@@ -136,13 +145,15 @@ def test_a_slab_dropped_while_guarded_is_unguarded() -> None:
     assert pool.unguard(again) == 5000 and int(again[5000]) == 2
 
 
-def test_a_new_data_over_the_same_bytes_is_seen(disk_dir: Path) -> None:
+def test_a_new_data_over_the_same_bytes_is_seen(
+    make_relay_config: MakeRelayConfig, disk_dir: Path
+) -> None:
     """``w.data = w.data.t()`` on a square weight writes nothing and keeps its storage, offset
     and shape: only its strides say it changed."""
     torch.manual_seed(0)
     ref = Strided()
     torch.manual_seed(0)
-    model = offloadd.relay(Strided(), config=relay_config(disk_dir))
+    model = offloadd.relay(Strided(), config=make_relay_config(disk_dir))
     handle = model.register_forward_pre_hook(lambda m, args: setattr(m.a, "data", m.a.data.t()))
     with pytest.raises(RelayError, match=r"changed in place during forward: a\."):
         model(torch.randn(5, 96))
@@ -154,10 +165,12 @@ def test_a_new_data_over_the_same_bytes_is_seen(disk_dir: Path) -> None:
     offloadd.unrelay(model)
 
 
-def test_state_dict_inside_resident_sees_a_new_data(disk_dir: Path) -> None:
+def test_state_dict_inside_resident_sees_a_new_data(
+    make_relay_config: MakeRelayConfig, disk_dir: Path
+) -> None:
     """Inside resident() a weight given a new ``.data`` is that tensor: state_dict() says so, and
     loading that state_dict back keeps it."""
-    model = offloadd.relay(freeze_layers(Layered(d=256)), config=relay_config(disk_dir))
+    model = offloadd.relay(freeze_layers(Layered(d=256)), config=make_relay_config(disk_dir))
     with offloadd.resident(model):
         w = model.layers[1][1].weight
         w.data = torch.zeros_like(w)
@@ -168,9 +181,11 @@ def test_state_dict_inside_resident_sees_a_new_data(disk_dir: Path) -> None:
     offloadd.unrelay(model)
 
 
-def test_a_write_names_only_the_weight_written(disk_dir: Path) -> None:
+def test_a_write_names_only_the_weight_written(
+    make_relay_config: MakeRelayConfig, disk_dir: Path
+) -> None:
     """``a`` and ``b`` were views of one storage at offsets: a write into ``b`` names ``b``."""
-    model = offloadd.relay(Strided(), config=relay_config(disk_dir))
+    model = offloadd.relay(Strided(), config=make_relay_config(disk_dir))
 
     def write_b(m: nn.Module, args: object) -> None:
         m.b.data[3, 5] = 0

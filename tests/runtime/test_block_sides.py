@@ -12,6 +12,8 @@ from offloadd import Offloader
 from offloadd.runtime import blocks as blocks_mod
 from offloadd.runtime.blocks import Back, Block, Out
 
+pytestmark = pytest.mark.unit
+
 ENGINE_PARAMS = ("native-threads",)
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from offloadd import Offloader
-from tests._support.helpers import assert_bitwise_equal, small_offloader
+from tests._support.helpers import MakeOffloader, assert_bitwise_equal
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("backend")]
 
@@ -72,9 +72,9 @@ def check_producer_stream(off: Offloader) -> None:
 
 
 @pytest.mark.parametrize("tier", ["keep", "ssd", "cpu"])
-def test_cuda_bit_identical(tier: str, disk_dir: Path) -> None:
+def test_cuda_bit_identical(make_offloader: MakeOffloader, tier: str, disk_dir: Path) -> None:
     ref = train_cuda(None)
-    off = small_offloader(disk_dir, tier=tier, host_budget_bytes=4 << 20)
+    off = make_offloader(disk_dir, tier=tier, host_budget_bytes=4 << 20)
     got = train_cuda(off)
     st = off.stats()
     off.close()
@@ -83,16 +83,20 @@ def test_cuda_bit_identical(tier: str, disk_dir: Path) -> None:
         assert st.offloaded_bytes > 0
 
 
-def test_cuda_inplace_before_capture_raises(disk_dir: Path) -> None:
-    check_inplace_before_capture_raises(small_offloader(disk_dir))
+def test_cuda_inplace_before_capture_raises(make_offloader: MakeOffloader, disk_dir: Path) -> None:
+    check_inplace_before_capture_raises(make_offloader(disk_dir))
 
 
-def test_cuda_copy_waits_for_the_producer_stream(disk_dir: Path) -> None:
-    check_producer_stream(small_offloader(disk_dir))
+def test_cuda_copy_waits_for_the_producer_stream(
+    make_offloader: MakeOffloader, disk_dir: Path
+) -> None:
+    check_producer_stream(make_offloader(disk_dir))
 
 
 @pytest.mark.parametrize("tier", ["ssd", "cpu"])
-def test_cuda_rrelu_noise_filled_by_the_op(tier: str, disk_dir: Path) -> None:
+def test_cuda_rrelu_noise_filled_by_the_op(
+    make_offloader: MakeOffloader, tier: str, disk_dir: Path
+) -> None:
     """rrelu saves ``noise`` before its kernel fills it: the producer event is recorded at
     capture, after the kernel was queued, so the copy holds the filled noise."""
 
@@ -108,7 +112,7 @@ def test_cuda_rrelu_noise_filled_by_the_op(tier: str, disk_dir: Path) -> None:
         return g
 
     expected = run(None)
-    off = small_offloader(disk_dir, tier=tier, min_bytes=0, host_budget_bytes=4 << 20)
+    off = make_offloader(disk_dir, tier=tier, min_bytes=0, host_budget_bytes=4 << 20)
     got = run(off)
     st = off.stats()
     off.close()
@@ -116,8 +120,10 @@ def test_cuda_rrelu_noise_filled_by_the_op(tier: str, disk_dir: Path) -> None:
     assert st.offloaded_bytes >= 2 * 1024 * 1024 * 4
 
 
-def test_cuda_memory_is_released_during_forward(disk_dir: Path) -> None:
-    off = small_offloader(disk_dir, min_bytes=1 << 20, staging_bytes=64 << 20, chunk_bytes=1 << 20)
+def test_cuda_memory_is_released_during_forward(
+    make_offloader: MakeOffloader, disk_dir: Path
+) -> None:
+    off = make_offloader(disk_dir, min_bytes=1 << 20, staging_bytes=64 << 20, chunk_bytes=1 << 20)
     m = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.GELU()) for _ in range(16)]).cuda()
     x = torch.randn(4096, 1024, device="cuda")
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):

@@ -16,10 +16,10 @@ from torch.utils.checkpoint import checkpoint
 from offloadd import Offloader
 from offloadd.io.buffers import SlotPool, round_up
 from tests._support.helpers import (
+    MakeOffloader,
     SavePayload,
     StagedEngine,
     assert_bitwise_equal,
-    small_offloader,
     train,
 )
 
@@ -33,8 +33,10 @@ N = 512  # 512 x 512 float32 = 1 MiB
     [("ssd", 10), ("keep", N * N)],  # kept because small; kept because of the tier
     ids=["small-kept", "keep-tier-large"],
 )
-def test_inplace_after_save_of_kept_tensor_raises(tier: str, numel: int, disk_dir: Path) -> None:
-    off = small_offloader(disk_dir, tier=tier, min_bytes=4096)
+def test_inplace_after_save_of_kept_tensor_raises(
+    make_offloader: MakeOffloader, tier: str, numel: int, disk_dir: Path
+) -> None:
+    off = make_offloader(disk_dir, tier=tier, min_bytes=4096)
     x = torch.randn(numel, requires_grad=True)
     with off:
         y = x * 2
@@ -45,11 +47,11 @@ def test_inplace_after_save_of_kept_tensor_raises(tier: str, numel: int, disk_di
     off.close()
 
 
-def test_inplace_before_capture_raises(disk_dir: Path) -> None:
+def test_inplace_before_capture_raises(make_offloader: MakeOffloader, disk_dir: Path) -> None:
     """Changed in place before its capture (here: before the scope ended): PyTorch's error, as
     autograd raises without hooks (see [capture after the op])."""
     x = torch.randn(N, N, requires_grad=True)
-    off = small_offloader(disk_dir)
+    off = make_offloader(disk_dir)
     with off:
         y = x * 2
         z = y.sin()
@@ -59,11 +61,11 @@ def test_inplace_before_capture_raises(disk_dir: Path) -> None:
     off.close()
 
 
-def test_inplace_after_capture_raises_too(disk_dir: Path) -> None:
+def test_inplace_after_capture_raises_too(make_offloader: MakeOffloader, disk_dir: Path) -> None:
     """Changed in place after its capture: the copy is intact, but autograd without hooks would
     raise, and so does offloadd (the version handle, see capture.py)."""
     x = torch.randn(N, N, requires_grad=True)
-    off = small_offloader(disk_dir)
+    off = make_offloader(disk_dir)
     with off:
         y = x * 2
         z = y.sin()  # saves y: pending
@@ -75,7 +77,9 @@ def test_inplace_after_capture_raises_too(disk_dir: Path) -> None:
     off.close()
 
 
-def test_views_of_one_storage_are_written_once(disk_dir: Path) -> None:
+def test_views_of_one_storage_are_written_once(
+    make_offloader: MakeOffloader, disk_dir: Path
+) -> None:
     x = torch.randn(N, N, requires_grad=True)
 
     def f() -> torch.Tensor:
@@ -89,7 +93,7 @@ def test_views_of_one_storage_are_written_once(disk_dir: Path) -> None:
 
     expected = torch.autograd.grad(f(), x)[0]
     for dedup in (True, False):
-        off = small_offloader(disk_dir, dedup=dedup)
+        off = make_offloader(disk_dir, dedup=dedup)
         with off:
             loss = f()
         st = off.stats()
@@ -107,7 +111,9 @@ def test_views_of_one_storage_are_written_once(disk_dir: Path) -> None:
         off.close()
 
 
-def test_stride0_and_offsets_restored_exactly(disk_dir: Path) -> None:
+def test_stride0_and_offsets_restored_exactly(
+    make_offloader: MakeOffloader, disk_dir: Path
+) -> None:
     base = torch.arange(3 * 4096, dtype=torch.float64)
     cases = [
         base,
@@ -117,7 +123,7 @@ def test_stride0_and_offsets_restored_exactly(disk_dir: Path) -> None:
         base.view(3, 4096)[:, ::2],  # strided
         base.view(torch.int32),  # other dtype on the same bytes
     ]
-    off = small_offloader(disk_dir, min_bytes=1)
+    off = make_offloader(disk_dir, min_bytes=1)
     SavePayload.seen.clear()
     x = torch.ones(1, requires_grad=True)
     with off:
@@ -130,7 +136,9 @@ def test_stride0_and_offsets_restored_exactly(disk_dir: Path) -> None:
     off.close()
 
 
-def test_restored_views_keep_stride_and_offset(disk_dir: Path) -> None:
+def test_restored_views_keep_stride_and_offset(
+    make_offloader: MakeOffloader, disk_dir: Path
+) -> None:
     seen: list[tuple[object, ...]] = []
 
     class Probe(torch.autograd.Function):
@@ -147,7 +155,7 @@ def test_restored_views_keep_stride_and_offset(disk_dir: Path) -> None:
 
     base = torch.randn(64, 4096)
     view = base[3:, 7:].t()
-    off = small_offloader(disk_dir, min_bytes=1)
+    off = make_offloader(disk_dir, min_bytes=1)
     x = torch.ones(1, requires_grad=True)
     with off:
         y = Probe.apply(x, view)
@@ -156,7 +164,9 @@ def test_restored_views_keep_stride_and_offset(disk_dir: Path) -> None:
     off.close()
 
 
-def test_retain_graph_twice_and_repeated_saved_tensors(disk_dir: Path) -> None:
+def test_retain_graph_twice_and_repeated_saved_tensors(
+    make_offloader: MakeOffloader, disk_dir: Path
+) -> None:
     def run(off: object) -> torch.Tensor:
         torch.manual_seed(0)
         m = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256), nn.Tanh())
@@ -173,7 +183,7 @@ def test_retain_graph_twice_and_repeated_saved_tensors(disk_dir: Path) -> None:
         return torch.cat([p.grad.flatten() for p in m.parameters()])
 
     expected = run(None)
-    off = small_offloader(disk_dir)
+    off = make_offloader(disk_dir)
     got = run(off)
     assert torch.equal(got, expected)
     off.synchronize()
@@ -182,11 +192,11 @@ def test_retain_graph_twice_and_repeated_saved_tensors(disk_dir: Path) -> None:
     off.close()
 
 
-def test_backward_on_another_thread(disk_dir: Path) -> None:
+def test_backward_on_another_thread(make_offloader: MakeOffloader, disk_dir: Path) -> None:
     make = lambda: nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 4))  # noqa: E731
     inp = lambda g: torch.randn(512, 256, generator=g)  # noqa: E731
     expected = train(make, inp, None, steps=1)
-    off = small_offloader(disk_dir)
+    off = make_offloader(disk_dir)
     torch.manual_seed(0)
     model = make()
     x = inp(torch.Generator().manual_seed(1))
@@ -210,7 +220,9 @@ def test_backward_on_another_thread(disk_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("order", ["fifo", "lifo", "interleaved"])
-def test_several_forwards_before_backward(order: str, disk_dir: Path) -> None:
+def test_several_forwards_before_backward(
+    make_offloader: MakeOffloader, order: str, disk_dir: Path
+) -> None:
     def run(off: object) -> torch.Tensor:
         torch.manual_seed(0)
         m = nn.Sequential(nn.Linear(128, 1024), nn.GELU(), nn.Dropout(0.1), nn.Linear(1024, 128))
@@ -240,7 +252,7 @@ def test_several_forwards_before_backward(order: str, disk_dir: Path) -> None:
         return torch.cat([p.grad.flatten() for p in m.parameters()])
 
     expected = run(None)
-    off = small_offloader(disk_dir)
+    off = make_offloader(disk_dir)
     assert torch.equal(run(off), expected)
     off.synchronize()
     st = off.stats()
@@ -248,8 +260,10 @@ def test_several_forwards_before_backward(order: str, disk_dir: Path) -> None:
     off.close()
 
 
-def test_dropped_graph_and_exception_leak_nothing(disk_dir: Path) -> None:
-    off = small_offloader(disk_dir)
+def test_dropped_graph_and_exception_leak_nothing(
+    make_offloader: MakeOffloader, disk_dir: Path
+) -> None:
+    off = make_offloader(disk_dir)
     m = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
     x = torch.randn(512, 256)
     with off:
@@ -280,7 +294,9 @@ def test_dropped_graph_and_exception_leak_nothing(disk_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
-def test_checkpoint_inside_block(reentrant: bool, disk_dir: Path) -> None:
+def test_checkpoint_inside_block(
+    make_offloader: MakeOffloader, reentrant: bool, disk_dir: Path
+) -> None:
     def run(off: object) -> torch.Tensor:
         torch.manual_seed(0)
         blocks = nn.ModuleList(
@@ -304,14 +320,16 @@ def test_checkpoint_inside_block(reentrant: bool, disk_dir: Path) -> None:
         return torch.cat([x.grad.flatten()] + [p.grad.flatten() for p in blocks.parameters()])
 
     expected = run(None)
-    off = small_offloader(disk_dir)
+    off = make_offloader(disk_dir)
     assert torch.equal(run(off), expected)
     assert off.stats().offloaded_bytes > 0
     off.close()
 
 
-def test_no_grad_forward_and_parameters_skipped(disk_dir: Path) -> None:
-    off = small_offloader(disk_dir, min_bytes=1)
+def test_no_grad_forward_and_parameters_skipped(
+    make_offloader: MakeOffloader, disk_dir: Path
+) -> None:
+    off = make_offloader(disk_dir, min_bytes=1)
     lin = nn.Linear(1024, 1024)  # 4 MiB weight: saved as weight.t(), must not be moved
     frozen = nn.Linear(1024, 1024).requires_grad_(False)  # its weight.t() is saved for x's grad
     x = torch.randn(8, 1024, requires_grad=True)
@@ -327,8 +345,8 @@ def test_no_grad_forward_and_parameters_skipped(disk_dir: Path) -> None:
     off.close()
 
 
-def test_unpack_after_close_raises(disk_dir: Path) -> None:
-    off = small_offloader(disk_dir)
+def test_unpack_after_close_raises(make_offloader: MakeOffloader, disk_dir: Path) -> None:
+    off = make_offloader(disk_dir)
     x = torch.randn(N, N, requires_grad=True)
     with off:
         z = (x * 2).sin()
@@ -344,8 +362,8 @@ def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def test_200_steps_no_growth(disk_dir: Path) -> None:
-    off = small_offloader(disk_dir)
+def test_200_steps_no_growth(make_offloader: MakeOffloader, disk_dir: Path) -> None:
+    off = make_offloader(disk_dir)
     m = nn.Sequential(
         nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 1)
     )
@@ -376,7 +394,7 @@ def test_200_steps_no_growth(disk_dir: Path) -> None:
     off.close()
 
 
-def test_unsupported_tensors_are_kept(disk_dir: Path) -> None:
+def test_unsupported_tensors_are_kept(make_offloader: MakeOffloader, disk_dir: Path) -> None:
     dense = torch.randn(512, 512)
     cases = {
         "sparse": dense.to_sparse(),
@@ -384,7 +402,7 @@ def test_unsupported_tensors_are_kept(disk_dir: Path) -> None:
         "conj": torch.randn(256, 512, dtype=torch.complex64).conj(),
         "dense": dense,
     }
-    off = small_offloader(disk_dir, min_bytes=1)
+    off = make_offloader(disk_dir, min_bytes=1)
     SavePayload.seen.clear()
     x = torch.ones(1, requires_grad=True)
     with off:
@@ -402,8 +420,8 @@ def test_unsupported_tensors_are_kept(disk_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("trim_bytes", [0, 1 << 20])
-def test_heap_trim_cadence(trim_bytes: int, disk_dir: Path) -> None:
-    off = small_offloader(disk_dir, trim_host_bytes=trim_bytes)
+def test_heap_trim_cadence(make_offloader: MakeOffloader, trim_bytes: int, disk_dir: Path) -> None:
+    off = make_offloader(disk_dir, trim_host_bytes=trim_bytes)
     calls: list[int] = []
     if off.runtime.ledger._trim is not None:
         off.runtime.ledger._trim = lambda pad: calls.append(pad) or 1  # type: ignore[assignment]
@@ -421,7 +439,9 @@ def test_heap_trim_cadence(trim_bytes: int, disk_dir: Path) -> None:
     off.close()
 
 
-def test_dedup_never_joins_aliases_with_separate_version_counters(disk_dir: Path) -> None:
+def test_dedup_never_joins_aliases_with_separate_version_counters(
+    make_offloader: MakeOffloader, disk_dir: Path
+) -> None:
     """``x.data`` shares x's storage but not its version counter: no dedup across them."""
 
     def run(off: object) -> list[torch.Tensor]:
@@ -442,7 +462,7 @@ def test_dedup_never_joins_aliases_with_separate_version_counters(disk_dir: Path
         return [w1.grad, w2.grad]  # type: ignore[list-item]
 
     expected = run(None)
-    off = small_offloader(disk_dir)
+    off = make_offloader(disk_dir)
     got = run(off)
     # w2: b saved the mutated value; a stale dedup hit on a's block would give the old one.
     assert torch.equal(got[1], expected[1])
@@ -480,13 +500,13 @@ def _train_in_two_threads(off: Offloader, x: torch.Tensor) -> list[nn.Module]:
     return models
 
 
-def test_two_threads_packing_at_once(disk_dir: Path) -> None:
+def test_two_threads_packing_at_once(make_offloader: MakeOffloader, disk_dir: Path) -> None:
     x = torch.randn(512, 256)
     ref = _make_mlp()
     ref(x).square().mean().backward()
     expected = [p.grad for p in ref.parameters()]
     for _ in range(10):  # the first pack of each Offloader creates its pool: race it
-        off = small_offloader(disk_dir)
+        off = make_offloader(disk_dir)
         for m in _train_in_two_threads(off, x):
             assert all(
                 torch.equal(p.grad, e) for p, e in zip(m.parameters(), expected, strict=True)
@@ -498,10 +518,10 @@ def test_two_threads_packing_at_once(disk_dir: Path) -> None:
 
 
 def test_memory_fallback_chunk_of_unaligned_size(
-    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+    make_offloader: MakeOffloader, disk_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """When no staging slot can ever be had, the chunk stays in memory, padded like the rest."""
-    off = small_offloader(disk_dir, min_bytes=1, io_engine=StagedEngine(2))
+    off = make_offloader(disk_dir, min_bytes=1, io_engine=StagedEngine(2))
     assert off.runtime.writer.in_place is None
     monkeypatch.setattr(off.runtime.writer, "_acquire_slot", lambda pool: None)
     payload = torch.randint(0, 256, (3 * 65536 + 7,), dtype=torch.uint8)
@@ -514,13 +534,13 @@ def test_memory_fallback_chunk_of_unaligned_size(
     off.close()
 
 
-def test_unclosed_offloader_is_collected(disk_dir: Path) -> None:
+def test_unclosed_offloader_is_collected(make_offloader: MakeOffloader, disk_dir: Path) -> None:
     """An Offloader dropped without close() is collected (its finalizer closes files and
     threads): no idle I/O thread keeps it alive through its last request's callback."""
     import gc
     import weakref
 
-    off = small_offloader(disk_dir, min_bytes=1)
+    off = make_offloader(disk_dir, min_bytes=1)
     x = torch.ones(1, requires_grad=True)
     with off:
         y = SavePayload.apply(x, torch.randn(1 << 16))

@@ -20,9 +20,9 @@ import torch
 from offloadd.runtime.ordering import StagedCopy
 from offloadd.runtime.simulated import SimulatedOrdering
 from tests._support.helpers import (
+    MakeOffloader,
     SavePayload,
     assert_bitwise_equal,
-    small_offloader,
     train,
     train_and_compare,
 )
@@ -45,9 +45,9 @@ _TIGHT = {"chunk_bytes": 64 << 10, "staging_bytes": 256 << 10, "host_budget_byte
 @pytest.mark.parametrize("tier", ["ssd", "cpu"])
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_simulated_device_is_lossless(
-    model: str, tier: str, disk_dir: Path, sim: SimulatedOrdering
+    make_offloader: MakeOffloader, model: str, tier: str, disk_dir: Path, sim: SimulatedOrdering
 ) -> None:
-    off = small_offloader(disk_dir, tier=tier, ordering=sim, **_TIGHT)
+    off = make_offloader(disk_dir, tier=tier, ordering=sim, **_TIGHT)
     st = train_and_compare(*MODELS[model], off)
     assert sim.copies > 0, "the simulated device was not used"
     if tier == "cpu":  # blocks still in their slots go back on the upload stream, late too
@@ -57,11 +57,13 @@ def test_simulated_device_is_lossless(
     assert st.resident_bytes == 0 and st.disk_bytes == 0
 
 
-def test_blocks_larger_than_the_pool_stream_through_it(disk_dir: Path) -> None:
+def test_blocks_larger_than_the_pool_stream_through_it(
+    make_offloader: MakeOffloader, disk_dir: Path
+) -> None:
     """A block of 16 chunks through a pool of 2: slots are reused while copies are in flight."""
     sim = SimulatedOrdering(seed=7, max_delay_s=0.004)
     payload = torch.randn(16 * (64 << 10) // 4)
-    off = small_offloader(
+    off = make_offloader(
         disk_dir, ordering=sim, chunk_bytes=64 << 10, staging_bytes=128 << 10, prefetch_bytes=0
     )
     try:
@@ -78,11 +80,13 @@ def test_blocks_larger_than_the_pool_stream_through_it(disk_dir: Path) -> None:
     assert st.backpressure_waits > 0
 
 
-def test_inplace_change_before_the_copy_ran_raises(disk_dir: Path) -> None:
+def test_inplace_change_before_the_copy_ran_raises(
+    make_offloader: MakeOffloader, disk_dir: Path
+) -> None:
     """Changed in place after capture, before the late copy ran: backward raises, never uses
     the changed bytes (the version is checked once the copy completed)."""
     sim = SimulatedOrdering(seed=3, max_delay_s=0.05)
-    off = small_offloader(disk_dir, ordering=sim)
+    off = make_offloader(disk_dir, ordering=sim)
     try:
         a = torch.randn(256, 256, requires_grad=True)
         with off:
@@ -99,7 +103,7 @@ def test_inplace_change_before_the_copy_ran_raises(disk_dir: Path) -> None:
 
 
 def _train_with_writes_that_do_not_wait(
-    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+    make_offloader: MakeOffloader, disk_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
     def chunk_without_event(self: StagedCopy, dst: torch.Tensor, src: torch.Tensor):  # type: ignore[no-untyped-def]
         real_chunk(self, dst, src)
@@ -112,7 +116,7 @@ def _train_with_writes_that_do_not_wait(
     # The copies run only when something waits for them (or a second later): never before the
     # writes that skip their events.
     sim = SimulatedOrdering(seed=11, max_delay_s=0.005, lag_s=1.0)
-    off = small_offloader(disk_dir, ordering=sim, min_bytes=64 << 10, **_TIGHT)
+    off = make_offloader(disk_dir, ordering=sim, min_bytes=64 << 10, **_TIGHT)
     try:
         got = train(make_model, make_input, off)
     finally:
@@ -122,18 +126,18 @@ def _train_with_writes_that_do_not_wait(
 
 
 def test_the_simulation_catches_a_write_that_skips_its_event(
-    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+    make_offloader: MakeOffloader, disk_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The mutation test of the simulation: with the per-chunk event wait removed, writes take
     slots before their copy filled them, and the gradients are wrong. If this ever passes
     without the wait, the simulated device has lost its teeth."""
-    reference, got = _train_with_writes_that_do_not_wait(disk_dir, monkeypatch)
+    reference, got = _train_with_writes_that_do_not_wait(make_offloader, disk_dir, monkeypatch)
     with pytest.raises(AssertionError, match="differs"):
         assert_bitwise_equal(reference, got)
 
 
 def test_the_simulation_catches_an_unpack_that_skips_the_upload(
-    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+    make_offloader: MakeOffloader, disk_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The mutation test of the read path: with the consumer's wait for a block's copy from its
     slots removed, unpack views a buffer the late copy has not filled, and the gradients are
@@ -144,7 +148,7 @@ def test_the_simulation_catches_an_unpack_that_skips_the_upload(
     reference = train(make_model, make_input, None)
     monkeypatch.setattr(Reader, "_await_upload", lambda self, block, buf, h2d: None)
     sim = SimulatedOrdering(seed=13, max_delay_s=0.005, lag_s=30.0)  # copies up run when waited for
-    off = small_offloader(disk_dir, tier="cpu", ordering=sim, min_bytes=64 << 10)
+    off = make_offloader(disk_dir, tier="cpu", ordering=sim, min_bytes=64 << 10)
     try:
         got = train(make_model, make_input, off)
     finally:
@@ -155,12 +159,14 @@ def test_the_simulation_catches_an_unpack_that_skips_the_upload(
         assert_bitwise_equal(reference, got)
 
 
-def test_synchronize_waits_for_the_copies_of_blocks_backward_never_took(disk_dir: Path) -> None:
+def test_synchronize_waits_for_the_copies_of_blocks_backward_never_took(
+    make_offloader: MakeOffloader, disk_dir: Path
+) -> None:
     """A block the prefetcher copied up from its slots but backward never unpacked (a branch the
     loss does not reach) is freed with that copy in flight, its slots held until it ends:
     ``synchronize()`` waits for it, so afterwards nothing is resident."""
     sim = SimulatedOrdering(seed=5, max_delay_s=0.1)
-    off = small_offloader(disk_dir, tier="cpu", ordering=sim, host_budget_bytes=1 << 20)
+    off = make_offloader(disk_dir, tier="cpu", ordering=sim, host_budget_bytes=1 << 20)
     two_chunks = 2 * (64 << 10) // 4
     try:
         x = torch.ones(4, requires_grad=True)
@@ -180,7 +186,7 @@ def test_synchronize_waits_for_the_copies_of_blocks_backward_never_took(disk_dir
 
 
 def test_a_prefetch_without_device_memory_leaves_the_block_to_its_unpack(
-    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+    make_offloader: MakeOffloader, disk_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The prefetcher's copies from the slots take device memory ahead of use: one that finds
     none stops reading ahead, with a warning, and backward copies each block up when it needs
@@ -198,7 +204,7 @@ def test_a_prefetch_without_device_memory_leaves_the_block_to_its_unpack(
 
     monkeypatch.setattr(Reader, "_upload", upload)
     sim = SimulatedOrdering(seed=17, max_delay_s=0.002)
-    off = small_offloader(disk_dir, tier="cpu", ordering=sim, host_budget_bytes=4 << 20)
+    off = make_offloader(disk_dir, tier="cpu", ordering=sim, host_budget_bytes=4 << 20)
     try:
         with pytest.warns(RuntimeWarning, match="reading ahead"):
             st = train_and_compare(*MODELS["mlp"], off)
@@ -209,13 +215,14 @@ def test_a_prefetch_without_device_memory_leaves_the_block_to_its_unpack(
 
 
 def test_a_block_made_resident_before_close_is_unpacked_without_reading_ahead(
+    make_offloader: MakeOffloader,
     disk_dir: Path,
 ) -> None:
     """close() gives the slots back to the system: backward may still take a block made
     resident before it (as the prefetcher makes them), but copies nothing more up from the
     slots, and the next block raises as any unpack after close does."""
     sim = SimulatedOrdering(seed=23)
-    off = small_offloader(disk_dir, tier="cpu", ordering=sim, host_budget_bytes=1 << 20)
+    off = make_offloader(disk_dir, tier="cpu", ordering=sim, host_budget_bytes=1 << 20)
     two_chunks = 2 * (64 << 10) // 4
     try:
         x = torch.ones(4, requires_grad=True)

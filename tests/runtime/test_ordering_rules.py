@@ -27,7 +27,7 @@ from offloadd.io.request import Op, Request
 from offloadd.runtime.blocks import Block
 from offloadd.runtime.reader import Reader
 from offloadd.runtime.simulated import SimulatedOrdering
-from tests._support.helpers import SavePayload, assert_bitwise_equal, small_offloader, train
+from tests._support.helpers import MakeOffloader, SavePayload, assert_bitwise_equal, train
 from tests.properties.test_equivalence import MODELS
 
 # Engine-independent: the embedded native engine (tests/runtime/test_ordering.py runs every engine).
@@ -72,6 +72,7 @@ def _pack(off: Offloader, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor
 
 
 def _check(
+    make_offloader: MakeOffloader,
     rule: str | None,
     request: pytest.FixtureRequest,
     disk_dir: Path,
@@ -83,7 +84,7 @@ def _check(
     it, what the simulated device saw, or the payloads that came back wrong, match ``fault``."""
     sim = _Without(rule, seed=zlib.crc32(request.node.name.encode()))
     opts: dict[str, object] = {"host_budget_bytes": 16 * _CHUNK, **config}
-    off = small_offloader(disk_dir, tier="cpu", ordering=sim, chunk_bytes=_CHUNK, **opts)
+    off = make_offloader(disk_dir, tier="cpu", ordering=sim, chunk_bytes=_CHUNK, **opts)
     SavePayload.seen.clear()
     try:
         payloads = scenario(sim, off)
@@ -112,7 +113,7 @@ def _check(
 
 @pytest.mark.parametrize("rule", [None, "upload waits for the consumer"])
 def test_an_upload_waits_for_the_kernels_queued_on_its_consumer(
-    rule: str | None, request: pytest.FixtureRequest, disk_dir: Path
+    make_offloader: MakeOffloader, rule: str | None, request: pytest.FixtureRequest, disk_dir: Path
 ) -> None:
     """H2D: a block copied up from its slots lands in a buffer of the consumer's stream, which
     the caching allocator hands out while kernels queued there may still read it (they read the
@@ -127,12 +128,20 @@ def test_an_upload_waits_for_the_kernels_queued_on_its_consumer(
         assert sim.memory.reuses >= 1, "the second block did not reuse the first's buffer"
         return payloads
 
-    _check(rule, request, disk_dir, scenario, "read a device buffer that changed", prefetch_bytes=0)
+    _check(
+        make_offloader,
+        rule,
+        request,
+        disk_dir,
+        scenario,
+        "read a device buffer that changed",
+        prefetch_bytes=0,
+    )
 
 
 @pytest.mark.parametrize("rule", [None, "hold for the consumer"])
 def test_a_block_consumed_on_another_stream_is_held_for_it(
-    rule: str | None, request: pytest.FixtureRequest, disk_dir: Path
+    make_offloader: MakeOffloader, rule: str | None, request: pytest.FixtureRequest, disk_dir: Path
 ) -> None:
     """H2D: the prefetcher copies a block up into a buffer of the stream it runs on; a backward
     on another stream that reads it marks the buffer used by that stream (record_stream), else
@@ -149,13 +158,15 @@ def test_a_block_consumed_on_another_stream_is_held_for_it(
             outs[2].sum().backward()  # copied up on the first stream
         return payloads
 
-    sim = _check(rule, request, disk_dir, scenario, "read a device buffer that changed")
+    sim = _check(
+        make_offloader, rule, request, disk_dir, scenario, "read a device buffer that changed"
+    )
     assert sim.uploads >= 6, "the first block was not prefetched"
 
 
 @pytest.mark.parametrize("rule", [None, "hold for the upload"])
 def test_a_buffer_dropped_before_its_upload_ran_is_not_reused(
-    rule: str | None, request: pytest.FixtureRequest, disk_dir: Path
+    make_offloader: MakeOffloader, rule: str | None, request: pytest.FixtureRequest, disk_dir: Path
 ) -> None:
     """H2D: a block the prefetcher copied up and backward never unpacked is freed while its copy
     is still queued. Its buffer is recorded on the upload stream, else the next allocation of
@@ -175,6 +186,7 @@ def test_a_buffer_dropped_before_its_upload_ran_is_not_reused(
         return [payloads[0], more[1]]
 
     _check(
+        make_offloader,
         rule,
         request,
         disk_dir,
@@ -186,7 +198,7 @@ def test_a_buffer_dropped_before_its_upload_ran_is_not_reused(
 
 @pytest.mark.parametrize("rule", [None, "copy waits for the producer"])
 def test_a_copy_waits_for_the_kernel_that_produced_its_source(
-    rule: str | None, request: pytest.FixtureRequest, disk_dir: Path
+    make_offloader: MakeOffloader, rule: str | None, request: pytest.FixtureRequest, disk_dir: Path
 ) -> None:
     """Producer: a saved tensor's kernel is queued on the producer's stream; its copy into a
     slot waits for an event recorded there at capture, else it reads the bytes before the
@@ -202,20 +214,24 @@ def test_a_copy_waits_for_the_kernel_that_produced_its_source(
             y.sum().backward()
         return [payload]
 
-    _check(rule, request, disk_dir, scenario, "had not written yet")
+    _check(make_offloader, rule, request, disk_dir, scenario, "had not written yet")
 
 
 @pytest.mark.parametrize("tier", ["ssd", "cpu"])
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_lossless_on_a_device_that_runs_everything_late(
-    model: str, tier: str, request: pytest.FixtureRequest, disk_dir: Path
+    make_offloader: MakeOffloader,
+    model: str,
+    tier: str,
+    request: pytest.FixtureRequest,
+    disk_dir: Path,
 ) -> None:
     """The equivalence models trained with every op a kernel queued on the compute stream and
     the device's work run as late as it may, buffers reused as soon as the allocator allows:
     gradients bit-identical, and nothing seen."""
     reference = train(*MODELS[model], None)
     sim = SimulatedOrdering(seed=zlib.crc32(request.node.name.encode()), lag_s=_LAG_S)
-    off = small_offloader(
+    off = make_offloader(
         disk_dir,
         tier=tier,
         ordering=sim,
@@ -239,6 +255,7 @@ def test_lossless_on_a_device_that_runs_everything_late(
 
 @pytest.mark.parametrize("rule", [None, "slots held for the upload"])
 def test_slots_being_copied_up_are_not_given_back(
+    make_offloader: MakeOffloader,
     rule: str | None,
     request: pytest.FixtureRequest,
     disk_dir: Path,
@@ -272,17 +289,25 @@ def test_slots_being_copied_up_are_not_given_back(
             y.sum().backward()
         return [payloads[0], more]
 
-    _check(rule, request, disk_dir, scenario, "came back wrong", host_budget_bytes=6 * _CHUNK)
+    _check(
+        make_offloader,
+        rule,
+        request,
+        disk_dir,
+        scenario,
+        "came back wrong",
+        host_budget_bytes=6 * _CHUNK,
+    )
 
 
 def test_a_block_whose_copy_is_still_queued_is_not_read_ahead(
-    request: pytest.FixtureRequest, disk_dir: Path
+    make_offloader: MakeOffloader, request: pytest.FixtureRequest, disk_dir: Path
 ) -> None:
     """The prefetcher takes only blocks whose copy into their slots completed: a block packed
     first but captured after a later one (its thread left the scope later) still has its copy
     queued when backward unpacks the later one, which waited for its own copy only."""
     sim = SimulatedOrdering(seed=zlib.crc32(request.node.name.encode()), lag_s=_LAG_S)
-    off = small_offloader(
+    off = make_offloader(
         disk_dir, tier="cpu", ordering=sim, chunk_bytes=_CHUNK, host_budget_bytes=16 * _CHUNK
     )
     x = torch.ones(4, requires_grad=True)
@@ -348,6 +373,7 @@ def _wait_for(what: Callable[[], bool]) -> None:
 
 @pytest.mark.parametrize("rule", [None, "no upload under a started write"])
 def test_a_block_whose_write_started_is_not_copied_up_from_its_slots(
+    make_offloader: MakeOffloader,
     rule: str | None,
     request: pytest.FixtureRequest,
     disk_dir: Path,
@@ -367,7 +393,7 @@ def test_a_block_whose_write_started_is_not_copied_up_from_its_slots(
         monkeypatch.setattr(Reader, "_slots_to_device", slots_to_device)
     engine = _GatedEngine()
     sim = _Without(None, seed=zlib.crc32(request.node.name.encode()))
-    off = small_offloader(
+    off = make_offloader(
         disk_dir, ordering=sim, io_engine=engine, chunk_bytes=_CHUNK, prefetch_bytes=0
     )
     upload = sim.upload_stream(torch.device("cpu"))

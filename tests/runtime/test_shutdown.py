@@ -16,7 +16,7 @@ import torch
 
 from offloadd import Offloader
 from offloadd.io.request import mark_engine_thread
-from tests._support.helpers import SavePayload, small_offloader
+from tests._support.helpers import MakeOffloader, SavePayload
 
 
 @pytest.fixture
@@ -44,13 +44,15 @@ def _gate_writes(off: Offloader, gate: threading.Event) -> None:
 
 
 @pytest.mark.usefixtures("backend")
-def test_collected_with_writes_in_flight(disk_dir: Path, unraisable: list[str]) -> None:
+def test_collected_with_writes_in_flight(
+    make_offloader: MakeOffloader, disk_dir: Path, unraisable: list[str]
+) -> None:
     """Requests hold the write path, never the Offloader: an unclosed one whose writes are in
     flight is collected as soon as its graph is gone, and its finalizer waits for those writes
     before it frees the pools (see [shutdown])."""
     ran_on: list[str] = []
     others = set(threading.enumerate())
-    off = small_offloader(disk_dir, min_bytes=1)
+    off = make_offloader(disk_dir, min_bytes=1)
     gate = threading.Event()
     _gate_writes(off, gate)
     x = torch.ones(1, requires_grad=True)
@@ -83,10 +85,12 @@ def test_collected_with_writes_in_flight(disk_dir: Path, unraisable: list[str]) 
     assert unraisable == []
 
 
-def test_shutdown_on_an_io_thread_moves_to_a_fresh_thread(disk_dir: Path) -> None:
+def test_shutdown_on_an_io_thread_moves_to_a_fresh_thread(
+    make_offloader: MakeOffloader, disk_dir: Path
+) -> None:
     """A finalizer run on an I/O thread (a garbage collection there) must not close the
     backend from it: closing joins that very thread. It hands the shutdown to a new thread."""
-    off = small_offloader(disk_dir)
+    off = make_offloader(disk_dir)
     ran_on: list[str] = []
     real_close = off.runtime.backend.close  # type: ignore[union-attr]
 

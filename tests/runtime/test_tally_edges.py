@@ -14,6 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from offloadd import Offloader
 from offloadd.runtime import held
 
+pytestmark = pytest.mark.unit
+
 KIB16 = 64 * 64 * 4
 
 

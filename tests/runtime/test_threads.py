@@ -15,14 +15,14 @@ import torch
 from offloadd import Offloader
 from offloadd.io.buffers import SlotPool
 from offloadd.io.pools import PagePool, ReadPool
-from tests._support.helpers import SavePayload, small_offloader
+from tests._support.helpers import MakeOffloader, SavePayload
 
 # Engine-independent: one embedded engine (tests/runtime/test_shutdown.py runs every engine).
 ENGINE_PARAMS = ("native-threads",)
 
 
 @pytest.mark.usefixtures("fast_switching")
-def test_counters_exact_with_threads_packing(disk_dir: Path) -> None:
+def test_counters_exact_with_threads_packing(make_offloader: MakeOffloader, disk_dir: Path) -> None:
     """saved_tensors and saved_bytes lose no count between threads: a small tensor's save is
     counted on the tally under the GIL (held.py) and applied under the lock at the next drain,
     every other count is updated under the lock.
@@ -30,7 +30,7 @@ def test_counters_exact_with_threads_packing(disk_dir: Path) -> None:
     Before, they were updated outside it. On CPython 3.11 with the GIL that cannot lose a count
     (``st.n += 1`` on a plain attribute has no point where the interpreter switches threads), so
     this passed before the fix too; it guards free-threaded builds and any later refactoring."""
-    off = small_offloader(disk_dir)
+    off = make_offloader(disk_dir)
     per_thread, threads = 3000, 4
     x = torch.ones(4, requires_grad=True)
     barrier = threading.Barrier(threads)
@@ -72,9 +72,9 @@ def test_small_tensors_counted_exactly_nothing_queued() -> None:
     off.close()
 
 
-def test_warn_once_is_once_across_threads(disk_dir: Path) -> None:
+def test_warn_once_is_once_across_threads(make_offloader: MakeOffloader, disk_dir: Path) -> None:
     """I/O threads (and the daemon client's) warn with or without the Offloader's lock held."""
-    off = small_offloader(disk_dir)
+    off = make_offloader(disk_dir)
     logged: list[str] = []
 
     class SlowSet(set[str]):
@@ -123,10 +123,12 @@ class _FakeCopy:
         return self.complete
 
 
-def test_copy_waits_are_made_without_the_lock(disk_dir: Path) -> None:
+def test_copy_waits_are_made_without_the_lock(
+    make_offloader: MakeOffloader, disk_dir: Path
+) -> None:
     """Unpack waits for a block's D2H copy without the lock; a block freed while its copy runs
     gives its slots back once the copy completed, not by waiting under the lock."""
-    off = small_offloader(disk_dir, min_bytes=1)
+    off = make_offloader(disk_dir, min_bytes=1)
     x = torch.ones(1, requires_grad=True)
     payload = torch.randn(1 << 16)
     SavePayload.seen.clear()
@@ -166,7 +168,7 @@ class _FakeStream:
 
 
 def test_finalizer_drains_copy_streams_before_freeing_pools(
-    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+    make_offloader: MakeOffloader, disk_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An Offloader collected without close(): its copy streams are synchronized before its
     staging memory is given back (a copy still queued would write into freed memory)."""
@@ -178,7 +180,7 @@ def test_finalizer_drains_copy_streams_before_freeing_pools(
             real(self)
 
         monkeypatch.setattr(cls, "close", close)
-    off = small_offloader(disk_dir, min_bytes=1)
+    off = make_offloader(disk_dir, min_bytes=1)
     x = torch.ones(1, requires_grad=True)
     with off:
         y = SavePayload.apply(x, torch.randn(1 << 16))

@@ -21,7 +21,7 @@ from torch import nn
 
 from offloadd import Offloader
 from offloadd.runtime.simulated import SimulatedOrdering
-from tests._support.helpers import assert_bitwise_equal, small_offloader
+from tests._support.helpers import MakeOffloader, assert_bitwise_equal
 
 # Engine-independent: the embedded native engine (tests/runtime/test_ordering.py runs every engine).
 ENGINE_PARAMS = ("native-threads",)
@@ -88,7 +88,7 @@ def _run(
 @pytest.mark.usefixtures("fast_switching")
 @pytest.mark.parametrize("tier", ["cpu", "ssd"])
 def test_threads_forwarding_through_one_offloader(
-    tier: str, disk_dir: Path, request: pytest.FixtureRequest
+    make_offloader: MakeOffloader, tier: str, disk_dir: Path, request: pytest.FixtureRequest
 ) -> None:
     """Three forward threads through one Offloader, backward on a pool of other threads,
     copies completing late: every replica's gradients are bit-identical to training it alone.
@@ -98,7 +98,7 @@ def test_threads_forwarding_through_one_offloader(
     slot under the late copy (item 3)."""
     reference = _run(None, None)
     sim = SimulatedOrdering(seed=zlib.crc32(request.node.name.encode()), max_delay_s=0.002)
-    off = small_offloader(
+    off = make_offloader(
         disk_dir,
         tier=tier,
         ordering=sim,
@@ -123,13 +123,15 @@ def test_threads_forwarding_through_one_offloader(
 
 
 @pytest.mark.cuda
-def test_threads_forwarding_through_one_offloader_cuda(disk_dir: Path) -> None:
+def test_threads_forwarding_through_one_offloader_cuda(
+    make_offloader: MakeOffloader, disk_dir: Path
+) -> None:
     """The same on a GPU, with CUDA's own streams and events, tier cpu with a host pool of
     4 chunks (spills)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     reference = _run(None, None, "cuda")
-    off = small_offloader(
+    off = make_offloader(
         disk_dir, tier="cpu", chunk_bytes=16 << 10, host_budget_bytes=64 << 10, min_bytes=4096
     )
     try:
@@ -145,12 +147,12 @@ def test_threads_forwarding_through_one_offloader_cuda(disk_dir: Path) -> None:
 
 
 @pytest.mark.cuda
-def test_data_parallel_cpu_tier(disk_dir: Path) -> None:
+def test_data_parallel_cpu_tier(make_offloader: MakeOffloader, disk_dir: Path) -> None:
     """``nn.DataParallel`` over two GPUs: its replicas forward on a thread each, through one
     Offloader (entered on each thread, as ``OFFLOADD=1``'s module scope does)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("nn.DataParallel forwards on threads only with two or more GPUs")
-    off = small_offloader(
+    off = make_offloader(
         disk_dir, tier="cpu", chunk_bytes=16 << 10, host_budget_bytes=64 << 10, min_bytes=4096
     )
 
@@ -190,11 +192,13 @@ def test_data_parallel_cpu_tier(disk_dir: Path) -> None:
     assert_bitwise_equal(reference, got)
 
 
-def test_a_copy_that_fails_leaves_no_chunk_marked_filling(disk_dir: Path) -> None:
+def test_a_copy_that_fails_leaves_no_chunk_marked_filling(
+    make_offloader: MakeOffloader, disk_dir: Path
+) -> None:
     """A copy into a slot that raises: the tensor is kept (a warning), the chunk's mark is
     cleared by the capture's handler, and later forwards take slots without waiting on it."""
     sim = SimulatedOrdering(seed=3)
-    off = small_offloader(
+    off = make_offloader(
         disk_dir, tier="cpu", ordering=sim, chunk_bytes=16 << 10, host_budget_bytes=64 << 10
     )
     real_copy, calls = sim.copy, [0]

@@ -15,7 +15,7 @@ from offloadd.io.buffers import SlotPool
 from offloadd.io.pools import ReadPool, size_class
 from offloadd.io.request import Op, Request
 from offloadd.runtime.host_allocator import MIN_BYTES
-from tests._support.helpers import SavePayload, SlowEngine, small_offloader
+from tests._support.helpers import MakeOffloader, SavePayload, SlowEngine
 
 
 def _payload(nbytes: int, skew: int, seed: int) -> tuple[torch.Tensor, object]:
@@ -32,12 +32,14 @@ def _payload(nbytes: int, skew: int, seed: int) -> tuple[torch.Tensor, object]:
     ("nbytes", "skew"),
     [(4096, 0), (5000, 0), (100, 4000), (4096, 64), (8192, 4032), (300_000, 1), (200_003, 4095)],
 )
-def test_round_trip_from_any_offset_in_a_page(nbytes: int, skew: int, disk_dir: Path) -> None:
+def test_round_trip_from_any_offset_in_a_page(
+    make_offloader: MakeOffloader, nbytes: int, skew: int, disk_dir: Path
+) -> None:
     """Storages starting anywhere in a page, of any length, come back bit for bit from the file:
     the interior written in place, the ends through bounce pages, the read laid out alike."""
     payload, keep = _payload(nbytes, skew, seed=nbytes + skew)
     expect = payload.clone()
-    off = small_offloader(disk_dir, min_bytes=1)
+    off = make_offloader(disk_dir, min_bytes=1)
     assert off.runtime.writer.in_place is not None, "the embedded engines write in place"
     SavePayload.seen.clear()
     x = torch.ones(1, requires_grad=True)
@@ -62,11 +64,11 @@ def test_round_trip_from_any_offset_in_a_page(nbytes: int, skew: int, disk_dir: 
     del keep
 
 
-def test_views_with_offsets_round_trip(disk_dir: Path) -> None:
+def test_views_with_offsets_round_trip(make_offloader: MakeOffloader, disk_dir: Path) -> None:
     """Saved views into one storage (offsets, strides) rebuild exactly on the read buffer."""
     base = torch.randn(3, 700, 33)
     views = [base[1], base[:, 5:400:3], base.transpose(0, 2)]
-    off = small_offloader(disk_dir, min_bytes=1)
+    off = make_offloader(disk_dir, min_bytes=1)
     got: list[torch.Tensor] = []
     strides: list[tuple[int, ...]] = []
 
@@ -92,10 +94,12 @@ def test_views_with_offsets_round_trip(disk_dir: Path) -> None:
     off.close()
 
 
-def test_changed_while_written_in_place_raises(disk_dir: Path) -> None:
+def test_changed_while_written_in_place_raises(
+    make_offloader: MakeOffloader, disk_dir: Path
+) -> None:
     """A change in place while the write reads the tensor's own pages: backward raises, as
     autograd does, instead of reading back bytes from before or after the change."""
-    off = small_offloader(disk_dir, min_bytes=1, io_engine=SlowEngine(0.2))
+    off = make_offloader(disk_dir, min_bytes=1, io_engine=SlowEngine(0.2))
     a = torch.randn(256, 256, requires_grad=True)
     with off:
         h = a * 2
@@ -107,10 +111,12 @@ def test_changed_while_written_in_place_raises(disk_dir: Path) -> None:
     off.close()
 
 
-def test_backward_takes_the_source_while_it_is_written(disk_dir: Path) -> None:
+def test_backward_takes_the_source_while_it_is_written(
+    make_offloader: MakeOffloader, disk_dir: Path
+) -> None:
     """The last tensors of a forward, still being written, are not read back: backward uses
     the source itself and cancels the writes not yet started."""
-    off = small_offloader(disk_dir, min_bytes=1, io_engine=SlowEngine(0.05))
+    off = make_offloader(disk_dir, min_bytes=1, io_engine=SlowEngine(0.05))
     payload = torch.randn(1 << 18)
     SavePayload.seen.clear()
     x = torch.ones(1, requires_grad=True)
@@ -125,11 +131,11 @@ def test_backward_takes_the_source_while_it_is_written(disk_dir: Path) -> None:
     off.close()
 
 
-def test_read_buffers_are_recycled_warm(disk_dir: Path) -> None:
+def test_read_buffers_are_recycled_warm(make_offloader: MakeOffloader, disk_dir: Path) -> None:
     """After the first step, read-backs reuse the pool's buffers: nothing new is mapped."""
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)])
     x = torch.randn(64, 256)
-    off = small_offloader(disk_dir, min_bytes=1)
+    off = make_offloader(disk_dir, min_bytes=1)
     created = []
     for _ in range(4):
         with off:
@@ -197,11 +203,13 @@ def test_read_pool_classes_keep_their_own_and_idle_classes_go() -> None:
     pool.close()
 
 
-def test_read_buffers_do_not_follow_the_heap_layout(disk_dir: Path) -> None:
+def test_read_buffers_do_not_follow_the_heap_layout(
+    make_offloader: MakeOffloader, disk_dir: Path
+) -> None:
     """The same saved sizes at other offsets in a page each step (the heap's layout changes
     between steps) are served by the buffers of the first step: the class of a block depends on
     its size, not on its skew."""
-    off = small_offloader(disk_dir, min_bytes=1)
+    off = make_offloader(disk_dir, min_bytes=1)
     created = []
     for step in range(4):
         skew = (0, 16, 4032, 0)[step]  # a 64 KiB storage fits 16 pages only at skew 0
@@ -252,7 +260,9 @@ class _PairProduct(torch.nn.Module):
         return torch.tanh(self.a(x) @ self.b(x).T @ x)
 
 
-def test_read_buffers_are_recycled_when_backward_jumps_between_sweeps(disk_dir: Path) -> None:
+def test_read_buffers_are_recycled_when_backward_jumps_between_sweeps(
+    make_offloader: MakeOffloader, disk_dir: Path
+) -> None:
     """Buffers age by training step, not by read-ahead sweep: backward restarts its sweep many
     times (a node unpacks its saved tensors in pack order), and once aged per sweep, classes that
     two restarts in a row did not take were unmapped and mapped again in every step (HF GPT-2:
@@ -261,7 +271,7 @@ def test_read_buffers_are_recycled_when_backward_jumps_between_sweeps(disk_dir: 
     model = torch.nn.Sequential(*[_PairProduct(w) for w in (64, 64, 64, 64, 64, 64)])
     x = torch.randn(96, 64)
     sizes = [torch.randn(n, 64) for n in (96, 200, 400)]  # three size classes, layer by layer
-    off = small_offloader(disk_dir, min_bytes=1)
+    off = make_offloader(disk_dir, min_bytes=1)
     created = []
     for _ in range(5):
         with off:

@@ -6,6 +6,8 @@ import pytest
 
 from offloadd.wire import protocol as proto
 
+pytestmark = pytest.mark.unit
+
 
 def test_round_trips() -> None:
     hello = proto.decode_request(

@@ -409,6 +409,40 @@ def imports() -> list[Import]:
     return _resolved(all_imports(), known_modules())
 
 
+RUNTIME_SURFACE = frozenset(
+    {
+        "offloadd.runtime",  # the package: Runtime, Ordering, Stats
+        "offloadd.runtime.runtime",  # Runtime, for offloader.py
+        "offloadd.runtime.stages",  # the plug-ins' interfaces: Planner, Coder, PlannerView, ...
+        "offloadd.runtime.identity",  # what a saved tensor is
+        "offloadd.runtime.stats",
+        "offloadd.runtime.ordering",  # device streams and events (relay's host store)
+        "offloadd.runtime.compiled",  # unseen: hooks invisible to dynamo
+        "offloadd.runtime.hook_stack",  # the saved-tensor hook stack
+        "offloadd.runtime.host_allocator",  # the host cache
+        "offloadd.runtime.heap_trim",
+        "offloadd.runtime.stall_watch",
+        "offloadd.runtime.shutdown",  # moved_off_engine_thread
+    }
+)
+"""The modules of the runtime that the rooms above it may import; the rest (blocks, dedup,
+handles, capture, lifetime, writer, reader, hooks, held, ...) is the runtime's own machinery."""
+
+
+def test_the_runtime_is_reached_through_its_surface(imports: list[Import]) -> None:
+    """Plug-ins and the edge (auto, codec, relay, integrations, offloader.py, ...) reach the
+    runtime through :data:`RUNTIME_SURFACE` only; the tools may look inside."""
+    inside = [
+        f"{i.where()}: {i.text}"
+        for i in imports
+        if i.target.startswith("offloadd.runtime")
+        and i.target not in RUNTIME_SURFACE
+        and not i.importer.startswith(("offloadd.runtime", "offloadd.tools"))
+        and not i.type_only
+    ]
+    assert not inside, "the runtime's machinery imported from outside it:\n" + "\n".join(inside)
+
+
 def test_every_import_goes_where_the_table_allows(imports: list[Import]) -> None:
     found = room_violations(imports, ROOMS)
     assert not found, "imports across rooms that the table does not allow:\n" + "\n".join(found)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._support.cli import offloadd_cli
+
 ENGINE_PARAMS = ("default",)  # disk_dir once: the benchmark runs every engine itself
 
 
@@ -56,9 +58,10 @@ def test_bench_io_end_to_end(disk_dir: Path) -> None:
     ],
 )
 def test_bench_io_bad_arguments(args: list[str], message: str) -> None:
-    proc = _bench("--total-bytes", "16MiB", "--request-bytes", "4MiB", *args)  # the last one wins
-    assert proc.returncode == 2
-    assert message in proc.stderr
+    base = ["bench", "io", "--total-bytes", "16MiB", "--request-bytes", "4MiB"]
+    code, _, err = offloadd_cli(*base, *args)  # the last one wins
+    assert code == 2
+    assert message in err
 
 
 def test_fio_span_from_latency_logs(tmp_path: Path) -> None:

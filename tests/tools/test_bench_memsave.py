@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from offloadd.tools.bench import memsave as bench_memsave
+from tests._support.cli import offloadd_cli
 
 pytest.importorskip("transformers")
 
@@ -82,19 +83,7 @@ def test_keep_freed_memory_flag(tmp_path: Path) -> None:
 
 
 def test_bench_memsave_cli_and_errors() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "offloadd", "bench", "memsave", "--scenarios", "nope"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-    )
-    assert proc.returncode == 2 and "unknown 'nope'" in proc.stderr
-    proc = subprocess.run(
-        [sys.executable, "-m", "offloadd", "bench", "--help"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-    )
-    assert proc.returncode == 0 and "memsave" in proc.stdout
+    code, _, err = offloadd_cli("bench", "memsave", "--scenarios", "nope")
+    assert code == 2 and "unknown 'nope'" in err
+    code, out, _ = offloadd_cli("bench", "--help")
+    assert code == 0 and "memsave" in out

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from offloadd.tools.bench import relay as bench_relay
+from tests._support.cli import offloadd_cli
 
 pytest.importorskip("transformers")
 
@@ -111,15 +112,14 @@ def test_ratios_and_exactness_on_made_up_runs() -> None:
 
 def test_bench_relay_option_errors(tmp_path: Path) -> None:
     where = tmp_path / "never-made"
-    proc = _bench("--quick", "--heads", "3", "--ssd-dir", str(where))
-    assert proc.returncode == 2 and "--heads (3) must divide --hidden (64)" in proc.stderr
-    assert not where.exists()  # a bad option creates nothing
-    proc = _bench("--quick", "--steps", "0", "--ssd-dir", str(where))
-    assert proc.returncode == 2 and "--steps must be at least 1, got 0" in proc.stderr
-    proc = subprocess.run(
-        [sys.executable, "-m", "offloadd", "bench", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    code, _, err = offloadd_cli(
+        "bench", "relay", "--quick", "--heads", "3", "--ssd-dir", str(where)
     )
-    assert proc.returncode == 0 and "relay" in proc.stdout
+    assert code == 2 and "--heads (3) must divide --hidden (64)" in err
+    assert not where.exists()  # a bad option creates nothing
+    code, _, err = offloadd_cli(
+        "bench", "relay", "--quick", "--steps", "0", "--ssd-dir", str(where)
+    )
+    assert code == 2 and "--steps must be at least 1, got 0" in err
+    code, out, _ = offloadd_cli("bench", "--help")
+    assert code == 0 and "relay" in out

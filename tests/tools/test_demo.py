@@ -11,6 +11,7 @@ import pytest
 
 from offloadd.tools import demo
 from offloadd.tools.harness.train import RunFailed, RunSpec
+from tests._support.cli import offloadd_cli
 
 ENGINE_PARAMS = ("default",)  # the demo runs the default engine (auto)
 
@@ -49,13 +50,8 @@ def test_demo_runs_and_reports(disk_dir: Path) -> None:
 
 
 def test_demo_bad_arguments() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "offloadd", "demo", "--layers", "0"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 2 and "--layers must be positive" in proc.stderr
+    code, _, err = offloadd_cli("demo", "--layers", "0")
+    assert code == 2 and "--layers must be positive" in err
 
 
 # -- the report and the exit status, on made-up results (no training) --------------------------

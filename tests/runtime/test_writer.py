@@ -147,7 +147,7 @@ def test_a_full_host_pool_spills_the_oldest_chunks(tmp_path: Path) -> None:
         assert any(c.on_disk for c in old.block.chunks)
         assert torch.equal(parts.unpack(new), new_t)
         del old, new
-        parts.drain()
+        parts.settle()  # a chunk freed mid-write gives its disk space back when the write ends
         assert parts.backend is not None and parts.backend.used_bytes == 0
 
 

@@ -15,7 +15,7 @@ import torch
 from offloadd.backend import open_backend
 from offloadd.config import Config
 from offloadd.io.python_engine import PythonEngine
-from offloadd.io.request import Engine
+from offloadd.io.request import Engine, Op, Request
 from offloadd.runtime.accounting import Ledger
 from offloadd.runtime.blocks import Block, BlockMap
 from offloadd.runtime.dedup import StorageIndex
@@ -25,6 +25,7 @@ from offloadd.runtime.ordering import CudaOrdering
 from offloadd.runtime.reader import Reader
 from offloadd.runtime.shutdown import shutdown
 from offloadd.runtime.writer import Writer
+from tests._support.helpers import StagedEngine
 
 CHUNK = 8 << 10  # small chunks: a few KiB make several
 
@@ -45,6 +46,31 @@ def config(directory: Path, **kw: Any) -> Config:
     )
     opts.update(kw)
     return Config().replace(**opts)
+
+
+class HeldWrites(StagedEngine):
+    """Writes that wait until let go, and may be cancelled meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__(2)
+        self.held: list[Request] = []
+
+    def submit(self, request: Request) -> None:
+        if request.op is Op.WRITE:
+            self.held.append(request)
+        else:
+            super().submit(request)
+
+    def cancel(self, request: Request) -> bool:
+        if request in self.held:
+            self.held.remove(request)
+            return True
+        return False
+
+    def let_go(self) -> None:
+        held, self.held = self.held, []
+        for r in held:
+            super().submit(r)
 
 
 class Parts:

@@ -15,34 +15,9 @@ import torch
 from offloadd.io.request import Op, Request
 from offloadd.runtime.blocks import Back, Out
 from tests._support.helpers import StagedEngine
-from tests._support.parts import CHUNK, Parts, parts_in
+from tests._support.parts import CHUNK, HeldWrites, Parts, parts_in
 
 pytestmark = pytest.mark.unit
-
-
-class HeldWrites(StagedEngine):
-    """Writes that wait until let go, and may be cancelled meanwhile."""
-
-    def __init__(self) -> None:
-        super().__init__(2)
-        self.held: list[Request] = []
-
-    def submit(self, request: Request) -> None:
-        if request.op is Op.WRITE:
-            self.held.append(request)
-        else:
-            super().submit(request)
-
-    def cancel(self, request: Request) -> bool:
-        if request in self.held:
-            self.held.remove(request)
-            return True
-        return False
-
-    def let_go(self) -> None:
-        held, self.held = self.held, []
-        for r in held:
-            super().submit(r)
 
 
 class FailingReads(StagedEngine):

@@ -16,7 +16,7 @@ from offloadd.io.python_engine import PythonEngine
 from offloadd.io.request import Op, Request
 from offloadd.runtime.blocks import Out
 from tests._support.helpers import StagedEngine
-from tests._support.parts import CHUNK, Parts, parts_in
+from tests._support.parts import CHUNK, HeldWrites, Parts, parts_in
 
 pytestmark = pytest.mark.unit
 
@@ -152,26 +152,7 @@ def test_a_full_host_pool_spills_the_oldest_chunks(tmp_path: Path) -> None:
 
 
 def test_release_chunks_cancels_and_gives_everything_back(tmp_path: Path) -> None:
-    class Held(StagedEngine):
-        """Writes that never start until let go (so that they can be cancelled)."""
-
-        def __init__(self) -> None:
-            super().__init__(2)
-            self.held: list[Request] = []
-
-        def submit(self, request: Request) -> None:
-            if request.op is Op.WRITE:
-                self.held.append(request)
-            else:
-                super().submit(request)
-
-        def cancel(self, request: Request) -> bool:
-            if request in self.held:
-                self.held.remove(request)
-                return True
-            return False
-
-    engine = Held()
+    engine = HeldWrites()
     for parts in parts_in(tmp_path, engine):
         ref = parts.pack(_payload(2 * CHUNK, seed=6))
         parts.capture(ref.block)

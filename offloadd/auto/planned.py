@@ -7,11 +7,11 @@ import logging
 import weakref
 from typing import Any
 
-import torch
 from torch import nn
 
 from offloadd.auto import recompute
 from offloadd.auto.discover import find_blocks
+from offloadd.runtime.compiled import unseen
 
 __all__ = ["PlannedModel"]
 
@@ -23,12 +23,11 @@ def _weakly(method: Any) -> Any:
     that planned it, and must not keep it (or what it learned) alive."""
     ref = weakref.WeakMethod(method)
 
-    @torch.compiler.disable  # see [planned blocks under compile] in recompute.py
     def hook(*args: Any) -> Any:
         bound = ref()
         return bound(*args) if bound is not None else None
 
-    return hook
+    return unseen(hook)  # see [planned blocks under compile] in recompute.py
 
 
 class PlannedModel:

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from offloadd.runtime.compiled import unseen
 from offloadd.runtime.hook_stack import saves_reach_offloadd
 
 __all__ = [
@@ -109,15 +110,18 @@ def run_checkpointed(
 # start time, its step's plan), which changes every step: the block recompiled each step
 # until dynamo's recompile limit, then ran eagerly, on other kernels than the compiled block
 # without offloadd (the seams grid's budget x compile-block cells: "loaded weights not used").
-# They run outside the graph instead (torch.compiler.disable): the graph guards only on the
-# decision's outcome, whether this forward is recomputed.
+# They run outside the graph instead (``unseen``, which is ``torch.compiler.disable`` without
+# importing dynamo with offloadd: see [invisible to dynamo] in runtime/compiled.py): the graph
+# guards only on the decision's outcome, whether this forward is recomputed.
 
 
-@torch.compiler.disable
 def _recompute_now(module: nn.Module) -> bool:
     ref = module.__dict__.get(_ATTR)
     planner = ref[0]() if ref is not None else None
     return planner is not None and ref is not None and bool(planner.recompute_now(ref[1]))
+
+
+_recompute_now = unseen(_recompute_now)
 
 
 def _subclass(cls: type) -> type:

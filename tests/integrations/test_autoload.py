@@ -145,6 +145,25 @@ print("ok")
     assert summary_lines(out.stderr) == []  # no training forward: no summary
 
 
+def test_offloading_imports_no_compiler(disk_dir: Path, tmp_path: Path) -> None:
+    """A training step under ``OFFLOADD=1`` imports neither dynamo (about 0.9 s a process) nor
+    ``torch.distributed.nn``: which of torch 2.13's two gloo teardown faults a DDP script meets
+    depends on whether that module was imported before its group started (see [gloo's
+    teardown] in test_clients.py). offloadd must not decide that for the script."""
+    code = """
+import sys, torch
+from torch import nn
+import offloadd, offloadd.auto, offloadd.relay  # every plug-in, imported whole
+model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256))
+model(torch.randn(64, 256)).square().mean().backward()
+from offloadd.integrations import autoload
+assert autoload.current().offloader is not None
+print(sorted(m for m in ("torch._dynamo", "torch.distributed.nn") if m in sys.modules))
+"""
+    out = run([PYTHON, "-c", code], offload_env(disk_dir, tmp_path / "r.json"))
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
 def test_compiled_model_offloads_unwarned(disk_dir: Path, tmp_path: Path) -> None:
     """``torch.compile(model)`` under ``OFFLOADD=1``: trained and offloaded, warnings as
     errors (the global hooks' warning, see [compile's warning] in scope.py)."""

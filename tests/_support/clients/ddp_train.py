@@ -3,6 +3,10 @@
 Each rank writes a JSON file CLIENT_OUT/rank-<N>.json (ranks share stdout): its rank, losses, a digest of its gradients at every step, the
 final weights, and the offload files it holds open (paths under OFFLOADD_SSD_DIRS, read from
 /proc/self/fd) so the test can check the per-rank namespaces.
+
+CLIENT_STARVE_GLOO=1 pins the rank to one CPU and gives gloo's worker threads SCHED_IDLE: they
+run only while the rank's other threads wait, as on a loaded node. torch 2.13's teardown race
+then happens every time (see Note [gloo's teardown] in tests/integrations/test_clients.py).
 """
 
 import hashlib
@@ -28,6 +32,15 @@ def open_offload_files():
     return sorted(found)
 
 
+def starve_gloo():
+    cpu = {min(os.sched_getaffinity(0))}
+    for tid in map(int, os.listdir("/proc/self/task")):
+        os.sched_setaffinity(tid, cpu)
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            if f.read().startswith("pt_gloo_runloop"):
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+
+
 def main():
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -37,6 +50,8 @@ def main():
         nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 8)
     )
     ddp = DistributedDataParallel(model)
+    if os.environ.get("CLIENT_STARVE_GLOO") == "1":
+        starve_gloo()
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
     losses, grads, files = [], [], []
@@ -66,7 +81,8 @@ def main():
         json.dump(result, f)
     # Both ranks leave their last collective before either tears gloo down: a rank that
     # destroys its group while the other still runs one aborts ("terminate called without an
-    # active exception") now and then on torch 2.13's CPU wheel, offloadd or not.
+    # active exception") now and then on torch 2.13's CPU wheel, offloadd or not. The DDP model
+    # is dropped when main() returns, after the group is destroyed, as most scripts do.
     dist.barrier()
     dist.destroy_process_group()
 

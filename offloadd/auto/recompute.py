@@ -115,13 +115,11 @@ def run_checkpointed(
 # guards only on the decision's outcome, whether this forward is recomputed.
 
 
+@unseen
 def _recompute_now(module: nn.Module) -> bool:
     ref = module.__dict__.get(_ATTR)
     planner = ref[0]() if ref is not None else None
     return planner is not None and ref is not None and bool(planner.recompute_now(ref[1]))
-
-
-_recompute_now = unseen(_recompute_now)
 
 
 def _subclass(cls: type) -> type:

@@ -126,6 +126,18 @@ class Lifetime:
             self.ledger.sub_resident(block.nbytes)
         block.stream = None
 
+    def settle(self) -> None:
+        """Wait for every write and read in flight, then apply what finished and what was
+        released meanwhile (lock held)."""
+        writer = self.writer
+        self.ledger.wait_while(
+            lambda: bool(writer.in_flight or self.blocks.any_loading()),
+            "every write and read in flight",
+            writer.stall_hint,
+        )
+        writer.poll_copies()
+        self.drain()
+
     # -- freeing ---------------------------------------------------------------------------
 
     def drain(self) -> None:

@@ -247,13 +247,7 @@ class Runtime:
         for upload in uploads:
             upload.synchronize()
         with self.lock:
-            self.ledger.wait_while(
-                lambda: bool(self.writer.in_flight or self.blocks.any_loading()),
-                "every write and read in flight",
-                self.writer.stall_hint,
-            )
-            self.writer.poll_copies()
-            self.life.drain()
+            self.life.settle()
 
     def close(self) -> None:
         """See ``Offloader.close``."""

@@ -123,13 +123,7 @@ class Parts:
     def settle(self) -> None:
         """Wait for every write and read in flight; apply the releases queued since."""
         with self.ledger.lock:
-            self.ledger.wait_while(
-                lambda: bool(self.writer.in_flight or self.blocks.any_loading()),
-                "every write and read in flight",
-                self.writer.stall_hint,
-            )
-            self.writer.poll_copies()
-            self.life.drain()
+            self.life.settle()
 
     def unpack(self, ref: Ref) -> torch.Tensor:
         return self.reader.unpack(ref, self.life.drain, lambda: self.life.closed)

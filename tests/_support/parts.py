@@ -6,6 +6,7 @@ ref to it), without the hook's filters (size, parameters, devices)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,28 @@ def config(directory: Path, **kw: Any) -> Config:
     )
     opts.update(kw)
     return Config().replace(**opts)
+
+
+def floats(n: int, seed: int = 0) -> torch.Tensor:
+    """``n`` random floats, the same for the same ``seed``."""
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+class Failing(StagedEngine):
+    """Every request of ``op`` fails with ``err`` (``EIO``, ``ENOSPC``...), through staging."""
+
+    def __init__(self, op: Op, err: int) -> None:
+        super().__init__(2)
+        self.op, self.err = op, err
+
+    def submit(self, request: Request) -> None:
+        if request.op is self.op:
+
+            def fail() -> None:
+                raise OSError(self.err, os.strerror(self.err), request.path)
+
+            request.before = fail
+        super().submit(request)
 
 
 class HeldWrites(StagedEngine):

@@ -13,7 +13,7 @@ import torch
 from offloadd.io.request import Request
 from offloadd.runtime.blocks import Back, Out
 from tests._support.helpers import StagedEngine
-from tests._support.parts import CHUNK, Parts, parts_in
+from tests._support.parts import CHUNK, Parts, floats, parts_in
 
 pytestmark = pytest.mark.unit
 
@@ -23,12 +23,8 @@ def parts(tmp_path: Path) -> Iterator[Parts]:
     yield from parts_in(tmp_path, StagedEngine(2))
 
 
-def _floats(n: int, seed: int = 0) -> torch.Tensor:
-    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
-
-
 def test_capture_moves_a_pending_block_out_once(parts: Parts) -> None:
-    ref = parts.pack(_floats(CHUNK // 4))
+    ref = parts.pack(floats(CHUNK // 4))
     block = ref.block
     assert block.out is Out.PENDING and parts.stats.resident_bytes == block.nbytes
     parts.capture(block)
@@ -40,7 +36,7 @@ def test_capture_moves_a_pending_block_out_once(parts: Parts) -> None:
 
 
 def test_capture_due_and_capture_all_take_what_this_thread_packed(parts: Parts) -> None:
-    refs = [parts.pack(_floats(CHUNK // 4, seed=i)) for i in range(3)]
+    refs = [parts.pack(floats(CHUNK // 4, seed=i)) for i in range(3)]
     parts.life.capture_all()
     assert all(r.block.out is Out.CAPTURED for r in refs)
     parts.life.capture_all()  # nothing left
@@ -49,7 +45,7 @@ def test_capture_due_and_capture_all_take_what_this_thread_packed(parts: Parts) 
 
 
 def test_a_source_changed_in_place_is_dropped_never_written(parts: Parts) -> None:
-    t = _floats(CHUNK // 4)
+    t = floats(CHUNK // 4)
     ref = parts.pack(t)
     t.mul_(2)
     parts.capture(ref.block)
@@ -59,7 +55,7 @@ def test_a_source_changed_in_place_is_dropped_never_written(parts: Parts) -> Non
 
 
 def test_a_resized_storage_is_held_as_it_is(parts: Parts) -> None:
-    t = _floats(CHUNK // 4)
+    t = floats(CHUNK // 4)
     ref = parts.pack(t)
     t.untyped_storage().resize_(0)  # as FSDP does to unsharded parameters
     parts.capture(ref.block)
@@ -71,7 +67,7 @@ def test_a_resized_storage_is_held_as_it_is(parts: Parts) -> None:
 
 
 def test_a_closed_lifetime_holds_what_is_still_pending(parts: Parts) -> None:
-    t = _floats(CHUNK // 4)
+    t = floats(CHUNK // 4)
     ref = parts.pack(t)
     parts.life.closed = True
     parts.capture(ref.block)
@@ -82,7 +78,7 @@ def test_a_closed_lifetime_holds_what_is_still_pending(parts: Parts) -> None:
 
 def test_releases_apply_at_drain_in_order(parts: Parts) -> None:
     parts.index.dedup = True
-    t = _floats(2 * CHUNK // 4)
+    t = floats(2 * CHUNK // 4)
     a, b = parts.pack(t), parts.pack(t)
     block = a.block
     parts.capture(block)
@@ -99,7 +95,7 @@ def test_releases_apply_at_drain_in_order(parts: Parts) -> None:
 
 
 def test_a_block_freed_before_capture_is_dropped_never_written(parts: Parts) -> None:
-    ref = parts.pack(_floats(CHUNK // 4))
+    ref = parts.pack(floats(CHUNK // 4))
     block = ref.block
     del ref
     parts.capture(block)  # drains first: the block is freed, then skipped
@@ -109,7 +105,7 @@ def test_a_block_freed_before_capture_is_dropped_never_written(parts: Parts) -> 
 
 def test_freeing_a_resident_block_drops_its_copy(parts: Parts) -> None:
     parts.index.dedup = True
-    t = _floats(CHUNK // 4)
+    t = floats(CHUNK // 4)
     a, b = parts.pack(t), parts.pack(t)
     parts.capture(a.block)
     parts.settle()
@@ -136,7 +132,7 @@ def test_a_block_freed_while_written_gives_its_places_back_when_done(tmp_path: P
 
     engine = Slow()
     for parts in parts_in(tmp_path, engine):
-        ref = parts.pack(_floats(2 * CHUNK // 4))
+        ref = parts.pack(floats(2 * CHUNK // 4))
         block = ref.block
         parts.capture(block)
         del ref
@@ -155,7 +151,7 @@ def test_a_failed_capture_keeps_the_tensor(parts: Parts, monkeypatch: pytest.Mon
         raise RuntimeError("no room")
 
     monkeypatch.setattr(parts.writer, "write_out", refuse)
-    t = _floats(CHUNK // 4)
+    t = floats(CHUNK // 4)
     ref = parts.pack(t)
     with pytest.warns(RuntimeWarning, match="offloading failed, keeping the tensor"):
         parts.capture(ref.block)

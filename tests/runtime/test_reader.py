@@ -5,30 +5,18 @@ from disk, forwarding from slots, consumption by every ref, read errors, and the
 from __future__ import annotations
 
 import errno
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from offloadd.io.request import Op, Request
+from offloadd.io.request import Op
 from offloadd.runtime.blocks import Back, Out
 from tests._support.helpers import StagedEngine
-from tests._support.parts import CHUNK, HeldWrites, Parts, parts_in
+from tests._support.parts import CHUNK, Failing, HeldWrites, Parts, floats, parts_in
 
 pytestmark = pytest.mark.unit
-
-
-class FailingReads(StagedEngine):
-    def submit(self, request: Request) -> None:
-        if request.op is Op.READ:
-
-            def fail() -> None:
-                raise OSError(errno.EIO, os.strerror(errno.EIO), request.path)
-
-            request.before = fail
-        super().submit(request)
 
 
 @pytest.fixture
@@ -36,12 +24,8 @@ def parts(tmp_path: Path) -> Iterator[Parts]:
     yield from parts_in(tmp_path, StagedEngine(2))
 
 
-def _floats(n: int, seed: int = 0) -> torch.Tensor:
-    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
-
-
 def test_before_capture_unpack_views_the_source_itself(parts: Parts) -> None:
-    t = _floats(3000)
+    t = floats(3000)
     ref = parts.pack(t[10:20])
     got = parts.unpack(ref)
     assert got.data_ptr() == t[10:20].data_ptr() and torch.equal(got, t[10:20])
@@ -50,7 +34,7 @@ def test_before_capture_unpack_views_the_source_itself(parts: Parts) -> None:
 
 
 def test_a_block_on_disk_is_read_back_with_its_views_layout(parts: Parts) -> None:
-    t = _floats(4 * CHUNK // 4, seed=1).view(64, -1)
+    t = floats(4 * CHUNK // 4, seed=1).view(64, -1)
     ref = parts.pack(t.t()[3:])  # strided, with an offset
     parts.capture(ref.block)
     parts.settle()
@@ -64,7 +48,7 @@ def test_a_block_on_disk_is_read_back_with_its_views_layout(parts: Parts) -> Non
 
 def test_every_ref_consumes_the_load_before_it_is_dropped(parts: Parts) -> None:
     parts.index.dedup = True
-    t = _floats(2 * CHUNK // 4, seed=2)
+    t = floats(2 * CHUNK // 4, seed=2)
     a, b = parts.pack(t), parts.pack(t[1:])  # one storage: one block, two refs
     block = a.block
     assert b.block is block and block.refs == 2
@@ -83,7 +67,7 @@ def test_every_ref_consumes_the_load_before_it_is_dropped(parts: Parts) -> None:
 def test_a_chunk_still_in_its_slot_is_forwarded_and_its_write_cancelled(tmp_path: Path) -> None:
     engine = HeldWrites()
     for parts in parts_in(tmp_path, engine):
-        t = _floats(2 * CHUNK // 4, seed=3)
+        t = floats(2 * CHUNK // 4, seed=3)
         ref = parts.pack(t)
         parts.capture(ref.block)
         assert len(engine.held) == 2
@@ -98,8 +82,8 @@ def test_a_chunk_still_in_its_slot_is_forwarded_and_its_write_cancelled(tmp_path
 
 
 def test_a_failed_read_raises_never_wrong_bytes(tmp_path: Path) -> None:
-    for parts in parts_in(tmp_path, FailingReads(2)):
-        ref = parts.pack(_floats(CHUNK // 4, seed=4))
+    for parts in parts_in(tmp_path, Failing(Op.READ, errno.EIO)):
+        ref = parts.pack(floats(CHUNK // 4, seed=4))
         parts.capture(ref.block)
         parts.settle()
         with pytest.raises(OSError, match="reading back a saved activation failed"):
@@ -109,7 +93,7 @@ def test_a_failed_read_raises_never_wrong_bytes(tmp_path: Path) -> None:
 
 
 def test_a_change_in_place_before_capture_is_refused_at_unpack(parts: Parts) -> None:
-    t = _floats(CHUNK // 4, seed=5)
+    t = floats(CHUNK // 4, seed=5)
     ref = parts.pack(t)
     t.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
@@ -123,7 +107,7 @@ def test_a_change_in_place_before_capture_is_refused_at_unpack(parts: Parts) -> 
 
 def test_unpack_after_close_raises(tmp_path: Path) -> None:
     for parts in parts_in(tmp_path, StagedEngine(2)):
-        ref = parts.pack(_floats(CHUNK // 4, seed=6))
+        ref = parts.pack(floats(CHUNK // 4, seed=6))
         parts.capture(ref.block)
         parts.settle()
         parts.life.closed = True
@@ -133,7 +117,7 @@ def test_unpack_after_close_raises(tmp_path: Path) -> None:
 
 
 def test_unpack_reads_ahead_the_blocks_packed_before(parts: Parts) -> None:
-    ts = [_floats(CHUNK // 4, seed=10 + i) for i in range(6)]
+    ts = [floats(CHUNK // 4, seed=10 + i) for i in range(6)]
     refs = [parts.pack(t) for t in ts]
     parts.capture(*(r.block for r in refs))
     parts.settle()
@@ -154,7 +138,7 @@ def test_unpack_reads_ahead_the_blocks_packed_before(parts: Parts) -> None:
 def test_the_window_follows_the_median_block(parts: Parts) -> None:
     cfg = parts.config
     assert parts.reader._size_window() == cfg.prefetch_bytes  # no block: the configured bytes
-    refs = [parts.pack(_floats(1024 // 4)) for _ in range(3)]  # 4 KiB records
+    refs = [parts.pack(floats(1024 // 4)) for _ in range(3)]  # 4 KiB records
     with parts.ledger.lock:
         window = parts.reader._size_window()
     assert window == min(cfg.prefetch_bytes, max(2 * cfg.chunk_bytes, 8 * 4096))

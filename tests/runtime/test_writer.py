@@ -5,7 +5,6 @@ kept in memory, and chunks given back (tests/_support/parts.py wires the parts).
 from __future__ import annotations
 
 import errno
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,25 +12,12 @@ import pytest
 import torch
 
 from offloadd.io.python_engine import PythonEngine
-from offloadd.io.request import Op, Request
+from offloadd.io.request import Op
 from offloadd.runtime.blocks import Out
 from tests._support.helpers import StagedEngine
-from tests._support.parts import CHUNK, HeldWrites, Parts, parts_in
+from tests._support.parts import CHUNK, Failing, HeldWrites, Parts, parts_in
 
 pytestmark = pytest.mark.unit
-
-
-class FailingWrites(StagedEngine):
-    """Writes through staging that all fail (ENOSPC)."""
-
-    def submit(self, request: Request) -> None:
-        if request.op is Op.WRITE:
-
-            def fail() -> None:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), request.path)
-
-            request.before = fail
-        super().submit(request)
 
 
 @pytest.fixture
@@ -103,7 +89,7 @@ def test_writes_wait_for_a_slot_when_staging_is_full(tmp_path: Path) -> None:
 
 
 def test_a_failed_write_keeps_the_chunk_in_memory(tmp_path: Path) -> None:
-    for parts in parts_in(tmp_path, FailingWrites(2)):
+    for parts in parts_in(tmp_path, Failing(Op.WRITE, errno.ENOSPC)):
         t = _payload(2 * CHUNK, seed=2)
         ref = parts.pack(t)
         with pytest.warns(RuntimeWarning, match="write failed"):

@@ -363,7 +363,8 @@ class Relay:
             )
 
     def held_for_budget(self) -> int:
-        """What a budget counts of relay (declared to ``HELD_ELSEWHERE`` in runtime/stages.py): the host
-        slabs' peak on CPU; on a GPU the weights' device copies are the allocator's, measured."""
+        """What a budget counts of relay (declared to ``HELD_ELSEWHERE`` in runtime/stages.py):
+        the host slabs' peak on CPU; on a GPU the weights' device copies are the allocator's,
+        measured."""
         on_host = self.device is None or self.device.type == "cpu"
         return self.slabs.peak_bytes if on_host else 0

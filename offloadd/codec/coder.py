@@ -53,13 +53,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from offloadd.codec.allowlist import DEFAULT_OPS, OpScope, kept_exact, saved_shapes, unknown_ops
 from offloadd.codec.quant import Encoded, Scheme, coded_nbytes, decode, encode, group_size
-from offloadd.runtime.identity import (
-    describe,
-    inplace_error,
-    is_parameter,
-    storage_of,
-    version_handle,
-)
+from offloadd.runtime.identity import Facts, describe, inplace_error, version_handle
 
 if TYPE_CHECKING:
     from offloadd.config import Config
@@ -124,11 +118,10 @@ def layout_for(t: torch.Tensor, storage: torch.UntypedStorage) -> tuple[int, ...
     return tuple(range(t.dim()))
 
 
-def _same_storage(entry: tuple[Any, ...], t: torch.Tensor) -> bool:
-    """Whether a registry entry ``(StorageWeakRef, weakref to the root, ...)`` found under
-    ``t``'s key still stands for ``t``'s storage (see [dedup identity] in runtime/dedup.py)."""
-    root = t._base if t._base is not None else t
-    return not entry[0].expired() and entry[1]() is root
+def _same_storage(entry: tuple[Any, ...], facts: Facts) -> bool:
+    """Whether a registry entry ``(StorageWeakRef, weakref to the root, ...)`` found under a
+    tensor's key still stands for its storage (see [dedup identity] in runtime/dedup.py)."""
+    return not entry[0].expired() and entry[1]() is facts.root
 
 
 class Codec:
@@ -213,43 +206,43 @@ class Codec:
             and not kept_exact(t)
         )
 
-    def note_exact(self, t: torch.Tensor) -> None:
+    def note_exact(self, t: torch.Tensor, facts: Facts | None = None) -> None:
         """``t`` was just saved exactly: a later save of its storage by an allowed op is not
         encoded (that would add a copy and an error to bytes already held). One entry per
-        storage, at the version it was last saved at (see [the exact-save table])."""
+        storage, at the version it was last saved at (see [the exact-save table]). ``facts``:
+        what pack asked of ``t`` already, if it did (Note [asked once] in identity.py)."""
         if (
             type(t) is torch.Tensor
             and t.dtype in _FLOATING
             and t.layout is torch.strided
             and t.nbytes >= self.min_bytes
-            and not is_parameter(t)
         ):
-            storage = storage_of(t)
-            if storage is not None:
-                root = t._base if t._base is not None else t
-                entry = (StorageWeakRef(storage), weakref.ref(root), t._version)
+            if facts is None:
+                facts = Facts(t)
+            storage = facts.storage
+            if storage is not None and not facts.parameter:
+                entry = (StorageWeakRef(storage), weakref.ref(facts.root), t._version)
                 self._exact[t.device, storage._cdata] = entry
 
-    def saved_exactly(self, t: torch.Tensor) -> bool:
+    def saved_exactly(self, t: torch.Tensor, facts: Facts) -> bool:
         """Whether ``t``'s storage, at its version, was saved exactly (see :meth:`note_exact`)."""
-        if not self._exact:
+        if not self._exact or facts.storage is None:
             return False
-        storage = storage_of(t)
-        if storage is None:
-            return False
-        hit = self._exact.get((t.device, storage._cdata))
-        return hit is not None and hit[2] == t._version and _same_storage(hit, t)
+        hit = self._exact.get((t.device, facts.storage._cdata))
+        return hit is not None and hit[2] == t._version and _same_storage(hit, facts)
 
     def pack(
         self,
         t: torch.Tensor,
+        facts: Facts,
         pack_codes: Callable[[torch.Tensor], Any],
         pack_exact: Callable[[torch.Tensor], Any],
     ) -> Coded | None:
         """The coded handle of ``t`` (shared with an earlier save of the same view), or None
         when ``t`` is not to be encoded (see :func:`layout_for`) and is saved exactly. The
-        codes are saved with ``pack_codes``, the ranges with ``pack_exact``."""
-        storage = storage_of(t)
+        codes are saved with ``pack_codes``, the ranges with ``pack_exact``; ``facts``: what
+        pack asked of ``t`` (Note [asked once] in identity.py)."""
+        storage = facts.storage
         perm = layout_for(t, storage) if storage is not None else None
         if perm is None or storage is None:
             return None
@@ -263,7 +256,7 @@ class Codec:
             t.stride(),
         )
         hit = self._saved.get(key)
-        if hit is not None and _same_storage(hit, t):
+        if hit is not None and _same_storage(hit, facts):
             coded = hit[2]()
             if coded is not None:
                 return coded
@@ -276,8 +269,7 @@ class Codec:
         if not enc.finite:
             return None  # see [non-finite values]
         coded = Coded(t, perm, enc, pack_codes, pack_exact)
-        root = t._base if t._base is not None else t
-        self._saved[key] = (StorageWeakRef(storage), weakref.ref(root), weakref.ref(coded))
+        self._saved[key] = (StorageWeakRef(storage), weakref.ref(facts.root), weakref.ref(coded))
         self.coded_tensors += 1
         self.coded_in_bytes += t.nbytes
         self.coded_out_bytes += enc.codes.nbytes + enc.params.nbytes

@@ -21,7 +21,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from offloadd.runtime.blocks import Block
-from offloadd.runtime.identity import is_parameter, storage_of
+from offloadd.runtime.identity import Facts, storage_of
 
 __all__ = ["StorageIndex", "outermost_module", "outermost_self"]
 
@@ -150,14 +150,16 @@ class StorageIndex:
             if mark is not None:
                 self._marks.append((weakref.ref(mark[0]), *mark[1:]))
 
-    def backs_parameter(self, t: torch.Tensor, storage: torch.UntypedStorage) -> bool:
+    def backs_parameter(self, t: torch.Tensor, facts: Facts) -> bool:
         """Whether ``t`` is a parameter, a view of one, or shares the storage of a parameter or
-        buffer of a model in the scope (a buffer, a transposed weight, an FSDP flat parameter)."""
-        if is_parameter(t):
+        buffer of a model in the scope (a buffer, a transposed weight, an FSDP flat parameter);
+        ``facts``: what pack asked of it (Note [asked once] in identity.py)."""
+        if facts.parameter:
             return True
-        if t.requires_grad:
+        storage = facts.storage
+        if storage is None or t.requires_grad:
             return False  # an op's output, or a leaf input: no module's storage
-        if self._known(t, storage):
+        if self._known(storage):
             return True
         model = outermost_module()
         if model is not None and model not in self._models:
@@ -169,7 +171,7 @@ class StorageIndex:
             self._learned = self.step
             return False
         self._learn()
-        return self._known(t, storage)
+        return self._known(storage)
 
     def _unmoved(self) -> bool:
         """Whether the models' marks are where they were, within ``RELEARN_EVERY`` steps."""
@@ -184,15 +186,16 @@ class StorageIndex:
                     return False  # moved, replaced (an assign, a new Parameter) or gone
         return True
 
-    def _known(self, t: torch.Tensor, storage: torch.UntypedStorage) -> bool:
+    def _known(self, storage: torch.UntypedStorage) -> bool:
         ref = self._params.get(storage._cdata)
         return ref is not None and not ref.expired()
 
     # -- saved storages (see [dedup identity]) ---------------------------------------------
 
     @staticmethod
-    def key(t: torch.Tensor, storage: torch.UntypedStorage) -> tuple[Any, ...]:
-        return (t.device, storage._cdata, t._version, t.dtype)
+    def key(t: torch.Tensor, facts: Facts) -> tuple[Any, ...]:
+        assert facts.storage is not None
+        return (t.device, facts.storage._cdata, t._version, t.dtype)
 
     def lookup(self, key: tuple[Any, ...], root: torch.Tensor) -> Block | None:
         """The live block already holding this storage, if dedup is on and there is one."""

@@ -22,12 +22,11 @@ from offloadd.runtime.evicted import Evicted
 from offloadd.runtime.handles import Ref
 from offloadd.runtime.hook_stack import PASSES_TO
 from offloadd.runtime.identity import (
+    Facts,
     describe,
     inplace_error,
     is_parameter,
-    movable_storage,
     nbytes_of,
-    storage_of,
     unlinked,
     version_handle,
 )
@@ -124,7 +123,8 @@ class Hooks:
 
     # -- pack ------------------------------------------------------------------------------
 
-    def pack(self, t: torch.Tensor, min_bytes: int = -1) -> Any:
+    def pack(self, t: torch.Tensor, min_bytes: int = -1, facts: Facts | None = None) -> Any:
+        """``facts``: what the codec already asked of ``t`` (Note [asked once] in identity.py)."""
         if min_bytes < 0:
             min_bytes = self._min_bytes
         if self._captures.num_pending:  # the copies and writes of earlier saves (timed)
@@ -143,33 +143,40 @@ class Hooks:
             if nbytes >= min_bytes and nbytes:
                 if transforms.holds_no_bytes(t):
                     nbytes = 0  # forward AD's zero tangent: no storage (see [zero tangents])
-                elif self._share:  # tier keep: nothing moves, any storage is held alike
-                    storage = storage_of(t)
                 else:
-                    host_to_host = self.config.tier == "cpu" and not self._ordering.is_async(
-                        t.device
-                    )
-                    storage = movable_storage(t, host_to_host)
+                    if facts is None:
+                        facts = Facts(t)
+                    if self._share:  # tier keep: nothing moves, any storage is held alike
+                        storage = facts.storage
+                    else:
+                        host_to_host = self.config.tier == "cpu" and not self._ordering.is_async(
+                            t.device
+                        )
+                        storage = facts.movable(t, host_to_host)
         else:  # subclasses (DTensor…), sparse, nested: kept as they are
             if is_traced(t):
                 return t  # fake, functional, meta: untouched (see [invisible to dynamo])
             nbytes = nbytes_of(t)
         if storage is None:  # kept as it is (see [the tally] in held.py)
-            return self._tally.keep(t, nbytes, 0 if is_parameter(t) else nbytes)
+            param = facts.parameter if facts is not None else is_parameter(t)
+            return self._tally.keep(t, nbytes, 0 if param else nbytes)
+        assert facts is not None
         if self._share:  # tier keep: no block either (see [the tally])
             with self._lock:
-                param = self._index.backs_parameter(t, storage)
+                param = self._index.backs_parameter(t, facts)
             return self._tally.keep(t, nbytes, 0) if param else self._tally.share(t, nbytes)
         # Timed from here on (Stats.pack_s): tensors that may move. A kept small one is not
         # timed: the clock's reads would be a noticeable part of its cost (bench hooks).
         start = time.perf_counter()
         try:
             with span("offloadd::pack"):
-                return self._pack_block(t, storage, nbytes)
+                return self._pack_block(t, facts, storage, nbytes)
         finally:
             self._stats.pack_s += time.perf_counter() - start
 
-    def _pack_block(self, t: torch.Tensor, storage: torch.UntypedStorage, nbytes: int) -> Any:
+    def _pack_block(
+        self, t: torch.Tensor, facts: Facts, storage: torch.UntypedStorage, nbytes: int
+    ) -> Any:
         """The pack of a tensor that may move: its block (new, or shared through dedup)."""
         st = self._stats
         keep = self.config.tier == "keep"
@@ -180,21 +187,20 @@ class Hooks:
             self._drain()
             self._writer.poll_copies()
             index = self._index
-            if index.backs_parameter(t, storage):
+            if index.backs_parameter(t, facts):
                 # Held by the model anyway: kept, but not activation memory of ours.
                 return self._tally.keep(t, nbytes, 0)
             st.saved_tensors += 1
             st.saved_bytes += nbytes
-            key = index.key(t, storage)
-            root = t._base if t._base is not None else t
-            block = index.lookup(key, root)  # see [dedup identity] in dedup.py
+            key = index.key(t, facts)
+            block = index.lookup(key, facts.root)  # see [dedup identity] in dedup.py
             if block is not None:
                 block.refs += 1
                 st.deduplicated_bytes += nbytes
                 return Ref(block, t, self._released, keep=block.kept)  # its first save decides
             skew = self._writer.skew_of(t.device, storage.data_ptr())
             block = self._blocks.new(storage.nbytes(), t.device, self.config.chunk_bytes, skew)
-            index.remember(key, storage, root, block)
+            index.remember(key, storage, facts.root, block)
             if auto is not None:
                 self._note_saved(auto, block.nbytes)
             if keep:
@@ -217,30 +223,34 @@ class Hooks:
 
     def _pack_coded(self, t: torch.Tensor) -> Any:
         """pack with a codec: encoded where [what gets compressed] in codec/allowlist.py allows it
-        and the storage is not already saved exactly, else :meth:`pack`."""
+        and the storage is not already saved exactly, else :meth:`pack`. What it asks of ``t``
+        is asked once (Note [asked once] in identity.py)."""
         codec = self._codec
         assert codec is not None
         if wrapper_on_stack() is not None:  # a model compiled whole (a walk of the stack)
             raise refuse_codec(self.config.codec.name)
-        if codec.wants(t) and not codec.saved_exactly(t) and not self._backs_parameter(t):
+        facts = Facts(t) if codec.wants(t) else None
+        if (
+            facts is not None
+            and facts.storage is not None
+            and not codec.saved_exactly(t, facts)
+            and not self._backs_parameter(t, facts)
+        ):
             big = t.nbytes >= self._min_bytes
-            coded = codec.pack(t, self._pack_codes if big else self.pack, self.pack)
+            coded = codec.pack(t, facts, self._pack_codes if big else self.pack, self.pack)
             if coded is not None:
                 return coded
-        packed = self.pack(t)
-        codec.note_exact(t)
+        packed = self.pack(t, facts=facts)
+        codec.note_exact(t, facts)
         return packed
 
     def _pack_codes(self, codes: torch.Tensor) -> Any:
         """The codes of an activation that is itself worth moving move whatever their size."""
         return self.pack(codes, 1)
 
-    def _backs_parameter(self, t: torch.Tensor) -> bool:
-        storage = movable_storage(t, False)
-        if storage is None:
-            return False
+    def _backs_parameter(self, t: torch.Tensor, facts: Facts) -> bool:
         with self._lock:
-            return self._index.backs_parameter(t, storage)
+            return self._index.backs_parameter(t, facts)
 
     def _unpack_coded(self, packed: Any) -> torch.Tensor:
         if type(packed) is self._coded_type:

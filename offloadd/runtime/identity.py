@@ -12,11 +12,11 @@ from torch.nn.parameter import is_lazy
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 __all__ = [
+    "Facts",
     "HoldsNoBytes",
     "describe",
     "inplace_error",
     "is_parameter",
-    "movable_storage",
     "nbytes_of",
     "storage_bytes",
     "storage_of",
@@ -35,13 +35,17 @@ def is_parameter(t: torch.Tensor) -> bool:
     tp = type(t)
     if tp is _Parameter:
         return True
+    return _of_parameter(t, tp, t._base)
+
+
+def _of_parameter(t: torch.Tensor, tp: type, base: torch.Tensor | None) -> bool:
+    """:func:`is_parameter` for a tensor that is not a ``Parameter`` itself, its ``_base`` read."""
     if tp is _Tensor and not t.__dict__:
         # A plain tensor without attributes cannot pass Parameter's isinstance (which looks for
         # ``_is_param``, raising inside getattr: a cost per saved tensor, see
         # docs/benchmarks/hooks_cpu-2core_2026-12-05.md); its base still may.
-        base = t._base
         return base is not None and (type(base) is _Parameter or isinstance(base, _Parameter))
-    return isinstance(t, _Parameter) or isinstance(t._base, _Parameter)
+    return isinstance(t, _Parameter) or isinstance(base, _Parameter)
 
 
 _INPLACE_HINT = (
@@ -106,20 +110,41 @@ def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
         return None
 
 
-def movable_storage(t: torch.Tensor, host_to_host: bool) -> torch.UntypedStorage | None:
-    """The storage of a plain dense CPU/CUDA tensor that can be moved and rebuilt, else None.
+class Facts:
+    """What offloadd asks of a saved tensor that may move or be encoded, asked once.
 
-    ``host_to_host``: moving this tensor would copy host memory to host memory (the cpu tier,
-    a tensor already in host memory), which saves nothing."""
-    if (
-        t.device.type not in ("cpu", "cuda")
-        or host_to_host
-        or t.is_quantized
-        or t.is_conj()
-        or t.is_neg()
-    ):
-        return None
-    return storage_of(t)
+    Note [asked once]
+    ~~~~~~~~~~~~~~~~~
+    A tensor on pack's slow path (one large enough to move, one the codec may encode) meets
+    several parts in turn: the codec's tables, the parameter index, dedup's, the block that
+    moves it. Each needs its storage, whether it is a parameter's, and its root (``t._base``
+    or ``t``, the object whose version counter its views share). Pack asks those once, here,
+    and hands the answers on; no part asks the tensor again. (The C path, for small tensors
+    and tier keep, asks each once on its own: held.c.)"""
+
+    __slots__ = ("parameter", "root", "storage")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.storage = storage_of(t)  # None: no bytes of its own to move or count
+        base = t._base
+        tp = type(t)
+        self.parameter = tp is _Parameter or _of_parameter(t, tp, base)
+        self.root = t if base is None else base
+
+    def movable(self, t: torch.Tensor, host_to_host: bool) -> torch.UntypedStorage | None:
+        """The storage, if ``t`` is a plain dense CPU/CUDA tensor that can be moved and rebuilt.
+
+        ``host_to_host``: moving it would copy host memory to host memory (the cpu tier, a
+        tensor already in host memory), which saves nothing."""
+        if (
+            t.device.type not in ("cpu", "cuda")
+            or host_to_host
+            or t.is_quantized
+            or t.is_conj()
+            or t.is_neg()
+        ):
+            return None
+        return self.storage
 
 
 def nbytes_of(t: torch.Tensor) -> int:

@@ -22,6 +22,7 @@ from torch import nn
 
 from offloadd.config import Config
 from offloadd.runtime.accounting import Ledger
+from offloadd.runtime.identity import Facts
 from offloadd.runtime.stats import Stats
 from offloadd.runtime.thread_state import ThreadState
 
@@ -177,15 +178,17 @@ class Coder(Protocol):
     def wants(self, t: torch.Tensor) -> bool:
         """Whether the op saving ``t`` allows it to be encoded."""
 
-    def saved_exactly(self, t: torch.Tensor) -> bool:
-        """Whether ``t``'s storage is already saved exactly at its version."""
+    def saved_exactly(self, t: torch.Tensor, facts: Facts) -> bool:
+        """Whether ``t``'s storage is already saved exactly at its version. ``facts`` here and
+        below: what pack asked of ``t`` (Note [asked once] in identity.py)."""
 
-    def note_exact(self, t: torch.Tensor) -> None:
+    def note_exact(self, t: torch.Tensor, facts: Facts | None = None) -> None:
         """``t`` was saved exactly."""
 
     def pack(
         self,
         t: torch.Tensor,
+        facts: Facts,
         pack_codes: Callable[[torch.Tensor], Any],
         pack_exact: Callable[[torch.Tensor], Any],
     ) -> Any:

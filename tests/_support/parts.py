@@ -21,6 +21,7 @@ from offloadd.runtime.accounting import Ledger
 from offloadd.runtime.blocks import Block, BlockMap
 from offloadd.runtime.dedup import StorageIndex
 from offloadd.runtime.handles import Ref
+from offloadd.runtime.identity import Facts
 from offloadd.runtime.lifetime import Lifetime
 from offloadd.runtime.ordering import CudaOrdering
 from offloadd.runtime.reader import Reader
@@ -119,11 +120,13 @@ class Parts:
     def pack(self, t: torch.Tensor) -> Ref:
         """The pack hook's work for ``t``: its block (joined through the index when dedup finds
         one), pending until :meth:`capture`; the ref autograd would hold."""
-        storage = t.untyped_storage()
+        facts = Facts(t)
+        storage = facts.storage
+        assert storage is not None
         with self.ledger.lock:
             self.life.drain()
-            key = self.index.key(t, storage)
-            root = t._base if t._base is not None else t
+            key = self.index.key(t, facts)
+            root = facts.root
             block = self.index.lookup(key, root)
             if block is not None:
                 block.refs += 1

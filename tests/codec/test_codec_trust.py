@@ -26,6 +26,7 @@ import offloadd
 from offloadd import Offloader
 from offloadd.codec import Codec, Scheme, encode
 from offloadd.runtime.dedup import StorageIndex
+from offloadd.runtime.identity import Facts
 
 # Tiny tensors: one intra-op thread is fastest, and immune to a busy machine.
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -298,4 +299,4 @@ def test_noting_a_module_calls_no_torch_function_mode() -> None:
         index.note_module(module)
     assert mode.seen == []
     for t in (module.weight, module.running_mean):
-        assert index.backs_parameter(t.detach(), t.untyped_storage())
+        assert index.backs_parameter(t.detach(), Facts(t.detach()))

@@ -11,6 +11,7 @@ from torch import nn
 from offloadd.runtime import dedup
 from offloadd.runtime.blocks import Block
 from offloadd.runtime.dedup import StorageIndex
+from offloadd.runtime.identity import Facts
 
 pytestmark = pytest.mark.unit
 
@@ -22,7 +23,7 @@ def _model() -> nn.Module:
 
 
 def _backs(index: StorageIndex, t: torch.Tensor) -> bool:
-    return index.backs_parameter(t, t.untyped_storage())
+    return index.backs_parameter(t, Facts(t))
 
 
 def test_parameters_and_their_views_back_parameters_without_a_model() -> None:
@@ -93,7 +94,7 @@ def test_lookup_finds_what_was_remembered_for_the_same_root() -> None:
     index = StorageIndex(dedup=True)
     t = torch.randn(8)
     s = t.untyped_storage()
-    key = index.key(t, s)
+    key = index.key(t, Facts(t))
     assert key == (CPU, s._cdata, t._version, torch.float32)
     assert index.lookup(key, t) is None
     block = Block(1, s.nbytes(), CPU, 4096)
@@ -101,23 +102,25 @@ def test_lookup_finds_what_was_remembered_for_the_same_root() -> None:
     assert block.key == key
     assert index.lookup(key, t) is block
     assert index.lookup(key, torch.randn(8)) is None  # another root: an alias of its own
-    assert index.lookup(index.key(t.view(torch.int32), s), t) is None  # another dtype
+    assert (
+        index.lookup(index.key(t.view(torch.int32), Facts(t.view(torch.int32))), t) is None
+    )  # another dtype
 
 
 def test_a_change_in_place_makes_a_new_key() -> None:
     index = StorageIndex(dedup=True)
     t = torch.randn(8)
     s = t.untyped_storage()
-    index.remember(index.key(t, s), s, t, Block(1, s.nbytes(), CPU, 4096))
+    index.remember(index.key(t, Facts(t)), s, t, Block(1, s.nbytes(), CPU, 4096))
     t.add_(1)
-    assert index.lookup(index.key(t, s), t) is None
+    assert index.lookup(index.key(t, Facts(t)), t) is None
 
 
 def test_a_freed_block_is_not_joined() -> None:
     index = StorageIndex(dedup=True)
     t = torch.randn(8)
     s = t.untyped_storage()
-    key = index.key(t, s)
+    key = index.key(t, Facts(t))
     block = Block(1, s.nbytes(), CPU, 4096)
     index.remember(key, s, t, block)
     block.freed = True
@@ -128,7 +131,7 @@ def test_forget_removes_only_its_own_entry() -> None:
     index = StorageIndex(dedup=True)
     t = torch.randn(8)
     s = t.untyped_storage()
-    key = index.key(t, s)
+    key = index.key(t, Facts(t))
     old, new = Block(1, 32, CPU, 4096), Block(2, 32, CPU, 4096)
     index.remember(key, s, t, old)
     index.remember(key, s, t, new)  # the same key, saved again: the newer block wins
@@ -143,7 +146,7 @@ def test_without_dedup_nothing_is_remembered() -> None:
     index = StorageIndex(dedup=False)
     t = torch.randn(8)
     s = t.untyped_storage()
-    key = index.key(t, s)
+    key = index.key(t, Facts(t))
     block = Block(1, s.nbytes(), CPU, 4096)
     index.remember(key, s, t, block)
     assert block.key is None and index.lookup(key, t) is None

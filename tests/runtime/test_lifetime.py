@@ -12,6 +12,7 @@ import torch
 
 from offloadd.io.request import Request
 from offloadd.runtime.blocks import Back, Out
+from offloadd.runtime.identity import Facts
 from tests._support.helpers import StagedEngine
 from tests._support.parts import CHUNK, Parts, floats, parts_in
 
@@ -91,7 +92,7 @@ def test_releases_apply_at_drain_in_order(parts: Parts) -> None:
     parts.drain()
     assert block.refs == 0 and block.freed and parts.live() == []
     assert parts.backend is not None and parts.backend.used_bytes == 0
-    assert parts.index.lookup(parts.index.key(t, t.untyped_storage()), t) is None
+    assert parts.index.lookup(parts.index.key(t, Facts(t)), t) is None
 
 
 def test_a_block_freed_before_capture_is_dropped_never_written(parts: Parts) -> None:

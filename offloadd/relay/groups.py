@@ -152,8 +152,11 @@ def _owners(
     return owner, shared
 
 
-def find_groups(model: nn.Module, min_bytes: int) -> tuple[list[Group], list[str]]:
-    """The groups of ``model``'s frozen weights, and the names of frozen weights kept resident."""
+def find_groups(
+    model: nn.Module, min_bytes: int, meta: bool = False
+) -> tuple[list[Group], list[str]]:
+    """The groups of ``model``'s frozen weights, and the names of frozen weights kept resident;
+    ``meta``: weights on the meta device count too (a model loaded from a checkpoint)."""
     roots = _layer_roots(model)
     owner_group, shared = _owners(model, roots)
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
@@ -162,7 +165,7 @@ def find_groups(model: nn.Module, min_bytes: int) -> tuple[list[Group], list[str
     frozen: list[tuple[nn.Module, str, nn.Parameter, nn.Module | None]] = []
     for _, m in model.named_modules(remove_duplicate=False):
         for attr, p in m._parameters.items():
-            if p is None or isinstance(p, RelayedWeight) or p.is_meta:
+            if p is None or isinstance(p, RelayedWeight) or (p.is_meta and not meta):
                 continue
             key = p.untyped_storage()._cdata
             if p.requires_grad or p.layout is not torch.strided or m in shared:
@@ -174,7 +177,7 @@ def find_groups(model: nn.Module, min_bytes: int) -> tuple[list[Group], list[str
             users.setdefault(key, set()).add(g)
             frozen.append((m, attr, p, g))
         for b in m._buffers.values():
-            if b is not None and not b.is_meta:
+            if b is not None and (meta or not b.is_meta):
                 users.setdefault(b.untyped_storage()._cdata, set()).add(None)
     kept: list[str] = []
     by_group: dict[nn.Module, list[tuple[nn.Module, str, nn.Parameter]]] = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -13,7 +14,17 @@ import torch
 from torch import nn
 
 from offloadd.config import Config
+from offloadd.relay.checkpoint import Checkpoint
 from offloadd.relay.groups import Group, find_groups
+from offloadd.relay.loading import (
+    Slots,
+    as_dtype,
+    make_relayed_real,
+    match,
+    materialize,
+    relayed_keys,
+    stream_group,
+)
 from offloadd.relay.model_ops import hook_model_ops, resident, unpatch, write_group
 from offloadd.relay.placeholder import RelayError
 from offloadd.relay.relayer import Relay
@@ -58,12 +69,21 @@ class RelayStats:
 
 
 def relay(
-    model: nn.Module, *, window: int | None = None, config: Config | None = None, **overrides: Any
+    model: nn.Module,
+    *,
+    window: int | None = None,
+    config: Config | None = None,
+    checkpoint: str | os.PathLike[str] | None = None,
+    dtype: torch.dtype | str | None = None,
+    **overrides: Any,
 ) -> nn.Module:
     """Relay ``model``'s frozen weights through the store (Note [relay groups]); returns it.
 
     ``window``: groups held at once (default ``config.relay_window``); ``config`` (default:
-    ``Config.from_env()``) with ``overrides`` applied says the tier and the directories."""
+    ``Config.from_env()``) with ``overrides`` applied says the tier and the directories.
+    ``checkpoint``: a safetensors file, index or directory to load a model built on the meta
+    device from, group by group (Note [loading from a checkpoint] in loading.py), its floating
+    tensors in ``dtype`` if given."""
     if is_relayed(model):
         raise RelayError("offloadd relay: this model is relayed already")
     cfg = config if config is not None else Config.from_env()
@@ -72,8 +92,26 @@ def relay(
     win = cfg.relay_window if window is None else window
     if win < 1:
         raise RelayError(f"relay_window: at least 1 group must be held, got {win}")
-    groups, kept = find_groups(model, MIN_GROUP_BYTES)
+    if checkpoint is None:
+        if dtype is not None:
+            raise RelayError("offloadd relay: dtype= converts a checkpoint as it loads: give one")
+        return _relay(model, cfg, win, None, None)
+    with Checkpoint(checkpoint) as ckpt:
+        slots = match(model, ckpt, as_dtype(dtype))
+        return _relay(model, cfg, win, ckpt, slots)
+
+
+def _relay(
+    model: nn.Module, cfg: Config, win: int, ckpt: Checkpoint | None, slots: Slots | None
+) -> nn.Module:
+    groups, kept = find_groups(model, MIN_GROUP_BYTES, meta=ckpt is not None)
     _refuse_dtensors(groups)
+    keys: dict[int, list[str]] = {}
+    if ckpt is not None:
+        assert slots is not None
+        keys = {g.index: relayed_keys(slots, g) for g in groups}
+        materialize(slots, ckpt, {id(e.param) for g in groups for e in g.entries})
+        make_relayed_real(slots, groups)
     devices = list(dict.fromkeys(e.param.device for g in groups for e in g.entries))
     if len(devices) > 1:  # a model split across devices (device_map="auto", pipeline stages)
         raise RelayError(
@@ -88,7 +126,10 @@ def relay(
     r = Relay(model, groups, store, win, Slabs(keep=win + 1))
     try:
         for g in groups:
-            write_group(r, g, [e.param for e in g.entries])
+            if ckpt is not None:
+                stream_group(r.store.write, r.slabs, g, keys[g.index], ckpt)
+            else:
+                write_group(r, g, [e.param for e in g.entries])
     except BaseException:
         store.close()
         raise

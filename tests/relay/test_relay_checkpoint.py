@@ -1,0 +1,202 @@
+"""Relay from a checkpoint (Note [loading from a checkpoint] in offloadd/relay/loading.py): a
+model built on the meta device, filled from what ``save_pretrained`` wrote, trains as the model
+loaded whole does; a checkpoint that does not match, or is damaged, is refused by name before
+anything is written."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import offloadd
+from offloadd.relay import RelayError, relay_stats
+from offloadd.relay.checkpoint import CheckpointError
+from offloadd.relay.loading import weights_on_meta
+from tests.relay.cases import MakeRelayConfig, llama_loss, same, step
+
+pytest.importorskip("transformers")
+
+
+def _config(tied: bool = False) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=64,
+        intermediate_size=172,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=3,
+        vocab_size=512,
+        tie_word_embeddings=tied,
+    )
+
+
+def _freeze(m: nn.Module) -> nn.Module:
+    """LoRA-like: every decoder layer frozen, the embeddings, final norm and head trained."""
+    for layer in m.model.layers:  # type: ignore[union-attr]
+        layer.requires_grad_(False)
+    return m
+
+
+def _saved(tmp: Path, tied: bool = False, **save: Any) -> Path:
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    d = tmp / "ckpt"
+    LlamaForCausalLM(_config(tied)).save_pretrained(d, **save)
+    return d
+
+
+def _whole(d: Path, **kw: Any) -> nn.Module:
+    from transformers import LlamaForCausalLM
+
+    return _freeze(LlamaForCausalLM.from_pretrained(d, **kw))
+
+
+def _on_meta(tied: bool = False, dtype: torch.dtype | None = None) -> nn.Module:
+    from transformers import LlamaForCausalLM
+
+    with weights_on_meta():
+        m = LlamaForCausalLM(_config(tied))
+    if dtype is not None:
+        m = m.to(dtype)
+    return _freeze(m)
+
+
+def _train(model: nn.Module, steps: int = 3) -> list[Any]:
+    """Steps with an optimizer (the trained part changes between them): each step's loss and
+    gradients."""
+    ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(3))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    out = []
+    for _ in range(steps):
+        out.append(step(model, ids, llama_loss))
+        opt.step()
+    return out
+
+
+@pytest.mark.parametrize(
+    ("tied", "shards"), [(False, "40KB"), (True, None)], ids=["sharded", "tied-one-file"]
+)
+def test_a_meta_model_trains_as_the_model_loaded_whole(
+    make_relay_config: MakeRelayConfig, disk_dir: Path, tmp_path: Path, tied: bool, shards: Any
+) -> None:
+    d = _saved(tmp_path, tied, **({"max_shard_size": shards} if shards else {}))
+    assert (d / "model.safetensors.index.json").exists() == (shards is not None)
+    want = _train(_whole(d))
+    model = offloadd.relay(_on_meta(tied), checkpoint=d, config=make_relay_config(disk_dir))
+    st = relay_stats(model)
+    assert st.groups == 3 and st.written_bytes >= st.relayed_bytes > 0
+    if tied:  # one tensor in two places, as the model built it
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert not any(t.is_meta for t in model.state_dict().values())
+    got = _train(model)
+    assert all(same(a, b) for a, b in zip(want, got, strict=True))
+    offloadd.unrelay(model)
+
+
+def test_dtype_converts_as_the_weights_stream_in(
+    make_relay_config: MakeRelayConfig, disk_dir: Path, tmp_path: Path
+) -> None:
+    d = _saved(tmp_path)  # float32 on disk
+    want = _train(_whole(d, dtype=torch.bfloat16), steps=2)
+    model = offloadd.relay(
+        _on_meta(), checkpoint=d, dtype="bfloat16", config=make_relay_config(disk_dir)
+    )
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    got = _train(model, steps=2)
+    assert all(same(a, b) for a, b in zip(want, got, strict=True))
+    offloadd.unrelay(model)
+
+
+def _refused(model: nn.Module, d: Path, cfg: Any, disk_dir: Path) -> str:
+    with pytest.raises(RelayError) as err:
+        offloadd.relay(model, checkpoint=d, config=cfg)
+    assert not list(disk_dir.iterdir())  # nothing written
+    return str(err.value)
+
+
+def test_keys_that_do_not_match_are_named(
+    make_relay_config: MakeRelayConfig, disk_dir: Path, tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    d = _saved(tmp_path)
+    cfg = make_relay_config(disk_dir)
+    sd = load_file(d / "model.safetensors")
+    sd.pop("model.layers.1.mlp.up_proj.weight")
+    sd["model.layers.9.extra"] = torch.zeros(2)
+    sd["model.norm.weight"] = torch.zeros(65)
+    save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
+    said = _refused(_on_meta(), d, cfg, disk_dir)
+    assert "missing from the checkpoint: model.layers.1.mlp.up_proj.weight" in said
+    assert "in the checkpoint but not the model: model.layers.9.extra" in said
+    assert "model.norm.weight: [65] in the checkpoint, [64] in the model" in said
+
+
+def test_buffers_lost_on_meta_are_named(
+    make_relay_config: MakeRelayConfig, disk_dir: Path, tmp_path: Path
+) -> None:
+    from transformers import LlamaForCausalLM
+
+    d = _saved(tmp_path)
+    with torch.device("meta"):  # the rotary embedding's inv_freq too: its values are gone
+        m = _freeze(LlamaForCausalLM(_config()))
+    said = _refused(m, d, make_relay_config(disk_dir), disk_dir)
+    assert "model.rotary_emb.inv_freq" in said and "weights_on_meta()" in said
+
+
+def _damage(path: Path, how: str) -> None:
+    raw = bytearray(path.read_bytes())
+    if how == "short":
+        del raw[len(raw) - 100 :]
+    elif how == "header-length":
+        raw[:8] = struct.pack("<Q", len(raw))
+    else:  # a flipped byte inside the JSON header
+        n = struct.unpack("<Q", raw[:8])[0]
+        header = raw[8 : 8 + n].decode()
+        at = 8 + header.index('"data_offsets"') + 1
+        raw[at] ^= 0x20
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("how", ["short", "header-length", "flipped-header"])
+def test_a_damaged_file_is_refused_by_name(
+    make_relay_config: MakeRelayConfig, disk_dir: Path, tmp_path: Path, how: str
+) -> None:
+    d = _saved(tmp_path, max_shard_size="40KB")
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    victim = d / index["weight_map"]["model.layers.2.mlp.down_proj.weight"]
+    _damage(victim, how)
+    said = _refused(_on_meta(), d, make_relay_config(disk_dir), disk_dir)
+    assert str(victim) in said
+    if how == "short":
+        assert "short or damaged" in said and "model.layers.2.mlp.down_proj.weight" in said
+
+
+def test_what_is_not_safetensors_is_refused_with_how_to_convert(
+    make_relay_config: MakeRelayConfig, disk_dir: Path, tmp_path: Path
+) -> None:
+    d = tmp_path / "pickled"
+    d.mkdir()
+    torch.save({"w": torch.zeros(2)}, d / "pytorch_model.bin")
+    cfg = make_relay_config(disk_dir)
+    for path in (d, d / "pytorch_model.bin", tmp_path / "nowhere"):
+        with pytest.raises(CheckpointError) as err:
+            offloadd.relay(_on_meta(), checkpoint=path, config=cfg)
+        said = str(err.value)
+        assert str(path) in said
+        assert "does not exist" in said or "safe_serialization=True" in said
+
+
+def test_dtype_without_a_checkpoint_is_refused(
+    make_relay_config: MakeRelayConfig, disk_dir: Path
+) -> None:
+    with pytest.raises(RelayError, match="dtype= converts a checkpoint"):
+        offloadd.relay(nn.Linear(2, 2), dtype=torch.float16, config=make_relay_config(disk_dir))

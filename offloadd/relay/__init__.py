@@ -11,6 +11,8 @@ bit-identical to the model without relay.
 | ``groups`` | what is read in at once (a layer), the slab layout, tied weights kept resident |
 | ``slabs`` | page-aligned memory the weights come back into, given back when its last user dies |
 | ``store`` | the records of weights over the runtime's ``Backend`` (embedded engine or daemon) |
+| ``checkpoint`` | a safetensors checkpoint read tensor by tensor, its headers checked first |
+| ``loading`` | a model built on the meta device matched to a checkpoint and filled group by group |
 | ``relayer`` | the forward and backward schedule: swaps, prefetch, saved views as refs, weights read on demand |
 | ``state`` | a relayed model's state, kept on the model |
 | ``model_ops`` | ``state_dict()``, ``load_state_dict()``, :func:`resident`, ``.to()`` on a relayed model |
@@ -26,11 +28,14 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from offloadd.relay.checkpoint import CheckpointError
+    from offloadd.relay.loading import weights_on_meta
     from offloadd.relay.model_ops import resident
     from offloadd.relay.placeholder import RelayedWeight, RelayError
     from offloadd.relay.surface import RelayStats, relay, relay_stats, unrelay
 
 __all__ = [
+    "CheckpointError",
     "RelayError",
     "RelayStats",
     "RelayedWeight",
@@ -38,9 +43,16 @@ __all__ = [
     "relay_stats",
     "resident",
     "unrelay",
+    "weights_on_meta",
 ]
 
-_HOMES = {"RelayError": "placeholder", "RelayedWeight": "placeholder", "resident": "model_ops"}
+_HOMES = {
+    "CheckpointError": "checkpoint",
+    "RelayError": "placeholder",
+    "RelayedWeight": "placeholder",
+    "resident": "model_ops",
+    "weights_on_meta": "loading",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -15,9 +15,8 @@ import torch
 from torch import nn
 
 import offloadd
-from offloadd.relay import RelayError, relay_stats
+from offloadd.relay import RelayError, relay_stats, weights_on_meta
 from offloadd.relay.checkpoint import CheckpointError
-from offloadd.relay.loading import weights_on_meta
 from tests.relay.cases import MakeRelayConfig, llama_loss, same, step
 
 pytest.importorskip("transformers")

@@ -66,7 +66,7 @@ def main() -> None:
     from transformers import AutoConfig, LlamaForCausalLM
 
     import offloadd
-    from offloadd.relay.loading import weights_on_meta
+    from offloadd.relay import weights_on_meta
 
     cfg = AutoConfig.from_pretrained(a.checkpoint)
     t0 = time.perf_counter()

@@ -6,7 +6,9 @@ anything is written."""
 from __future__ import annotations
 
 import json
+import os
 import struct
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ from torch import nn
 import offloadd
 from offloadd.relay import RelayError, relay_stats, weights_on_meta
 from offloadd.relay.checkpoint import CheckpointError
+from tests._support.helpers import loop_ext4
 from tests.relay.cases import MakeRelayConfig, llama_loss, same, step
 
 pytest.importorskip("transformers")
@@ -199,3 +202,40 @@ def test_dtype_without_a_checkpoint_is_refused(
 ) -> None:
     with pytest.raises(RelayError, match="dtype= converts a checkpoint"):
         offloadd.relay(nn.Linear(2, 2), dtype=torch.float16, config=make_relay_config(disk_dir))
+
+
+def _fill(mnt: Path, leave: int) -> None:
+    """Fill the file system at ``mnt`` but ``leave`` bytes."""
+    st = os.statvfs(mnt)
+    with open(mnt / "filler", "wb") as f:
+        f.truncate(0)
+        os.posix_fallocate(f.fileno(), 0, st.f_bavail * st.f_frsize - leave)
+
+
+@pytest.mark.parametrize("fs", ["full", "read-only"])
+def test_a_store_that_cannot_be_written_is_named_and_left_clean(tmp_path: Path, fs: str) -> None:
+    """A full store fails its write (ENOSPC), named; a read-only one is refused by the config
+    check of ``ssd_dirs`` inside ``relay()``. Either way before training, nothing left."""
+    d = _saved(tmp_path)
+    with loop_ext4(tmp_path, 8, reserved=False) as mnt:
+        store = mnt / "store"
+        store.mkdir()
+        if fs == "full":
+            _fill(mnt, 200 << 10)  # room for one group of three
+        else:
+            subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        try:
+            with pytest.raises((RelayError, ValueError)) as err:
+                offloadd.relay(
+                    _on_meta(),
+                    checkpoint=d,
+                    tier="ssd",
+                    ssd_dirs=[str(store)],
+                    chunk_bytes=64 << 10,
+                )
+        finally:
+            subprocess.run(["mount", "-o", "remount,rw", str(mnt)], check=True)
+        said = str(err.value)
+        assert str(store) in said, said
+        assert ("No space left" in said) if fs == "full" else ("not writable" in said), said
+        assert list(store.iterdir()) == []

@@ -14,6 +14,7 @@ bit-identical to the model without relay.
 | ``checkpoint`` | a safetensors checkpoint read tensor by tensor, its headers checked first |
 | ``loading`` | a model built on the meta device matched to a checkpoint and filled group by group |
 | ``relayer`` | the forward and backward schedule: swaps, prefetch, saved views as refs, weights read on demand |
+| ``release`` | a group whose weights come to require grad, made resident for good |
 | ``state`` | a relayed model's state, kept on the model |
 | ``model_ops`` | ``state_dict()``, ``load_state_dict()``, :func:`resident`, ``.to()`` on a relayed model |
 | ``surface`` | :func:`relay`, :func:`unrelay`, :func:`relay_stats`; the hooks that run it |

@@ -67,6 +67,7 @@ class Group:
     nbytes: int = 0
     generation: int = 0
     record: object = None  # the store's Record
+    released: bool = False  # made resident for good (Note [made resident] in release.py)
 
     def view(self, slab: torch.Tensor, e: Entry) -> torch.Tensor:
         return torch.empty(0, dtype=e.dtype, device=slab.device).set_(

@@ -36,6 +36,7 @@ from torch import nn
 from offloadd.relay.groups import Entry, Group, lay_out
 from offloadd.relay.placeholder import RelayedWeight, RelayError
 from offloadd.relay.relayer import Relay
+from offloadd.relay.release import release
 from offloadd.relay.state import RelayState, state_of
 
 __all__ = ["hook_model_ops", "resident", "unpatch", "write_group"]
@@ -82,6 +83,7 @@ def _save(module_ref: Any, entries: list[tuple[Group, Entry]], *args: Any, **kw:
     while it runs, and only then (a state_dict() that raises leaves none let through): the
     post-hook puts the values in."""
     module: nn.Module = module_ref()
+    entries = [(g, e) for g, e in entries if not g.released]
     for _, e in entries:
         e.placeholder.relay_saving = True
     try:
@@ -103,7 +105,7 @@ def _state_post(
     cache = state.sd_cache
     for g, e in entries:
         key = prefix + e.attr
-        if key not in sd:
+        if key not in sd or g.released:  # a released group's weights are saved as they are
             continue
         if g.index in r._installed:  # swapped in: the weight as it is (a new .data included)
             sd[key] = e.param.detach().clone(memory_format=torch.preserve_format)
@@ -118,7 +120,7 @@ def _state_post(
 def _load_pre(state: RelayState, g: Group, module: nn.Module, *args: Any) -> None:
     r = state.relay
     r.settle()  # Note [between steps]: a group left in by a backward that raised goes out
-    if g.index not in r._installed:
+    if g.index not in r._installed and not g.released:
         r.install(g, r.fetch(g))
         r.pinned.add(g.index)
         state.loading.add(g.index)
@@ -241,7 +243,7 @@ def resident(model: nn.Module) -> Iterator[nn.Module]:
     changed inside are written to the store again on exit."""
     r = state_of(model).relay
     r.settle()
-    mine = [g for g in r.groups if g.index not in r._installed]
+    mine = [g for g in r.groups if g.index not in r._installed and not g.released]
     for g in mine:
         r.install(g, r.fetch(g), guard=False)  # compared with the store on exit instead
         r.pinned.add(g.index)
@@ -251,6 +253,10 @@ def resident(model: nn.Module) -> Iterator[nn.Module]:
         errors = []
         for g in mine:
             r.pinned.discard(g.index)
+            trained = [e.name for e in g.entries if e.param.requires_grad]
+            if trained:  # unfrozen in the block: resident for good (Note [made resident])
+                release(r, g, f"{trained[0]!r} was made to require grad")
+                continue
             try:
                 rewrite(r, g)
             except RelayError as e:

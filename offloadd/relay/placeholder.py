@@ -67,7 +67,7 @@ _WHERE = {
 }
 
 _HINTS = {
-    "requires_grad_": " (a relayed weight stays frozen: unrelay it to train it)",
+    "requires_grad_": " (unfreeze a relayed weight between steps: its group is then made resident)",
     "grad": " (a relayed weight is frozen: it has no gradient, and takes none but None)",
     "detach": (
         " (DistributedDataParallel reads every weight as it wraps the model: wrap it within "
@@ -141,6 +141,7 @@ class RelayedWeight(nn.Parameter, HoldsNoBytes):
     real_device: torch.device
     relay_use: Any = None  # the relay's ``use``: the real weight, read in on demand, or None
     relay_trim: Any = None  # the relay's ``trim``: its window kept, after the op that used it
+    relay_unfreeze: Any = None  # the relay's ``unfreeze``: the real weight, its group resident
     relay_saving = False  # its module's _save_to_state_dict runs: detach() gives the placeholder
 
     @staticmethod
@@ -168,6 +169,11 @@ class RelayedWeight(nn.Parameter, HoldsNoBytes):
                 wanted = kwargs.get("requires_grad", args[1] if len(args) > 1 else True)
                 if not wanted:
                     return args[0] if func is torch.Tensor.requires_grad_ else None
+                unfreeze = args[0].relay_unfreeze
+                real = unfreeze(args[0]) if unfreeze is not None else None
+                if real is not None:  # its group made resident (Note [made resident] in release.py)
+                    real.requires_grad_(True)
+                    return real if func is torch.Tensor.requires_grad_ else None
             # clearing the gradient (``p.grad = None``, ``del p.grad``): metadata, no byte of
             # the weight; a frozen weight has none anyway
             if func == _T.grad.__delete__ or (func == _T.grad.__set__ and args[1] is None):

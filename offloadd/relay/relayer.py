@@ -32,6 +32,7 @@ as PyTorch's in-place check would.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import weakref
 from typing import Any
@@ -42,11 +43,14 @@ from torch import nn
 from offloadd.relay.backward import Saved
 from offloadd.relay.groups import Group
 from offloadd.relay.placeholder import RelayError
+from offloadd.relay.release import release, unfreeze
 from offloadd.relay.slabs import Slabs
 from offloadd.relay.store import HostStore, Transfer, WeightStore
 from offloadd.trace import span
 
 __all__ = ["Relay"]
+
+log = logging.getLogger("offloadd")
 
 # what ``torch.autograd.graph.saved_tensors_hooks`` calls on entry and exit, without an object
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
@@ -204,11 +208,13 @@ class Relay:
         self._by_placeholder[id(e.placeholder)] = (g, e)
         e.placeholder.relay_use = self.use
         e.placeholder.relay_trim = self.trim
+        e.placeholder.relay_unfreeze = functools.partial(unfreeze, self)
 
     def forget_placeholder(self, e: Any) -> None:
         self._by_placeholder.pop(id(e.placeholder), None)
         e.placeholder.relay_use = None
         e.placeholder.relay_trim = None
+        e.placeholder.relay_unfreeze = None
 
     def _drop_on_demand(self, task: int | None = None) -> None:
         """Swap out the groups read in on demand (by the backward ``task`` only, if given); if
@@ -235,7 +241,7 @@ class Relay:
         return changed
 
     def _prefetch_forward(self, i: int) -> None:
-        if i not in self._fwd and i not in self._installed:
+        if i not in self._fwd and i not in self._installed and not self.groups[i].released:
             self._fwd[i] = self.read(self.groups[i])
 
     def install(self, g: Group, slab: torch.Tensor, guard: bool = True) -> None:
@@ -256,8 +262,9 @@ class Relay:
                 )
             if p.requires_grad:
                 raise RelayError(
-                    f"the weight {e.name!r} was relayed as frozen and now requires grad: "
-                    "call offloadd.unrelay(model) before training it"
+                    f"the weight {e.name!r} was relayed as frozen and now requires grad while "
+                    "the model runs: unfreeze relayed weights between steps (their group is "
+                    "then made resident)"
                 )
             # g.view(slab, e), inlined: a swap's hot path
             p.data = torch.empty(0, dtype=e.dtype, device=device).set_(
@@ -317,7 +324,13 @@ class Relay:
         return empty
 
     def on_group_forward(self, g: Group) -> None:
+        if g.released:
+            return
+        trained = [e.name for e in g.entries if e.param.requires_grad]
         in_backward = torch._C._current_graph_task_id() != -1  # a recomputation (checkpointing)
+        if trained and g.index not in self._installed and not in_backward:  # else _install raises
+            release(self, g, f"{trained[0]!r} requires grad")  # Note [made resident]
+            return
         if not in_backward and self.depth:  # calls to layers without the model: never cleared
             self._seen.append(g.index)
         self._on_demand.pop(g.index, None)  # if read in on demand: its post-hook swaps it out
@@ -342,6 +355,8 @@ class Relay:
         self.saved.trim_carried(g, self.window - 1 - len(self._fwd))
 
     def after_group_forward(self, g: Group) -> None:
+        if g.released:
+            return
         pushed = self._pushed.get(g.index, 0)
         if pushed:
             _pop_hooks()

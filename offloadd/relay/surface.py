@@ -28,6 +28,7 @@ from offloadd.relay.loading import (
 from offloadd.relay.model_ops import hook_model_ops, resident, unpatch, write_group
 from offloadd.relay.placeholder import RelayError
 from offloadd.relay.relayer import Relay
+from offloadd.relay.release import take_back
 from offloadd.relay.slabs import Slabs
 from offloadd.relay.state import ATTR, RelayState, is_relayed, state_of
 from offloadd.relay.store import HostStore, WeightStore, open_store
@@ -230,15 +231,8 @@ def unrelay(model: nn.Module) -> nn.Module:
     r = state.relay
     r.settle()  # Note [between steps]: a group a backward that raised left in, out first
     for g in r.groups:
-        slab = r._installed.get(g.index)
-        if slab is None:
-            slab = r.fetch(g)
-        r.pinned.discard(g.index)
-        r.uninstall(g)
-        for e in g.entries:
-            e.param.data = g.view(slab, e).clone(memory_format=torch.preserve_format)
-            e.module._parameters[e.attr] = e.param
-            r.forget_placeholder(e)
+        if not g.released:
+            take_back(r, g)
     unpatch(state)
     for name in ("__reduce_ex__", "__deepcopy__", ATTR):
         model.__dict__.pop(name, None)
@@ -274,7 +268,8 @@ def _sources(
 ) -> tuple[WeightStore | HostStore, Slabs, int, int, list[str]]:
     """What :func:`_stats` reads, none of it the model (a finalizer's arguments outlive it)."""
     r = state.relay
-    return r.store, r.slabs, sum(g.nbytes for g in r.groups), len(r.groups), list(state.kept)
+    live = [g for g in r.groups if not g.released]
+    return r.store, r.slabs, sum(g.nbytes for g in live), len(live), list(state.kept)
 
 
 def _stats(

@@ -138,7 +138,6 @@ def test_misuse_raises_naming_the_weight(
         lambda: w + 1,
         lambda: w.mul_(2),
         lambda: w.data.zero_(),
-        lambda: w.requires_grad_(True),
         lambda: torch.nn.functional.linear(torch.ones(256), w),
         lambda: torch.save(model, io.BytesIO()),
         lambda: copy.deepcopy(model),
@@ -267,7 +266,9 @@ def test_weights_on_several_devices_are_refused(
     This machine has one device: the groups found are made to say two."""
     surface = importlib.import_module("offloadd.relay.surface")
 
-    def two_devices(model: nn.Module, min_bytes: int) -> tuple[list[Any], list[str]]:
+    def two_devices(
+        model: nn.Module, min_bytes: int, meta: bool = False
+    ) -> tuple[list[Any], list[str]]:
         on = [
             SimpleNamespace(param=SimpleNamespace(device=torch.device(d)))
             for d in ("cpu", "cuda:1")

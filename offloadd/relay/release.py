@@ -1,0 +1,99 @@
+"""Relayed weights that come to require grad: their group made resident for good.
+
+Note [made resident]
+~~~~~~~~~~~~~~~~~~~~
+Relay moves frozen weights. A weight that comes to require grad after relay() (a user
+unfreezing the top layers) makes its group resident for good: the group is read in once,
+its weights are the model's parameters again (the same objects, with their values), its
+record is freed, and relay skips it from then on; said once in the log. Asked through
+the placeholder (``requires_grad_(True)`` between steps, before an optimizer is built),
+the real parameter is what the call returns and what ``parameters()`` gives from then on;
+a parameter made to require grad where it is swapped in is found as ``resident()`` ends
+(an optimizer built after it sees it), or else at its group's next forward. While the model runs it is refused: a forward or backward
+underway holds the group's refs. Refs saved before (a forward whose backward has not run)
+meet the new generation and raise, as PyTorch's in-place check would.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+import torch
+
+from offloadd.relay.groups import Group
+from offloadd.relay.placeholder import RelayError
+
+__all__ = ["Relay", "release", "take_back", "unfreeze"]
+
+
+class Relay(Protocol):
+    """What a group's release needs of its relay (:class:`~offloadd.relay.relayer.Relay`)."""
+
+    depth: int
+    store: Any
+    pinned: set[int]
+    order: list[int]
+    order_at: dict[int, int]
+    _by_placeholder: dict[int, tuple[Group, Any]]
+    _installed: dict[int, torch.Tensor]
+    _on_demand: dict[int, int]
+    _fwd: dict[int, Any]
+
+    def fetch(self, g: Group) -> torch.Tensor: ...
+    def uninstall(self, g: Group) -> list[str]: ...
+    def forget_placeholder(self, e: Any) -> None: ...
+
+
+log = logging.getLogger("offloadd")
+
+
+def unfreeze(r: Relay, placeholder: Any) -> torch.Tensor | None:
+    """The real weight behind ``placeholder``, its group made resident (Note [made
+    resident]), or None if it is not one of this relay's."""
+    found = r._by_placeholder.get(id(placeholder))
+    if found is None:
+        return None
+    g, e = found
+    if r.depth or torch._C._current_graph_task_id() != -1:
+        raise RelayError(
+            f"offloadd relay: {e.name!r} was asked to require grad while the model runs; "
+            "unfreeze relayed weights between steps"
+        )
+    release(r, g, f"{e.name!r} was asked to require grad")
+    return e.param
+
+
+def release(r: Relay, g: Group, why: str) -> None:
+    """Make ``g`` resident for good (Note [made resident])."""
+    take_back(r, g)
+    r.store.free(g.record)
+    g.record = None
+    g.released = True
+    g.generation += 1
+    log.warning(
+        "offloadd relay: %s made resident (%s): %d bytes back in memory, relayed no more",
+        g.name,
+        why,
+        g.nbytes,
+    )
+    g.entries = []
+    g.nbytes = 0
+    r._fwd.pop(g.index, None)
+    r.order = [i for i in r.order if i != g.index]
+    r.order_at = {i: at for at, i in enumerate(r.order)}
+
+
+def take_back(r: Relay, g: Group) -> None:
+    """Put ``g``'s weights back in their modules, in memory (the same parameter objects
+    with the values the group holds), its placeholders forgotten."""
+    slab = r._installed.get(g.index)
+    if slab is None:
+        slab = r.fetch(g)
+    r.pinned.discard(g.index)
+    r._on_demand.pop(g.index, None)
+    r.uninstall(g)
+    for e in g.entries:
+        e.param.data = g.view(slab, e).clone(memory_format=torch.preserve_format)
+        e.module._parameters[e.attr] = e.param
+        r.forget_placeholder(e)

@@ -1,0 +1,94 @@
+"""Relayed weights that come to require grad (Note [made resident] in offloadd/relay/release.py):
+their group is made resident for good, once and said, and trains as it would without relay."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import offloadd
+from offloadd.relay import RelayError, relay_stats
+from tests.relay.cases import MakeRelayConfig, llama, llama_loss, same, step
+
+pytest.importorskip("transformers")
+
+IDS = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(3))
+
+
+def _build() -> nn.Module:
+    torch.manual_seed(0)
+    return llama(4)
+
+
+def _train(model: nn.Module, steps: int = 3) -> list[Any]:
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    out = []
+    for _ in range(steps):
+        out.append(step(model, IDS, llama_loss))
+        opt.step()
+    return out
+
+
+def test_a_layer_unfrozen_after_relay_trains_as_without_relay(
+    make_relay_config: MakeRelayConfig, disk_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    plain = _build()
+    plain.model.layers[3].requires_grad_(True)
+    want = _train(plain)
+
+    model = _build()
+    weight = model.model.layers[3].mlp.up_proj.weight  # the parameter object, before relay
+    offloadd.relay(model, config=make_relay_config(disk_dir))
+    assert relay_stats(model).groups == 4
+    _train(model, steps=0)
+    with caplog.at_level(logging.WARNING, logger="offloadd"):
+        model.model.layers[3].requires_grad_(True)  # between steps, before the optimizer
+    said = [r.getMessage() for r in caplog.records if "made resident" in r.getMessage()]
+    assert len(said) == 1 and "model.layers.3" in said[0], said
+    assert model.model.layers[3].mlp.up_proj.weight is weight and weight.requires_grad
+    st = relay_stats(model)
+    assert st.groups == 3 and len(st.kept) == 0
+    got = _train(model)
+    assert all(same(a, b) for a, b in zip(want, got, strict=True))
+    sd = model.state_dict()
+    assert all(torch.equal(sd[k], v) for k, v in plain.state_dict().items())
+    model.load_state_dict(plain.state_dict())
+    assert all(same(a, b) for a, b in zip(_train(plain, 1), _train(model, 1), strict=True))
+    offloadd.unrelay(model)
+
+
+def test_a_weight_unfrozen_within_resident_is_taken_at_its_next_forward(
+    make_relay_config: MakeRelayConfig, disk_dir: Path
+) -> None:
+    plain = _build()
+    plain.model.layers[1].self_attn.q_proj.weight.requires_grad_(True)
+    want = _train(plain, 2)
+    model = offloadd.relay(_build(), config=make_relay_config(disk_dir))
+    with offloadd.resident(model):  # the real parameters are in place here
+        model.model.layers[1].self_attn.q_proj.weight.requires_grad_(True)
+    got = _train(model, 2)
+    assert all(same(a, b) for a, b in zip(want, got, strict=True))
+    assert relay_stats(model).groups == 3
+    offloadd.unrelay(model)
+
+
+def test_unfreezing_while_the_model_runs_is_refused(
+    make_relay_config: MakeRelayConfig, disk_dir: Path
+) -> None:
+    model = offloadd.relay(_build(), config=make_relay_config(disk_dir))
+
+    def unfreeze_next(module: nn.Module, args: Any) -> None:
+        model.model.layers[2].requires_grad_(True)
+
+    handle = model.model.layers[1].register_forward_pre_hook(unfreeze_next)
+    with pytest.raises(RelayError, match="while the model runs; unfreeze relayed weights between"):
+        llama_loss(model, IDS)
+    handle.remove()
+    assert relay_stats(model).groups == 4  # nothing released
+    _train(model, 1)
+    offloadd.unrelay(model)

@@ -8,9 +8,13 @@ only the LM head) runs as a subprocess (tests/_support/clients/relay_wall.py):
 - ``whole``: ``from_pretrained``, no limit: the reference;
 - ``relay``: built on the meta device, ``offloadd.relay(model, checkpoint=...)`` (tier ssd),
   inside a memory cgroup of ``--limit-mib`` (swap off);
-- ``whole-in-limit``: ``from_pretrained`` inside the same limit, the checkpoint's page cache
-  dropped first (safetensors maps the file: frozen weights are clean file pages the kernel may
-  drop and read again on the next touch).
+- ``whole, then relay``: ``from_pretrained``, then ``offloadd.relay(model)`` (what
+  ``OFFLOADD_RELAY=frozen`` does in a script that loads the model itself), in the same limit;
+- ``whole``: ``from_pretrained`` in the same limit. transformers maps safetensors files: weights
+  loaded as stored are clean file pages the kernel may drop and read again at the next touch;
+  a dtype asked for (``bfloat16`` of an fp32 file) makes copies.
+
+Each limited run starts with the checkpoint's page cache dropped.
 
 It reports the cgroup's peak during load and during the steps, each step's time, the bytes
 relay read a step, and whether the losses and trained tensors are bit-identical to ``whole``.
@@ -35,13 +39,16 @@ sys.path.insert(0, str(ROOT))
 MIB = 1 << 20
 
 
-def _run(ckpt: Path, out: Path, mode: str, train: str, disk: Path, steps: int, limit: int) -> dict:
+def _run(
+    ckpt: Path, out: Path, mode: str, train: str, disk: Path, steps: int, limit: int, dtype: str
+) -> dict:
     import torch
 
     from tests._support.cgroup import memory_cgroup
 
     cmd = [sys.executable, "-m", "tests._support.clients.relay_wall", str(ckpt), str(out)]
     cmd += ["--mode", mode, "--train", train, "--ssd-dir", str(disk), "--steps", str(steps)]
+    cmd += ["--dtype", dtype] if dtype else []
     env = {k: v for k, v in os.environ.items() if not k.startswith("OFFLOADD")}
     if not limit:
         subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True)
@@ -98,21 +105,38 @@ def main() -> None:
     model.save_pretrained(work / "ckpt", max_shard_size="200MB")
     del model
     rows = []
-    for train in ("lora", "head"):
-        ref = _run(work / "ckpt", work / f"{train}-whole.json", "whole", train, work, a.steps, 0)
-        for mode, lim in (("relay", limit), ("whole", limit)):
-            name = "relay" if mode == "relay" else "whole-in-limit"
-            out = work / f"{train}-{name}.json"
-            doc = _run(work / "ckpt", out, mode, train, work, a.steps, lim)
+    for train, dtype in (("lora", ""), ("head", ""), ("lora", "bfloat16")):
+        tag = f"{train}-{dtype or 'stored'}"
+        ref = _run(
+            ckpt := work / "ckpt",
+            work / f"{tag}-whole.json",
+            "whole",
+            train,
+            work,
+            a.steps,
+            0,
+            dtype,
+        )
+        for mode, name in (
+            ("relay", "relay"),
+            ("whole-relay", "whole, then relay"),
+            ("whole", "whole"),
+        ):
+            out = work / f"{tag}-{mode}.json"
+            doc = _run(ckpt, out, mode, train, work, a.steps, limit, dtype)
             if "trained" in doc:
                 doc["identical"] = doc["losses"] == ref["losses"] and all(
                     torch.equal(doc["trained"][k], ref["trained"][k]) for k in ref["trained"]
                 )
             doc.pop("trained", None)
-            rows.append({"train": train, "run": name, **doc})
+            rows.append(
+                {"train": train, "dtype": dtype or "as stored", "run": f"{name} (limit)", **doc}
+            )
         ref.pop("trained")
-        rows.append({"train": train, "run": "whole (no limit)", **ref})
-        print(json.dumps(rows[-3:], indent=1), flush=True)
+        rows.append(
+            {"train": train, "dtype": dtype or "as stored", "run": "whole (no limit)", **ref}
+        )
+        print(json.dumps(rows[-4:], indent=1), flush=True)
     result = {
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "torch": torch.__version__,
@@ -138,20 +162,20 @@ def _page(r: dict) -> str:
         f"frozen weights {mib(r['frozen_bytes'])} MiB; limit {mib(r['limit_bytes'])} MiB "
         f"({r['frozen_bytes'] / r['limit_bytes']:.2f} x); {r['machine']}, torch {r['torch']}",
         "",
-        "| fine-tune | run | load peak MiB | steps peak MiB | step s (median) | read MiB / step | bit-identical |",
-        "|---|---|---|---|---|---|---|",
+        "| fine-tune | dtype | run | load peak MiB | steps peak MiB | step s (median) | read MiB / step | bit-identical |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in r["rows"]:
         if "exit" in row:
             lines.append(
-                f"| {row['train']} | {row['run']} | exit {row['exit']} "
+                f"| {row['train']} | {row['dtype']} | {row['run']} | exit {row['exit']} "
                 f"({'OOM-killed' if row['oom_killed'] else 'failed'}) | | | | |"
             )
             continue
         steps = sorted(row["step_s"])
         read = row["read_bytes_per_step"]
         lines.append(
-            f"| {row['train']} | {row['run']} | {mib(row['load_peak'])} | "
+            f"| {row['train']} | {row['dtype']} | {row['run']} | {mib(row['load_peak'])} | "
             f"{mib(row['steps_peak'])} | {steps[len(steps) // 2]:.2f} | "
             f"{mib(sum(read) / len(read)) if read else '-'} | {row.get('identical', 'reference')} |"
         )

@@ -82,6 +82,8 @@ def commands(line: str) -> Iterator[list[str]]:
         if tok and set(tok) <= set(";&|"):
             while argv and _ENV.match(argv[0]):
                 argv.pop(0)
+            if argv[:1] == ["flock"] and len(argv) > 2:  # the machine-wide lock (scripts/README.md)
+                argv = argv[2:]
             if argv and not _said(argv):
                 # usage's optional parts (``[--plain-shallow]``) are named to be used: kept
                 argv = [a.strip("[]") for a in argv]
@@ -232,6 +234,7 @@ def test_commands_are_read_from_blocks_spans_and_continuations() -> None:
         "    offloadd doctor: OK\n"
         "    offloadd bench relay --rounds 3 [--plain-shallow] [--model gpt ...]\n"
         "    offloadd COMMAND --help\n"
+        "    flock /work/bench.lock python scripts/relay_wall.py --out y\n"
     )
     found = [
         (n, argv)
@@ -244,4 +247,5 @@ def test_commands_are_read_from_blocks_spans_and_continuations() -> None:
         (7, ["python", "-m", "scripts.codec_error", "--out", "x"]),
         (9, ["offloadd", "doctor", "--json"]),
         (12, ["offloadd", "bench", "relay", "--rounds", "3", "--plain-shallow", "--model", "gpt"]),
+        (14, ["python", "scripts/relay_wall.py", "--out", "y"]),
     ]

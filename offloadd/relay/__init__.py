@@ -13,6 +13,7 @@ bit-identical to the model without relay.
 | ``store`` | the records of weights over the runtime's ``Backend`` (embedded engine or daemon) |
 | ``checkpoint`` | a safetensors checkpoint read tensor by tensor, its headers checked first |
 | ``loading`` | a model built on the meta device matched to a checkpoint and filled group by group |
+| ``pretrained`` | ``from_pretrained``: a transformers model built on the meta device and relayed from its directory |
 | ``relayer`` | the forward and backward schedule: swaps, prefetch, saved views as refs, weights read on demand |
 | ``release`` | a group whose weights come to require grad, made resident for good |
 | ``state`` | a relayed model's state, kept on the model |
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from offloadd.relay.loading import weights_on_meta
     from offloadd.relay.model_ops import resident
     from offloadd.relay.placeholder import RelayedWeight, RelayError
+    from offloadd.relay.pretrained import from_pretrained
     from offloadd.relay.surface import RelayStats, relay, relay_stats, unrelay
 
 __all__ = [
@@ -40,6 +42,7 @@ __all__ = [
     "RelayError",
     "RelayStats",
     "RelayedWeight",
+    "from_pretrained",
     "relay",
     "relay_stats",
     "resident",
@@ -51,6 +54,7 @@ _HOMES = {
     "CheckpointError": "checkpoint",
     "RelayError": "placeholder",
     "RelayedWeight": "placeholder",
+    "from_pretrained": "pretrained",
     "resident": "model_ops",
     "weights_on_meta": "loading",
 }

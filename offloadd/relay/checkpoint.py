@@ -13,9 +13,12 @@ pages just read are dropped from the page cache (``POSIX_FADV_DONTNEED``), so th
 limit (a cgroup's, which counts the page cache) sees what relay holds, not the checkpoint.
 
 The formats read are those ``save_pretrained`` writes: one ``.safetensors`` file, or a directory
-with its ``*.safetensors.index.json`` (a sharded one) or its one ``model.safetensors``. A
-``.bin`` or ``.pt`` file is a pickle, which cannot be read a tensor at a time without trusting
-it; it is refused with how to convert it.
+with its ``*.safetensors.index.json`` (a sharded one) or its one ``model.safetensors``; and a
+torch ``.bin`` / ``.pt`` / ``.pth`` state dict (or a directory with its ``*.bin.index.json``),
+loaded with ``torch.load(mmap=True, weights_only=True)``: its tensors are views of the mapped
+file, read a tensor at a time, never trusted code. Their pages stay mapped until the checkpoint
+is closed (clean pages, which a memory limit reclaims, but not dropped behind each read). A file
+in torch's legacy format cannot be mapped: it is refused with how to convert it.
 """
 
 from __future__ import annotations
@@ -58,13 +61,14 @@ class CheckpointError(RelayError):
 @dataclass(frozen=True)
 class Stored:
     """Where one tensor lies: its file, dtype, shape, first byte (from the file's start) and
-    length."""
+    length; or, from a torch file, the tensor viewing the mapped file."""
 
     file: Path
     dtype: torch.dtype
     shape: tuple[int, ...]
     start: int
     nbytes: int
+    mapped: torch.Tensor | None = None
 
 
 class Checkpoint:
@@ -76,7 +80,10 @@ class Checkpoint:
         self._fds: dict[Path, int] = {}
         try:
             for file, keys in self._files().items():
-                self._read_header(file, keys)
+                if file.suffix in _PICKLED:
+                    self._map_pickle(file, keys)
+                else:
+                    self._read_header(file, keys)
         except BaseException:
             self.close()
             raise
@@ -87,37 +94,36 @@ class Checkpoint:
         if not p.exists():
             raise CheckpointError(f"offloadd relay: checkpoint {str(p)!r} does not exist")
         if p.is_dir():
-            indexes = sorted(p.glob("*.safetensors.index.json"))
-            if len(indexes) > 1:
-                names = ", ".join(i.name for i in indexes)
-                raise CheckpointError(
-                    f"offloadd relay: checkpoint {str(p)!r} holds several indexes ({names}): "
-                    "give the path of the one to read"
-                )
-            if indexes:
-                return self._index(indexes[0])
-            single = sorted(p.glob("*.safetensors"))
-            if len(single) == 1:
-                return {single[0]: None}
-            pickled = sorted(x.name for x in p.iterdir() if x.suffix in (".bin", ".pt", ".pth"))
+            for pattern, kind in (("*.safetensors", "safetensors"), ("*.bin", "torch")):
+                indexes = sorted(p.glob(pattern + ".index.json"))
+                if len(indexes) > 1:
+                    names = ", ".join(i.name for i in indexes)
+                    raise CheckpointError(
+                        f"offloadd relay: checkpoint {str(p)!r} holds several indexes ({names}): "
+                        "give the path of the one to read"
+                    )
+                if indexes:
+                    return self._index(indexes[0])
+                files = sorted(x for x in p.iterdir() if x.suffix in _SUFFIXES[kind])
+                if len(files) == 1:
+                    return {files[0]: None}
+                if files:
+                    raise CheckpointError(
+                        f"offloadd relay: checkpoint {str(p)!r} holds {len(files)} {kind} files "
+                        f"({', '.join(f.name for f in files)}) and no index saying which key each "
+                        "holds: give the path of one, or of its index"
+                    )
             raise CheckpointError(
-                f"offloadd relay: checkpoint {str(p)!r} holds "
-                + (
-                    f"{len(single)} .safetensors files and no *.safetensors.index.json saying "
-                    "which key each holds"
-                    if single
-                    else "no .safetensors file"
-                    + (f" (only {', '.join(pickled)})" if pickled else "")
-                )
-                + _PICKLE_HINT
+                f"offloadd relay: checkpoint {str(p)!r} holds no .safetensors nor torch "
+                "(.bin, .pt, .pth) file"
             )
         if p.name.endswith(".index.json"):
             return self._index(p)
-        if p.suffix == ".safetensors":
+        if p.suffix == ".safetensors" or p.suffix in _PICKLED:
             return {p: None}
         raise CheckpointError(
-            f"offloadd relay: checkpoint {str(p)!r} is not a .safetensors file nor a "
-            "*.safetensors.index.json" + _PICKLE_HINT
+            f"offloadd relay: checkpoint {str(p)!r} is not a .safetensors or torch (.bin, .pt, "
+            ".pth) file, nor an index (*.index.json) of them"
         )
 
     def _index(self, index: Path) -> dict[Path, set[str] | None]:
@@ -172,6 +178,33 @@ class Checkpoint:
                     "does not hold it"
                 )
 
+    def _map_pickle(self, file: Path, keys: set[str] | None) -> None:
+        """A torch state dict, mapped (Note [reading a checkpoint])."""
+        try:
+            sd = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as err:
+            raise CheckpointError(
+                f"offloadd relay: {str(file)!r} cannot be read as a torch state dict without "
+                f"loading it whole ({type(err).__name__}: {err})" + _PICKLE_HINT
+            ) from err
+        if not isinstance(sd, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()
+        ):
+            raise CheckpointError(
+                f"offloadd relay: {str(file)!r} holds a {type(sd).__name__} that is not a state "
+                "dict (names to tensors): save model.state_dict() itself"
+            )
+        for key, t in sd.items():
+            if keys is None or key in keys:
+                nbytes = t.numel() * t.element_size()
+                self.tensors[key] = Stored(file, t.dtype, tuple(t.shape), 0, nbytes, t)
+        for key in sorted(keys or ()):
+            if key not in self.tensors:
+                raise CheckpointError(
+                    f"offloadd relay: the index gives {key!r} to {str(file)!r}, which does not "
+                    "hold it"
+                )
+
     def read_into(self, key: str, out: torch.Tensor) -> None:
         """Read ``key`` into ``out`` (a CPU tensor of its shape, any dtype and strides)."""
         s = self.tensors[key]
@@ -180,6 +213,14 @@ class Checkpoint:
                 f"offloadd relay: {key!r} is {list(s.shape)} in {str(s.file)!r}, the model's "
                 f"is {list(out.shape)}"
             )
+        if s.mapped is not None:
+            try:
+                out.copy_(s.mapped)
+            except RuntimeError as err:  # a mapped file cut short meanwhile: SIGBUS aside
+                raise CheckpointError(
+                    f"offloadd relay: reading {key!r} from {str(s.file)!r} failed: {err}"
+                ) from err
+            return
         if out.dtype == s.dtype and out.is_contiguous():
             self._read(s, key, out)
         else:
@@ -209,6 +250,7 @@ class Checkpoint:
         os.posix_fadvise(fd, s.start, s.nbytes, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
+        self.tensors = {}  # the mapped tensors with it
         fds, self._fds = self._fds, {}
         for fd in fds.values():
             os.close(fd)
@@ -220,9 +262,11 @@ class Checkpoint:
         self.close()
 
 
+_PICKLED = (".bin", ".pt", ".pth")
+_SUFFIXES = {"safetensors": (".safetensors",), "torch": _PICKLED}
 _PICKLE_HINT = (
-    ". Relay reads safetensors only, a tensor at a time (a .bin or .pt file is a pickle, read "
-    "whole): convert it once, e.g. `model.save_pretrained(path, safe_serialization=True)` or "
+    ". Relay reads a torch file mapped (torch.save's zip format, tensors only); convert it "
+    "once, e.g. `model.save_pretrained(path, safe_serialization=True)` or "
     "`safetensors.torch.save_file(state_dict, path)`"
 )
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import offloadd
-from offloadd.relay import RelayError, relay_stats, weights_on_meta
+from offloadd.relay import RelayError, from_pretrained, relay_stats, weights_on_meta
 from offloadd.relay.checkpoint import CheckpointError
 from tests._support.helpers import loop_ext4
 from tests.relay.cases import MakeRelayConfig, llama_loss, same, step
@@ -182,19 +182,60 @@ def test_a_damaged_file_is_refused_by_name(
         assert "short or damaged" in said and "model.layers.2.mlp.down_proj.weight" in said
 
 
-def test_what_is_not_safetensors_is_refused_with_how_to_convert(
+def _as_torch_files(d: Path) -> Path:
+    """``d``'s weights as torch state dicts, in two shards with their index (as transformers
+    4 wrote them with ``safe_serialization=False``)."""
+    from safetensors.torch import load_file
+
+    sd = load_file(d / "model.safetensors")
+    out = d.parent / "torch"
+    out.mkdir()
+    keys = sorted(sd)
+    shards = {
+        "pytorch_model-1.bin": keys[: len(keys) // 2],
+        "pytorch_model-2.bin": keys[len(keys) // 2 :],
+    }
+    for name, part in shards.items():
+        torch.save({k: sd[k] for k in part}, out / name)
+    weight_map = {k: name for name, part in shards.items() for k in part}
+    (out / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return out
+
+
+def test_a_torch_state_dict_is_read_mapped(
+    make_relay_config: MakeRelayConfig, disk_dir: Path, tmp_path: Path
+) -> None:
+    d = _saved(tmp_path)
+    want = _train(_whole(d))
+    model = offloadd.relay(
+        _on_meta(), checkpoint=_as_torch_files(d), config=make_relay_config(disk_dir)
+    )
+    got = _train(model)
+    assert all(same(a, b) for a, b in zip(want, got, strict=True))
+    offloadd.unrelay(model)
+
+
+def test_what_cannot_be_read_mapped_is_refused_with_how_to_convert(
     make_relay_config: MakeRelayConfig, disk_dir: Path, tmp_path: Path
 ) -> None:
     d = tmp_path / "pickled"
     d.mkdir()
-    torch.save({"w": torch.zeros(2)}, d / "pytorch_model.bin")
+    legacy = d / "legacy.bin"
+    torch.save({"w": torch.zeros(2)}, legacy, _use_new_zipfile_serialization=False)
+    nested = d / "nested.pt"
+    torch.save({"model": {"w": torch.zeros(2)}}, nested)
     cfg = make_relay_config(disk_dir)
-    for path in (d, d / "pytorch_model.bin", tmp_path / "nowhere"):
+    for path, why in (
+        (legacy, "without loading it whole"),
+        (nested, "not a state dict"),
+        (d, "2 torch files"),
+        (tmp_path / "nowhere", "does not exist"),
+    ):
         with pytest.raises(CheckpointError) as err:
             offloadd.relay(_on_meta(), checkpoint=path, config=cfg)
         said = str(err.value)
-        assert str(path) in said
-        assert "does not exist" in said or "safe_serialization=True" in said
+        assert str(path) in said and why in said, said
+        assert path != legacy or "safe_serialization=True" in said
 
 
 def test_dtype_without_a_checkpoint_is_refused(
@@ -239,3 +280,20 @@ def test_a_store_that_cannot_be_written_is_named_and_left_clean(tmp_path: Path, 
         assert str(store) in said, said
         assert ("No space left" in said) if fs == "full" else ("not writable" in said), said
         assert list(store.iterdir()) == []
+
+
+def test_from_pretrained_builds_freezes_and_relays_in_one_call(
+    make_relay_config: MakeRelayConfig, disk_dir: Path, tmp_path: Path
+) -> None:
+    d = _saved(tmp_path)
+    want = _train(_whole(d))
+    train = ["model.embed_tokens", "model.norm", "lm_head"]  # what _freeze leaves trainable
+    model = from_pretrained(d, train=train, config=make_relay_config(disk_dir))
+    assert relay_stats(model).groups == 3
+    got = _train(model)
+    assert all(same(a, b) for a, b in zip(want, got, strict=True))
+    offloadd.unrelay(model)
+    with pytest.raises(RelayError, match=r"train: no parameter's name starts with 'head'"):
+        from_pretrained(d, train=["head"], config=make_relay_config(disk_dir))
+    with pytest.raises(RelayError, match="not a save_pretrained directory"):
+        from_pretrained(tmp_path, config=make_relay_config(disk_dir))

@@ -1,11 +1,12 @@
 """Fine-tune an HF Llama from a checkpoint, relayed from it or loaded whole, and say what it
 held: the client of tests/relay/test_relay_wall.py and scripts/relay_wall.py.
 
-    python -m tests._support.clients.relay_wall CKPT OUT --mode relay|whole --train head|lora
+    python -m tests._support.clients.relay_wall CKPT OUT --mode relay|whole|whole-relay --train head|lora
         [--steps N] [--ssd-dir DIR]
 
 ``relay``: built on the meta device, ``offloadd.relay(model, checkpoint=CKPT)`` (tier ssd);
-``whole``: ``from_pretrained``. ``head``: only the LM head trains; ``lora``: rank-8 adapters on
+``whole``: ``from_pretrained``; ``whole-relay``: ``from_pretrained``, then ``offloadd.relay(model)``
+(what ``OFFLOADD_RELAY=frozen`` does in a script that loads the model itself). ``head``: only the LM head trains; ``lora``: rank-8 adapters on
 every q and v projection (made after the load, as PEFT does), the base frozen. Writes OUT (JSON):
 the losses (hex), the load's and the steps' peaks (the cgroup's, from ``RELAY_WALL_CGROUP``
 when set, else the peak RSS), each step's seconds, the bytes relay read a step, and the trained
@@ -30,8 +31,9 @@ class LoRA(nn.Module):
     def __init__(self, base: nn.Linear, rank: int = 8) -> None:
         super().__init__()
         self.base = base
-        self.a = nn.Linear(base.in_features, rank, bias=False)
-        self.b = nn.Linear(rank, base.out_features, bias=False)
+        dtype = base.weight.dtype
+        self.a = nn.Linear(base.in_features, rank, bias=False, dtype=dtype)
+        self.b = nn.Linear(rank, base.out_features, bias=False, dtype=dtype)
         nn.init.zeros_(self.b.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -56,11 +58,12 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("checkpoint")
     p.add_argument("out")
-    p.add_argument("--mode", choices=("relay", "whole"), required=True)
+    p.add_argument("--mode", choices=("relay", "whole", "whole-relay"), required=True)
     p.add_argument("--train", choices=("head", "lora"), required=True)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--ssd-dir", default="/var/tmp")
     p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--dtype", help="load in this dtype (from_pretrained's, relay's dtype=)")
     a = p.parse_args()
     torch.set_num_threads(int(os.environ.get("RELAY_WALL_THREADS", "2")))
     from transformers import AutoConfig, LlamaForCausalLM
@@ -70,16 +73,21 @@ def main() -> None:
 
     cfg = AutoConfig.from_pretrained(a.checkpoint)
     t0 = time.perf_counter()
-    if a.mode == "whole":
-        model = LlamaForCausalLM.from_pretrained(a.checkpoint)
+    if a.mode in ("whole", "whole-relay"):
+        kw = {"dtype": getattr(torch, a.dtype)} if a.dtype else {}
+        model = LlamaForCausalLM.from_pretrained(a.checkpoint, **kw)
         model.requires_grad_(False)
         model.lm_head.requires_grad_(a.train == "head")
+        if a.mode == "whole-relay":  # what OFFLOADD_RELAY=frozen does, after the script's load
+            offloadd.relay(model, tier="ssd", ssd_dirs=[a.ssd_dir])
     else:
         with weights_on_meta():
             model = LlamaForCausalLM(cfg)
         model.requires_grad_(False)
         model.lm_head.requires_grad_(a.train == "head")
-        offloadd.relay(model, checkpoint=a.checkpoint, tier="ssd", ssd_dirs=[a.ssd_dir])
+        offloadd.relay(
+            model, checkpoint=a.checkpoint, dtype=a.dtype, tier="ssd", ssd_dirs=[a.ssd_dir]
+        )
     load_s = time.perf_counter() - t0
     if a.train == "lora":
         torch.manual_seed(1)
@@ -92,7 +100,7 @@ def main() -> None:
     load_peak = _peak(reset=True)
     losses, step_s, read = [], [], []
     for _ in range(a.steps):
-        before = offloadd.relay_stats(model).read_bytes if a.mode == "relay" else 0
+        before = offloadd.relay_stats(model).read_bytes if a.mode != "whole" else 0
         t0 = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -100,7 +108,7 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         step_s.append(time.perf_counter() - t0)
         losses.append(loss.item().hex())
-        if a.mode == "relay":
+        if a.mode != "whole":
             read.append(offloadd.relay_stats(model).read_bytes - before)
     frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
     torch.save({n: p.detach() for n, p in trained.items()}, a.out + ".pt")
@@ -116,7 +124,7 @@ def main() -> None:
         "frozen_bytes": frozen,
         "trained_bytes": sum(p.numel() * p.element_size() for p in trained.values()),
         "relay_peak_resident": (
-            offloadd.relay_stats(model).peak_resident_bytes if a.mode == "relay" else 0
+            offloadd.relay_stats(model).peak_resident_bytes if a.mode != "whole" else 0
         ),
     }
     Path(a.out).write_text(json.dumps(doc, indent=1))

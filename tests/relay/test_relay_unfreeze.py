@@ -92,3 +92,38 @@ def test_unfreezing_while_the_model_runs_is_refused(
     assert relay_stats(model).groups == 4  # nothing released
     _train(model, 1)
     offloadd.unrelay(model)
+
+
+class _Adapter(nn.Module):
+    """A LoRA-like adapter around a frozen projection (as PEFT adds them, after the load)."""
+
+    def __init__(self, base: nn.Linear) -> None:
+        super().__init__()
+        self.base = base
+        self.a = nn.Linear(base.in_features, 4, bias=False)
+        self.b = nn.Linear(4, base.out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.b(self.a(x))
+
+
+def _adapt(model: nn.Module) -> nn.Module:
+    torch.manual_seed(1)
+    for layer in model.model.layers:  # type: ignore[union-attr]
+        layer.self_attn.v_proj = _Adapter(layer.self_attn.v_proj)
+    return model
+
+
+def test_adapters_added_after_relay_are_trained_and_never_relayed(
+    make_relay_config: MakeRelayConfig, disk_dir: Path
+) -> None:
+    want = _train(_adapt(_build()))
+    model = offloadd.relay(_build(), config=make_relay_config(disk_dir))
+    st = relay_stats(model)
+    _adapt(model)
+    got = _train(model)
+    assert all(same(a, b) for a, b in zip(want, got, strict=True))
+    assert relay_stats(model).relayed_bytes == st.relayed_bytes  # the adapters stay in memory
+    adapters = [p for n, p in model.named_parameters() if ".a." in n or ".b." in n]
+    assert len(adapters) == 8 and all(type(p) is nn.Parameter for p in adapters)
+    offloadd.unrelay(model)

@@ -265,9 +265,12 @@ class Saved:
         at = self._bwd_at.get(key)
         if at is None:
             return
+        groups = self.relay.groups
         for j in reversed(order[max(0, at - self.relay.window + 1) : at]):
+            if groups[j[0]].released:  # its refs raise at unpack (Note [made resident])
+                continue
             if j not in self._held and j not in self._bwd and self._pending.get(j):
-                self._bwd[j] = self.relay.read_ahead(self.relay.groups[j[0]])
+                self._bwd[j] = self.relay.read_ahead(groups[j[0]])
 
 
 def _view(slab: torch.Tensor, ref: WeightRef) -> torch.Tensor:

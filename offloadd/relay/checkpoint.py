@@ -149,8 +149,11 @@ class Checkpoint:
         except OSError as err:
             raise CheckpointError(f"offloadd relay: cannot open {str(file)!r}: {err}") from err
         self._fds[file] = fd
-        size = os.fstat(fd).st_size
-        head = os.pread(fd, 8, 0)
+        try:
+            size = os.fstat(fd).st_size
+            head = os.pread(fd, 8, 0)
+        except OSError as err:  # a directory named like a file, an I/O error
+            raise CheckpointError(f"offloadd relay: cannot read {str(file)!r}: {err}") from err
         length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
         if length < 2 or length > MAX_HEADER or 8 + length > size:
             raise CheckpointError(
@@ -161,7 +164,7 @@ class Checkpoint:
             header = json.loads(os.pread(fd, length, 8))
             if not isinstance(header, dict):
                 raise TypeError("the header is not an object")
-        except (ValueError, TypeError) as err:
+        except (ValueError, TypeError, OSError) as err:
             raise CheckpointError(
                 f"offloadd relay: the header of {str(file)!r} does not parse ({err}): a damaged file"
             ) from err

@@ -24,7 +24,8 @@ before the optimizer sees the model; the placeholders say the device they load t
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,9 +82,13 @@ class Slots:
     dtype: dict[int, torch.dtype] = field(default_factory=dict)
 
 
-def match(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype | None) -> Slots:
+def match(
+    model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype | None, ignore: Sequence[str] = ()
+) -> Slots:
     """Match ``model``'s parameters and persistent buffers to ``ckpt``'s keys (see Note
-    [loading from a checkpoint]); raises naming every key that does not match."""
+    [loading from a checkpoint]); raises naming every key that does not match. ``ignore``:
+    patterns (``re.search``) of checkpoint keys the model may lack (transformers'
+    ``_keys_to_ignore_on_load_unexpected``)."""
     s = Slots()
     names: dict[int, list[str]] = {}
     meta_unsaved: list[str] = []
@@ -117,7 +122,9 @@ def match(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype | None) -> Slot
         t = s.tensors[i]
         s.dtype[i] = dtype if dtype is not None and t.is_floating_point() else t.dtype
     expected = {k for keys in names.values() for k in keys}
-    unexpected = sorted(k for k in ckpt.tensors if k not in expected)
+    unexpected = sorted(
+        k for k in ckpt.tensors if k not in expected and not any(re.search(p, k) for p in ignore)
+    )
     wrong = [
         f"{s.key[i]}: {list(ckpt.tensors[s.key[i]].shape)} in the checkpoint, "
         f"{list(s.tensors[i].shape)} in the model"
@@ -142,9 +149,10 @@ def match(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype | None) -> Slot
 
 
 def _cast_meta(s: Slots) -> None:
-    """A meta tensor to be made in another dtype (``dtype=``) becomes a meta tensor of that
-    dtype now, in each of its places: relay lays out its groups by the model's tensors."""
-    for i in [i for i, t in s.tensors.items() if t.is_meta and t.dtype != s.dtype[i]]:
+    """A tensor to be made in another dtype (``dtype=``) becomes a meta tensor of that dtype
+    now, in each of its places (its values come from the checkpoint): relay lays out its groups
+    by the model's tensors, a real one's included."""
+    for i in [i for i, t in s.tensors.items() if t.dtype != s.dtype[i]]:
         t = s.tensors.pop(i)
         meta = torch.empty_strided(t.shape, t.stride(), dtype=s.dtype.pop(i), device="meta")
         new = type(t)(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
@@ -164,7 +172,8 @@ def materialize(s: Slots, ckpt: Checkpoint, relayed: set[int]) -> None:
                 continue
             dtype = s.dtype[i]
             if t.is_meta or t.dtype != dtype:
-                new = torch.empty(t.shape, dtype=dtype, device=CPU if t.is_meta else t.device)
+                # the strides the model was built with (a transposed weight's too)
+                new = torch.empty_like(t, dtype=dtype, device=CPU if t.is_meta else t.device)
                 _read(ckpt, s.key[i], new)
                 made: torch.Tensor = (
                     type(t)(new, requires_grad=t.requires_grad)
@@ -189,12 +198,17 @@ def _read(ckpt: Checkpoint, key: str, out: torch.Tensor) -> None:
 def make_relayed_real(s: Slots, groups: list[Group]) -> None:
     """Each relayed weight's new parameter (on the CPU, no bytes yet; Note [loading from a
     checkpoint]), put in its place; its placeholder loads to the CPU."""
+    made: dict[int, nn.Parameter] = {}  # one weight in two modules of a group: one parameter
     for g in groups:
         for e in g.entries:
             old = e.param
             if not old.is_meta:
                 continue
-            new = nn.Parameter(torch.empty(0, dtype=e.dtype), requires_grad=False)
+            new = made.get(id(old))
+            if new is None:
+                new = made[id(old)] = nn.Parameter(
+                    torch.empty(0, dtype=e.dtype), requires_grad=False
+                )
             e.param = new
             e.module._parameters[e.attr] = new
             e.placeholder.real_device = CPU

@@ -36,7 +36,7 @@ from torch import nn
 from offloadd.relay.groups import Entry, Group, lay_out
 from offloadd.relay.placeholder import RelayedWeight, RelayError
 from offloadd.relay.relayer import Relay
-from offloadd.relay.release import release
+from offloadd.relay.release import current, release
 from offloadd.relay.state import RelayState, state_of
 
 __all__ = ["hook_model_ops", "resident", "unpatch", "write_group"]
@@ -253,13 +253,16 @@ def resident(model: nn.Module) -> Iterator[nn.Module]:
         errors = []
         for g in mine:
             r.pinned.discard(g.index)
-            trained = [e.name for e in g.entries if e.param.requires_grad]
-            if trained:  # unfrozen in the block: resident for good (Note [made resident])
-                release(r, g, f"{trained[0]!r} was made to require grad")
+            if g.released:  # unfrozen through a placeholder in the block: taken already
                 continue
             try:
+                trained = [e.name for e in g.entries if current(e).requires_grad]
+                if trained:  # unfrozen in the block: resident for good (Note [made resident])
+                    release(r, g, f"{trained[0]!r} was made to require grad")
+                    continue
                 rewrite(r, g)
             except RelayError as e:
+                r.uninstall(g)  # swapped out whatever failed (rewrite's own errors did)
                 errors.append(e)
         if errors:
             raise errors[0]

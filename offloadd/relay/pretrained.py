@@ -26,8 +26,10 @@ def from_pretrained(
 ) -> nn.Module:
     """A transformers model from a local ``save_pretrained`` directory, relayed from it: built on
     the meta device by ``model_class`` (default ``AutoModelForCausalLM``) from the directory's
-    ``config.json``, every parameter frozen but those whose names start with one of ``train``
-    (``["lm_head"]``), then ``relay(model, checkpoint=path, dtype=dtype, **relay_kwargs)``
+    ``config.json``, every parameter frozen but those named in ``train`` or inside a module it
+    names (``["lm_head"]``; a tied weight trains under either name), then ``relay(model,
+    checkpoint=path, dtype=dtype, **relay_kwargs)``, the model's
+    ``_keys_to_ignore_on_load_unexpected`` ignored in the checkpoint
     (Note [loading from a checkpoint] in loading.py). Adapters (PEFT) are added after it, as to
     any model; a name on the Hub must be downloaded first (``huggingface_hub.snapshot_download``):
     the checkpoint is read where it lies."""
@@ -43,13 +45,20 @@ def from_pretrained(
     config = AutoConfig.from_pretrained(where)
     with weights_on_meta():
         model: nn.Module = cls.from_config(config) if hasattr(cls, "from_config") else cls(config)
-    names = [n for n, _ in model.named_parameters()]
-    unknown = [t for t in train if not any(n.startswith(t) for n in names)]
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]  # a tied head too
+
+    def trained(name: str) -> bool:
+        return any(name == t or name.startswith(t + ".") for t in train)
+
+    unknown = [t for t in train if not any(n == t or n.startswith(t + ".") for n in names)]
     if unknown:
         raise RelayError(
-            f"offloadd relay: train: no parameter's name starts with {', '.join(map(repr, unknown))}"
-            f" (the model's begin with {', '.join(sorted({n.split('.')[0] for n in names}))})"
+            f"offloadd relay: train: no parameter is {', '.join(map(repr, unknown))} or in it"
+            f" (the model's names begin with {', '.join(sorted({n.split('.')[0] for n in names}))})"
         )
-    for n, p in model.named_parameters():
-        p.requires_grad_(any(n.startswith(t) for t in train))
-    return relay(model, checkpoint=where, dtype=dtype, **relay_kwargs)
+    model.requires_grad_(False)
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if trained(n):
+            p.requires_grad_(True)  # a tied weight trains if either of its names does
+    ignore = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
+    return relay(model, checkpoint=where, dtype=dtype, ignore_keys=ignore, **relay_kwargs)

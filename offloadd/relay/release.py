@@ -16,6 +16,7 @@ meet the new generation and raise, as PyTorch's in-place check would.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Protocol
 
@@ -24,7 +25,7 @@ import torch
 from offloadd.relay.groups import Group
 from offloadd.relay.placeholder import RelayError
 
-__all__ = ["Relay", "release", "take_back", "unfreeze"]
+__all__ = ["Relay", "current", "release", "take_back", "unfreeze"]
 
 
 class Relay(Protocol):
@@ -85,15 +86,39 @@ def release(r: Relay, g: Group, why: str) -> None:
 
 
 def take_back(r: Relay, g: Group) -> None:
-    """Put ``g``'s weights back in their modules, in memory (the same parameter objects
-    with the values the group holds), its placeholders forgotten."""
-    slab = r._installed.get(g.index)
-    if slab is None:
+    """Put ``g``'s weights back in their modules, in memory: the same parameter objects, with
+    the values they have where the group is swapped in (a load or a ``.data`` assignment within
+    ``resident()`` included), else the store's. A placeholder kept by the user then answers
+    ``requires_grad_(True)`` with its weight (Note [made resident])."""
+    installed = g.index in r._installed
+    if installed:
+        values = [current(e).detach().clone(memory_format=torch.preserve_format) for e in g.entries]
+    else:
         slab = r.fetch(g)
+        values = [g.view(slab, e).clone(memory_format=torch.preserve_format) for e in g.entries]
     r.pinned.discard(g.index)
     r._on_demand.pop(g.index, None)
     r.uninstall(g)
-    for e in g.entries:
-        e.param.data = g.view(slab, e).clone(memory_format=torch.preserve_format)
+    for e, value in zip(g.entries, values, strict=True):
+        e.param.data = value
         e.module._parameters[e.attr] = e.param
         r.forget_placeholder(e)
+        e.placeholder.relay_unfreeze = functools.partial(_taken_back, e.param)
+
+
+def current(e: Any) -> torch.Tensor:
+    """The parameter in a swapped-in weight's place now: its own, or the one
+    ``load_state_dict(assign=True)`` put there (of the weight's shape and dtype)."""
+    now = e.module._parameters.get(e.attr)
+    if now is None or now is e.param:
+        return e.param
+    if tuple(now.shape) != e.size or now.dtype != e.dtype:
+        raise RelayError(
+            f"offloadd relay: {e.name!r} was replaced by a tensor of another shape or dtype "
+            "while swapped in; unrelay the model first"
+        )
+    return now
+
+
+def _taken_back(param: torch.Tensor, placeholder: Any) -> torch.Tensor:
+    return param

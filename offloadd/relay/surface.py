@@ -7,6 +7,7 @@ import functools
 import logging
 import os
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +77,7 @@ def relay(
     config: Config | None = None,
     checkpoint: str | os.PathLike[str] | None = None,
     dtype: torch.dtype | str | None = None,
+    ignore_keys: Sequence[str] = (),
     **overrides: Any,
 ) -> nn.Module:
     """Relay ``model``'s frozen weights through the store (Note [relay groups]); returns it.
@@ -84,7 +86,8 @@ def relay(
     ``Config.from_env()``) with ``overrides`` applied says the tier and the directories.
     ``checkpoint``: a safetensors file, index or directory to load a model built on the meta
     device from, group by group (Note [loading from a checkpoint] in loading.py), its floating
-    tensors in ``dtype`` if given."""
+    tensors in ``dtype`` if given; ``ignore_keys``: patterns of checkpoint keys the model may
+    lack."""
     if is_relayed(model):
         raise RelayError("offloadd relay: this model is relayed already")
     cfg = config if config is not None else Config.from_env()
@@ -98,7 +101,7 @@ def relay(
             raise RelayError("offloadd relay: dtype= converts a checkpoint as it loads: give one")
         return _relay(model, cfg, win, None, None)
     with Checkpoint(checkpoint) as ckpt:
-        slots = match(model, ckpt, as_dtype(dtype))
+        slots = match(model, ckpt, as_dtype(dtype), ignore_keys)
         return _relay(model, cfg, win, ckpt, slots)
 
 

@@ -293,7 +293,78 @@ def test_from_pretrained_builds_freezes_and_relays_in_one_call(
     got = _train(model)
     assert all(same(a, b) for a, b in zip(want, got, strict=True))
     offloadd.unrelay(model)
-    with pytest.raises(RelayError, match=r"train: no parameter's name starts with 'head'"):
+    with pytest.raises(RelayError, match=r"train: no parameter is 'head' or in it"):
         from_pretrained(d, train=["head"], config=make_relay_config(disk_dir))
     with pytest.raises(RelayError, match="not a save_pretrained directory"):
         from_pretrained(tmp_path, config=make_relay_config(disk_dir))
+
+
+class _Shared(nn.Module):
+    """One frozen weight used by two modules of one layer (a group), and a trainable head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        a, b = nn.Linear(128, 128, bias=False), nn.Linear(128, 128, bias=False)
+        b.weight = a.weight
+        self.layers = nn.ModuleList([nn.ModuleDict({"a": a, "b": b})])
+        self.head = nn.Linear(128, 2)
+        self.layers.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        layer = self.layers[0]
+        return self.head(layer["b"](torch.tanh(layer["a"](x))))
+
+
+def test_a_weight_in_two_modules_of_a_group_stays_one(
+    make_relay_config: MakeRelayConfig, disk_dir: Path, tmp_path: Path
+) -> None:
+    from safetensors.torch import save_model
+
+    torch.manual_seed(0)
+    plain = _Shared()
+    save_model(plain, str(tmp_path / "shared.safetensors"))
+    with weights_on_meta():
+        model = _Shared()
+    offloadd.relay(
+        model, checkpoint=tmp_path / "shared.safetensors", config=make_relay_config(disk_dir)
+    )
+    x = torch.randn(3, 128)
+    assert same(
+        step(plain, x, lambda m, x: m(x).square().mean()),
+        step(model, x, lambda m, x: m(x).square().mean()),
+    )
+    offloadd.unrelay(model)
+    layer = model.layers[0]
+    assert layer["a"].weight is layer["b"].weight
+    assert torch.equal(layer["a"].weight, plain.layers[0]["a"].weight)
+
+
+def test_dtype_converts_a_model_built_with_real_weights_too(
+    make_relay_config: MakeRelayConfig, disk_dir: Path, tmp_path: Path
+) -> None:
+    from transformers import LlamaForCausalLM
+
+    d = _saved(tmp_path)
+    want = _train(_whole(d, dtype=torch.bfloat16), steps=2)
+    real = _freeze(LlamaForCausalLM(_config()))  # float32, real values to be replaced
+    model = offloadd.relay(
+        real, checkpoint=d, dtype=torch.bfloat16, config=make_relay_config(disk_dir)
+    )
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    got = _train(model, steps=2)
+    assert all(same(a, b) for a, b in zip(want, got, strict=True))
+    offloadd.unrelay(model)
+
+
+def test_from_pretrained_trains_a_tied_head_by_either_name(
+    make_relay_config: MakeRelayConfig, disk_dir: Path, tmp_path: Path
+) -> None:
+    d = _saved(tmp_path, tied=True)
+    model = from_pretrained(d, train=["lm_head"], config=make_relay_config(disk_dir))
+    assert model.model.embed_tokens.weight is model.lm_head.weight
+    assert model.lm_head.weight.requires_grad
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained == {"model.embed_tokens.weight"}  # named once: the tie is one tensor
+    offloadd.unrelay(model)
+    with pytest.raises(RelayError, match=r"no parameter is 'model\.layer' or in it"):
+        from_pretrained(d, train=["model.layer"], config=make_relay_config(disk_dir))

@@ -127,3 +127,52 @@ def test_adapters_added_after_relay_are_trained_and_never_relayed(
     adapters = [p for n, p in model.named_parameters() if ".a." in n or ".b." in n]
     assert len(adapters) == 8 and all(type(p) is nn.Parameter for p in adapters)
     offloadd.unrelay(model)
+
+
+def test_every_placeholder_of_a_group_unfreezes(
+    make_relay_config: MakeRelayConfig, disk_dir: Path
+) -> None:
+    """The first placeholder releases the group; its siblings, held in the same list, answer
+    with their own weights (not a RelayError)."""
+    plain = _build()
+    plain.model.layers[2].requires_grad_(True)
+    want = _train(plain)
+    model = offloadd.relay(_build(), config=make_relay_config(disk_dir))
+    held = list(model.model.layers[2].parameters())  # placeholders, before the release
+    got_back = [p.requires_grad_(True) for p in held]
+    assert all(type(p) is nn.Parameter and p.requires_grad for p in got_back)
+    got = _train(model)
+    assert all(same(a, b) for a, b in zip(want, got, strict=True))
+    offloadd.unrelay(model)
+
+
+def test_unfrozen_between_forward_and_backward_raises_as_pytorch_would(
+    make_relay_config: MakeRelayConfig, disk_dir: Path
+) -> None:
+    model = offloadd.relay(_build(), config=make_relay_config(disk_dir))
+    loss = llama_loss(model, IDS)
+    model.model.layers[0].requires_grad_(True)
+    with pytest.raises(RelayError, match="replaced after forward saved them"):
+        loss.backward()
+    _train(model, 1)  # and the model goes on
+    offloadd.unrelay(model)
+
+
+def test_changes_made_within_resident_survive_a_release(
+    make_relay_config: MakeRelayConfig, disk_dir: Path
+) -> None:
+    """A weight loaded with assign=True and unfrozen in the block keeps the loaded values; a
+    placeholder held from before the block unfreezes its group there too."""
+    model = offloadd.relay(_build(), config=make_relay_config(disk_dir))
+    held = model.model.layers[0].mlp.gate_proj.weight  # a placeholder
+    new = torch.full(tuple(model.model.layers[1].mlp.up_proj.weight.shape), 0.5)
+    with offloadd.resident(model):
+        layer = model.model.layers[1].mlp.up_proj
+        layer.load_state_dict({"weight": new.clone()}, assign=True)
+        layer.weight.requires_grad_(True)
+        held.requires_grad_(True)
+    assert relay_stats(model).groups == 2
+    assert torch.equal(model.model.layers[1].mlp.up_proj.weight.detach(), new)
+    assert model.model.layers[0].mlp.gate_proj.weight.requires_grad
+    _train(model, 1)
+    offloadd.unrelay(model)

@@ -131,7 +131,15 @@ def match(
         for i in s.key
         if ckpt.tensors[s.key[i]].shape != tuple(s.tensors[i].shape)
     ]
+    kinds = [
+        f"{s.key[i]}: {ckpt.tensors[s.key[i]].dtype} in the checkpoint, "
+        f"{s.tensors[i].dtype} in the model"
+        for i in s.key
+        if _kind(ckpt.tensors[s.key[i]].dtype) != _kind(s.tensors[i].dtype)
+    ]
     problems = []
+    if kinds:  # floating to floating converts (dtype=); across kinds it would not be a load
+        problems.append(f"dtypes of another kind: {'; '.join(kinds)}")
     if missing:
         problems.append(f"missing from the checkpoint: {', '.join(missing)}")
     if unexpected:
@@ -146,6 +154,12 @@ def match(
         )
     _cast_meta(s)
     return s
+
+
+def _kind(dtype: torch.dtype) -> str:
+    if dtype.is_complex:
+        return "complex"
+    return "floating" if dtype.is_floating_point else "bool" if dtype == torch.bool else "integer"
 
 
 def _cast_meta(s: Slots) -> None:

@@ -135,11 +135,16 @@ def test_keys_that_do_not_match_are_named(
     sd.pop("model.layers.1.mlp.up_proj.weight")
     sd["model.layers.9.extra"] = torch.zeros(2)
     sd["model.norm.weight"] = torch.zeros(65)
+    sd["model.layers.0.input_layernorm.weight"] = torch.zeros(64, dtype=torch.int32)
     save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
     said = _refused(_on_meta(), d, cfg, disk_dir)
     assert "missing from the checkpoint: model.layers.1.mlp.up_proj.weight" in said
     assert "in the checkpoint but not the model: model.layers.9.extra" in said
     assert "model.norm.weight: [65] in the checkpoint, [64] in the model" in said
+    assert (
+        "model.layers.0.input_layernorm.weight: torch.int32 in the checkpoint, torch.float32"
+        in said
+    )
 
 
 def test_buffers_lost_on_meta_are_named(

@@ -3,7 +3,7 @@ limit, relayed from its checkpoint inside the limit, against the model loaded wh
 
 A checkpoint is written with ``save_pretrained`` (random weights, fp32, 200 MB shards). Each
 fine-tune (``lora``: rank-8 adapters on every q and v projection, the base frozen; ``head``:
-only the LM head) runs as a subprocess (tests/_support/clients/relay_wall.py):
+only the LM head) runs as a subprocess (tests/_support/relay_wall.py):
 
 - ``whole``: ``from_pretrained``, no limit: the reference;
 - ``relay``: built on the meta device, ``offloadd.relay(model, checkpoint=...)`` (tier ssd),
@@ -46,7 +46,7 @@ def _run(
 
     from tests._support.cgroup import memory_cgroup
 
-    cmd = [sys.executable, "-m", "tests._support.clients.relay_wall", str(ckpt), str(out)]
+    cmd = [sys.executable, "-m", "tests._support.relay_wall", str(ckpt), str(out)]
     cmd += ["--mode", mode, "--train", train, "--ssd-dir", str(disk), "--steps", str(steps)]
     cmd += ["--dtype", dtype] if dtype else []
     env = {k: v for k, v in os.environ.items() if not k.startswith("OFFLOADD")}

@@ -1,6 +1,6 @@
 """The memory wall: a fine-tune whose frozen weights are more than twice a hard memory limit (a
 cgroup of the test's own) trains inside it with relay loading from the checkpoint, bit-identical
-to the same fine-tune loaded whole without a limit (tests/_support/clients/relay_wall.py; the
+to the same fine-tune loaded whole without a limit (tests/_support/relay_wall.py; the
 benchmark is scripts/relay_wall.py)."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def _client(
     cmd = [
         sys.executable,
         "-m",
-        "tests._support.clients.relay_wall",
+        "tests._support.relay_wall",
         str(ckpt),
         str(out),
         "--mode",

@@ -1,7 +1,7 @@
 """Fine-tune an HF Llama from a checkpoint, relayed from it or loaded whole, and say what it
 held: the client of tests/relay/test_relay_wall.py and scripts/relay_wall.py.
 
-    python -m tests._support.clients.relay_wall CKPT OUT --mode relay|whole|whole-relay --train head|lora
+    python -m tests._support.relay_wall CKPT OUT --mode relay|whole|whole-relay --train head|lora
         [--steps N] [--ssd-dir DIR]
 
 ``relay``: built on the meta device, ``offloadd.relay(model, checkpoint=CKPT)`` (tier ssd);

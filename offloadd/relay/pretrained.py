@@ -31,15 +31,20 @@ def from_pretrained(
     checkpoint=path, dtype=dtype, **relay_kwargs)``, the model's
     ``_keys_to_ignore_on_load_unexpected`` ignored in the checkpoint
     (Note [loading from a checkpoint] in loading.py). Adapters (PEFT) are added after it, as to
-    any model; a name on the Hub must be downloaded first (``huggingface_hub.snapshot_download``):
-    the checkpoint is read where it lies."""
+    any model. ``path`` that is no local directory is a name on the Hub: its config and
+    safetensors files are downloaded to the Hub's cache first (``snapshot_download``: to disk,
+    never into memory), and read from there."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     where = Path(path)
+    if not where.exists() and not where.is_absolute() and str(path).count("/") == 1:
+        from huggingface_hub import snapshot_download
+
+        where = Path(snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors"]))
     if not (where / "config.json").is_file():
         raise RelayError(
-            f"offloadd relay: {str(where)!r} is not a save_pretrained directory (no config.json); "
-            "download a Hub model first (huggingface_hub.snapshot_download) and give its path"
+            f"offloadd relay: {str(where)!r} is not a save_pretrained directory (no config.json) "
+            "nor a name on the Hub (organisation/model)"
         )
     cls: Any = model_class if model_class is not None else AutoModelForCausalLM
     config = AutoConfig.from_pretrained(where)

@@ -304,6 +304,28 @@ def test_from_pretrained_builds_freezes_and_relays_in_one_call(
         from_pretrained(tmp_path, config=make_relay_config(disk_dir))
 
 
+def test_from_pretrained_downloads_a_hub_name_to_disk_first(
+    make_relay_config: MakeRelayConfig,
+    disk_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import huggingface_hub
+
+    d = _saved(tmp_path)
+    asked: list[tuple[str, Any]] = []
+
+    def snapshot_download(repo_id: str, allow_patterns: Any = None) -> str:
+        asked.append((repo_id, allow_patterns))
+        return str(d)  # what the Hub's cache would hold
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    model = from_pretrained("org/tiny-llama", train=["lm_head"], config=make_relay_config(disk_dir))
+    assert asked == [("org/tiny-llama", ["*.json", "*.safetensors"])]
+    assert relay_stats(model).groups == 4  # the layers and the embedding: all but the head
+    offloadd.unrelay(model)
+
+
 class _Shared(nn.Module):
     """One frozen weight used by two modules of one layer (a group), and a trainable head."""
 

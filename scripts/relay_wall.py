@@ -86,24 +86,12 @@ def main() -> None:
     p.add_argument("--out", help="write OUT.md and OUT.json")
     a = p.parse_args()
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests._support.relay_wall import save_checkpoint
 
     limit = a.limit_mib * MIB
     work = Path(tempfile.mkdtemp(prefix="relay-wall-", dir=a.dir))
-    cfg = LlamaConfig(
-        hidden_size=a.hidden,
-        intermediate_size=a.ffn,
-        num_hidden_layers=a.layers,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        vocab_size=512,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    frozen = sum(p.numel() * p.element_size() for p in model.parameters())
-    model.save_pretrained(work / "ckpt", max_shard_size="200MB")
-    del model
+    frozen = save_checkpoint(work / "ckpt", a.layers, a.hidden, a.ffn)
     rows = []
     for train, dtype in (("lora", ""), ("head", ""), ("lora", "bfloat16")):
         tag = f"{train}-{dtype or 'stored'}"

@@ -40,6 +40,26 @@ class LoRA(nn.Module):
         return self.base(x) + self.b(self.a(x))
 
 
+def save_checkpoint(path: Path, layers: int = 34, hidden: int = 768, ffn: int = 2048) -> int:
+    """The wall's HF Llama (random, seeded) written by ``save_pretrained`` to ``path`` in 200 MB
+    shards; its bytes of weights (all frozen in the fine-tunes here)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        vocab_size=512,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(path, max_shard_size="200MB")
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def _peak(reset: bool = False) -> int:
     cg = os.environ.get("RELAY_WALL_CGROUP")
     if not cg:

@@ -144,6 +144,18 @@ def step(
     return loss.detach(), grads
 
 
+def train_llama(model: nn.Module, steps: int = 3) -> list[Step]:
+    """Steps of :func:`llama_loss` with AdamW on what requires grad (the trained part changes
+    between them): each step's loss and gradients."""
+    ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(3))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    out = []
+    for _ in range(steps):
+        out.append(step(model, ids, llama_loss))
+        opt.step()
+    return out
+
+
 def same(a: Step, b: Step) -> bool:
     return (
         torch.equal(a[0], b[0])

@@ -20,7 +20,7 @@ import offloadd
 from offloadd.relay import RelayError, from_pretrained, relay_stats, weights_on_meta
 from offloadd.relay.checkpoint import CheckpointError
 from tests._support.helpers import loop_ext4
-from tests.relay.cases import MakeRelayConfig, llama_loss, same, step
+from tests.relay.cases import MakeRelayConfig, same, step, train_llama
 
 pytest.importorskip("transformers")
 
@@ -72,15 +72,7 @@ def _on_meta(tied: bool = False, dtype: torch.dtype | None = None) -> nn.Module:
 
 
 def _train(model: nn.Module, steps: int = 3) -> list[Any]:
-    """Steps with an optimizer (the trained part changes between them): each step's loss and
-    gradients."""
-    ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(3))
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    out = []
-    for _ in range(steps):
-        out.append(step(model, ids, llama_loss))
-        opt.step()
-    return out
+    return train_llama(model, steps)
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from torch import nn
 
 import offloadd
 from offloadd.relay import RelayError, relay_stats
-from tests.relay.cases import MakeRelayConfig, llama, llama_loss, same, step
+from tests.relay.cases import MakeRelayConfig, llama, llama_loss, same, train_llama
 
 pytest.importorskip("transformers")
 
@@ -26,12 +26,7 @@ def _build() -> nn.Module:
 
 
 def _train(model: nn.Module, steps: int = 3) -> list[Any]:
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    out = []
-    for _ in range(steps):
-        out.append(step(model, IDS, llama_loss))
-        opt.step()
-    return out
+    return train_llama(model, steps)
 
 
 def test_a_layer_unfrozen_after_relay_trains_as_without_relay(

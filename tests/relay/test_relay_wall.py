@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests._support.cgroup import memory_cgroup
+from tests._support.relay_wall import save_checkpoint
 
 pytest.importorskip("transformers")
 
@@ -45,23 +46,8 @@ def _client(
 
 @pytest.mark.slow
 def test_frozen_weights_twice_the_limit_train_inside_it(tmp_path: Path, disk_dir: Path) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     disk = disk_dir  # the store's files, on a disk file system
-    cfg = LlamaConfig(
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=34,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        vocab_size=512,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    frozen = sum(p.numel() * p.element_size() for p in model.parameters())
-    model.save_pretrained(tmp_path / "ckpt", max_shard_size="200MB")
-    del model
+    frozen = save_checkpoint(tmp_path / "ckpt")
     assert frozen >= 2 * LIMIT
     env = {k: v for k, v in os.environ.items() if not k.startswith("OFFLOADD")}
     _client(tmp_path / "ckpt", tmp_path / "whole.json", "whole", disk, env)

@@ -32,7 +32,6 @@ as PyTorch's in-place check would.
 from __future__ import annotations
 
 import functools
-import logging
 import threading
 import weakref
 from typing import Any
@@ -49,8 +48,6 @@ from offloadd.relay.store import HostStore, Transfer, WeightStore
 from offloadd.trace import span
 
 __all__ = ["Relay"]
-
-log = logging.getLogger("offloadd")
 
 # what ``torch.autograd.graph.saved_tensors_hooks`` calls on entry and exit, without an object
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
@@ -241,7 +238,7 @@ class Relay:
         return changed
 
     def _prefetch_forward(self, i: int) -> None:
-        if i not in self._fwd and i not in self._installed and not self.groups[i].released:
+        if i not in self._fwd and i not in self._installed:
             self._fwd[i] = self.read(self.groups[i])
 
     def install(self, g: Group, slab: torch.Tensor, guard: bool = True) -> None:
@@ -326,10 +323,14 @@ class Relay:
     def on_group_forward(self, g: Group) -> None:
         if g.released:
             return
-        trained = [e.name for e in g.entries if e.param.requires_grad]
         in_backward = torch._C._current_graph_task_id() != -1  # a recomputation (checkpointing)
-        if trained and g.index not in self._installed and not in_backward:  # else _install raises
-            release(self, g, f"{trained[0]!r} requires grad")  # Note [made resident]
+        if (
+            not in_backward  # there _install raises
+            and g.index not in self._installed
+            and any(e.param.requires_grad for e in g.entries)
+        ):
+            trained = next(e.name for e in g.entries if e.param.requires_grad)
+            release(self, g, f"{trained!r} requires grad")  # Note [made resident]
             return
         if not in_backward and self.depth:  # calls to layers without the model: never cleared
             self._seen.append(g.index)

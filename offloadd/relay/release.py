@@ -5,13 +5,14 @@ Note [made resident]
 Relay moves frozen weights. A weight that comes to require grad after relay() (a user
 unfreezing the top layers) makes its group resident for good: the group is read in once,
 its weights are the model's parameters again (the same objects, with their values), its
-record is freed, and relay skips it from then on; said once in the log. Asked through
-the placeholder (``requires_grad_(True)`` between steps, before an optimizer is built),
-the real parameter is what the call returns and what ``parameters()`` gives from then on;
-a parameter made to require grad where it is swapped in is found as ``resident()`` ends
-(an optimizer built after it sees it), or else at its group's next forward. While the model runs it is refused: a forward or backward
-underway holds the group's refs. Refs saved before (a forward whose backward has not run)
-meet the new generation and raise, as PyTorch's in-place check would.
+record is freed, and relay skips it from then on; said once in the log. Asked through the
+placeholder (``requires_grad_(True)`` between steps, before an optimizer is built), the real
+parameter is what the call returns and what ``parameters()`` gives from then on. Asked of the
+real parameter itself, it is found where the group is next swapped in: as ``resident()`` ends,
+or at the group's next forward (a parameter object held from before relay()). While the model
+runs it is refused: a forward or backward underway holds the group's refs. Refs saved before (a
+forward whose backward has not run) meet the new generation and raise, as PyTorch's in-place
+check would.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class Relay(Protocol):
     pinned: set[int]
     order: list[int]
     order_at: dict[int, int]
+    _seen: list[int]
     _by_placeholder: dict[int, tuple[Group, Any]]
     _installed: dict[int, torch.Tensor]
     _on_demand: dict[int, int]
@@ -81,6 +83,7 @@ def release(r: Relay, g: Group, why: str) -> None:
     g.entries = []
     g.nbytes = 0
     r._fwd.pop(g.index, None)
+    r._seen = [i for i in r._seen if i != g.index]  # the next forward's order has it no more
     r.order = [i for i in r.order if i != g.index]
     r.order_at = {i: at for at, i in enumerate(r.order)}
 

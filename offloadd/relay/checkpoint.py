@@ -84,6 +84,12 @@ class Checkpoint:
                     self._map_pickle(file, keys)
                 else:
                     self._read_header(file, keys)
+                lost = sorted(k for k in keys or () if k not in self.tensors)
+                if lost:
+                    raise CheckpointError(
+                        f"offloadd relay: the index gives {', '.join(map(repr, lost))} to "
+                        f"{str(file)!r}, which does not hold them"
+                    )
         except BaseException:
             self.close()
             raise
@@ -133,7 +139,7 @@ class Checkpoint:
                 raise TypeError("weight_map is not an object")
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise CheckpointError(
-                f"offloadd relay: the index {str(index)!r} cannot be read as a safetensors "
+                f"offloadd relay: the index {str(index)!r} cannot be read as a checkpoint "
                 f"index ({err!r})"
             ) from err
         files: dict[Path, set[str] | None] = {}
@@ -174,12 +180,6 @@ class Checkpoint:
             if key == "__metadata__" or (keys is not None and key not in keys):
                 continue
             self.tensors[key] = _stored(file, key, entry, base, data)
-        for key in sorted(keys or ()):
-            if key not in self.tensors:
-                raise CheckpointError(
-                    f"offloadd relay: the index gives {key!r} to {str(file)!r}, whose header "
-                    "does not hold it"
-                )
 
     def _map_pickle(self, file: Path, keys: set[str] | None) -> None:
         """A torch state dict, mapped (Note [reading a checkpoint])."""
@@ -201,12 +201,6 @@ class Checkpoint:
             if keys is None or key in keys:
                 nbytes = t.numel() * t.element_size()
                 self.tensors[key] = Stored(file, t.dtype, tuple(t.shape), 0, nbytes, t)
-        for key in sorted(keys or ()):
-            if key not in self.tensors:
-                raise CheckpointError(
-                    f"offloadd relay: the index gives {key!r} to {str(file)!r}, which does not "
-                    "hold it"
-                )
 
     def read_into(self, key: str, out: torch.Tensor) -> None:
         """Read ``key`` into ``out`` (a CPU tensor of its shape, any dtype and strides)."""

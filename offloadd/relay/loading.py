@@ -228,16 +228,14 @@ def make_relayed_real(s: Slots, groups: list[Group]) -> None:
             e.placeholder.real_device = CPU
 
 
-def stream_group(write: Any, slabs: Any, g: Group, keys: list[str], ckpt: Checkpoint) -> None:
-    """Read ``g``'s weights from ``ckpt`` into one slab and ``write`` it as ``g``'s record."""
-    slab = slabs.take(g.nbytes)
-    try:
-        with torch.no_grad():
-            for e, key in zip(g.entries, keys, strict=True):
-                ckpt.read_into(key, g.view(slab, e))
-        g.record = write(g.name, slab)
-    finally:
-        del slab
+def stream_group(r: Any, g: Group, keys: list[str], ckpt: Checkpoint) -> None:
+    """Read ``g``'s weights from ``ckpt`` into one slab of relay ``r``'s and write it as ``g``'s
+    record (:func:`~offloadd.relay.model_ops.write_group`, reading instead of copying)."""
+    slab = r.slabs.take(g.nbytes)
+    with torch.no_grad():
+        for e, key in zip(g.entries, keys, strict=True):
+            ckpt.read_into(key, g.view(slab, e))
+    g.record = r.store.write(g.name, slab)
 
 
 def relayed_keys(s: Slots, g: Group) -> list[str]:

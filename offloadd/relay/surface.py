@@ -131,7 +131,7 @@ def _relay(
     try:
         for g in groups:
             if ckpt is not None:
-                stream_group(r.store.write, r.slabs, g, keys[g.index], ckpt)
+                stream_group(r, g, keys[g.index], ckpt)
             else:
                 write_group(r, g, [e.param for e in g.entries])
     except BaseException:

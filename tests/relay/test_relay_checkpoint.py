@@ -71,8 +71,11 @@ def _on_meta(tied: bool = False, dtype: torch.dtype | None = None) -> nn.Module:
     return _freeze(m)
 
 
-def _train(model: nn.Module, steps: int = 3) -> list[Any]:
-    return train_llama(model, steps)
+def _trains_as(model: nn.Module, want: list[Any]) -> None:
+    """``model`` trains step for step as ``want`` (losses and gradients), then is unrelayed."""
+    got = train_llama(model, len(want))
+    assert all(same(a, b) for a, b in zip(want, got, strict=True))
+    offloadd.unrelay(model)
 
 
 @pytest.mark.parametrize(
@@ -83,30 +86,26 @@ def test_a_meta_model_trains_as_the_model_loaded_whole(
 ) -> None:
     d = _saved(tmp_path, tied, **({"max_shard_size": shards} if shards else {}))
     assert (d / "model.safetensors.index.json").exists() == (shards is not None)
-    want = _train(_whole(d))
+    want = train_llama(_whole(d))
     model = offloadd.relay(_on_meta(tied), checkpoint=d, config=make_relay_config(disk_dir))
     st = relay_stats(model)
     assert st.groups == 3 and st.written_bytes >= st.relayed_bytes > 0
     if tied:  # one tensor in two places, as the model built it
         assert model.lm_head.weight is model.model.embed_tokens.weight
     assert not any(t.is_meta for t in model.state_dict().values())
-    got = _train(model)
-    assert all(same(a, b) for a, b in zip(want, got, strict=True))
-    offloadd.unrelay(model)
+    _trains_as(model, want)
 
 
 def test_dtype_converts_as_the_weights_stream_in(
     make_relay_config: MakeRelayConfig, disk_dir: Path, tmp_path: Path
 ) -> None:
     d = _saved(tmp_path)  # float32 on disk
-    want = _train(_whole(d, dtype=torch.bfloat16), steps=2)
+    want = train_llama(_whole(d, dtype=torch.bfloat16), 2)
     model = offloadd.relay(
         _on_meta(), checkpoint=d, dtype="bfloat16", config=make_relay_config(disk_dir)
     )
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    got = _train(model, steps=2)
-    assert all(same(a, b) for a, b in zip(want, got, strict=True))
-    offloadd.unrelay(model)
+    _trains_as(model, want)
 
 
 def _refused(model: nn.Module, d: Path, cfg: Any, disk_dir: Path) -> str:
@@ -199,17 +198,29 @@ def _as_torch_files(d: Path) -> Path:
     return out
 
 
+def test_an_index_giving_a_key_to_the_wrong_file_is_refused_by_name(
+    make_relay_config: MakeRelayConfig, disk_dir: Path, tmp_path: Path
+) -> None:
+    d = _saved(tmp_path, max_shard_size="40KB")
+    index_path = d / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    key = "model.layers.2.mlp.down_proj.weight"
+    other = next(f for f in index["weight_map"].values() if f != index["weight_map"][key])
+    index["weight_map"][key] = other
+    index_path.write_text(json.dumps(index))
+    said = _refused(_on_meta(), d, make_relay_config(disk_dir), disk_dir)
+    assert f"the index gives {key!r} to {str(d / other)!r}, which does not hold them" in said
+
+
 def test_a_torch_state_dict_is_read_mapped(
     make_relay_config: MakeRelayConfig, disk_dir: Path, tmp_path: Path
 ) -> None:
     d = _saved(tmp_path)
-    want = _train(_whole(d))
+    want = train_llama(_whole(d))
     model = offloadd.relay(
         _on_meta(), checkpoint=_as_torch_files(d), config=make_relay_config(disk_dir)
     )
-    got = _train(model)
-    assert all(same(a, b) for a, b in zip(want, got, strict=True))
-    offloadd.unrelay(model)
+    _trains_as(model, want)
 
 
 def test_what_cannot_be_read_mapped_is_refused_with_how_to_convert(
@@ -283,13 +294,11 @@ def test_from_pretrained_builds_freezes_and_relays_in_one_call(
     make_relay_config: MakeRelayConfig, disk_dir: Path, tmp_path: Path
 ) -> None:
     d = _saved(tmp_path)
-    want = _train(_whole(d))
+    want = train_llama(_whole(d))
     train = ["model.embed_tokens", "model.norm", "lm_head"]  # what _freeze leaves trainable
     model = from_pretrained(d, train=train, config=make_relay_config(disk_dir))
     assert relay_stats(model).groups == 3
-    got = _train(model)
-    assert all(same(a, b) for a, b in zip(want, got, strict=True))
-    offloadd.unrelay(model)
+    _trains_as(model, want)
     with pytest.raises(RelayError, match=r"train: no parameter is 'head' or in it"):
         from_pretrained(d, train=["head"], config=make_relay_config(disk_dir))
     with pytest.raises(RelayError, match="not a save_pretrained directory"):
@@ -364,15 +373,13 @@ def test_dtype_converts_a_model_built_with_real_weights_too(
     from transformers import LlamaForCausalLM
 
     d = _saved(tmp_path)
-    want = _train(_whole(d, dtype=torch.bfloat16), steps=2)
+    want = train_llama(_whole(d, dtype=torch.bfloat16), 2)
     real = _freeze(LlamaForCausalLM(_config()))  # float32, real values to be replaced
     model = offloadd.relay(
         real, checkpoint=d, dtype=torch.bfloat16, config=make_relay_config(disk_dir)
     )
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    got = _train(model, steps=2)
-    assert all(same(a, b) for a, b in zip(want, got, strict=True))
-    offloadd.unrelay(model)
+    _trains_as(model, want)
 
 
 def test_from_pretrained_trains_a_tied_head_by_either_name(

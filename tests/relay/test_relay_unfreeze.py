@@ -13,7 +13,7 @@ from torch import nn
 
 import offloadd
 from offloadd.relay import RelayError, relay_stats
-from tests.relay.cases import MakeRelayConfig, llama, llama_loss, same, train_llama
+from tests.relay.cases import MakeRelayConfig, llama, llama_loss, same, step, train_llama
 
 pytest.importorskip("transformers")
 
@@ -25,22 +25,18 @@ def _build() -> nn.Module:
     return llama(4)
 
 
-def _train(model: nn.Module, steps: int = 3) -> list[Any]:
-    return train_llama(model, steps)
-
-
 def test_a_layer_unfrozen_after_relay_trains_as_without_relay(
     make_relay_config: MakeRelayConfig, disk_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     plain = _build()
     plain.model.layers[3].requires_grad_(True)
-    want = _train(plain)
+    want = train_llama(plain)
 
     model = _build()
     weight = model.model.layers[3].mlp.up_proj.weight  # the parameter object, before relay
     offloadd.relay(model, config=make_relay_config(disk_dir))
     assert relay_stats(model).groups == 4
-    _train(model, steps=0)
+    train_llama(model, steps=0)
     with caplog.at_level(logging.WARNING, logger="offloadd"):
         model.model.layers[3].requires_grad_(True)  # between steps, before the optimizer
     said = [r.getMessage() for r in caplog.records if "made resident" in r.getMessage()]
@@ -48,25 +44,27 @@ def test_a_layer_unfrozen_after_relay_trains_as_without_relay(
     assert model.model.layers[3].mlp.up_proj.weight is weight and weight.requires_grad
     st = relay_stats(model)
     assert st.groups == 3 and len(st.kept) == 0
-    got = _train(model)
+    got = train_llama(model)
     assert all(same(a, b) for a, b in zip(want, got, strict=True))
     sd = model.state_dict()
     assert all(torch.equal(sd[k], v) for k, v in plain.state_dict().items())
     model.load_state_dict(plain.state_dict())
-    assert all(same(a, b) for a, b in zip(_train(plain, 1), _train(model, 1), strict=True))
+    assert all(
+        same(a, b) for a, b in zip(train_llama(plain, 1), train_llama(model, 1), strict=True)
+    )
     offloadd.unrelay(model)
 
 
-def test_a_weight_unfrozen_within_resident_is_taken_at_its_next_forward(
+def test_a_weight_unfrozen_within_resident_is_taken_as_the_block_ends(
     make_relay_config: MakeRelayConfig, disk_dir: Path
 ) -> None:
     plain = _build()
     plain.model.layers[1].self_attn.q_proj.weight.requires_grad_(True)
-    want = _train(plain, 2)
+    want = train_llama(plain, 2)
     model = offloadd.relay(_build(), config=make_relay_config(disk_dir))
     with offloadd.resident(model):  # the real parameters are in place here
         model.model.layers[1].self_attn.q_proj.weight.requires_grad_(True)
-    got = _train(model, 2)
+    got = train_llama(model, 2)
     assert all(same(a, b) for a, b in zip(want, got, strict=True))
     assert relay_stats(model).groups == 3
     offloadd.unrelay(model)
@@ -85,7 +83,7 @@ def test_unfreezing_while_the_model_runs_is_refused(
         llama_loss(model, IDS)
     handle.remove()
     assert relay_stats(model).groups == 4  # nothing released
-    _train(model, 1)
+    train_llama(model, 1)
     offloadd.unrelay(model)
 
 
@@ -112,11 +110,11 @@ def _adapt(model: nn.Module) -> nn.Module:
 def test_adapters_added_after_relay_are_trained_and_never_relayed(
     make_relay_config: MakeRelayConfig, disk_dir: Path
 ) -> None:
-    want = _train(_adapt(_build()))
+    want = train_llama(_adapt(_build()))
     model = offloadd.relay(_build(), config=make_relay_config(disk_dir))
     st = relay_stats(model)
     _adapt(model)
-    got = _train(model)
+    got = train_llama(model)
     assert all(same(a, b) for a, b in zip(want, got, strict=True))
     assert relay_stats(model).relayed_bytes == st.relayed_bytes  # the adapters stay in memory
     adapters = [p for n, p in model.named_parameters() if ".a." in n or ".b." in n]
@@ -131,12 +129,12 @@ def test_every_placeholder_of_a_group_unfreezes(
     with their own weights (not a RelayError)."""
     plain = _build()
     plain.model.layers[2].requires_grad_(True)
-    want = _train(plain)
+    want = train_llama(plain)
     model = offloadd.relay(_build(), config=make_relay_config(disk_dir))
     held = list(model.model.layers[2].parameters())  # placeholders, before the release
     got_back = [p.requires_grad_(True) for p in held]
     assert all(type(p) is nn.Parameter and p.requires_grad for p in got_back)
-    got = _train(model)
+    got = train_llama(model)
     assert all(same(a, b) for a, b in zip(want, got, strict=True))
     offloadd.unrelay(model)
 
@@ -149,7 +147,7 @@ def test_unfrozen_between_forward_and_backward_raises_as_pytorch_would(
     model.model.layers[0].requires_grad_(True)
     with pytest.raises(RelayError, match="replaced after forward saved them"):
         loss.backward()
-    _train(model, 1)  # and the model goes on
+    train_llama(model, 1)  # and the model goes on
     offloadd.unrelay(model)
 
 
@@ -169,5 +167,38 @@ def test_changes_made_within_resident_survive_a_release(
     assert relay_stats(model).groups == 2
     assert torch.equal(model.model.layers[1].mlp.up_proj.weight.detach(), new)
     assert model.model.layers[0].mlp.gate_proj.weight.requires_grad
-    _train(model, 1)
+    train_llama(model, 1)
+    offloadd.unrelay(model)
+
+
+def test_a_parameter_held_from_before_relay_is_taken_at_its_next_forward(
+    make_relay_config: MakeRelayConfig, disk_dir: Path
+) -> None:
+    """The real parameter object, unfrozen itself (not its placeholder), with an optimizer over
+    the objects held from before relay: its group is released where it is next swapped in."""
+
+    def train(model: nn.Module, held: list[nn.Parameter]) -> list[Any]:
+        opt = torch.optim.AdamW(held, lr=1e-2)
+        out = []
+        for _ in range(2):
+            out.append(step(model, IDS, llama_loss))
+            opt.step()
+        return out
+
+    def held(model: nn.Module) -> list[nn.Parameter]:
+        return [model.model.layers[2].mlp.down_proj.weight, model.lm_head.weight]
+
+    plain = _build()
+    want_held = held(plain)
+    want_held[0].requires_grad_(True)
+    want = train(plain, want_held)
+    model = _build()
+    weights = held(model)
+    offloadd.relay(model, config=make_relay_config(disk_dir))
+    weights[0].requires_grad_(True)
+    assert relay_stats(model).groups == 4  # nothing seen yet
+    got = train(model, weights)
+    assert all(same(a, b) for a, b in zip(want, got, strict=True))
+    assert relay_stats(model).groups == 3
+    assert model.model.layers[2].mlp.down_proj.weight is weights[0]
     offloadd.unrelay(model)

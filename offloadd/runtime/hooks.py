@@ -170,14 +170,15 @@ class Hooks:
         start = time.perf_counter()
         try:
             with span("offloadd::pack"):
-                return self._pack_block(t, facts, storage, nbytes)
+                return self._pack_block(t, facts, nbytes)
         finally:
             self._stats.pack_s += time.perf_counter() - start
 
-    def _pack_block(
-        self, t: torch.Tensor, facts: Facts, storage: torch.UntypedStorage, nbytes: int
-    ) -> Any:
-        """The pack of a tensor that may move: its block (new, or shared through dedup)."""
+    def _pack_block(self, t: torch.Tensor, facts: Facts, nbytes: int) -> Any:
+        """The pack of a tensor that may move (``facts.storage``): its block (new, or shared
+        through dedup)."""
+        storage = facts.storage
+        assert storage is not None
         st = self._stats
         keep = self.config.tier == "keep"
         auto = self._auto

@@ -929,3 +929,34 @@ def test_tests_mirror_the_package() -> None:
         if p.name not in ("__init__.py", "conftest.py") and not p.name.startswith("test_")
     )
     assert not loose, f"shared modules at the top of tests/ (they go to tests/_support/): {loose}"
+
+
+_RUN_MODULES = r"""
+import json, os, sys
+
+from offloadd.cli import main
+
+os.execvpe = lambda *a: print(json.dumps(sorted(sys.modules)))  # where it would become `true`
+main(["run", "--", "true"])
+"""
+
+
+def test_run_becomes_its_command_without_importing_torch() -> None:
+    """``offloadd run`` checks the command's environment (every ``OFFLOADD_*`` variable, the
+    config file) and execs it: the command imports torch itself, so the launcher must not (1.5 s
+    of CPU before every training script)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("OFFLOADD")}
+    clean.pop("PYTHONPATH", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", _RUN_MODULES],
+        env={**clean, "OFFLOADD_TIER": "keep"},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    modules = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "offloadd.integrations.settings" in modules  # the environment was checked
+    heavy = [m for m in modules if m.split(".")[0] in ("torch", "numpy")]
+    assert not heavy, f"offloadd run imported {heavy[:5]}"

@@ -36,17 +36,17 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
 from torch import nn
 
 from offloadd.auto.plan_report import plan_dict
 from offloadd.config import Config
-from offloadd.integrations.ranks import RankInfo, group_rank, rank_info, rank_now
+from offloadd.integrations.ranks import group_rank, rank_now
 from offloadd.integrations.report import report_dict, summary_line, write_report
 from offloadd.integrations.scope import ModuleScope
+from offloadd.integrations.settings import EnvSettings
 from offloadd.memsave import memsave
 from offloadd.offloader import Offloader
 from offloadd.relay import relay
@@ -56,85 +56,6 @@ from offloadd.relay.surface import RelayStats, keep_final_stats
 __all__ = ["AutoOffload", "EnvSettings", "activate", "current"]
 
 log = logging.getLogger("offloadd")
-
-_ON = ("1", "true", "yes", "on")
-_OFF = ("0", "false", "no", "off")
-_LEVELS = ("debug", "info", "warning", "error")
-
-
-@dataclass(kw_only=True, frozen=True, slots=True)
-class EnvSettings:
-    """Everything activation reads from the environment, validated."""
-
-    enabled: bool
-    config: Config
-    ranks: RankInfo
-    """The launcher variables' rank at activation: validated here, but a process may learn its
-    rank later (see [the rank when it is known] in ranks.py)."""
-    report: str | None = None
-    """``OFFLOADD_REPORT`` with ``{rank}`` substituted by ``ranks``' rank (None: no report)."""
-    report_template: str | None = None
-    """``OFFLOADD_REPORT`` as given: :meth:`report_path` substitutes the rank known at exit."""
-    report_every_rank: bool = False
-    """The path held ``{rank}``: every rank writes its own report (else only rank 0 writes)."""
-    log_level: str | None = None
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> EnvSettings:
-        """Read and check the environment; every error names the variable and its value."""
-        env = os.environ if environ is None else environ
-        flag = env.get("OFFLOADD")
-        if flag is None:
-            enabled = bool(env.get("OFFLOADD_CONFIG"))
-        elif flag.strip().lower() in _ON:
-            enabled = True
-        elif flag.strip().lower() in (*_OFF, ""):
-            enabled = False
-        else:
-            raise ValueError(
-                f"OFFLOADD must be one of 1, true, yes, on, 0, false, no, off; got {flag!r}"
-            )
-        config = Config.from_env(env)
-        for d in config.ssd_dirs:
-            _check_dir(d)
-        ranks = rank_info(env)
-        template = report = env.get("OFFLOADD_REPORT") or None
-        every_rank = report is not None and "{rank}" in report
-        if report is not None:
-            report = report.replace("{rank}", str(ranks.rank))
-            parent = Path(report).expanduser().parent
-            if not parent.is_dir():
-                raise ValueError(
-                    f"OFFLOADD_REPORT={env['OFFLOADD_REPORT']!r}: directory {str(parent)!r} "
-                    "does not exist"
-                )
-        level = env.get("OFFLOADD_LOG") or None
-        if level is not None and level.strip().lower() not in _LEVELS:
-            raise ValueError(f"OFFLOADD_LOG must be one of {', '.join(_LEVELS)}; got {level!r}")
-        return cls(
-            enabled=enabled,
-            config=config,
-            ranks=ranks,
-            report=report,
-            report_template=template,
-            report_every_rank=every_rank,
-            log_level=level.strip().lower() if level else None,
-        )
-
-    def report_path(self, ranks: RankInfo) -> str | None:
-        """Where the report of the process whose rank is ``ranks`` goes: None for none (no
-        ``OFFLOADD_REPORT``, or a path without ``{rank}`` in a rank other than 0)."""
-        if self.report_template is None or not (self.report_every_rank or ranks.rank == 0):
-            return None
-        return self.report_template.replace("{rank}", str(ranks.rank))
-
-
-def _check_dir(d: str) -> None:
-    p = Path(d)
-    if not p.is_dir():
-        raise ValueError(f"OFFLOADD_SSD_DIRS: directory {d!r} does not exist")
-    if not os.access(p, os.W_OK | os.X_OK):
-        raise ValueError(f"OFFLOADD_SSD_DIRS: directory {d!r} is not writable")
 
 
 class AutoOffload:

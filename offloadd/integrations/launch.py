@@ -57,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_env(base: Mapping[str, str], *, config: str | None, report: str | None) -> dict[str, str]:
     """The command's environment; raises LaunchError naming what is wrong with it."""
-    from offloadd.integrations.autoload import EnvSettings
+    from offloadd.integrations.settings import EnvSettings
 
     env = dict(base)
     env["OFFLOADD"] = "1"

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import mmap
 import os
-
-import torch
+from typing import TYPE_CHECKING
 
 from offloadd.io.hugepages import prefer_huge_pages
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["ALIGN", "AlignedBuffer", "SlotPool", "address_view", "round_up"]
 
@@ -28,7 +31,8 @@ def round_up(n: int, align: int = ALIGN) -> int:
 
 
 class AlignedBuffer:
-    """``nbytes`` of page-aligned, pre-faulted memory, seen as a uint8 tensor.
+    """``nbytes`` of page-aligned, pre-faulted memory, seen as a uint8 tensor on first use (the
+    daemon never asks: it serves without importing torch).
 
     Anonymous by default; with ``fd`` (e.g. a memfd the daemon shares), that file mapped shared,
     and the buffer owns the descriptor (closed by :meth:`close`). ``huge_pages``: its whole
@@ -42,16 +46,27 @@ class AlignedBuffer:
             if fd < 0
             else mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED)
         )
-        self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
-        if huge_pages:
-            prefer_huge_pages(self.tensor.data_ptr(), self.nbytes)
-        self.tensor.fill_(0)  # pre-fault every page now, not on the I/O path
-        self.address = self.tensor.data_ptr()
+        first = ctypes.c_char.from_buffer(self._mmap)  # an export: gone before close()
+        self.address: int = ctypes.addressof(first)
+        del first
         assert self.address % ALIGN == 0
+        if huge_pages:
+            prefer_huge_pages(self.address, self.nbytes)
+        ctypes.memset(self.address, 0, self.nbytes)  # pre-fault every page now, not on I/O
         self._pinned = False
+
+    @functools.cached_property
+    def tensor(self) -> torch.Tensor:
+        """The buffer as a uint8 tensor (torch imported here, on first use)."""
+        import torch
+
+        assert self._mmap is not None, "the buffer is closed"
+        return torch.frombuffer(self._mmap, dtype=torch.uint8)
 
     def pin(self) -> None:
         """Register the buffer with CUDA as page-locked (no-op without CUDA or when done)."""
+        import torch
+
         if self._pinned or not torch.cuda.is_available():
             return
         rc = torch.cuda.cudart().cudaHostRegister(self.address, self.nbytes, 0)
@@ -63,9 +78,11 @@ class AlignedBuffer:
         if self._mmap is None:
             return
         if self._pinned:
+            import torch
+
             torch.cuda.cudart().cudaHostUnregister(self.address)
             self._pinned = False
-        del self.tensor
+        self.__dict__.pop("tensor", None)
         with contextlib.suppress(BufferError):  # a view still exists; the GC unmaps it later
             self._mmap.close()
         self._mmap = None

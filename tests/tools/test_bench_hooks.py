@@ -25,10 +25,12 @@ def test_relay_cost_counts_swaps_not_reads(tmp_path: Path) -> None:
         a = r[store]
         assert a["swaps_per_step"] == 8  # each group in for forward and for backward
         assert a["reads_per_step"] == 6  # the last window (2) carried from forward, not read
-        assert a["relay_ms"] > 0 and "us_per_swap" in a
+        assert a["relay_ms"] > 0 and "us_per_swap" in a and "floor_us_per_swap" in a
+    assert r["floor_ms"] > 0
     doc = {"model": "micro", "saved_per_step": 1, "device": "cpu", "arms": {}, "relay": r}
     report = format_report(doc)
     assert "relay (host store): 8.0 group swaps a step" in report
+    assert "relay's hooks alone" in report
     assert "relay (ssd store)" in report
 
 

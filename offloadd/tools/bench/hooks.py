@@ -26,7 +26,9 @@ For each: microseconds per saved tensor above ``none`` and the ratio to ``noop``
 report is step time against ``none`` (the issue's "x plain"). ``relay`` (``--relay``) measures
 relay's cost per group swap: the micro model with every block's Linear frozen and relayed
 from host memory (relay's own host work) and from ssd (O_DIRECT reads: that work and the
-disk's latency the window does not hide), against the same model plain. Results: docs/benchmarks/.
+disk's latency the window does not hide), against the same model plain, and against relay's
+hooks alone (a pass-through pair pushed by each layer's hooks: the floor of relay's design).
+Results: docs/benchmarks/.
 
     offloadd bench hooks --json hooks.json
 """
@@ -241,7 +243,8 @@ def format_report(doc: dict[str, Any]) -> str:
             a = r[store]
             lines.append(
                 f"relay ({store} store): {a['swaps_per_step']} group swaps a step, "
-                f"{a['us_per_swap']:.1f} us each above plain ({a['x_plain']:.3f} x plain's step)"
+                f"{a['us_per_swap']:.1f} us each above plain ({a['x_plain']:.3f} x plain's step); "
+                f"relay's hooks alone: {a['floor_us_per_swap']:.1f} us"
             )
     return "\n".join(lines)
 

@@ -138,7 +138,10 @@ def relay_cost(
       :class:`~offloadd.relay.store.HostStore`, which copies a group into a slab for a CPU
       model: no I/O, no I/O thread): relay's own host work;
     - ``ssd``: tier ssd, its reads O_DIRECT (no page cache) into slabs: that work, the I/O
-      thread's round trip, and the disk's latency that the window does not hide.
+      thread's round trip, and the disk's latency that the window does not hide;
+    - ``floor``: the model with relay's hooks and no relay (each layer's pre-hook pushes a
+      saved-tensor pair that returns what it is given, its post-hook pops it): what any relay
+      built on module hooks and Python saved-tensor hooks pays before it moves a byte.
 
     A swap is a group brought in for use (``relay_stats().swaps``: swapped in for its forward,
     or brought back for its backward), however it came (read, read ahead, carried from forward),
@@ -162,7 +165,12 @@ def relay_cost(
 
         return step
 
-    steps = {"plain": step_of(plain), **{k: step_of(m) for k, m in relayed.items()}}
+    floor = _hooked_like_relay(copy.deepcopy(plain))
+    steps = {
+        "plain": step_of(plain),
+        "floor": step_of(floor),
+        **{k: step_of(m) for k, m in relayed.items()},
+    }
     for step in steps.values():
         step()  # warm-up, and the order of the groups the first forward learns
     before = {k: relay_stats(m) for k, m in relayed.items()}
@@ -176,7 +184,7 @@ def relay_cost(
                 times[name].append((time.perf_counter() - t0) / ns.steps)
     med = {k: statistics.median(v) for k, v in times.items()}
     n_steps = (ns.rounds + 3) * ns.steps
-    out: dict[str, Any] = {"plain_ms": med["plain"] * 1e3}
+    out: dict[str, Any] = {"plain_ms": med["plain"] * 1e3, "floor_ms": med["floor"] * 1e3}
     for name, model in relayed.items():
         st, was = relay_stats(model), before[name]
         swaps = (st.swaps - was.swaps) / n_steps
@@ -188,9 +196,33 @@ def relay_cost(
             "relay_ms": med[name] * 1e3,
             "x_plain": med[name] / med["plain"],
             "us_per_swap": (med[name] - med["plain"]) / max(swaps, 1) * 1e6,
+            "floor_us_per_swap": (med["floor"] - med["plain"]) / max(swaps, 1) * 1e6,
             "wait_s_per_step": (st.wait_s - was.wait_s) / n_steps,
         }
     return out
+
+
+def _hooked_like_relay(model: nn.Module) -> nn.Module:
+    """``model`` (the micro model) with the hooks relay gives each layer and nothing behind
+    them: a pre-hook that pushes a pass-through saved-tensor pair, a post-hook that pops it
+    (run even if forward raised), each run with dynamo's frame callback off as relay's are."""
+    from offloadd.runtime.compiled import unseen
+
+    push = torch._C._autograd._push_saved_tensors_default_hooks
+    pop = torch._C._autograd._pop_saved_tensors_default_hooks
+    pack = unseen(lambda t: t)
+    unpack = unseen(lambda t: t)
+
+    def pre(module: nn.Module, args: Any) -> None:
+        push(pack, unpack)
+
+    def post(module: nn.Module, args: Any, out: Any) -> None:
+        pop()
+
+    for layer in model.layers:  # type: ignore[union-attr]
+        layer.register_forward_pre_hook(unseen(pre))
+        layer.register_forward_hook(unseen(post), always_call=True)
+    return model
 
 
 def _relay_from_host(model: nn.Module) -> nn.Module:

@@ -931,24 +931,45 @@ def test_tests_mirror_the_package() -> None:
     assert not loose, f"shared modules at the top of tests/ (they go to tests/_support/): {loose}"
 
 
-_RUN_MODULES = r"""
+_CLIENT_MODULES = r"""
 import json, os, sys
 
 from offloadd.cli import main
 
-os.execvpe = lambda *a: print(json.dumps(sorted(sys.modules)))  # where it would become `true`
-main(["run", "--", "true"])
+class Became(Exception):
+    pass
+
+
+def become(*args):  # where `run` would become its command
+    raise Became
+
+
+os.execvpe = become
+try:
+    main(json.loads(sys.argv[1]))
+except Became:
+    pass
+print(json.dumps(sorted(sys.modules)))
 """
 
 
-def test_run_becomes_its_command_without_importing_torch() -> None:
+@pytest.mark.parametrize(
+    ("argv", "checked"),
+    [
+        (["run", "--", "true"], "offloadd.integrations.settings"),
+        (["status", "--socket", "/nonexistent/daemon.sock"], "offloadd.backend.cmd_status"),
+        (["stop", "--socket", "/nonexistent/daemon.sock"], "offloadd.backend.cmd_stop"),
+    ],
+    ids=["run", "status", "stop"],
+)
+def test_launcher_and_daemon_clients_import_no_torch(argv: list[str], checked: str) -> None:
     """``offloadd run`` checks the command's environment (every ``OFFLOADD_*`` variable, the
-    config file) and execs it: the command imports torch itself, so the launcher must not (1.5 s
-    of CPU before every training script)."""
+    config file) and execs it, and ``status`` and ``stop`` talk to a daemon that has no torch
+    either: none of them needs torch (1.5 s of CPU before every training script, every query)."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("OFFLOADD")}
     clean.pop("PYTHONPATH", None)
     proc = subprocess.run(
-        [sys.executable, "-c", _RUN_MODULES],
+        [sys.executable, "-c", _CLIENT_MODULES, json.dumps(argv)],
         env={**clean, "OFFLOADD_TIER": "keep"},
         cwd=ROOT,
         capture_output=True,
@@ -957,6 +978,6 @@ def test_run_becomes_its_command_without_importing_torch() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     modules = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert "offloadd.integrations.settings" in modules  # the environment was checked
+    assert checked in modules  # the command ran
     heavy = [m for m in modules if m.split(".")[0] in ("torch", "numpy")]
-    assert not heavy, f"offloadd run imported {heavy[:5]}"
+    assert not heavy, f"offloadd {argv[0]} imported {heavy[:5]}"

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from offloadd.backend.cmd_status import query, refusal
-from offloadd.backend.daemon import DaemonError
+from offloadd.backend.daemon_link import DaemonError
 from offloadd.config import load_daemon
 from offloadd.wire import protocol as proto
 from offloadd.wire.address import socket_path

@@ -54,10 +54,10 @@ PARTS = (
 
 
 def _timed(spent: dict[str, float], name: str, f: Callable[..., Any]) -> Callable[..., Any]:
-    def call(*args: Any) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
         try:
-            return f(*args)
+            return f(*args, **kwargs)
         finally:
             spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
 
@@ -76,8 +76,10 @@ def _floors(group_bytes: int, groups: int, n: int = 20000) -> dict[str, float]:
     ctypes.memset(a, 1, (groups + 1) * size)
     t0 = time.perf_counter()
     for _ in range(n):
-        libc.mprotect(a, size, mmap.PROT_READ)
-        libc.mprotect(a, size, mmap.PROT_READ | mmap.PROT_WRITE)
+        if libc.mprotect(a, size, mmap.PROT_READ) or libc.mprotect(
+            a, size, mmap.PROT_READ | mmap.PROT_WRITE
+        ):
+            raise OSError(ctypes.get_errno(), "mprotect failed")
     pair = (time.perf_counter() - t0) / n
     t0 = time.perf_counter()
     for i in range(n):

@@ -849,28 +849,32 @@ def test_race_finds_offloading_free_and_holds_the_least_memory(disk_dir: Path) -
 
 
 def test_race_learns_what_offloading_costs(disk_dir: Path) -> None:
-    """Offloading every block 50 % slower than keeping them: the race prices offloaded bytes
-    at what it measured (seconds per byte), so the planner keeps everything that fits, and at a
-    budget that does not, plans with that price (here recomputing beats offloading: a block's
-    forward takes milliseconds, its bytes cost 100 ms)."""
+    """Offloading every block 5 s a step slower than keeping them: the race prices offloaded
+    bytes at what it measured (seconds per byte), so the planner keeps everything that fits, and
+    at a budget that does not, plans with that price (here recomputing beats offloading: a
+    block's forward takes milliseconds, its bytes cost a second, far apart even on a loaded
+    machine, whose forwards are slower)."""
     everything = (OFFLOAD,) * 5
 
     def slow(d: tuple[str, ...] | None) -> float:
-        return 1.0 + 0.5 * (d or ()).count(OFFLOAD) / 5
+        return 1.0 + 5.0 * (d or ()).count(OFFLOAD) / 5
 
     off, ran, _, _ = _race_run(disk_dir, "100x", slow)
     plan = off.plan()
     assert plan is not None and plan.decisions == (KEEP,) * 5
-    assert plan.race[:2] == pytest.approx((1.0, 1.5))
+    assert plan.race[:2] == pytest.approx((1.0, 6.0))
     assert off.planner is not None and off.planner.settled
     alpha = next(v for v in off.planner.shapes.verdicts.values() if v is not None).alpha
-    assert alpha == pytest.approx(0.5 / sum(b.saved for b in plan.blocks))
+    assert alpha == pytest.approx(5.0 / sum(b.saved for b in plan.blocks))
     assert ran[-1] == (KEEP,) * 5 and everything in ran  # raced, then kept
     off.close()
-    off, ran, _, _ = _race_run(disk_dir, "0.6x", slow)
+    # 0.7x, not tighter: the host cache measures the steps' peaks, which move with the writes
+    # in flight, and a step measured over the budget plans again, where offloading every block
+    # may no longer fit, so nothing races (a test below replans during a race)
+    off, ran, _, _ = _race_run(disk_dir, "0.7x", slow)
     plan = off.plan()
-    assert plan is not None and plan.race is not None and ran[-1] == plan.decisions
-    assert KEEP in plan.decisions and RECOMPUTE in plan.decisions
+    assert plan is not None and plan.race is not None and ran[-1] == plan.decisions, plan
+    assert KEEP in plan.decisions and RECOMPUTE in plan.decisions, plan
     assert off.planner is not None
     alpha = next(
         v for v in off.planner.shapes.verdicts.values() if v is not None

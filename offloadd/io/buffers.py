@@ -63,11 +63,14 @@ class AlignedBuffer:
 
     @functools.cached_property
     def tensor(self) -> torch.Tensor:
-        """The buffer as a uint8 tensor (torch imported here, on first use)."""
+        """The buffer as a uint8 tensor (torch imported here, on first use). Its storage holds
+        a memoryview, an export of the mmap: :meth:`close` then leaves the memory mapped until
+        the last tensor viewing it dies (``torch.frombuffer`` over the mmap itself holds none,
+        and closing unmapped the memory under live views)."""
         import torch
 
         assert self._mmap is not None, "the buffer is closed"
-        return torch.frombuffer(self._mmap, dtype=torch.uint8)
+        return torch.frombuffer(memoryview(self._mmap), dtype=torch.uint8)
 
     def pin(self) -> None:
         """Register the buffer with CUDA as page-locked (no-op without CUDA or when done)."""
@@ -89,7 +92,9 @@ class AlignedBuffer:
             torch.cuda.cudart().cudaHostUnregister(self.address)
             self._pinned = False
         self.__dict__.pop("tensor", None)
-        with contextlib.suppress(BufferError):  # a view still exists; the GC unmaps it later
+        # still viewed (an export): unmapped when the last tensor on it dies, which drops the
+        # memoryview and then the mmap
+        with contextlib.suppress(BufferError):
             self._mmap.close()
         self._mmap = None
         if self.fd >= 0:

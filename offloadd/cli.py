@@ -29,6 +29,7 @@ _COMMANDS: dict[str, str] = {
     "stop": "offloadd.backend.cmd_stop",
     "rok": "offloadd.tools.rok.command",
     "plan": "offloadd.tools.plan",
+    "wall": "offloadd.tools.wall.command",
     "doctor": "offloadd.tools.doctor.command",
 }
 
@@ -42,6 +43,7 @@ _HELP: dict[str, str] = {
     "stop": "stop a running daemon cleanly",
     "rok": "measure and plot recompute-offload-keep curves (memory vs throughput)",
     "plan": "print the keep / offload / recompute plan a memory budget gives a model",
+    "wall": "find the largest batch or sequence each strategy trains inside a hard memory limit",
     "doctor": "check that offloadd, as configured, can work here (directories, O_DIRECT, "
     "io_uring, GDS, memory, daemon) and say why not",
 }

@@ -44,7 +44,7 @@ def _run(
 ) -> dict:
     import torch
 
-    from tests._support.cgroup import memory_cgroup
+    from offloadd.tools.harness.cgroup import memory_cgroup
 
     cmd = [sys.executable, "-m", "tests._support.relay_wall", str(ckpt), str(out)]
     cmd += ["--mode", mode, "--train", train, "--ssd-dir", str(disk), "--steps", str(steps)]

@@ -1,103 +1,25 @@
-"""A memory cgroup of a test's own, for a subprocess to run inside a hard limit.
-
-Made below the cgroup this process is in (v1's ``memory`` controller, or v2 where ``memory`` can
-be enabled for children), with swap off for it, and removed afterwards. Needs root (CI and the
-developers' machines run as root); :func:`memory_cgroup` skips the test where it cannot be made.
-"""
+"""A memory cgroup of a test's own (offloadd/tools/harness/cgroup.py), the test skipped where
+none can be made (not root)."""
 
 from __future__ import annotations
 
 import contextlib
-import os
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
+from offloadd.tools.harness import cgroup
+from offloadd.tools.harness.cgroup import CgroupUnavailable, MemoryCgroup
+
 __all__ = ["MemoryCgroup", "memory_cgroup"]
-
-ROOT = Path("/sys/fs/cgroup")
-
-
-class MemoryCgroup:
-    """One cgroup: :meth:`enter` (a ``preexec_fn``) moves the calling process in; :meth:`peak`
-    is the most it was charged (anonymous memory and page cache)."""
-
-    def __init__(self, path: Path, v1: bool) -> None:
-        self.path = path
-        self.v1 = v1
-        self.swap_limited = False  # swap is held to the limit too (or there is none)
-
-    def enter(self) -> None:
-        (self.path / "cgroup.procs").write_text(str(os.getpid()))
-
-    def peak(self) -> int:
-        name = "memory.max_usage_in_bytes" if self.v1 else "memory.peak"
-        return int((self.path / name).read_text())
-
-    def oom_killed(self) -> bool:
-        """Whether the kernel killed a process of it for memory."""
-        text = (self.path / ("memory.oom_control" if self.v1 else "memory.events")).read_text()
-        counts = dict(line.split()[:2] for line in text.splitlines() if len(line.split()) >= 2)
-        return int(counts.get("oom_kill", "0")) > 0
-
-
-def _swap_on() -> bool:
-    return len(Path("/proc/swaps").read_text().splitlines()) > 1
-
-
-def _own(controller: str) -> str | None:
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, names, path = line.split(":", 2)
-        if controller in names.split(",") or (controller == "" and names == ""):
-            return path
-    return None
 
 
 @contextlib.contextmanager
 def memory_cgroup(limit: int) -> Iterator[MemoryCgroup]:
-    """A fresh memory cgroup limited to ``limit`` bytes, no swap; removed on exit (its
-    processes must have ended)."""
-    name = f"offloadd-test-{os.getpid()}-{time.monotonic_ns()}"
-    v1_parent = ROOT / "memory"
-    made: MemoryCgroup | None = None
-    try:
-        if (v1_parent / "memory.limit_in_bytes").exists():
-            own = _own("memory") or "/"
-            path = v1_parent / own.lstrip("/") / name
-            path.mkdir()
-            made = MemoryCgroup(path, v1=True)
-            (path / "memory.limit_in_bytes").write_text(str(limit))
-            with contextlib.suppress(OSError):  # only where swap accounting is on
-                (path / "memory.memsw.limit_in_bytes").write_text(str(limit))
-                made.swap_limited = True
-        else:
-            own = _own("") or "/"
-            parent = ROOT / own.lstrip("/")
-            if "memory" not in (parent / "cgroup.subtree_control").read_text().split():
-                (parent / "cgroup.subtree_control").write_text("+memory")
-            path = parent / name
-            path.mkdir()
-            made = MemoryCgroup(path, v1=False)
-            (path / "memory.max").write_text(str(limit))
-            with contextlib.suppress(OSError):
-                (path / "memory.swap.max").write_text("0")
-                made.swap_limited = True
-    except OSError as err:
-        if made is not None:
-            with contextlib.suppress(OSError):
-                made.path.rmdir()
-        pytest.skip(f"no memory cgroup can be made here ({err}); run as root")
-    if not made.swap_limited and _swap_on():
-        made.path.rmdir()
-        pytest.skip("swap is on and cannot be limited here: a memory limit would not be hard")
-    try:
-        yield made
-    finally:
-        for _ in range(50):  # its last process may take a moment to leave
-            try:
-                made.path.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
+    """A fresh memory cgroup limited to ``limit`` bytes, no swap; removed on exit."""
+    with contextlib.ExitStack() as stack:
+        try:
+            cg = stack.enter_context(cgroup.memory_cgroup(limit, prefix="offloadd-test"))
+        except CgroupUnavailable as err:
+            pytest.skip(str(err))
+        yield cg

@@ -34,10 +34,12 @@ def run_module(
     progress: bool = False,
     timeout: float | None = None,
     env: Mapping[str, str] | None = None,
+    preexec_fn: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Run ``python -P -m module --json SPEC`` (``--progress`` with ``progress``: its stderr then
     shows as it runs) and return the JSON object its last line of stdout holds; RunFailed naming
-    ``what`` with its stderr if it fails."""
+    ``what`` with its stderr if it fails. ``preexec_fn``: run in the child before it execs (to
+    enter a memory cgroup: cgroup.py)."""
     # -P: import the installed offloadd, never a source tree that happens to be the cwd
     args = [sys.executable, "-P", "-m", module, "--json", json.dumps(dict(spec))]
     if progress:
@@ -49,6 +51,7 @@ def run_module(
         text=True,
         timeout=timeout,
         env=dict(os.environ if env is None else env),
+        preexec_fn=preexec_fn,
     )
     if proc.returncode != 0:
         raise RunFailed(

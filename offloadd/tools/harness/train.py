@@ -12,6 +12,7 @@ import hashlib
 import os
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,8 @@ from offloadd.tools.harness.step_trace import (
 from offloadd.tools.models.build import build_model, default_vocab
 
 __all__ = [
+    "CAP_SHARE",
+    "COMPILE_MEMORY_BUDGET",
     "STRATEGIES",
     "RunFailed",
     "RunSpec",
@@ -49,7 +52,12 @@ __all__ = [
     "warmup_steps",
 ]
 
-STRATEGIES = ("none", "keep", "recompute", "ssd", "cpu", "auto")
+STRATEGIES = ("none", "keep", "recompute", "ssd", "cpu", "auto", "sac", "compile-budget")
+
+COMPILE_MEMORY_BUDGET = 0.5
+"""compile-budget: ``torch._functorch.config.activation_memory_budget``, the share of the saved
+activations torch.compile's min-cut partitioner may keep (the rest recomputed), model compiled
+whole; 0.5 is the middle of its range and the value its documentation walks through."""
 
 
 def warmup_steps(strategy: str, warmup: int, *, compile: bool) -> int:
@@ -63,8 +71,10 @@ def warmup_steps(strategy: str, warmup: int, *, compile: bool) -> int:
 @dataclass(kw_only=True, slots=True)
 class RunSpec:
     strategy: str = "ssd"
-    """none (no hooks), keep (hooks, nothing moved), recompute, ssd or cpu (offload tiers), or
-    auto (tier ssd under ``budget``: keep, offload or recompute per block)."""
+    """none (no hooks), keep (hooks, nothing moved), recompute, ssd or cpu (offload tiers),
+    auto (tier ssd under ``budget``: keep, offload or recompute per block), and peers without
+    offloadd: sac (selective checkpointing, models/sac.py) and compile-budget (torch.compile's
+    recompute planner, ``COMPILE_MEMORY_BUDGET``)."""
     num_layers: int = 4
     d_model: int = 256
     num_heads: int = 4
@@ -94,6 +104,17 @@ class RunSpec:
     memory_limit_bytes: int = 0
     """Simulates a smaller machine: memory allowed above what the built model holds (0: no
     limit). CPU: an RLIMIT_AS on address space, so approximate; CUDA: a per-process fraction."""
+    memory_cap_bytes: int = 0
+    """The hard limit the run's whole process is inside (a memory cgroup its parent made, as
+    ``offloadd wall`` does; 0: none). auto without a budget then takes ``CAP_SHARE`` of what the
+    cap leaves once the model, its gradients and optimizer state exist."""
+
+
+CAP_SHARE = 0.6
+"""auto inside a cap: its budget is this share of the memory the cap leaves for the steps. The
+budget bounds the activations' peak as the host cache counts it (live bytes); the cgroup also
+charges what the cache keeps mapped for reuse (up to ``host_allocator.SLACK`` of the peak more),
+glibc's heap, offloadd's buffers and the page cache of the offload files."""
 
 
 def split_label(label: str, codec: str, allocator: str = "auto") -> tuple[str, str, str]:
@@ -167,6 +188,11 @@ def _run(spec: RunSpec, progress: bool, acquired: list[bool]) -> dict[str, Any]:
         )
     torch.manual_seed(spec.seed)
     device = torch.device(spec.device)
+    compiled = spec.compile or spec.strategy == "compile-budget"
+    if spec.strategy == "compile-budget":
+        import torch._functorch.config as functorch_config
+
+        functorch_config.activation_memory_budget = COMPILE_MEMORY_BUDGET
     built = build_model(
         spec.model,
         num_layers=spec.num_layers,
@@ -174,15 +200,16 @@ def _run(spec: RunSpec, progress: bool, acquired: list[bool]) -> dict[str, Any]:
         num_heads=spec.num_heads,
         seq_len=spec.seq_len,
         vocab_size=spec.vocab_size,
-        recompute=spec.strategy == "recompute",
-        compile=spec.compile,
+        recompute=spec.strategy in ("recompute", "sac"),
+        selective=spec.strategy == "sac",
+        compile=compiled,
     )
     model = built.module.to(device)
     vocab = spec.vocab_size or default_vocab(spec.model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(spec.seed + 1)
     # auto: its warm-up forward, profile, race and first step under the final plan go untimed
-    warmup = warmup_steps(spec.strategy, spec.warmup, compile=spec.compile)
+    warmup = warmup_steps(spec.strategy, spec.warmup, compile=compiled)
     longest = max(warmup, AUTO_WARMUP_MAX) if spec.strategy == "auto" else warmup
     off = None
     # where an Offloader would install it: after the model and its optimizer are built
@@ -190,24 +217,21 @@ def _run(spec: RunSpec, progress: bool, acquired: list[bool]) -> dict[str, Any]:
     if own_cache:
         host_allocator.acquire()  # the host cache without an Offloader
         acquired.append(True)
-    if spec.strategy in ("keep", "ssd", "cpu", "auto"):
-        if spec.strategy == "auto" and not spec.budget:
-            raise ValueError("strategy auto needs a budget")
-        ocfg = Config.from_env(
-            base=Config(
-                tier="ssd" if spec.strategy == "auto" else spec.strategy,  # type: ignore[arg-type]
-                ssd_dirs=(spec.ssd_dir,) if spec.ssd_dir else (),
-                min_bytes=spec.min_bytes,
-                codec=CodecConfig(name=spec.codec),  # type: ignore[arg-type]
-                host_allocator=HOST_ALLOCATOR[spec.allocator],  # type: ignore[arg-type]
-            ).replace(budget=spec.budget if spec.strategy == "auto" else None)
-        )
-        off = Offloader(ocfg)
+    capped = spec.strategy == "auto" and not spec.budget and spec.memory_cap_bytes > 0
+    if spec.strategy == "auto" and not spec.budget and not capped:
+        raise ValueError("strategy auto needs a budget")
+    if spec.strategy in ("keep", "ssd", "cpu", "auto") and not capped:
+        off = _offloader(spec, spec.budget)
     # Gradients and optimizer state exist before the baseline is taken, so that the memory
     # figures measure activations only. Every strategy does the same, so results stay comparable.
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     opt.step()
+    if capped:  # the budget: a share of what the cap leaves now (see CAP_SHARE)
+        left = spec.memory_cap_bytes - rss()
+        if left <= 0:
+            raise MemoryError(f"the model holds more than the cap of {spec.memory_cap_bytes} bytes")
+        off = _offloader(spec, str(int(CAP_SHARE * left)))
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
@@ -325,10 +349,29 @@ def _run(spec: RunSpec, progress: bool, acquired: list[bool]) -> dict[str, Any]:
     return out
 
 
+def _offloader(spec: RunSpec, budget: str | None) -> Offloader:
+    """The Offloader of a strategy with offloadd's hooks (auto: tier ssd under ``budget``)."""
+    cfg = Config(
+        tier="ssd" if spec.strategy == "auto" else spec.strategy,  # type: ignore[arg-type]
+        ssd_dirs=(spec.ssd_dir,) if spec.ssd_dir else (),
+        min_bytes=spec.min_bytes,
+        codec=CodecConfig(name=spec.codec),  # type: ignore[arg-type]
+        host_allocator=HOST_ALLOCATOR[spec.allocator],  # type: ignore[arg-type]
+    )
+    return Offloader(
+        Config.from_env(base=cfg.replace(budget=budget if spec.strategy == "auto" else None))
+    )
+
+
 def run_in_subprocess(
-    spec: RunSpec, *, progress: bool = False, timeout: float | None = None
+    spec: RunSpec,
+    *,
+    progress: bool = False,
+    timeout: float | None = None,
+    preexec_fn: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
-    """Run ``spec`` in a fresh interpreter (clean peak RSS); raise with its stderr if it fails."""
+    """Run ``spec`` in a fresh interpreter (clean peak RSS); raise with its stderr if it fails.
+    ``preexec_fn``: see ``child.run_module``."""
     return run_module(
         "offloadd.tools.harness.train",
         _spec_dict(spec),
@@ -336,6 +379,7 @@ def run_in_subprocess(
         progress=progress,
         timeout=timeout,
         env=preload_env(spec.allocator, os.environ),
+        preexec_fn=preexec_fn,
     )
 
 

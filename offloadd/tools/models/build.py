@@ -49,9 +49,11 @@ def build_model(
     seq_len: int,
     vocab_size: int | None = None,
     recompute: bool = False,
+    selective: bool = False,
     compile: bool = False,
 ) -> TrainModel:
     """Build ``name`` (one of MODELS) with random weights from the current torch seed;
+    ``recompute``: each block checkpointed (``selective``: its matmuls' outputs saved, sac.py);
     ``compile``: its loss runs ``torch.compile(module)``, the model compiled whole."""
     if name not in MODELS:
         raise ValueError(f"model must be one of {', '.join(MODELS)}, got {name!r}")
@@ -63,6 +65,7 @@ def build_model(
         "seq_len": seq_len,
         "vocab_size": vocab_size or default_vocab(name),
         "recompute": recompute,
+        "selective": selective,
     }
     if name == "mini-gpt":
         cfg = GPTConfig(**shape)

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from offloadd.tools.models.sac import sac_context
 
 __all__ = ["GPT", "Block", "GPTConfig"]
 
@@ -29,6 +32,8 @@ class GPTConfig:
     """Dropout on attention output, MLP output and embeddings."""
     recompute: bool = False
     """Layerwise full recomputation (non-reentrant ``torch.utils.checkpoint`` around each block)."""
+    selective: bool = False
+    """With ``recompute``: selective, the matmuls' and attention's outputs saved (sac.py)."""
 
     def __post_init__(self) -> None:
         if self.d_model % self.num_heads:
@@ -73,6 +78,7 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.ln = nn.LayerNorm(cfg.d_model)
+        self._selective: dict[str, Any] = {"context_fn": sac_context} if cfg.selective else {}
         for name, p in self.named_parameters():
             if name.endswith("weight") and p.dim() == 2:
                 nn.init.normal_(
@@ -85,7 +91,7 @@ class GPT(nn.Module):
         x = self.drop(self.tok(idx) + self.pos(torch.arange(t, device=idx.device)))
         for block in self.blocks:
             if self.cfg.recompute and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
+                x = checkpoint(block, x, use_reentrant=False, **self._selective)
             else:
                 x = block(x)
         logits = F.linear(self.ln(x), self.tok.weight)  # tied LM head

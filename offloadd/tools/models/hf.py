@@ -39,11 +39,12 @@ def build_hf(
     seq_len: int,
     vocab_size: int,
     recompute: bool,
+    selective: bool = False,
 ) -> nn.Module:
     """A randomly initialised model of ``family``, in training mode.
 
     ``recompute`` turns on transformers' layerwise activation checkpointing, non-reentrant, the
-    same kind the built-in GPT uses."""
+    same kind the built-in GPT uses; ``selective``: with the matmuls' outputs saved (sac.py)."""
     tf = require_transformers()
     if d_model % num_heads:
         raise ValueError(f"num_heads ({num_heads}) must divide d_model ({d_model})")
@@ -93,7 +94,11 @@ def build_hf(
         raise ValueError(f"model family must be one of {', '.join(HF_FAMILIES)}, got {family!r}")
     model.train()
     if recompute:
-        kwargs = {"use_reentrant": False}
+        kwargs: dict[str, Any] = {"use_reentrant": False}
+        if selective:
+            from offloadd.tools.models.sac import sac_context
+
+            kwargs["context_fn"] = sac_context
         hf_model: Any = model
         if hasattr(hf_model, "activation_checkpointing_enable"):  # transformers >= 5.x
             hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)

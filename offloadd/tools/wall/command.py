@@ -1,0 +1,227 @@
+"""``offloadd wall``: how large a job trains inside a hard memory limit, per strategy.
+
+For a model and a limit, each strategy's batch size (or, ``--grow seq``, sequence length) is
+grown until it no longer trains (search.py: doubling, then bisection), each point trained for a
+few steps in its own process inside a memory cgroup of the limit (points.py), so an
+out-of-memory is the kernel's, not a guess. Points go to ``OUT/wall.csv`` as they finish; the
+walls, the spec and the machine to ``OUT/wall.json``; the figure to ``OUT/wall.png``. Needs a
+memory cgroup: root, or a delegated cgroup v2 subtree (it says so where it has neither).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from offloadd.cli_dirs import ready_dir
+from offloadd.config import parse_size
+from offloadd.tools.harness.cgroup import CgroupUnavailable, memory_cgroup
+from offloadd.tools.harness.machine import describe_machine, machine_line
+from offloadd.tools.models.build import MODELS
+from offloadd.tools.wall.points import STRATEGIES, WallSpec, measure, point_line, write_rows
+from offloadd.tools.wall.search import Wall, find_wall
+from offloadd.units import format_bytes
+
+__all__ = ["DEFAULT_STRATEGIES", "UsageError", "add_arguments", "main"]
+
+DEFAULT_STRATEGIES = ("plain", "recompute", "offload-ssd", "auto")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Find each strategy's wall: the largest batch (or sequence) that trains inside a hard "
+        "memory limit, every point in its own process inside a memory cgroup of the limit."
+    )
+    p.add_argument("--memory-limit", required=True, help="the hard limit, e.g. 2GiB")
+    p.add_argument(
+        "--model",
+        default="gpt",
+        choices=MODELS,
+        help="gpt (HF GPT-2, default), bert, t5 (transformers, random weights) or mini-gpt",
+    )
+    p.add_argument("--layers", type=int, default=8, help="blocks (default 8)")
+    p.add_argument("--hidden", type=int, default=512, help="model width (default 512)")
+    p.add_argument("--heads", type=int, default=8, help="attention heads (default 8)")
+    p.add_argument("--seq", type=int, default=512, help="sequence length (default 512)")
+    p.add_argument("--vocab", type=int, default=2000, help="vocabulary (default 2000)")
+    p.add_argument(
+        "--strategies",
+        default=",".join(DEFAULT_STRATEGIES),
+        help=f"comma-separated from {', '.join(STRATEGIES)} (default: "
+        f"{','.join(DEFAULT_STRATEGIES)})",
+    )
+    p.add_argument(
+        "--grow", choices=("batch", "seq"), default="batch", help="what grows (default batch)"
+    )
+    p.add_argument("--batch", type=int, default=1, help="the batch size while --grow seq")
+    p.add_argument("--start", type=int, default=None, help="first size (default 1; seq: 64)")
+    p.add_argument(
+        "--most", type=int, default=None, help="largest size tried (default 4096; seq: 65536)"
+    )
+    p.add_argument(
+        "--tolerance", type=int, default=1, help="bisect until the wall is this close (1)"
+    )
+    p.add_argument("--steps", type=int, default=2, help="timed steps per point (default 2)")
+    p.add_argument(
+        "--warmup", type=int, default=1, help="untimed steps per point first (default 1)"
+    )
+    p.add_argument(
+        "--ssd-dir",
+        default=None,
+        help="offload directory, created (mode 0700) if missing (default: per-user dir)",
+    )
+    p.add_argument("--out", default="wall", help="output directory (default: ./wall)")
+    p.add_argument(
+        "--point-timeout", type=float, default=None, help="seconds before a point is abandoned"
+    )
+    p.add_argument("--no-plot", action="store_true", help="skip wall.png (no matplotlib needed)")
+
+
+class UsageError(ValueError):
+    """A bad option, named."""
+
+
+def _resolve(ns: argparse.Namespace) -> tuple[WallSpec, list[str], int, int, Path]:
+    try:
+        limit = parse_size("--memory-limit", ns.memory_limit)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if limit <= 0:
+        raise UsageError(f"--memory-limit must be positive, got {ns.memory_limit!r}")
+    names = [s.strip() for s in ns.strategies.split(",") if s.strip()]
+    bad = [s for s in names if s not in STRATEGIES]
+    if bad or not names:
+        raise UsageError(
+            f"--strategies must list names from {', '.join(STRATEGIES)}, got {ns.strategies!r}"
+        )
+    for opt in ("layers", "hidden", "heads", "seq", "batch", "steps", "tolerance"):
+        if getattr(ns, opt) <= 0:
+            raise UsageError(f"--{opt} must be positive, got {getattr(ns, opt)}")
+    if ns.warmup < 0:
+        raise UsageError(f"--warmup must be 0 or more, got {ns.warmup}")
+    seq = ns.grow == "seq"
+    start = ns.start if ns.start is not None else (64 if seq else 1)
+    most = ns.most if ns.most is not None else (65536 if seq else 4096)
+    if not 1 <= start <= most:
+        raise UsageError(f"--start and --most need 1 <= start <= most, got {start} and {most}")
+    try:
+        out = ready_dir("--out", ns.out)
+        if ns.ssd_dir:
+            ready_dir("--ssd-dir", ns.ssd_dir)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    spec = WallSpec(
+        model=ns.model,
+        layers=ns.layers,
+        hidden=ns.hidden,
+        heads=ns.heads,
+        seq=ns.seq,
+        vocab=ns.vocab,
+        batch=ns.batch,
+        limit=limit,
+        steps=ns.steps,
+        warmup=ns.warmup,
+        ssd_dir=ns.ssd_dir,
+        point_timeout=ns.point_timeout,
+    )
+    return spec, list(dict.fromkeys(names)), start, most, out
+
+
+def _summary(walls: dict[str, Wall], rows: list[dict[str, Any]], grow: str) -> list[str]:
+    key = "batch_size" if grow == "batch" else "seq_len"
+    lines = []
+    for s, w in walls.items():
+        at = next(
+            (r for r in rows if r["strategy"] == s and r[key] == w.largest and r["status"] == "ok"),
+            None,
+        )
+        if w.largest is None:
+            lines.append(
+                f"{s:>12}: trains no {grow} tried ({grow} {w.smallest_failed}: {w.failed_as})"
+            )
+            continue
+        speed = f", {at['samples_per_s']:.2f} samples/s there" if at is not None else ""
+        stop = (
+            f"; {grow} {w.smallest_failed}: {'out of memory' if w.failed_as == 'oom' else w.failed_as}"
+            if w.smallest_failed is not None
+            else " (the largest tried)"
+        )
+        lines.append(f"{s:>12}: largest {grow} {w.largest}{speed}{stop}")
+    base = walls.get("plain")
+    if base is not None and base.largest:
+        for s, w in walls.items():
+            if s != "plain" and w.largest:
+                lines.append(f"{s} trains {w.largest / base.largest:.2f}x plain's largest {grow}")
+    return lines
+
+
+def main(ns: argparse.Namespace) -> int:
+    try:
+        spec, strategies, start, most, out = _resolve(ns)
+    except UsageError as e:
+        print(f"offloadd wall: {e}", file=sys.stderr)
+        return 2
+    try:  # before any point: a limit that cannot be enforced is said at once
+        with memory_cgroup(spec.limit, prefix="offloadd-wall"):
+            pass
+    except CgroupUnavailable as e:
+        print(f"offloadd wall: {e}", file=sys.stderr)
+        return 2
+    # compiled points (compile-budget) share an inductor cache of this run's own
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(out / "inductor-cache"))
+    machine = describe_machine("cpu", spec.ssd_dir)
+    grow = ns.grow
+    title = (
+        f"{spec.model} {spec.layers}L d{spec.hidden} "
+        + (f"seq {spec.seq}" if grow == "batch" else f"batch {spec.batch}")
+        + f" in {format_bytes(spec.limit)}"
+    )
+    print(f"offloadd wall: {title}; growing the {grow} from {start}; {machine_line(machine)}")
+    rows: list[dict[str, Any]] = []
+    walls: dict[str, Wall] = {}
+    csv_path = out / "wall.csv"
+    started = time.time()
+    for s in strategies:
+
+        def status_of(size: int, s: str = s) -> str:
+            batch, seq = (size, spec.seq) if grow == "batch" else (spec.batch, size)
+            print(f"  {s} {grow} {size} ...", file=sys.stderr, flush=True)
+            row = measure(spec, s, batch, seq)
+            rows.append(row)
+            write_rows(csv_path, rows)
+            print(point_line(row, grow), flush=True)
+            return str(row["status"])
+
+        walls[s] = find_wall(status_of, start, most, ns.tolerance)
+    lines = _summary(walls, rows, grow)
+    doc = {
+        "title": title,
+        "grow": grow,
+        "spec": {k: getattr(spec, k) for k in spec.__dataclass_fields__},
+        "walls": {
+            s: {
+                "largest": w.largest,
+                "smallest_failed": w.smallest_failed,
+                "failed_as": w.failed_as,
+            }
+            for s, w in walls.items()
+        },
+        "machine": machine,
+        "seconds": round(time.time() - started, 1),
+    }
+    (out / "wall.json").write_text(json.dumps(doc, indent=1) + "\n")
+    wrote = [csv_path, out / "wall.json"]
+    if not ns.no_plot:
+        from offloadd.tools.wall.plot import plot
+
+        plot(rows, grow, out / "wall.png", f"{title}; {machine_line(machine)}")
+        wrote.append(out / "wall.png")
+    print()
+    print("\n".join(lines))
+    print(f"\nwrote {', '.join(map(str, wrote))}")
+    return 1 if any(r["status"] == "error" for r in rows) else 0

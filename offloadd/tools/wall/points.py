@@ -1,0 +1,146 @@
+"""One point of ``offloadd wall``: a strategy at one size, trained in its own process inside a
+memory cgroup of the limit, and the row of wall.csv it gives.
+
+The limit is the cgroup's (swap off), so an out-of-memory is the kernel's: its OOM killer ends
+the process, or an allocation fails inside it (``"oom"`` in the run's result). Either way the
+point's status is ``oom``; any other failure is ``error``, with the last line of its stderr.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from offloadd.tools.harness.cgroup import memory_cgroup
+from offloadd.tools.harness.train import RunFailed, RunSpec, run_in_subprocess
+from offloadd.units import format_bytes
+
+__all__ = ["FIELDS", "STRATEGIES", "WallSpec", "measure", "point_line", "write_rows"]
+
+STRATEGIES = {
+    "plain": "none",
+    "recompute": "recompute",
+    "offload-ssd": "ssd",
+    "offload-cpu": "cpu",
+    "auto": "auto",
+    "sac": "sac",
+    "compile-budget": "compile-budget",
+}
+"""``--strategies`` names -> ``RunSpec.strategy``: plain (no hooks), recompute (every block
+checkpointed), offload-ssd / offload-cpu (offloadd's tiers, every tensor above ``min_bytes``),
+auto (offloadd's planner, its budget a share of what the limit leaves: ``CAP_SHARE``), and the
+peers a user would reach for instead: sac (selective activation checkpointing, the matmuls'
+outputs saved: models/sac.py) and compile-budget (the model compiled whole with torch.compile's
+activation memory budget: ``COMPILE_MEMORY_BUDGET``; inductor's cache is the run's own, so the
+first compiled point compiles cold and the later ones reuse it, as a second run would)."""
+
+FIELDS = (
+    "strategy",
+    "batch_size",
+    "seq_len",
+    "status",  # ok, oom, error
+    "peak_bytes",  # the cgroup's peak: everything the process was charged, torch included
+    "samples_per_s",  # batch over the median timed step
+    "step_time_s",  # the median timed step, and the spread of the timed steps
+    "step_time_min_s",
+    "step_time_max_s",
+    "predicted_peak_bytes",  # offloadd plan's prediction (empty: not predicted yet)
+    "error",
+)
+
+
+@dataclass(kw_only=True, slots=True)
+class WallSpec:
+    """The model, the limit and how each point runs."""
+
+    model: str
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int | None
+    batch: int  # the batch size while --grow seq
+    limit: int
+    steps: int
+    warmup: int
+    ssd_dir: str | None
+    point_timeout: float | None
+
+
+def measure(w: WallSpec, strategy: str, batch: int, seq: int) -> dict[str, Any]:
+    """Train ``strategy`` at ``batch`` x ``seq`` inside a fresh cgroup of ``w.limit``; its row."""
+    spec = RunSpec(
+        strategy=STRATEGIES[strategy],
+        model=w.model,
+        num_layers=w.layers,
+        d_model=w.hidden,
+        num_heads=w.heads,
+        seq_len=seq,
+        vocab_size=w.vocab,
+        batch_size=batch,
+        steps=w.steps,
+        warmup=w.warmup,
+        ssd_dir=w.ssd_dir,
+        memory_cap_bytes=w.limit,
+    )
+    row: dict[str, Any] = {"strategy": strategy, "batch_size": batch, "seq_len": seq}
+    with memory_cgroup(w.limit, prefix="offloadd-wall") as cg:
+        try:
+            res = run_in_subprocess(spec, timeout=w.point_timeout, preexec_fn=cg.enter)
+        except subprocess.TimeoutExpired:
+            return {**row, "status": "error", "error": f"timed out after {w.point_timeout} s"}
+        except RunFailed as e:
+            return {**row, **_failed(e, cg.oom_killed()), "peak_bytes": cg.peak()}
+        row["peak_bytes"] = cg.peak()
+    if res["oom"]:
+        return {**row, "status": "oom", "error": res.get("error")}
+    times = res["step_times_s"]
+    step = res["step_time_s"]
+    return {
+        **row,
+        "status": "ok",
+        "samples_per_s": batch / step,
+        "step_time_s": step,
+        "step_time_min_s": min(times),
+        "step_time_max_s": max(times),
+    }
+
+
+def _failed(e: RunFailed, oom_killed: bool) -> dict[str, Any]:
+    last = [ln for ln in e.stderr.strip().splitlines() if ln.strip()]
+    msg = last[-1] if last else f"exit {e.returncode}"
+    if oom_killed or e.returncode == -signal.SIGKILL:
+        return {"status": "oom", "error": "killed by the kernel's OOM killer at the limit"}
+    if msg.startswith("MemoryError") or "out of memory" in msg.lower():
+        return {"status": "oom", "error": msg[:300]}
+    return {"status": "error", "error": msg[:300]}
+
+
+def point_line(r: dict[str, Any], grow: str) -> str:
+    """One line for a measured point, as the search goes."""
+    size = r["batch_size"] if grow == "batch" else r["seq_len"]
+    head = f"{r['strategy']:>12} {grow} {size:>5}: "
+    peak = f"peak {format_bytes(r['peak_bytes'])}" if r.get("peak_bytes") is not None else ""
+    if r["status"] != "ok":
+        return head + f"{r['status'].upper()}" + (f", {peak}" if peak else "") + f" ({r['error']})"
+    return head + (
+        f"ok, {r['samples_per_s']:.2f} samples/s (steps {r['step_time_min_s']:.2f}-"
+        f"{r['step_time_max_s']:.2f} s), {peak}"
+    )
+
+
+def write_rows(path: Path, rows: Iterable[dict[str, Any]]) -> None:
+    """Replace wall.csv with ``rows`` at once (a reader never sees half a file)."""
+    tmp = path.with_suffix(".csv.tmp")
+    with tmp.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(FIELDS), extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow(r)
+    os.replace(tmp, path)

@@ -29,11 +29,15 @@ __all__ = ["add_arguments", "main"]
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", required=True, help="a size (6GiB) or a fraction of keep's (0.3x)")
     p.add_argument("--model", choices=MODELS, default="mini-gpt")
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--d-model", type=int, default=768)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--batch", type=int, default=2)
+    # the model flags of rok and wall (--d-model: this command's old name for --hidden)
+    p.add_argument("--layers", type=int, default=12, help="blocks (default 12)")
+    p.add_argument(
+        "--hidden", "--d-model", dest="hidden", type=int, default=768, help="model width (768)"
+    )
+    p.add_argument("--heads", type=int, default=12, help="attention heads (default 12)")
+    p.add_argument("--seq", type=int, default=512, help="sequence length (default 512)")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary (default: the model's)")
+    p.add_argument("--batch", type=int, default=2, help="batch size (default 2)")
     p.add_argument("--config", help="a TOML config (the [offload] keys); OFFLOADD_* apply too")
     p.add_argument("--tier", choices=("ssd", "cpu", "keep"), help="overrides the config's tier")
     p.add_argument(
@@ -64,10 +68,15 @@ def main(ns: argparse.Namespace) -> int:
         print(f"offloadd plan: {e}", file=sys.stderr)
         return 2
     torch.manual_seed(0)
+    vocab = ns.vocab or default_vocab(ns.model)
     built = build_model(
-        ns.model, num_layers=ns.layers, d_model=ns.d_model, num_heads=ns.heads, seq_len=ns.seq
+        ns.model,
+        num_layers=ns.layers,
+        d_model=ns.hidden,
+        num_heads=ns.heads,
+        seq_len=ns.seq,
+        vocab_size=vocab,
     )
-    vocab = default_vocab(ns.model)
     gen = torch.Generator().manual_seed(1)
     off = Offloader(cfg)
     try:

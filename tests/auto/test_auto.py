@@ -644,7 +644,8 @@ def test_a_model_without_blocks_offloads_as_usual(
 def test_plan_command(disk_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from offloadd import cli
 
-    tiny = ["--layers", "2", "--d-model", "64", "--heads", "2", "--seq", "32", "--batch", "2"]
+    tiny = ["--layers", "2", "--hidden", "64", "--heads", "2", "--seq", "32", "--batch", "2"]
+    tiny += ["--vocab", "256"]  # rok's and wall's model flags
     out = tmp_path / "plan.json"
     args = ["plan", "--budget", "100x", *tiny, "--ssd-dir", str(disk_dir), "--json", str(out)]
     assert cli.main(args) == 0
@@ -655,7 +656,8 @@ def test_plan_command(disk_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixt
     assert [b["decision"] for b in data["blocks"]] == ["keep", "keep", "keep"]
     assert cli.main(["plan", "--budget", "1KiB", "--tier", "keep", *tiny]) == 1
     assert "smallest feasible budget" in capsys.readouterr().err
-    assert cli.main(["plan", "--budget", "lots", *tiny]) == 2
+    old = ["--layers", "2", "--d-model", "64", "--heads", "2"]  # the old name still parses
+    assert cli.main(["plan", "--budget", "lots", *old]) == 2
     assert "budget: 'lots' is not a memory budget" in capsys.readouterr().err
 
 

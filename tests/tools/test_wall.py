@@ -56,6 +56,10 @@ def test_the_search_at_its_edges() -> None:
     def broken(size: int) -> str:  # not memory: the search stops there, and says so
         return "ok" if size < 8 else "error"
 
+    def planned(size: int) -> str:  # auto's planner finding no plan: memory too
+        return "ok" if size <= 5 else "infeasible"
+
+    assert find_wall(planned, 1, 4096).largest == 5
     stopped = find_wall(broken, 1, 4096)
     assert (stopped.largest, stopped.smallest_failed, stopped.failed_as) == (4, 8, "error")
     with pytest.raises(ValueError, match="start"):

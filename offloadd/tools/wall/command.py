@@ -132,6 +132,9 @@ def _resolve(ns: argparse.Namespace) -> tuple[WallSpec, list[str], int, int, Pat
     return spec, list(dict.fromkeys(names)), start, most, out
 
 
+_SAID = {"oom": "out of memory", "infeasible": "no plan fits its budget"}
+
+
 def _summary(walls: dict[str, Wall], rows: list[dict[str, Any]], grow: str) -> list[str]:
     key = "batch_size" if grow == "batch" else "seq_len"
     lines = []
@@ -147,7 +150,7 @@ def _summary(walls: dict[str, Wall], rows: list[dict[str, Any]], grow: str) -> l
             continue
         speed = f", {at['samples_per_s']:.2f} samples/s there" if at is not None else ""
         stop = (
-            f"; {grow} {w.smallest_failed}: {'out of memory' if w.failed_as == 'oom' else w.failed_as}"
+            f"; {grow} {w.smallest_failed}: {_SAID.get(w.failed_as or '', w.failed_as)}"
             if w.smallest_failed is not None
             else " (the largest tried)"
         )

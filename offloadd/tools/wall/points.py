@@ -44,7 +44,7 @@ FIELDS = (
     "strategy",
     "batch_size",
     "seq_len",
-    "status",  # ok, oom, error
+    "status",  # ok, oom, infeasible (auto: no plan fits its budget), error
     "peak_bytes",  # the cgroup's peak: everything the process was charged, torch included
     "samples_per_s",  # batch over the median timed step
     "step_time_s",  # the median timed step, and the spread of the timed steps
@@ -119,6 +119,8 @@ def _failed(e: RunFailed, oom_killed: bool) -> dict[str, Any]:
         return {"status": "oom", "error": "killed by the kernel's OOM killer at the limit"}
     if msg.startswith("MemoryError") or "out of memory" in msg.lower():
         return {"status": "oom", "error": msg[:300]}
+    if "InfeasibleBudget" in msg:  # auto: no plan fits its budget at this size
+        return {"status": "infeasible", "error": msg.split(": ", 1)[-1][:300]}
     return {"status": "error", "error": msg[:300]}
 
 

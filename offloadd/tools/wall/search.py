@@ -2,8 +2,9 @@
 
 Doubling from ``start`` until a point fails, then bisection between the largest that trained and
 the smallest that did not, until they are ``tolerance`` apart: about ``2 log2(wall / start)``
-points. Memory grows with the size, so one size that fails stands for every larger one; a point
-that fails for another reason than memory (status ``error``) ends the search there, reported.
+points. Memory grows with the size, so one size that fails for memory (``MEMORY``: out of
+memory, or auto's planner finding no plan within its budget) stands for every larger one; a point
+that fails for another reason (status ``error``) ends the search there, reported.
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["Wall", "find_wall"]
+__all__ = ["MEMORY", "Wall", "find_wall"]
+
+MEMORY = frozenset({"oom", "infeasible"})
+"""The statuses of a size that does not fit."""
 
 
 @dataclass(slots=True)
@@ -22,7 +26,7 @@ class Wall:
 
     largest: int | None = None
     smallest_failed: int | None = None
-    failed_as: str | None = None  # the status of smallest_failed (oom, error)
+    failed_as: str | None = None  # the status of smallest_failed (oom, infeasible, error)
     tried: list[tuple[int, str]] = field(default_factory=list)
 
 
@@ -48,11 +52,11 @@ def find_wall(status_of: Callable[[int], str], start: int, most: int, tolerance:
         if size >= most:
             return wall
         size = min(2 * size, most)
-    if wall.failed_as != "oom":
+    if wall.failed_as not in MEMORY:
         return wall  # not memory: the search cannot go on from it
     while True:
         lo, hi = wall.largest, wall.smallest_failed
         if lo is None or hi is None or hi - lo <= tolerance:
             return wall
-        if not tried((lo + hi) // 2) and wall.failed_as != "oom":
+        if not tried((lo + hi) // 2) and wall.failed_as not in MEMORY:
             return wall

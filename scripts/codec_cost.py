@@ -22,7 +22,8 @@ import torch
 
 import offloadd.codec.coder as coder
 from offloadd.codec.quant import CODECS
-from offloadd.tools.harness.train import RunSpec, add_model_arguments, model_kwargs, run
+from offloadd.tools.harness.options import add_model_arguments, model_kwargs
+from offloadd.tools.harness.train import RunSpec, run
 
 
 def measure(codec: str, args: argparse.Namespace) -> dict[str, float]:

@@ -24,12 +24,11 @@ import torch
 
 from offloadd.cli_dirs import ready_dir
 from offloadd.runtime.stats import Stats
+from offloadd.tools.harness.options import add_model_arguments, model_kwargs
 from offloadd.tools.harness.step_trace import cpu_allocator
 from offloadd.tools.harness.train import (
     RunFailed,
     RunSpec,
-    add_model_arguments,
-    model_kwargs,
     run_in_subprocess,
 )
 from offloadd.units import format_bytes

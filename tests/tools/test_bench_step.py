@@ -21,7 +21,7 @@ from offloadd.tools.harness.train import RunSpec, run_in_subprocess
 
 ENGINE_PARAMS = ("default",)  # the benchmark runs the default engine (auto)
 
-_TINY = ["--layers", "2", "--d-model", "64", "--heads", "2", "--seq", "64", "--batch", "2"]
+_TINY = ["--layers", "2", "--hidden", "64", "--heads", "2", "--seq", "64", "--batch", "2"]
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess[str]:
@@ -141,7 +141,7 @@ def test_bench_step_hf_gpt2(disk_dir: Path) -> None:
     [
         (["--strategies", "keep,fast"], "--strategies: unknown 'fast'"),
         (["--rounds", "0"], "--rounds must be at least 1"),
-        (["--d-model", "64", "--heads", "3"], "--heads (3) must divide --d-model (64)"),
+        (["--d-model", "64", "--heads", "3"], "--heads (3) must divide --hidden (64)"),
         (["--deep-layers", "-1"], "--deep-layers must be 0 (skip) or positive"),
         (["--batch", "0"], "--batch must be positive"),
         (["--model", "llama"], "invalid choice: 'llama'"),

@@ -15,7 +15,7 @@ from tests._support.cli import offloadd_cli
 
 ENGINE_PARAMS = ("default",)  # the demo runs the default engine (auto)
 
-_TINY = ["--layers", "2", "--d-model", "64", "--heads", "2", "--seq", "64", "--batch", "4"]
+_TINY = ["--layers", "2", "--hidden", "64", "--heads", "2", "--seq", "64", "--batch", "4"]
 
 
 def test_demo_runs_and_reports(disk_dir: Path) -> None:

@@ -38,12 +38,11 @@ from offloadd.config import CodecConfig
 from offloadd.offloader import Offloader
 from offloadd.tools.bench.step_report import format_report
 from offloadd.tools.harness.machine import command_line
+from offloadd.tools.harness.options import add_model_arguments, model_kwargs
 from offloadd.tools.harness.step_trace import ALLOCATORS, PRELOADED, cpu_allocator, preload_path
 from offloadd.tools.harness.train import (
     STRATEGIES,
     RunSpec,
-    add_model_arguments,
-    model_kwargs,
     run_in_subprocess,
     split_label,
 )
@@ -162,7 +161,7 @@ def _options(ns: argparse.Namespace) -> dict[str, Any]:
     """RunSpec fields shared by every run; ValueError or ImportError names what is wrong."""
     common = model_kwargs(ns)
     if ns.d_model % ns.heads:
-        raise ValueError(f"--heads ({ns.heads}) must divide --d-model ({ns.d_model})")
+        raise ValueError(f"--heads ({ns.heads}) must divide --hidden ({ns.d_model})")
     if ns.vocab is not None and ns.vocab <= 0:
         raise ValueError(f"--vocab must be positive, got {ns.vocab}")
     if ns.rounds < 1:

@@ -7,7 +7,6 @@ reports ``"oom": true`` instead of failing.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import statistics
@@ -35,7 +34,7 @@ from offloadd.tools.harness.step_trace import (
     medians,
     preload_env,
 )
-from offloadd.tools.models.build import build_model, default_vocab
+from offloadd.tools.models.build import build_model
 
 __all__ = [
     "CAP_SHARE",
@@ -43,9 +42,7 @@ __all__ = [
     "STRATEGIES",
     "RunFailed",
     "RunSpec",
-    "add_model_arguments",
     "main",
-    "model_kwargs",
     "run",
     "run_in_subprocess",
     "split_label",
@@ -104,6 +101,9 @@ class RunSpec:
     memory_limit_bytes: int = 0
     """Simulates a smaller machine: memory allowed above what the built model holds (0: no
     limit). CPU: an RLIMIT_AS on address space, so approximate; CUDA: a per-process fraction."""
+    hf_config: str | None = None
+    """A directory holding a transformers ``config.json``: its causal LM instead of ``model``
+    (the sizes are the config's; ``seq_len`` and ``batch_size`` still apply)."""
     memory_cap_bytes: int = 0
     """The hard limit the run's whole process is inside (a memory cgroup its parent made, as
     ``offloadd wall`` does; 0: none). auto without a budget then takes ``CAP_SHARE`` of what the
@@ -124,47 +124,6 @@ def split_label(label: str, codec: str, allocator: str = "auto") -> tuple[str, s
     rest, at, alloc = label.partition(":")
     base, plus, named = rest.partition("+")
     return base, named if plus else codec, alloc if at else allocator
-
-
-_SIZE_ARGS = ("layers", "d_model", "heads", "seq", "batch", "steps")
-
-
-def add_model_arguments(p: argparse.ArgumentParser, **defaults: int) -> None:
-    """The model and run options shared by ``offloadd demo`` and ``offloadd bench step``."""
-    d = {"layers": 6, "d_model": 384, "heads": 6, "seq": 256, "batch": 8, "steps": 8, **defaults}
-    p.add_argument("--layers", type=int, default=d["layers"], help="transformer blocks")
-    p.add_argument("--d-model", type=int, default=d["d_model"], help="model width")
-    p.add_argument("--heads", type=int, default=d["heads"], help="attention heads")
-    p.add_argument("--seq", type=int, default=d["seq"], help="sequence length")
-    p.add_argument("--batch", type=int, default=d["batch"], help="batch size")
-    p.add_argument("--steps", type=int, default=d["steps"], help="timed steps (the median)")
-    p.add_argument(
-        "--warmup", type=int, default=3, help="untimed steps first (at least 3 for steady state)"
-    )
-    p.add_argument(
-        "--ssd-dir",
-        default=None,
-        help="offload directory, created (mode 0700) if missing (default: per-user dir)",
-    )
-
-
-def model_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
-    """RunSpec fields from ``add_model_arguments`` options; ValueError names a bad option."""
-    for name in _SIZE_ARGS:
-        if getattr(ns, name) <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive")
-    if ns.warmup < 0:
-        raise ValueError(f"--warmup must be 0 or more, got {ns.warmup}")
-    return {
-        "num_layers": ns.layers,
-        "d_model": ns.d_model,
-        "num_heads": ns.heads,
-        "seq_len": ns.seq,
-        "batch_size": ns.batch,
-        "steps": ns.steps,
-        "warmup": ns.warmup,
-        "ssd_dir": ns.ssd_dir,
-    }
 
 
 def run(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
@@ -203,9 +162,10 @@ def _run(spec: RunSpec, progress: bool, acquired: list[bool]) -> dict[str, Any]:
         recompute=spec.strategy in ("recompute", "sac"),
         selective=spec.strategy == "sac",
         compile=compiled,
+        hf_config=spec.hf_config,
     )
     model = built.module.to(device)
-    vocab = spec.vocab_size or default_vocab(spec.model)
+    vocab = built.vocab_size
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(spec.seed + 1)
     # auto: its warm-up forward, profile, race and first step under the final plan go untimed

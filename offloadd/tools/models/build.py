@@ -11,6 +11,7 @@ from torch import nn
 
 from offloadd.tools.models.gpt import GPT, GPTConfig
 from offloadd.tools.models.hf import HF_FAMILIES, HF_VOCAB, build_hf
+from offloadd.tools.models.hf_config import build_causal_lm, load_config, shape_of
 
 __all__ = ["MODELS", "TrainModel", "build_model", "default_vocab"]
 
@@ -27,6 +28,8 @@ class TrainModel:
     attention_layers: int
     """seq x seq attentions per token: blocks, plus the T5 decoder's cross-attentions."""
     d_model: int
+    vocab_size: int
+    """The token ids its loss takes are below this."""
 
     def flops_per_step(self, batch_size: int, seq_len: int) -> int:
         """Model FLOPs of one training step: 6·N per token for the weights, plus attention
@@ -51,10 +54,15 @@ def build_model(
     recompute: bool = False,
     selective: bool = False,
     compile: bool = False,
+    hf_config: str | None = None,
 ) -> TrainModel:
     """Build ``name`` (one of MODELS) with random weights from the current torch seed;
     ``recompute``: each block checkpointed (``selective``: its matmuls' outputs saved, sac.py);
-    ``compile``: its loss runs ``torch.compile(module)``, the model compiled whole."""
+    ``compile``: its loss runs ``torch.compile(module)``, the model compiled whole.
+    ``hf_config``: instead, the causal LM of that config directory (hf_config.py; the sizes
+    are the config's, ``seq_len`` the sequence trained)."""
+    if hf_config is not None:
+        return _from_config(hf_config, seq_len, recompute, selective, compile)
     if name not in MODELS:
         raise ValueError(f"model must be one of {', '.join(MODELS)}, got {name!r}")
     # The same shape for the built-in GPT and for the transformers families.
@@ -77,6 +85,7 @@ def build_model(
             num_params=cfg.num_params(),
             attention_layers=num_layers,
             d_model=d_model,
+            vocab_size=cfg.vocab_size,
         )
     module = build_hf(name, **shape)
     runner: Any = torch.compile(module) if compile else module
@@ -94,4 +103,28 @@ def build_model(
         num_params=sum(p.numel() for p in module.parameters()),
         attention_layers=3 * num_layers if name == "t5" else num_layers,
         d_model=d_model,
+        vocab_size=shape["vocab_size"],
+    )
+
+
+def _from_config(
+    directory: str, seq_len: int, recompute: bool, selective: bool, compile: bool
+) -> TrainModel:
+    config = load_config(directory)
+    shape = shape_of(config)
+    module = build_causal_lm(config, seq_len=seq_len, recompute=recompute, selective=selective)
+    runner: Any = torch.compile(module) if compile else module
+
+    def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        out: torch.Tensor = runner(input_ids=x, labels=x).loss  # a causal LM shifts its labels
+        return out
+
+    return TrainModel(
+        module=module,
+        loss=loss,
+        num_params=sum(p.numel() for p in module.parameters()),
+        attention_layers=shape["layers"],
+        d_model=shape["hidden"],
+        vocab_size=shape["vocab"],
     )

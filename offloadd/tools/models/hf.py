@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["HF_FAMILIES", "HF_VOCAB", "build_hf", "require_transformers"]
+__all__ = ["HF_FAMILIES", "HF_VOCAB", "build_hf", "checkpoint_layers", "require_transformers"]
 
 HF_FAMILIES = ("gpt", "bert", "t5")
 
@@ -94,14 +94,20 @@ def build_hf(
         raise ValueError(f"model family must be one of {', '.join(HF_FAMILIES)}, got {family!r}")
     model.train()
     if recompute:
-        kwargs: dict[str, Any] = {"use_reentrant": False}
-        if selective:
-            from offloadd.tools.models.sac import sac_context
-
-            kwargs["context_fn"] = sac_context
-        hf_model: Any = model
-        if hasattr(hf_model, "activation_checkpointing_enable"):  # transformers >= 5.x
-            hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        checkpoint_layers(model, selective)
     return model
+
+
+def checkpoint_layers(model: nn.Module, selective: bool) -> None:
+    """transformers' layerwise activation checkpointing, non-reentrant (``selective``: the
+    matmuls' and attention's outputs saved, sac.py)."""
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if selective:
+        from offloadd.tools.models.sac import sac_context
+
+        kwargs["context_fn"] = sac_context
+    hf_model: Any = model
+    if hasattr(hf_model, "activation_checkpointing_enable"):  # transformers >= 5.x
+        hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

@@ -44,6 +44,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=MODELS,
         help="gpt (HF GPT-2, default), bert, t5 (transformers, random weights) or mini-gpt",
     )
+    p.add_argument(
+        "--hf-config",
+        default=None,
+        metavar="DIR",
+        help="instead of --model: the causal LM of a transformers config.json in DIR (as "
+        "save_pretrained writes it: GPT-2, Llama, Mistral, Qwen2, Mixtral, ...), random "
+        "weights; its sizes are the config's",
+    )
     p.add_argument("--layers", type=int, default=8, help="blocks (default 8)")
     p.add_argument("--hidden", type=int, default=512, help="model width (default 512)")
     p.add_argument("--heads", type=int, default=8, help="attention heads (default 8)")
@@ -115,6 +123,21 @@ def _resolve(ns: argparse.Namespace) -> tuple[WallSpec, list[str], int, int, Pat
             ready_dir("--ssd-dir", ns.ssd_dir)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    described = None
+    if ns.hf_config is not None:
+        from offloadd.tools.models.hf_config import HFConfigError, load_config, shape_of
+
+        try:
+            config = load_config(ns.hf_config)
+            shape = shape_of(config)
+            if shape["positions"] and ns.seq > shape["positions"] and ns.grow == "batch":
+                raise HFConfigError(
+                    f"--seq {ns.seq} is longer than the config's max_position_embeddings "
+                    f"({shape['positions']})"
+                )
+        except (HFConfigError, ImportError) as e:
+            raise UsageError(str(e)) from None
+        described = (config.model_type, shape)
     spec = WallSpec(
         model=ns.model,
         layers=ns.layers,
@@ -128,7 +151,11 @@ def _resolve(ns: argparse.Namespace) -> tuple[WallSpec, list[str], int, int, Pat
         warmup=ns.warmup,
         ssd_dir=ns.ssd_dir,
         point_timeout=ns.point_timeout,
+        hf_config=ns.hf_config,
     )
+    if described is not None:  # the config's sizes, for the title and wall.json
+        spec.model, shape = described
+        spec.layers, spec.hidden, spec.vocab = shape["layers"], shape["hidden"], shape["vocab"]
     return spec, list(dict.fromkeys(names)), start, most, out
 
 

@@ -71,6 +71,7 @@ class WallSpec:
     warmup: int
     ssd_dir: str | None
     point_timeout: float | None
+    hf_config: str | None = None  # a config directory's causal LM instead of model
 
 
 def measure(w: WallSpec, strategy: str, batch: int, seq: int) -> dict[str, Any]:
@@ -88,6 +89,7 @@ def measure(w: WallSpec, strategy: str, batch: int, seq: int) -> dict[str, Any]:
         warmup=w.warmup,
         ssd_dir=w.ssd_dir,
         memory_cap_bytes=w.limit,
+        hf_config=w.hf_config,
     )
     row: dict[str, Any] = {"strategy": strategy, "batch_size": batch, "seq_len": seq}
     with memory_cgroup(w.limit, prefix="offloadd-wall") as cg:

@@ -1,4 +1,6 @@
-"""``offloadd demo``: train the built-in GPT plain, with keep, recompute and ssd offload, and compare.
+"""``offloadd demo``: the memory wall by default (demo_wall.py: plain PyTorch and offloadd under
+one memory limit); with ``--full`` (and on a GPU), train the built-in GPT plain, with keep,
+recompute and ssd offload at one batch size, and compare.
 
 Each run is its own process, so that its peak RSS is its own, and trains 3 untimed warm-up steps
 and 8 timed ones (the median is reported; the method of docs/benchmarks). Plain is PyTorch with
@@ -23,6 +25,7 @@ from typing import Any
 import torch
 
 from offloadd.cli_dirs import ready_dir
+from offloadd.config import parse_size
 from offloadd.runtime.stats import Stats
 from offloadd.tools.harness.options import add_model_arguments, model_kwargs
 from offloadd.tools.harness.step_trace import cpu_allocator
@@ -45,20 +48,46 @@ Result = Mapping[str, Any]
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
+    p.set_defaults(steps=None, warmup=None)  # the wall's runs: 2 and 1; --full's: 8 and 3
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--vocab", type=int, default=512, help="vocabulary (default 512)")
+    p.add_argument(
+        "--memory-limit",
+        default="1GiB",
+        help="the limit plain and offloadd train under (a memory cgroup; default 1GiB)",
+    )
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="the full comparison instead: plain, keep, recompute and ssd at --batch, a table "
+        "(always on a GPU)",
+    )
 
 
 def main(ns: argparse.Namespace) -> int:
     device = ns.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    full = ns.full or device == "cuda"  # the wall's limit is a cgroup's: host memory
+    ns.steps = ns.steps if ns.steps is not None else (8 if full else 2)
+    ns.warmup = ns.warmup if ns.warmup is not None else (3 if full else 1)
     try:
         common = model_kwargs(ns)
+        if ns.vocab <= 0:
+            raise ValueError(f"--vocab must be positive, got {ns.vocab}")
+        limit = parse_size("--memory-limit", ns.memory_limit)
+        if limit <= 0:
+            raise ValueError(f"--memory-limit must be positive, got {ns.memory_limit!r}")
         if ns.ssd_dir:  # before any run (Note [directories of the command line])
             ready_dir("--ssd-dir", ns.ssd_dir)
     except ValueError as e:
         print(f"offloadd demo: {e}", file=sys.stderr)
         return 2
+    if not full:
+        from offloadd.tools.demo_wall import wall_demo
+
+        return wall_demo(ns, limit)
+    common["vocab_size"] = ns.vocab
     print(
         f"offloadd demo: GPT {ns.layers} layers, d={ns.d_model}, seq {ns.seq}, batch {ns.batch}, "
         f"{ns.steps} timed steps after {ns.warmup} warm-ups on {device}, "

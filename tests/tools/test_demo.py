@@ -18,8 +18,10 @@ ENGINE_PARAMS = ("default",)  # the demo runs the default engine (auto)
 _TINY = ["--layers", "2", "--hidden", "64", "--heads", "2", "--seq", "64", "--batch", "4"]
 
 
-def test_demo_runs_and_reports(disk_dir: Path) -> None:
-    cmd = [sys.executable, "-m", "offloadd", "demo", *_TINY, "--steps", "1", "--warmup", "1"]
+@pytest.mark.slow  # the table's format: the made-up results below; the wall: the next tests
+def test_demo_full_runs_and_reports(disk_dir: Path) -> None:
+    cmd = [sys.executable, "-m", "offloadd", "demo", "--full", *_TINY, "--steps", "1"]
+    cmd += ["--warmup", "1"]
     cmd += ["--ssd-dir", str(disk_dir), "--device", "cpu"]
     env = {**os.environ, "OFFLOADD_MIN_BYTES": "16k"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
@@ -52,6 +54,74 @@ def test_demo_runs_and_reports(disk_dir: Path) -> None:
 def test_demo_bad_arguments() -> None:
     code, _, err = offloadd_cli("demo", "--layers", "0")
     assert code == 2 and "--layers must be positive" in err
+    code, _, err = offloadd_cli("demo", "--memory-limit", "lots")
+    assert code == 2 and "--memory-limit" in err
+
+
+_WALL = ["--layers", "6", "--hidden", "128", "--heads", "2", "--seq", "256", "--vocab", "256"]
+
+
+def test_demo_shows_the_wall_inside_a_cgroup(disk_dir: Path) -> None:
+    """The default demo: plain's batch doubles until the kernel kills it at the limit; offloadd
+    trains a larger batch inside the same limit, bit-identical to plain without the limit."""
+    from tests._support.cgroup import memory_cgroup
+
+    with memory_cgroup(64 << 20):  # skips where no cgroup can be made
+        pass
+    cmd = [sys.executable, "-m", "offloadd", "demo", *_WALL, "--memory-limit", "340MiB"]
+    cmd += ["--ssd-dir", str(disk_dir), "--device", "cpu"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "plain PyTorch stops at batch" in out and "(out of memory at 340.0 MiB)" in out, out
+    stop = int(out.split("plain PyTorch stops at batch ")[1].split()[0])
+    trained = int(out.split("offloadd trains batch ")[1].split()[0])
+    assert trained in (2 * stop, stop), out  # 4x or 2x plain's largest (stop / 2)
+    assert f"bit-identical to plain PyTorch at batch {trained}: yes" in out
+    assert "What it cost: at batch" in out and "ssd offload: saved" in out
+    assert "offloadd demo --full" in out
+
+
+def test_demo_without_a_cgroup_predicts_the_wall(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No cgroup (not root): one line says so, then the peaks at batch 2 and 8 without a limit
+    and the wall a line through them predicts (made-up runs: the arithmetic), and the bits."""
+    from offloadd.tools import demo_wall
+    from offloadd.tools.harness.cgroup import CgroupUnavailable
+
+    def refused(limit: int, prefix: str = "") -> None:
+        raise CgroupUnavailable("no memory cgroup can be made here (EPERM); run as root")
+
+    mib = 1 << 20
+    per_sample = {"plain": 100 * mib, "offload-ssd": 10 * mib}
+    ran: list[tuple[str, int, bool]] = []
+
+    def fake(spec: Any, strategy: str, batch: int, seq: int, *, limited: bool = True) -> Any:
+        ran.append((strategy, batch, limited))
+        return {
+            "strategy": strategy, "batch_size": batch, "status": "ok",
+            "peak_bytes": 400 * mib + batch * per_sample[strategy], "samples_per_s": 2.0,
+            "losses": [1.0], "weights_sha256": "ab" * 32,
+        }  # fmt: skip
+
+    monkeypatch.setattr(demo_wall, "memory_cgroup", refused)
+    monkeypatch.setattr(demo_wall, "measure", fake)
+    assert demo.main(demo_wall_args(["--device", "cpu", "--memory-limit", "1GiB"])) == 0
+    out = capsys.readouterr().out
+    assert "run as root; measuring peaks without a limit and predicting the wall" in out
+    assert all(not limited for _, _, limited in ran) and len(ran) == 4
+    plain = next(ln for ln in out.splitlines() if ln.startswith("plain PyTorch: peak"))
+    assert "100.0 MiB a sample; predicted wall in 1.0 GiB: batch 6;" in plain  # (1024-400)/100
+    ours = next(ln for ln in out.splitlines() if ln.startswith("offloadd (ssd offload): peak"))
+    assert "predicted wall in 1.0 GiB: batch 62;" in ours
+    assert "bit-identical to plain PyTorch at batch 8: yes" in out
+
+
+def demo_wall_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    demo.add_arguments(p)
+    return p.parse_args(argv)
 
 
 # -- the report and the exit status, on made-up results (no training) --------------------------
@@ -141,7 +211,7 @@ def _run_main(
     monkeypatch.setattr(demo, "run_in_subprocess", fake_run)
     p = argparse.ArgumentParser()
     demo.add_arguments(p)
-    status = demo.main(p.parse_args(["--device", "cpu"]))
+    status = demo.main(p.parse_args(["--device", "cpu", "--full"]))
     return status, capsys.readouterr().out
 
 

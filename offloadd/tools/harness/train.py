@@ -291,6 +291,7 @@ def _run(spec: RunSpec, progress: bool, acquired: list[bool]) -> dict[str, Any]:
         "losses": losses,
         "weights_sha256": digest.hexdigest(),
         "peak_rss_above_base": max(0, peak_rss() - base_rss),
+        "peak_rss": peak_rss(),  # the process's, torch and the model included
         "params": built.num_params,
         "tokens_per_step": spec.batch_size * spec.seq_len,
         "flops_per_step": built.flops_per_step(spec.batch_size, spec.seq_len),

@@ -74,8 +74,12 @@ class WallSpec:
     hf_config: str | None = None  # a config directory's causal LM instead of model
 
 
-def measure(w: WallSpec, strategy: str, batch: int, seq: int) -> dict[str, Any]:
-    """Train ``strategy`` at ``batch`` x ``seq`` inside a fresh cgroup of ``w.limit``; its row."""
+def measure(
+    w: WallSpec, strategy: str, batch: int, seq: int, *, limited: bool = True
+) -> dict[str, Any]:
+    """Train ``strategy`` at ``batch`` x ``seq`` inside a fresh cgroup of ``w.limit`` (not
+    ``limited``: outside any, its peak then its RSS's); its row, with the run's losses, weights'
+    digest and offloadd's stats beside the CSV's columns."""
     spec = RunSpec(
         strategy=STRATEGIES[strategy],
         model=w.model,
@@ -92,6 +96,12 @@ def measure(w: WallSpec, strategy: str, batch: int, seq: int) -> dict[str, Any]:
         hf_config=w.hf_config,
     )
     row: dict[str, Any] = {"strategy": strategy, "batch_size": batch, "seq_len": seq}
+    if not limited:
+        try:
+            res = run_in_subprocess(spec, timeout=w.point_timeout)
+        except RunFailed as e:
+            return {**row, **_failed(e, False)}
+        return _row(row, res, res["peak_rss"])
     with memory_cgroup(w.limit, prefix="offloadd-wall") as cg:
         try:
             res = run_in_subprocess(spec, timeout=w.point_timeout, preexec_fn=cg.enter)
@@ -99,7 +109,12 @@ def measure(w: WallSpec, strategy: str, batch: int, seq: int) -> dict[str, Any]:
             return {**row, "status": "error", "error": f"timed out after {w.point_timeout} s"}
         except RunFailed as e:
             return {**row, **_failed(e, cg.oom_killed()), "peak_bytes": cg.peak()}
-        row["peak_bytes"] = cg.peak()
+        peak = cg.peak()
+    return _row(row, res, peak)
+
+
+def _row(row: dict[str, Any], res: dict[str, Any], peak: int) -> dict[str, Any]:
+    row = {**row, "peak_bytes": peak}
     if res["oom"]:
         return {**row, "status": "oom", "error": res.get("error")}
     times = res["step_times_s"]
@@ -107,10 +122,13 @@ def measure(w: WallSpec, strategy: str, batch: int, seq: int) -> dict[str, Any]:
     return {
         **row,
         "status": "ok",
-        "samples_per_s": batch / step,
+        "samples_per_s": row["batch_size"] / step,
         "step_time_s": step,
         "step_time_min_s": min(times),
         "step_time_max_s": max(times),
+        "losses": res["losses"],
+        "weights_sha256": res["weights_sha256"],
+        "stats": res.get("stats"),
     }
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -202,3 +203,55 @@ def test_compile_budget_runs_compiled_under_torchs_memory_budget() -> None:
     finally:
         functorch_config.activation_memory_budget = was
     assert not res["oom"] and res["warmup_steps"] == 2 and len(res["losses"]) == 3
+
+
+def test_a_points_row_from_each_way_a_run_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ok (auto's plan shown), killed by the OOM killer, an allocation failed, auto's planner
+    finding no plan, anything else: made-up runs, the row each gives."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from offloadd.tools.harness.train import RunFailed
+    from offloadd.tools.wall import points
+
+    killed = [False]
+
+    @contextlib.contextmanager
+    def fake_cgroup(limit: int, prefix: str = ""):  # type: ignore[no-untyped-def]
+        yield SimpleNamespace(enter=lambda: None, peak=lambda: 123, oom_killed=lambda: killed[0])
+
+    outcome: list[Any] = []
+
+    def fake_run(spec: RunSpec, **kw: Any) -> dict[str, Any]:
+        if isinstance(outcome[0], BaseException):
+            raise outcome[0]
+        return outcome[0]
+
+    monkeypatch.setattr(points, "memory_cgroup", fake_cgroup)
+    monkeypatch.setattr(points, "run_in_subprocess", fake_run)
+    w = points.WallSpec(
+        model="mini-gpt", layers=1, hidden=8, heads=1, seq=4, vocab=8, batch=1, limit=1 << 30,
+        steps=2, warmup=0, ssd_dir=None, point_timeout=None,
+    )  # fmt: skip
+    plan = {
+        "budget_bytes": MIB,
+        "blocks": [{"decision": d} for d in ("keep", "offload", "offload")],
+    }
+    outcome[:] = [{"oom": False, "step_time_s": 0.5, "step_times_s": [0.4, 0.5, 0.7], "losses": [1.0],
+                   "weights_sha256": "ab", "plan": plan}]  # fmt: skip
+    row = points.measure(w, "auto", 4, 16)
+    assert row["status"] == "ok" and row["samples_per_s"] == 8.0 and row["peak_bytes"] == 123
+    assert (row["step_time_min_s"], row["step_time_max_s"]) == (0.4, 0.7)
+    assert row["plan"] == "k1 o2 r0 in 1.0 MiB"
+    killed[0] = True
+    outcome[:] = [RunFailed("x", -9, "")]
+    assert points.measure(w, "plain", 4, 16)["status"] == "oom"
+    killed[0] = False
+    outcome[:] = [RunFailed("x", 1, "Traceback\nMemoryError: the model holds more than the cap")]
+    assert points.measure(w, "auto", 4, 16)["status"] == "oom"
+    outcome[:] = [RunFailed("x", 1, "offloadd.auto.solver.InfeasibleBudget: budget: 5 bytes ...")]
+    row = points.measure(w, "auto", 4, 16)
+    assert row["status"] == "infeasible" and row["error"].startswith("budget: 5 bytes")
+    outcome[:] = [RunFailed("x", 1, "ValueError: something else")]
+    row = points.measure(w, "auto", 4, 16)
+    assert row["status"] == "error" and row["error"] == "ValueError: something else"

@@ -51,6 +51,7 @@ FIELDS = (
     "step_time_min_s",
     "step_time_max_s",
     "predicted_peak_bytes",  # offloadd plan's prediction (empty: not predicted yet)
+    "plan",  # auto: its blocks kept, offloaded, recomputed ("k2 o10 r0"), and its budget
     "error",
 )
 
@@ -119,6 +120,11 @@ def _row(row: dict[str, Any], res: dict[str, Any], peak: int) -> dict[str, Any]:
         return {**row, "status": "oom", "error": res.get("error")}
     times = res["step_times_s"]
     step = res["step_time_s"]
+    plan = res.get("plan")
+    if plan is not None:
+        ds = [b["decision"] for b in plan["blocks"]]
+        counts = " ".join(f"{d[0]}{ds.count(d)}" for d in ("keep", "offload", "recompute"))
+        row["plan"] = f"{counts} in {format_bytes(plan['budget_bytes'])}"
     return {
         **row,
         "status": "ok",
@@ -153,7 +159,7 @@ def point_line(r: dict[str, Any], grow: str) -> str:
         return head + f"{r['status'].upper()}" + (f", {peak}" if peak else "") + f" ({r['error']})"
     return head + (
         f"ok, {r['samples_per_s']:.2f} samples/s (steps {r['step_time_min_s']:.2f}-"
-        f"{r['step_time_max_s']:.2f} s), {peak}"
+        f"{r['step_time_max_s']:.2f} s), {peak}" + (f", plan {r['plan']}" if r.get("plan") else "")
     )
 
 

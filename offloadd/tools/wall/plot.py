@@ -53,8 +53,11 @@ def plot(rows: list[dict[str, Any]], grow: str, path: Path, title: str) -> None:
             )  # fmt: skip
         else:
             ax.plot([], [], color=color, label=f"{s} (trains no size tried)")
-        if failed:
-            ax.axvline(min(failed), color=color, linestyle=":", alpha=0.7)
+        # the first failed size above the wall (an earlier run's failure below it, as under
+        # another budget, is not the wall)
+        above = [f for f in failed if not ok or f > ok[-1][0]]
+        if above:
+            ax.axvline(min(above), color=color, linestyle=":", alpha=0.7)
     ax.set_xscale("log", base=2)
     ax.set_xlabel(f"{'batch size' if grow == 'batch' else 'sequence length'} (log scale)")
     ax.set_ylabel("samples / s (bars: the timed steps' spread)")

@@ -112,6 +112,13 @@ CASES: list[tuple[str, str, Argv, str, str]] = [
         "demo",
         "--ssd-dir",
         lambda p, d: ["demo", *MODEL, "--device", "cpu", "--ssd-dir", str(p)],
+        "offloadd.tools.demo_wall",  # the wall, the default: with or without a cgroup
+        "measure",
+    ),
+    (
+        "demo-full",
+        "--ssd-dir",
+        lambda p, d: ["demo", "--full", *MODEL, "--device", "cpu", "--ssd-dir", str(p)],
         "offloadd.tools.demo",
         "run_in_subprocess",
     ),

@@ -57,8 +57,9 @@ def test_a_leaf_fed_to_the_first_block_every_step_carries_one_hook(disk_dir: Pat
         budget="100x",
     )  # fmt: skip
     got, counts = _train(off, steps)
-    # planned and raced (settled too, on a quiet machine: a loaded one can race past the steps)
-    assert off.planner is not None and off.planner.plans and off.planner.profiles >= 1
+    # profiled and planned (settled too, on a quiet machine: a loaded one can race past the
+    # steps, or see its steps drift and profile again at the end, its plan then dropped)
+    assert off.planner is not None and off.planner.shapes.planned and off.planner.profiles >= 1
     assert max(max(c) for c in counts) <= 1, counts
     assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
     off.close()

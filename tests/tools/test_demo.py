@@ -69,6 +69,7 @@ def test_demo_shows_the_wall_inside_a_cgroup(disk_dir: Path) -> None:
     with memory_cgroup(64 << 20):  # skips where no cgroup can be made
         pass
     cmd = [sys.executable, "-m", "offloadd", "demo", *_WALL, "--memory-limit", "340MiB"]
+    cmd += ["--steps", "1", "--warmup", "0"]
     cmd += ["--ssd-dir", str(disk_dir), "--device", "cpu"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

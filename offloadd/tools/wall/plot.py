@@ -15,6 +15,8 @@ _COLORS = {
     "offload-ssd": "tab:green",
     "offload-cpu": "tab:purple",
     "auto": "tab:red",
+    "sac": "tab:brown",
+    "compile-budget": "tab:cyan",
 }
 
 

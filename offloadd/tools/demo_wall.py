@@ -58,15 +58,18 @@ def wall_demo(ns: argparse.Namespace, limit: int) -> int:
     except CgroupUnavailable as e:
         print(f"offloadd demo: {e}; measuring peaks without a limit and predicting the wall")
         return _predicted(spec)
-    rows: dict[tuple[str, int], Row] = {}
+    plain_rows: dict[int, Row] = {}  # plain's, inside the limit, by batch
 
     def point(strategy: str, batch: int, limited: bool = True) -> Row:
         row = measure(spec, strategy, batch, spec.seq, limited=limited)
-        rows[(strategy if limited else f"{strategy}, no limit", batch)] = row
         print("  " + _line(row, limited), flush=True)
         return row
 
-    plain = find_wall(lambda b: str(point("plain", b)["status"]), 1, MOST, tolerance=MOST)
+    def plain_status(batch: int) -> str:
+        plain_rows[batch] = point("plain", batch)
+        return str(plain_rows[batch]["status"])
+
+    plain = find_wall(plain_status, 1, MOST, tolerance=MOST)
     if plain.largest is None:
         print(
             f"\nplain PyTorch cannot train batch 1 in {format_bytes(limit)}: raise --memory-limit"
@@ -79,7 +82,7 @@ def wall_demo(ns: argparse.Namespace, limit: int) -> int:
         )
         return 0
     n = plain.largest
-    best = rows[("plain", n)]
+    best = plain_rows[n]
     for m in (4 * n, 2 * n):
         ours = point("offload-ssd", m)
         if ours["status"] == "ok":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import statistics
 import sys
 from collections.abc import Callable
@@ -42,7 +43,9 @@ __all__ = [
     "STRATEGIES",
     "RunFailed",
     "RunSpec",
+    "failure",
     "main",
+    "plan_counts",
     "run",
     "run_in_subprocess",
     "split_label",
@@ -309,6 +312,31 @@ def _run(spec: RunSpec, progress: bool, acquired: list[bool]) -> dict[str, Any]:
             out["plan"] = plan_dict(plan)
         off.close()
     return out
+
+
+def failure(e: RunFailed, *, oom_killed: bool = False) -> dict[str, Any]:
+    """The status and error of a run whose process failed: ``oom`` where it was killed for
+    memory (``oom_killed``: its cgroup counted the kill; SIGKILL: what the kernel's OOM killer
+    sends a process that outgrew the machine) or an allocation failed; ``infeasible`` where
+    auto's planner found no plan within its budget (a result, not a failure); else ``error``
+    with the last line of its stderr."""
+    if oom_killed:
+        return {"status": "oom", "error": "killed by the kernel's OOM killer at the limit"}
+    if e.returncode == -signal.SIGKILL:
+        return {"status": "oom", "error": "killed by SIGKILL (out of memory?)"}
+    last = [ln for ln in e.stderr.strip().splitlines() if ln.strip()]
+    msg = last[-1] if last else f"exit {e.returncode}"
+    if msg.startswith("MemoryError") or "out of memory" in msg.lower():
+        return {"status": "oom", "error": msg[:300]}
+    if "InfeasibleBudget" in msg:
+        return {"status": "infeasible", "error": msg.split(": ", 1)[-1][:300]}
+    return {"status": "error", "error": msg[:300]}
+
+
+def plan_counts(plan: dict[str, Any]) -> str:
+    """A run's auto plan (``plan_dict``) as its blocks kept, offloaded, recomputed: "k2 o10 r0"."""
+    ds = [b["decision"] for b in plan["blocks"]]
+    return " ".join(f"{d[0]}{ds.count(d)}" for d in ("keep", "offload", "recompute"))
 
 
 def _offloader(spec: RunSpec, budget: str | None) -> Offloader:

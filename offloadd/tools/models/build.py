@@ -88,19 +88,10 @@ def build_model(
             vocab_size=cfg.vocab_size,
         )
     module = build_hf(name, **shape)
-    runner: Any = torch.compile(module) if compile else module
-
-    def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        # GPT-2 shifts its labels itself; BERT (every position masked-LM) and T5 take them as is.
-        x, y = x.contiguous(), y.contiguous()
-        out = runner(input_ids=x, labels=x if name == "gpt" else y)
-        loss: torch.Tensor = out.loss
-        return loss
-
-    return TrainModel(
-        module=module,
-        loss=loss,
-        num_params=sum(p.numel() for p in module.parameters()),
+    return _transformers_model(
+        module,
+        compile,
+        shifts=name == "gpt",
         attention_layers=3 * num_layers if name == "t5" else num_layers,
         d_model=d_model,
         vocab_size=shape["vocab_size"],
@@ -113,18 +104,40 @@ def _from_config(
     config = load_config(directory)
     shape = shape_of(config)
     module = build_causal_lm(config, seq_len=seq_len, recompute=recompute, selective=selective)
+    return _transformers_model(
+        module,
+        compile,
+        shifts=True,
+        attention_layers=shape["layers"],
+        d_model=shape["hidden"],
+        vocab_size=shape["vocab"],
+    )
+
+
+def _transformers_model(
+    module: nn.Module,
+    compile: bool,
+    *,
+    shifts: bool,
+    attention_layers: int,
+    d_model: int,
+    vocab_size: int,
+) -> TrainModel:
+    """A transformers model as a TrainModel; ``shifts``: a causal LM, which takes the inputs as
+    its labels and shifts them itself (BERT, every position masked-LM, and T5 take the next
+    tokens as they are)."""
     runner: Any = torch.compile(module) if compile else module
 
     def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        x = x.contiguous()
-        out: torch.Tensor = runner(input_ids=x, labels=x).loss  # a causal LM shifts its labels
+        x, y = x.contiguous(), y.contiguous()
+        out: torch.Tensor = runner(input_ids=x, labels=x if shifts else y).loss
         return out
 
     return TrainModel(
         module=module,
         loss=loss,
         num_params=sum(p.numel() for p in module.parameters()),
-        attention_layers=shape["layers"],
-        d_model=shape["hidden"],
-        vocab_size=shape["vocab"],
+        attention_layers=attention_layers,
+        d_model=d_model,
+        vocab_size=vocab_size,
     )

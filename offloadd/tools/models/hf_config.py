@@ -15,7 +15,7 @@ from torch import nn
 
 from offloadd.tools.models.hf import checkpoint_layers, require_transformers
 
-__all__ = ["HFConfigError", "build_causal_lm", "load_config", "shape_of"]
+__all__ = ["HFConfigError", "build_causal_lm", "check_seq", "load_config", "shape_of"]
 
 _LAYERS = ("num_hidden_layers", "n_layer", "num_layers")
 _HIDDEN = ("hidden_size", "n_embd", "d_model")
@@ -70,15 +70,20 @@ def shape_of(config: Any) -> dict[str, int]:
     }
 
 
-def build_causal_lm(config: Any, *, seq_len: int, recompute: bool, selective: bool) -> nn.Module:
-    """A causal LM of ``config`` with random weights, in training mode; ``recompute``
-    (``selective``) as :func:`offloadd.tools.models.hf.build_hf`."""
-    tf = require_transformers()
+def check_seq(config: Any, seq_len: int) -> None:
+    """HFConfigError if the config's positions (0: unbounded) are fewer than ``seq_len``."""
     positions = shape_of(config)["positions"]
     if positions and seq_len > positions:
         raise HFConfigError(
             f"--seq {seq_len} is longer than the config's max_position_embeddings ({positions})"
         )
+
+
+def build_causal_lm(config: Any, *, seq_len: int, recompute: bool, selective: bool) -> nn.Module:
+    """A causal LM of ``config`` with random weights, in training mode; ``recompute``
+    (``selective``) as :func:`offloadd.tools.models.hf.build_hf`."""
+    tf = require_transformers()
+    check_seq(config, seq_len)
     if hasattr(config, "use_cache"):
         config.use_cache = False
     try:

@@ -10,14 +10,20 @@ from __future__ import annotations
 import csv
 import math
 import os
-import signal
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from offloadd.config import parse_size
-from offloadd.tools.harness.train import RunFailed, RunSpec, run_in_subprocess, split_label
+from offloadd.tools.harness.train import (
+    RunFailed,
+    RunSpec,
+    failure,
+    plan_counts,
+    run_in_subprocess,
+    split_label,
+)
 from offloadd.tools.rok.sweep import AUTO, RECOMPUTE_BUDGET, Sweep, run_strategy
 from offloadd.units import format_bytes
 
@@ -165,7 +171,7 @@ def _run(sw: Sweep, spec: RunSpec) -> dict[str, Any]:
     except subprocess.TimeoutExpired:
         return {"status": "error", "error": f"timed out after {sw.point_timeout} s"}
     except RunFailed as e:
-        return _failure(e)
+        return failure(e)
     return _results(res, spec.batch_size, cuda=sw.device == "cuda")
 
 
@@ -248,17 +254,6 @@ def auto_budget(
     return axis, str(held), ""
 
 
-def _failure(e: RunFailed) -> dict[str, Any]:
-    if e.returncode == -signal.SIGKILL:
-        # What the kernel's OOM killer does to a process that outgrew the machine.
-        return {"status": "oom", "error": "killed by SIGKILL (out of memory?)"}
-    last = [ln for ln in e.stderr.strip().splitlines() if ln.strip()]
-    msg = last[-1] if last else f"exit {e.returncode}"
-    if "InfeasibleBudget" in msg:  # auto: no plan fits this budget, a result, not a failure
-        return {"status": "infeasible", "error": msg.split(": ", 1)[-1][:300]}
-    return {"status": "error", "error": msg[:300]}
-
-
 def _results(res: dict[str, Any], batch: int, *, cuda: bool) -> dict[str, Any]:
     """The columns of a run whose process exited cleanly: ok, or oom if it ran out of memory."""
     st = res.get("stats") or {}
@@ -290,9 +285,8 @@ def _results(res: dict[str, Any], batch: int, *, cuda: bool) -> dict[str, Any]:
     }
     plan = res.get("plan")
     if plan is not None:
-        ds = [b["decision"] for b in plan["blocks"]]
         out["held_budget_bytes"] = plan["budget_bytes"]
-        out["plan"] = " ".join(f"{d[0]}{ds.count(d)}" for d in ("keep", "offload", "recompute"))
+        out["plan"] = plan_counts(plan)
         out["race"] = plan.get("race")
     if ok:
         out.update(

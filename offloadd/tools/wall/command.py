@@ -125,16 +125,18 @@ def _resolve(ns: argparse.Namespace) -> tuple[WallSpec, list[str], int, int, Pat
         raise UsageError(str(e)) from None
     described = None
     if ns.hf_config is not None:
-        from offloadd.tools.models.hf_config import HFConfigError, load_config, shape_of
+        from offloadd.tools.models.hf_config import (
+            HFConfigError,
+            check_seq,
+            load_config,
+            shape_of,
+        )
 
         try:
             config = load_config(ns.hf_config)
             shape = shape_of(config)
-            if shape["positions"] and ns.seq > shape["positions"] and ns.grow == "batch":
-                raise HFConfigError(
-                    f"--seq {ns.seq} is longer than the config's max_position_embeddings "
-                    f"({shape['positions']})"
-                )
+            if ns.grow == "batch":
+                check_seq(config, ns.seq)
         except (HFConfigError, ImportError) as e:
             raise UsageError(str(e)) from None
         described = (config.model_type, shape)

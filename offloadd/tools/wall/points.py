@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import csv
 import os
-import signal
 import subprocess
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -18,7 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from offloadd.tools.harness.cgroup import memory_cgroup
-from offloadd.tools.harness.train import RunFailed, RunSpec, run_in_subprocess
+from offloadd.tools.harness.train import (
+    RunFailed,
+    RunSpec,
+    failure,
+    plan_counts,
+    run_in_subprocess,
+)
 from offloadd.units import format_bytes
 
 __all__ = ["FIELDS", "STRATEGIES", "WallSpec", "measure", "point_line", "write_rows"]
@@ -101,7 +106,7 @@ def measure(
         try:
             res = run_in_subprocess(spec, timeout=w.point_timeout)
         except RunFailed as e:
-            return {**row, **_failed(e, False)}
+            return {**row, **failure(e)}
         return _row(row, res, res["peak_rss"])
     with memory_cgroup(w.limit, prefix="offloadd-wall") as cg:
         try:
@@ -109,7 +114,7 @@ def measure(
         except subprocess.TimeoutExpired:
             return {**row, "status": "error", "error": f"timed out after {w.point_timeout} s"}
         except RunFailed as e:
-            return {**row, **_failed(e, cg.oom_killed()), "peak_bytes": cg.peak()}
+            return {**row, **failure(e, oom_killed=cg.oom_killed()), "peak_bytes": cg.peak()}
         peak = cg.peak()
     return _row(row, res, peak)
 
@@ -122,9 +127,7 @@ def _row(row: dict[str, Any], res: dict[str, Any], peak: int) -> dict[str, Any]:
     step = res["step_time_s"]
     plan = res.get("plan")
     if plan is not None:
-        ds = [b["decision"] for b in plan["blocks"]]
-        counts = " ".join(f"{d[0]}{ds.count(d)}" for d in ("keep", "offload", "recompute"))
-        row["plan"] = f"{counts} in {format_bytes(plan['budget_bytes'])}"
+        row["plan"] = f"{plan_counts(plan)} in {format_bytes(plan['budget_bytes'])}"
     return {
         **row,
         "status": "ok",
@@ -136,18 +139,6 @@ def _row(row: dict[str, Any], res: dict[str, Any], peak: int) -> dict[str, Any]:
         "weights_sha256": res["weights_sha256"],
         "stats": res.get("stats"),
     }
-
-
-def _failed(e: RunFailed, oom_killed: bool) -> dict[str, Any]:
-    last = [ln for ln in e.stderr.strip().splitlines() if ln.strip()]
-    msg = last[-1] if last else f"exit {e.returncode}"
-    if oom_killed or e.returncode == -signal.SIGKILL:
-        return {"status": "oom", "error": "killed by the kernel's OOM killer at the limit"}
-    if msg.startswith("MemoryError") or "out of memory" in msg.lower():
-        return {"status": "oom", "error": msg[:300]}
-    if "InfeasibleBudget" in msg:  # auto: no plan fits its budget at this size
-        return {"status": "infeasible", "error": msg.split(": ", 1)[-1][:300]}
-    return {"status": "error", "error": msg[:300]}
 
 
 def point_line(r: dict[str, Any], grow: str) -> str:

@@ -111,6 +111,28 @@ static uintptr_t retire(Range *r, int *failed) {
     return fault;
 }
 
+/* Put the handler back on top of SIGSEGV (a handler installed since goes under it); -1 with an
+ * exception set when it cannot be. */
+static int rechain(const char *who) {
+    PyThread_acquire_lock(install_lock, WAIT_LOCK);
+    int installed = chain_install();
+    PyThread_release_lock(install_lock);
+    if (installed == -1) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    if (installed == -2) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "%s: other SIGSEGV handlers were put over the guard's too often", who);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *guard_rechain(PyObject *self, PyObject *unused) {
+    return rechain("rechain") ? NULL : Py_NewRef(Py_None);
+}
+
 static PyObject *guard_protect(PyObject *self, PyObject *args) {
     unsigned long long address, nbytes;
     if (!PyArg_ParseTuple(args, "KK", &address, &nbytes))
@@ -121,16 +143,8 @@ static PyObject *guard_protect(PyObject *self, PyObject *args) {
                      nbytes, address);
         return NULL;
     }
-    PyThread_acquire_lock(install_lock, WAIT_LOCK);
-    int installed = chain_install();
-    PyThread_release_lock(install_lock);
-    if (installed == -1)
-        return PyErr_SetFromErrno(PyExc_OSError);
-    if (installed == -2) {
-        PyErr_SetString(PyExc_RuntimeError,
-                        "protect: other SIGSEGV handlers were put over the guard's too often");
+    if (rechain("protect"))
         return NULL;
-    }
     for (int i = 0; i < SLOTS; i++) {
         Range *r = &ranges[i];
         int free_ = FREE;
@@ -185,6 +199,8 @@ static PyObject *guard_release(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"protect", guard_protect, METH_VARARGS,
      "protect(address, nbytes) -> slot: make whole pages read-only, noting the first write."},
+    {"rechain", guard_rechain, METH_NOARGS,
+     "rechain(): put the guard's SIGSEGV handler back on top of any installed since."},
     {"fault", guard_fault, METH_VARARGS,
      "fault(slot) -> address: the first address written since protect, 0 if none."},
     {"release", guard_release, METH_VARARGS,

@@ -10,3 +10,6 @@ def fault(slot: int, /) -> int:
 
 def release(slot: int, /) -> int:
     """Make the pages writable again, free the slot; ``fault(slot)`` as it was."""
+
+def rechain() -> None:
+    """Put the guard's SIGSEGV handler back on top of any installed since (a system call)."""

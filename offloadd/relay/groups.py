@@ -68,11 +68,16 @@ class Group:
     generation: int = 0
     record: object = None  # the store's Record
     released: bool = False  # made resident for good (Note [made resident] in release.py)
+    layout: tuple[object, ...] = ()  # its entries' views: a key for the views a slab keeps
 
     def view(self, slab: torch.Tensor, e: Entry) -> torch.Tensor:
         return torch.empty(0, dtype=e.dtype, device=slab.device).set_(
             slab.untyped_storage(), e.offset, e.size, e.stride
         )
+
+    def views_of(self, slab: torch.Tensor) -> list[torch.Tensor]:
+        """Each entry's view of ``slab``, in entry order."""
+        return [self.view(slab, e) for e in self.entries]
 
 
 def lay_out(group: Group, tensors: list[torch.Tensor]) -> None:
@@ -89,6 +94,7 @@ def lay_out(group: Group, tensors: list[torch.Tensor]) -> None:
         e.offset = offsets[key] // t.element_size() + int(t.storage_offset())
         e.size, e.stride, e.dtype = tuple(t.shape), tuple(t.stride()), t.dtype
     group.nbytes = pos
+    group.layout = tuple((e.dtype, e.offset, e.size, e.stride) for e in group.entries)
 
 
 def _layer_roots(model: nn.Module) -> set[nn.Module]:

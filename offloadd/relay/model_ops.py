@@ -179,7 +179,7 @@ def _as_stored(r: Relay, g: Group) -> bool:
 
 def write_group(r: Relay, g: Group, tensors: list[torch.Tensor]) -> None:
     """Write ``tensors`` (``g``'s weights, laid out as its entries say) as ``g``'s new record."""
-    slab = r.slabs.take(g.nbytes)
+    slab = r.slabs.take(g.nbytes, writable=True)
     for e, t in zip(g.entries, tensors, strict=True):
         g.view(slab, e).copy_(t.detach().cpu())
     g.record = r.store.write(g.name, slab)

@@ -97,10 +97,10 @@ class Relay:
         return self.store.read(g.record, self.slabs, self.device)  # type: ignore[arg-type]
 
     def wait_for(self, t: Transfer) -> torch.Tensor:
-        waited = t.wait()
-        self.store.wait_s += waited
-        assert t.slab is not None
+        if t.done is not None or t.error is not None:  # else: copied on the spot, done
+            self.store.wait_s += t.wait()
         slab = t.slab
+        assert slab is not None
         if t.copied is not None:  # copied on the host store's side stream (Note [host relay])
             assert isinstance(self.store, HostStore)
             self.store.await_copy(t)
@@ -246,9 +246,9 @@ class Relay:
             self._install(g, slab, guard)
 
     def _install(self, g: Group, slab: torch.Tensor, guard: bool) -> None:
-        storage = slab.untyped_storage()
-        device = slab.device
-        for e in g.entries:
+        # each weight's view, made once a slab (Note [slabs]); a device copy's, made now
+        views = self.slabs.views(slab, g.layout, g.views_of) or g.views_of(slab)
+        for e, view in zip(g.entries, views, strict=True):
             p = e.param
             now = e.module._parameters.get(e.attr)
             if now is not e.placeholder and now is not p:
@@ -263,18 +263,17 @@ class Relay:
                     "the model runs: unfreeze relayed weights between steps (their group is "
                     "then made resident)"
                 )
-            # g.view(slab, e), inlined: a swap's hot path
-            p.data = torch.empty(0, dtype=e.dtype, device=device).set_(
-                storage, e.offset, e.size, e.stride
-            )
+            p.data = view
             e.version = p._version
             e.address = p.data_ptr()
             e.module._parameters[e.attr] = p
         self._installed[g.index] = slab
         self.store.swaps += 1
-        self.slab_group[storage._cdata] = g
+        self.slab_group[slab.untyped_storage()._cdata] = g
         if guard:
             self.slabs.guard(slab)  # Note [write guard] in slabs.py
+        else:
+            self.slabs.disarm(slab)
 
     def changes(self, g: Group, written: int | None = None) -> list[str]:
         """The names of ``g``'s weights changed while swapped in: in place (their version

@@ -2,41 +2,53 @@
 
 Note [slabs]
 ~~~~~~~~~~~~
-A group's weights come back into a slab: page-aligned private anonymous memory (``mmap``; a forked
-child's writes stay in its copy) that the engine reads into with O_DIRECT, and that the weights'
-tensors are views of. A slab is handed out as a tensor made by ``torch.frombuffer`` over a
-``memoryview``; the tensor's storage holds that view until the last tensor on it dies (a parameter
-swapped out after forward, an unpacked weight autograd let go of in backward), and the callback
-of a weak reference to the view then gives the slab back. So what relay holds is known exactly, whoever held the weights
-last, and a slab's pages stay warm for the next group of its size (up to ``keep`` idle slabs a
-size; more are unmapped).
+A group's weights come back into a slab: page-aligned memory that the engine reads into with
+O_DIRECT (or the host store copies into), and that the weights' tensors are views of. A slab is
+kept for good once mapped (up to ``keep`` idle ones a size; more are unmapped), with a tensor
+over it and the views a group's weights take of it, made once per layout and reused at every
+swap (:meth:`Slabs.views`): a swap sets each parameter's ``.data`` to a view made before.
+
+What is handed out is a handle, an alias of the slab's tensor (:meth:`Slabs.take`). A slab is in
+use while anything other than the pool shares its storage: a handle (a read in flight, a group
+swapped in, a slab kept for backward), a parameter swapped in, an unpacked weight autograd
+holds in backward. The pool asks the storage's use count at the next :meth:`take` (a counter
+read, no callback in whatever thread dropped the last tensor), so what relay holds is known
+exactly, whoever held the weights last, and a slab's pages stay warm for the next group of its
+size.
 
 Note [write guard]
 ~~~~~~~~~~~~~~~~~~
-A write through ``weight.data`` bumps no version counter, so autograd cannot see it. While a
-slab is swapped in, relay guards it (:meth:`Slabs.guard`): its pages are read-only, and the
-first write faults into csrc/write_guard's handler, which records the address and makes the
-slab writable again, so the write goes ahead. :meth:`Slabs.unguard` tells relay whether and
-where the slab was written: in forward it raises naming the weight, in a load it writes the
-group again. ``resident()`` guards nothing (a system call writing into a guarded weight fails
-with EFAULT): it compares each group with the store on exit. A slab is unguarded before it goes
-back to the pool, so a slab is never read into or unmapped while guarded. Without the native
-module (not built) nothing is guarded: relay then cannot see such writes in forward
-(docs/relay.md).
+A write through ``weight.data`` bumps no version counter, so autograd cannot see it. A slab is
+therefore one memfd mapped twice: the weights view a private mapping kept read-only, and reads
+land in a shared writable mapping of the same pages (:meth:`Slabs.target`; dropped in a forked
+child, ``MADV_DONTFORK``), so the guard costs no system call a swap. The first write through a
+weight faults into csrc/write_guard's handler, which records the address and makes the mapping
+writable, so the write goes ahead into a private copy of the page while the shared page (what
+the next read lands in) stays as it was. :meth:`Slabs.unguard` tells relay whether and where the
+slab was written since :meth:`Slabs.guard` (in forward it raises naming the weight; in a load it
+writes the group again), and :meth:`take` drops the private pages (``MADV_DONTNEED``) and makes
+the mapping read-only again before the slab is read into again. ``resident()`` disarms its slabs
+(a system call writing into a read-only weight fails with EFAULT) and compares each group with
+the store on exit. Without the native module or memfd, a slab is one private mapping and nothing
+is guarded: relay then cannot see such writes in forward (docs/relay.md).
+
+A forked child (a DataLoader worker, a forked server) has no shared mapping: its pool forgets the
+parent's slabs, and a slab in use at the fork gets private anonymous pages with its bytes, so the
+child's writes and the parent's next reads never meet.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import mmap
+import os
 import threading
 import weakref
-from collections import deque
+from typing import Any
 
 import torch
 
 from offloadd.io.buffers import ALIGN, round_up
+from offloadd.relay.slab import Slab, use_count
 
 try:
     from offloadd.relay import _write_guard
@@ -66,139 +78,171 @@ def padded(nbytes: int) -> int:
 
 
 class Slabs:
-    """Page-aligned slabs that come back by themselves (see Note [slabs]). Thread-safe."""
+    """Page-aligned slabs, kept and handed out again (see Note [slabs]). Thread-safe."""
 
     def __init__(self, keep: int) -> None:
         self.keep = keep
         self._lock = threading.Lock()
-        self._idle: dict[int, list[mmap.mmap]] = {}
-        # Slabs given back by weak references' callbacks, which may run in any thread, within any allocation
-        # (a collection), even one made while this thread holds the lock: they only append.
-        self._returned: deque[tuple[mmap.mmap, int]] = deque()
-        self.live_bytes = 0
-        self.idle_bytes = 0
-        self.peak_bytes = 0
-        self._slots: dict[int, int] = {}  # a guarded slab's address -> its guard slot
+        self._sizes: dict[int, list[Slab]] = {}  # padded size -> its slabs, mapped
+        self._by_storage: dict[int, Slab] = {}  # a slab's storages -> the slab
         self._padded: dict[int, int] = {}  # nbytes -> padded(nbytes)
-        # the slabs handed out: id of the weak reference to each one's view -> (that reference,
-        # its mapping, its size, its address); only take and _back (one dict operation each,
-        # atomic under the GIL, as a callback may run in any thread) touch it
-        self._out: dict[int, tuple[weakref.ref[memoryview], mmap.mmap, int, int]] = {}
-        self.guarding = can_guard()
+        self.mapped_bytes = 0
+        self.peak_bytes = 0
+        self.guarding = can_guard() and hasattr(os, "memfd_create")
+        pool = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: _forget_in_child(pool))
 
     @property
     def held_bytes(self) -> int:
         with self._lock:
-            self._drain()
-            return self.live_bytes + self.idle_bytes
+            self._trim()
+            return self.mapped_bytes
 
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A uint8 tensor of ``padded(nbytes)`` bytes, page-aligned."""
+    @property
+    def live_bytes(self) -> int:
+        """The bytes of the slabs in use now."""
+        with self._lock:
+            return sum(s.size for slabs in self._sizes.values() for s in slabs if not s.free())
+
+    def take(self, nbytes: int, *, writable: bool = False) -> torch.Tensor:
+        """A uint8 tensor of ``padded(nbytes)`` bytes, page-aligned, held until it (and every
+        tensor on its storage) is dropped. What weights view is read-only where guarded: read
+        into it at :meth:`target`; ``writable``: the writable mapping of it, for a record to be
+        written (its tensor is filled, then written)."""
+        slab = self._take(nbytes)
+        return (slab.wtensor if writable else slab.tensor).detach()
+
+    def take_to(self, nbytes: int) -> tuple[torch.Tensor, int]:
+        """:meth:`take`, and the address to read into it (:meth:`target`)."""
+        slab = self._take(nbytes)
+        return slab.tensor.detach(), slab.target
+
+    def _take(self, nbytes: int) -> Slab:
         size = self._padded.get(nbytes)
         if size is None:
             size = self._padded[nbytes] = padded(nbytes)
-        extra: list[mmap.mmap] = []
         with self._lock:
-            if self._returned:
-                extra = self._drain()
-            idle = self._idle.get(size)
-            mm = idle.pop() if idle else None
-            if mm is not None:
-                self.idle_bytes -= size
-            self.live_bytes += size
-            if self.live_bytes + self.idle_bytes > self.peak_bytes:
-                self.peak_bytes = self.live_bytes + self.idle_bytes
-        for old in extra:
-            old.close()
-        if mm is None:  # private: a forked child writing its copy leaves this one as it is
-            mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        view = memoryview(mm)
-        slab = torch.frombuffer(view, dtype=torch.uint8)
-        # a weak reference's callback, not a weakref.finalize (which costs more: see
-        # docs/benchmarks/hooks-round2_cpu-2core_2026-12-05.md): the view dies with the slab's
-        # storage, and the callback gives the slab back
-        ref = weakref.ref(view, self._back)
-        self._out[id(ref)] = (ref, mm, size, slab.data_ptr())
-        return slab
+            slabs = self._sizes.get(size)
+            if slabs is None:
+                slabs = self._sizes[size] = []
+            slab = None
+            idle = 0
+            for s in slabs:  # Slab.free, inlined: a swap's hot path
+                if use_count(s.mine) == s.base and use_count(s.wmine) == s.wbase:
+                    if slab is None:
+                        slab = s
+                    else:
+                        idle += 1
+            if idle > self.keep:  # after a burst (resident()): back to ``keep`` idle
+                self._trim_size(slabs, keep=self.keep + 1, spare=slab)
+            if slab is None:
+                slab = Slab(size, self.guarding)
+                slabs.append(slab)
+                self._by_storage[slab.mine] = self._by_storage[slab.wmine] = slab
+                self.mapped_bytes += size
+                self.peak_bytes = max(self.peak_bytes, self.mapped_bytes)
+            elif slab.guarded:
+                slab.clean()
+            return slab
 
-    def _back(self, ref: weakref.ref[memoryview]) -> None:
-        _, mm, size, address = self._out.pop(id(ref))
-        slot = self._slots.pop(address, None)
-        if slot is not None:  # dropped while guarded (a model dropped mid-forward)
-            _write_guard.release(slot)
-        self._returned.append((mm, size))
+    def target(self, slab: torch.Tensor) -> int:
+        """The address a read into ``slab`` (one of this pool's handles) writes to."""
+        s = self._by_storage.get(slab.untyped_storage()._cdata)
+        return s.target if s is not None else slab.data_ptr()
+
+    def views(self, slab: torch.Tensor, layout: Any, make: Any) -> list[torch.Tensor] | None:
+        """The views of ``slab`` a layout takes (``make(tensor)`` makes them), made once a slab
+        and kept; None for a tensor that is not a slab of this pool (a device copy)."""
+        s = self._by_storage.get(slab.untyped_storage()._cdata)
+        if s is None or s.mine != slab.untyped_storage()._cdata:
+            return None
+        got = s.views.get(layout)
+        if got is None:
+            before = use_count(s.mine)
+            if len(s.views) >= 8:  # layouts of other groups of the size: not kept for ever
+                s.views.clear()
+            got = s.views[layout] = make(s.tensor)
+            s.base += use_count(s.mine) - before
+            if s.wmine == s.mine:  # one mapping (unguarded): one count
+                s.wbase = s.base
+        return got
+
+    def _slab(self, slab: torch.Tensor) -> Slab | None:
+        return self._by_storage.get(slab.untyped_storage()._cdata)
 
     def guard(self, slab: torch.Tensor) -> bool:
-        """Make ``slab`` (one of this pool's, in use) read-only until :meth:`unguard`, noting the
-        first write (Note [write guard]); False where it cannot be guarded."""
-        address = slab.data_ptr()
-        if not self.guarding or slab.device.type != "cpu" or address in self._slots:
-            return False
-        if address % mmap.PAGESIZE:
-            return False
-        nbytes = round_up(slab.nbytes, mmap.PAGESIZE)  # its mapping's (64 KiB pages: > padded)
-        try:
-            self._slots[address] = _write_guard.protect(address, nbytes)
-        except (RuntimeError, OSError) as err:  # every slot in use; mprotect failed
-            if not _warned:
-                _warned.append(True)
-                log.warning(
-                    "offloadd relay: a slab of %d bytes cannot be guarded (%s), so a write "
-                    "through weight.data to its weights in forward goes unseen",
-                    slab.nbytes,
-                    err,
-                )
-            return False
-        return True
+        """Note writes into ``slab`` from now on (Note [write guard]), forgetting earlier ones;
+        False where it cannot be guarded."""
+        s = self._slab(slab)
+        return s is not None and s.guard()
+
+    def disarm(self, slab: torch.Tensor) -> None:
+        """Make ``slab`` writable by anyone, a system call included (``resident()``)."""
+        s = self._slab(slab)
+        if s is not None:
+            s.disarm()
 
     def guarded(self, slab: torch.Tensor) -> bool:
         """Whether ``slab`` is guarded now (its writes are seen)."""
-        return slab.data_ptr() in self._slots
+        s = self._slab(slab)
+        return s is not None and s.slot is not None
 
     def written(self, slab: torch.Tensor) -> int | None:
         """The offset of the first write into guarded ``slab`` so far, or None."""
-        slot = self._slots.get(slab.data_ptr())
-        at = _write_guard.fault(slot) if slot is not None else 0
+        s = self._slab(slab)
+        at = s.written() if s is not None else 0
         return at - slab.data_ptr() if at else None
 
-    def unguard(self, slab: torch.Tensor) -> int | None:
-        """Make ``slab`` writable again: the offset of the first write into it since
-        :meth:`guard`, or None if it was not written (or not guarded)."""
-        slot = self._slots.pop(slab.data_ptr(), None)
-        if slot is None:
-            return None
-        at = _write_guard.release(slot)
-        return at - slab.data_ptr() if at else None
+    unguard = written  # the slab stays read-only: what it tells is all a swap out needs
 
-    def _drain(self) -> list[mmap.mmap]:
-        """Take back the slabs returned (lock held); the ones beyond ``keep`` to unmap."""
-        extra = []
-        while self._returned:
-            mm, size = self._returned.popleft()
-            self.live_bytes -= size
-            idle = self._idle.setdefault(size, [])
-            if len(idle) < self.keep:
-                idle.append(mm)
-                self.idle_bytes += size
-            else:
-                extra.append(mm)
-        return extra
+    def _trim(self) -> None:
+        """Unmap the idle slabs beyond ``keep`` a size (lock held)."""
+        for slabs in self._sizes.values():
+            self._trim_size(slabs, self.keep)
+
+    def _trim_size(self, slabs: list[Slab], keep: int, spare: Slab | None = None) -> None:
+        idle = [s for s in slabs if s.free()]
+        if spare is not None:  # kept first
+            idle.remove(spare)
+            idle.insert(0, spare)
+        for s in idle[keep:]:
+            slabs.remove(s)
+            self._forget(s)
+            s.close()
+
+    def _forget(self, s: Slab) -> None:
+        self._by_storage.pop(s.mine, None)
+        self._by_storage.pop(s.wmine, None)
+        self.mapped_bytes -= s.size
 
     def reset_peak(self) -> None:
         with self._lock:
-            extra = self._drain()
-            self.peak_bytes = self.live_bytes + self.idle_bytes
-        for mm in extra:
-            mm.close()
+            self._trim()
+            self.peak_bytes = self.mapped_bytes
 
     def close(self) -> None:
-        """Unmap the idle slabs (live ones are unmapped when their last tensor dies)."""
+        """Unmap every slab (one still viewed goes when its last tensor dies)."""
         with self._lock:
-            extra = self._drain()
-            idle, self._idle = self._idle, {}
-            self.idle_bytes = 0
-        idle.setdefault(0, []).extend(extra)
-        for slabs in idle.values():
-            for mm in slabs:
-                with contextlib.suppress(BufferError):  # still viewed: unmapped when collected
-                    mm.close()
+            sizes, self._sizes = self._sizes, {}
+            for slabs in sizes.values():
+                for s in slabs:
+                    self._forget(s)
+                    s.close()
+
+    def forget_in_child(self) -> None:
+        """In a forked child: none of the parent's slabs is handed out again, and those in use
+        get private pages (Note [write guard])."""
+        sizes, self._sizes = self._sizes, {}
+        self._by_storage = {}
+        self._lock = threading.Lock()
+        self.mapped_bytes = 0
+        for slabs in sizes.values():
+            for s in slabs:
+                if s.guarded and not s.free():
+                    s.privatize()
+
+
+def _forget_in_child(pool: weakref.ref[Slabs]) -> None:
+    p = pool()
+    if p is not None:
+        p.forget_in_child()

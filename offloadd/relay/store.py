@@ -271,12 +271,11 @@ class WeightStore:
     def read(self, record: Record, slabs: Slabs, device: torch.device | None = None) -> Transfer:
         """Start reading ``record`` into a slab taken from ``slabs``; returns at once (the
         relayer copies it to ``device``)."""
-        slab = slabs.take(record.nbytes)
+        slab, base = slabs.take_to(record.nbytes)  # base: its writable mapping (Note [write guard])
         backend = self.backend
         c = self.chunk_bytes
         chunks = self._chunks(record)
         t = Transfer(record, slab, len(chunks), self._hint)
-        base = slab.data_ptr()
         for file, offset, pos in chunks:
             n = min(c, slab.numel() - pos)
             fd, path = backend.target(file)
@@ -360,10 +359,10 @@ class HostStore:
         self.read_bytes += record.nbytes
         held: torch.Tensor = record.places[0]  # type: ignore[assignment]
         if device is None or device.type != "cuda":
-            slab = slabs.take(record.nbytes)
+            slab, to = slabs.take_to(record.nbytes)
             # both contiguous bytes on the host: a memmove costs far less than copy_ at a
             # group's size (docs/benchmarks/hooks-round2_cpu-2core_2026-12-05.md)
-            ctypes.memmove(slab.data_ptr(), held.data_ptr(), held.numel())
+            ctypes.memmove(to, held.data_ptr(), held.numel())
             return Transfer(record, slab, 0)
         o = self._ordering
         current = o.producer(device)

@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from offloadd.auto.solver import OFFLOAD, RECOMPUTE, Plan
 from offloadd.units import format_bytes
 
-__all__ = ["plan_dict", "plan_table"]
+__all__ = ["decision_counts", "plan_dict", "plan_summary", "plan_table"]
+
+
+def decision_counts(decisions: Sequence[str]) -> str:
+    """Blocks kept, offloaded, recomputed: ``"k2 o10 r0"``."""
+    return " ".join(f"{d[0]}{list(decisions).count(d)}" for d in ("keep", OFFLOAD, RECOMPUTE))
+
+
+def plan_summary(plan: Plan) -> str:
+    """The budget and its plan in a few words, for the end-of-run line."""
+    return (
+        f"budget {format_bytes(plan.budget)}: plan {decision_counts(plan.decisions)} "
+        f"(blocks kept, offloaded, recomputed), predicted peak {format_bytes(plan.peak)}"
+        + (" (chosen by a race)" if plan.race is not None else "")
+    )
 
 
 def plan_table(plan: Plan) -> str:

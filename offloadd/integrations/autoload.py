@@ -174,7 +174,7 @@ class AutoOffload:
             relayed = tuple(self._relay_done)
             off.close()
             wall = time.monotonic() - self._started
-            _say(summary_line(stats, self.ranks, self.scope.scopes, wall, relayed))
+            _say(summary_line(stats, self.ranks, self.scope.scopes, wall, relayed, plan))
             report = self.settings.report_path(self.ranks)
             if report is not None:
                 data = report_dict(

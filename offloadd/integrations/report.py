@@ -9,6 +9,8 @@ import socket
 import tempfile
 from typing import TYPE_CHECKING, Any
 
+from offloadd.auto.plan_report import plan_summary
+from offloadd.auto.solver import Plan
 from offloadd.config import Config
 from offloadd.integrations.ranks import RankInfo
 from offloadd.runtime.stats import Stats
@@ -26,15 +28,17 @@ def summary_line(
     forwards: int,
     wall_s: float,
     relayed: tuple[RelayStats, ...] = (),
+    plan: Plan | None = None,
 ) -> str:
-    """``offloadd [rank r/n]: <N> forwards offloaded, <Stats.summary()>, disk peak ..., <t>s``,
-    and what relay moved (``relayed``: each relayed model's stats), if any."""
+    """``offloadd [rank r/n]: <N> forwards offloaded in <t>s; <Stats.summary()>``, the budget
+    and its plan when one is set (``plan``: the last), and what relay moved (``relayed``: each
+    relayed model's stats), if any."""
     who = f"offloadd [{ranks.label()}]" if ranks.multi else "offloadd"
-    line = (
-        f"{who}: {forwards} forwards offloaded in {wall_s:.1f}s; {stats.summary()}, "
-        f"peak disk {format_bytes(stats.peak_disk_bytes)}"
-        + (", buffered I/O" if stats.buffered_io else "")
+    line = f"{who}: {forwards} forwards offloaded in {wall_s:.1f}s; {stats.summary()}" + (
+        ", buffered I/O" if stats.buffered_io else ""
     )
+    if plan is not None:
+        line += f"; {plan_summary(plan)}"
     if relayed:
         line += (
             f"; relayed {format_bytes(sum(r.relayed_bytes for r in relayed))} of frozen "

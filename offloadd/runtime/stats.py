@@ -97,16 +97,14 @@ class Stats:
         return asdict(self)
 
     def summary(self) -> str:
-        """One line for logs: what was saved and what it cost."""
-        return (
-            f"saved {self.saved_tensors} tensors ({format_bytes(self.saved_bytes)}), "
+        """One line for logs: what was saved and what it cost, totals over every step (since the
+        Offloader opened or its stats were reset) apart from the peaks at any one time."""
+        totals = (
+            f"totals: saved {self.saved_tensors} tensors ({format_bytes(self.saved_bytes)}), "
             f"offloaded {format_bytes(self.offloaded_bytes)}, "
             f"dedup {format_bytes(self.deduplicated_bytes)}, kept {format_bytes(self.kept_bytes)}, "
-            f"peak resident {format_bytes(self.peak_resident_bytes)}, "
-            f"buffers {format_bytes(self.peak_buffer_bytes)}, "
             f"written {format_bytes(self.bytes_written)}, read {format_bytes(self.bytes_read)}, "
             f"io wait {self.io_wait_s:.3f}s, fallbacks {self.fallbacks}"
-            + (f", engine {self.engine}" if self.engine else "")
             + (
                 f", codec {self.codec} {format_bytes(self.coded_in_bytes)} -> "
                 f"{format_bytes(self.coded_out_bytes)}"
@@ -114,9 +112,20 @@ class Stats:
                 else ""
             )
             + (
-                f", host cache {format_bytes(self.host_cached_bytes)} idle, "
-                f"{self.host_cache_hits}/{self.host_cache_hits + self.host_cache_misses} hits"
+                f", host cache {self.host_cache_hits}/"
+                f"{self.host_cache_hits + self.host_cache_misses} hits"
                 if self.host_allocator == "caching"
                 else ""
             )
         )
+        peaks = (
+            f"peaks: resident {format_bytes(self.peak_resident_bytes)}, "
+            f"buffers {format_bytes(self.peak_buffer_bytes)}, "
+            f"disk {format_bytes(self.peak_disk_bytes)}"
+            + (
+                f" (host cache now {format_bytes(self.host_cached_bytes)} idle)"
+                if self.host_allocator == "caching"
+                else ""
+            )
+        )
+        return f"{totals}; {peaks}" + (f"; engine {self.engine}" if self.engine else "")

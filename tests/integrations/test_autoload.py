@@ -16,6 +16,7 @@ import pytest
 import offloadd_boot
 from offloadd.integrations.autoload import EnvSettings
 from offloadd.integrations.ranks import rank_info
+from offloadd.units import format_bytes
 from tests._support.envrun import (
     CLIENTS,
     PYTHON,
@@ -243,6 +244,14 @@ def test_plain_script_under_a_budget_is_identical(
         # every block, [race] in auto/race.py: the report has the plan, not the contender)
         assert {b["decision"] for b in plan["blocks"]} == {"keep"} and plan["race_s"] is None
     assert "plan for a budget of" in proc.stderr
+    (line,) = summary_lines(proc.stderr)  # the end-of-run line names the budget and its plan
+    counts = " ".join(
+        f"{d[0]}{[b['decision'] for b in plan['blocks']].count(d)}"
+        for d in ("keep", "offload", "recompute")
+    )
+    assert f"; budget {format_bytes(plan['budget_bytes'])}: plan {counts} " in line, line
+    totals, peaks = line.split("; totals: ")[1].split("; peaks: ")  # totals apart from peaks
+    assert "written" in totals and "peak" not in totals and "resident" in peaks
 
 
 def test_forked_child_is_silent(disk_dir: Path, tmp_path: Path) -> None:

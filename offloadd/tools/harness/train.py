@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from offloadd.auto import plan_dict
+from offloadd.auto.plan_report import decision_counts
 from offloadd.auto.planner import WARMUP_STEPS as AUTO_WARMUP
 from offloadd.auto.planner import WARMUP_STEPS_MAX as AUTO_WARMUP_MAX
 from offloadd.config import CodecConfig, Config
@@ -335,8 +336,7 @@ def failure(e: RunFailed, *, oom_killed: bool = False) -> dict[str, Any]:
 
 def plan_counts(plan: dict[str, Any]) -> str:
     """A run's auto plan (``plan_dict``) as its blocks kept, offloaded, recomputed: "k2 o10 r0"."""
-    ds = [b["decision"] for b in plan["blocks"]]
-    return " ".join(f"{d[0]}{ds.count(d)}" for d in ("keep", "offload", "recompute"))
+    return decision_counts([b["decision"] for b in plan["blocks"]])
 
 
 def _offloader(spec: RunSpec, budget: str | None) -> Offloader:

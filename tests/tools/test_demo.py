@@ -79,7 +79,7 @@ def test_demo_shows_the_wall_inside_a_cgroup(disk_dir: Path) -> None:
     trained = int(out.split("offloadd trains batch ")[1].split()[0])
     assert trained in (2 * stop, stop), out  # 4x or 2x plain's largest (stop / 2)
     assert f"bit-identical to plain PyTorch at batch {trained}: yes" in out
-    assert "What it cost: at batch" in out and "ssd offload: saved" in out
+    assert "What it cost: at batch" in out and "ssd offload: totals: saved" in out
     assert "offloadd demo --full" in out
 
 

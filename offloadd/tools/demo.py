@@ -28,6 +28,7 @@ from offloadd.cli_dirs import ready_dir
 from offloadd.config import parse_size
 from offloadd.runtime.stats import Stats
 from offloadd.tools.harness.options import add_model_arguments, model_kwargs
+from offloadd.tools.harness.spread import quotient_range, unresolved
 from offloadd.tools.harness.step_trace import cpu_allocator
 from offloadd.tools.harness.train import (
     RunFailed,
@@ -222,7 +223,7 @@ def _bought(results: Mapping[str, Result | None], mem_key: str, mem_short: str) 
     cost = ssd["step_time_s"] / keep["step_time_s"] - 1 if keep["step_time_s"] else math.nan
     text += (
         f"Offloading then {'cost' if not cost < 0 else 'saved'} {_percent(cost)} of keep's "
-        "step time (the same allocator) "
+        f"step time (the same allocator; {_cost_range(ssd, keep)}) "
         f"to hold {_ratio(ssd[mem_key], ref[mem_key])} of {ref_name} {mem_short}"
     )
     recompute = results.get("recompute")
@@ -232,6 +233,19 @@ def _bought(results: Mapping[str, Result | None], mem_key: str, mem_short: str) 
             f"{_ratio(recompute['step_time_s'], keep['step_time_s'])} keep's step time"
         )
     return text + "."
+
+
+def _cost_range(ours: Result, ref: Result) -> str:
+    """The range of ``ours``' step time over ``ref``'s the timed steps allow, and whether it
+    resolves the difference (tools/harness/spread.py)."""
+    a, b = ours.get("step_times_s"), ref.get("step_times_s")
+    if not a or not b:
+        return "no timed steps' range"
+    lo, hi = quotient_range((min(a), max(a)), (min(b), max(b)))
+    said = f"the timed steps allow {(lo - 1) * 100:+.0f} to {(hi - 1) * 100:+.0f} %"
+    if unresolved((lo, hi)):
+        said += ", which holds 0: this run does not resolve the difference"
+    return said
 
 
 def _percent(x: float) -> str:

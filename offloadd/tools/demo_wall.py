@@ -19,6 +19,7 @@ from typing import Any
 
 from offloadd.runtime.stats import Stats
 from offloadd.tools.harness.cgroup import CgroupUnavailable, memory_cgroup
+from offloadd.tools.harness.spread import fmt_ratio, ratio_range, unresolved
 from offloadd.tools.wall.points import WallSpec, measure
 from offloadd.tools.wall.search import find_wall
 from offloadd.units import format_bytes
@@ -127,17 +128,15 @@ def _cost(ours: Row, ref: Row) -> str:
     """What offloading cost: its throughput against plain's at the same batch, and whether the
     timed steps' spread resolves the difference."""
     ratio = ours["samples_per_s"] / ref["samples_per_s"]
-    overlap = (
-        ours["step_time_min_s"] <= ref["step_time_max_s"]
-        and ref["step_time_min_s"] <= ours["step_time_max_s"]
-    )
+    rng = ratio_range(ours, ref)
     said = f"{abs(1 - ratio) * 100:.0f} % {'less' if ratio < 1 else 'more'}"
     return (
-        f"What it cost: at batch {ours['batch_size']}, offloadd's throughput is {ratio:.2f}x plain's "
-        f"without the limit ({said})"
+        f"What it cost: at batch {ours['batch_size']}, offloadd's throughput is "
+        f"{fmt_ratio(ratio, rng).rstrip('~')} plain's without the limit ({said}; in brackets, "
+        "the range the timed steps allow)"
         + (
             "; the timed steps' spreads overlap, so this run does not resolve the difference"
-            if overlap
+            if unresolved(rng)
             else ""
         )
         + "."

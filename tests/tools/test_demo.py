@@ -174,12 +174,26 @@ def test_report_says_what_ssd_bought() -> None:
     assert (
         "keep (the hooks on, nothing moved) on offloadd's host cache (the allocator ssd uses) "
         "ran at 0.91x plain PyTorch's step time (plain: no hooks, glibc's heap). "
-        "Offloading then cost 3 % of keep's step time (the same allocator) to hold "
-        "0.31x of plain PyTorch's peak RSS; recompute held 0.30x at 1.25x keep's step time." in text
+        "Offloading then cost 3 % of keep's step time (the same allocator; no timed steps' "
+        "range) to hold 0.31x of plain PyTorch's peak RSS; recompute held 0.30x at 1.25x keep's "
+        "step time." in text
     )
     assert "wrote 64.0 MiB and read 64.0 MiB back over 2 steps" in text
     assert "waited 0.500 s on I/O" in text
     assert "ssd held 0.25x of keep's saved activations at peak" in text
+
+
+def test_report_gives_the_cost_with_its_range() -> None:
+    """The cost comes with what the timed steps allow, and says when that range holds 0."""
+    wide = {"keep": {"step_times_s": [0.9, 1.0, 1.2]}, "ssd": {"step_times_s": [0.95, 1.03, 1.5]}}
+    text, _ = demo.format_report(_with_stats(_results(**wide)), device="cpu")
+    assert (
+        "cost 3 % of keep's step time (the same allocator; the timed steps allow -21 to +67 %, "
+        "which holds 0: this run does not resolve the difference)" in text
+    )
+    narrow = {"keep": {"step_times_s": [1.0, 1.0]}, "ssd": {"step_times_s": [1.2, 1.3]}}
+    text, _ = demo.format_report(_with_stats(_results(**narrow)), device="cpu")
+    assert "the timed steps allow +20 to +30 %) to hold" in text
 
 
 def test_report_when_offloading_is_faster_than_keep() -> None:
@@ -248,7 +262,7 @@ def test_failed_recompute_run_is_reported_not_fatal(
     status, out = _run_main(monkeypatch, capsys, results)
     assert status == 0
     assert (
-        "Offloading then cost 3 % of keep's step time (the same allocator) to hold 0.33x of "
-        "keep's peak RSS." in out
+        "Offloading then cost 3 % of keep's step time (the same allocator; no timed steps' "
+        "range) to hold 0.33x of keep's peak RSS." in out
     )
     assert "plain PyTorch's step time" not in out

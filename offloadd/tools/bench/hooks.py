@@ -52,6 +52,7 @@ from torch import nn
 from offloadd.cli_dirs import ready_parent
 from offloadd.tools.bench.hooks_arms import ARMS, Arm, open_arms
 from offloadd.tools.harness.machine import command_line, describe_machine, machine_line
+from offloadd.tools.harness.spread import UNRESOLVED, fmt_ratio, quotient_range, unresolved
 
 __all__ = [
     "HELP",
@@ -223,27 +224,48 @@ def _workdir(path: str | None) -> Iterator[Path]:
         yield Path(d)
 
 
+def _lo_hi(row: dict[str, Any]) -> tuple[float, float] | None:
+    """An arm's fastest and slowest round (ms a step)."""
+    steps = row.get("steps_ms")
+    return (min(steps), max(steps)) if steps else None
+
+
 def format_report(doc: dict[str, Any]) -> str:
     lines = [
         f"{doc['model']}: {doc['saved_per_step']} saved tensors a step on {doc['device']}",
-        f"{'arm':<12}{'step ms':>10}{'x none':>9}{'us/saved':>10}{'x noop':>9}{'x safe':>9}",
+        f"{'arm':<12}{'step ms':>10}{'rounds ms':>17}{'x none (rounds)':>22}{'us/saved':>10}"
+        f"{'x noop':>9}{'x safe':>9}",
     ]
     nan = float("nan")
-    for name, row in doc["arms"].items():
+    arms = doc["arms"]
+    none = _lo_hi(arms["none"]) if "none" in arms else None
+    said = False
+    for name, row in arms.items():
+        lo_hi = _lo_hi(row)
+        rounds = f"{lo_hi[0]:.3f}-{lo_hi[1]:.3f}" if lo_hi else "-"
+        x_none = "-"
+        if "x_none" in row:
+            rng = quotient_range(lo_hi, none) if lo_hi and none and name != "none" else None
+            x_none = fmt_ratio(row["x_none"], rng).replace("x", "", 1)
+            said = said or unresolved(rng)
         lines.append(
-            f"{name:<12}{row['step_ms']:>10.3f}{row.get('x_none', nan):>9.3f}"
+            f"{name:<12}{row['step_ms']:>10.3f}{rounds:>17}{x_none:>22}"
             f"{row.get('us_per_saved', nan):>10.2f}{row.get('x_noop', nan):>9.2f}"
             f"{row.get('x_safe', nan):>9.2f}"
         )
     for name, why in doc.get("not_run", {}).items():
         lines.append(f"{name:<12}not run: {why}")
+    if said:
+        lines.append(UNRESOLVED)
     if "relay" in doc:
         r = doc["relay"]
         for store in ("host", "ssd"):
             a = r[store]
+            lo, hi = a.get("us_per_swap_range", (nan, nan))
             lines.append(
                 f"relay ({store} store): {a['swaps_per_step']} group swaps a step, "
-                f"{a['us_per_swap']:.1f} us each above plain ({a['x_plain']:.3f} x plain's step); "
+                f"{a['us_per_swap']:.1f} us each above plain (rounds {lo:.1f}-{hi:.1f}; "
+                f"{a['x_plain']:.3f} x plain's step); "
                 f"relay's hooks alone: {a['floor_us_per_swap']:.1f} us"
             )
     return "\n".join(lines)

@@ -196,6 +196,11 @@ def relay_cost(
             "relay_ms": med[name] * 1e3,
             "x_plain": med[name] / med["plain"],
             "us_per_swap": (med[name] - med["plain"]) / max(swaps, 1) * 1e6,
+            # the rounds' spread: this arm's fastest round against plain's slowest, and back
+            "us_per_swap_range": (
+                (min(times[name]) - max(times["plain"])) / max(swaps, 1) * 1e6,
+                (max(times[name]) - min(times["plain"])) / max(swaps, 1) * 1e6,
+            ),
             "floor_us_per_swap": (med["floor"] - med["plain"]) / max(swaps, 1) * 1e6,
             "wait_s_per_step": (st.wait_s - was.wait_s) / n_steps,
         }

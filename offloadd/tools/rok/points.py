@@ -56,6 +56,7 @@ FIELDS: dict[str, Callable[[str], Any]] = {
     "status": str,  # ok, oom, infeasible (auto: no plan fits its budget) or error
     "step_time_s": float,  # median of the timed steps
     "step_time_min_s": float,
+    "step_time_max_s": float,  # with the min: the timed steps' spread (tools/harness/spread.py)
     "samples_per_s": float,
     "tokens_per_s": float,
     "model_tflops": float,  # model FLOPs (6·N·tokens + attention) per second, recompute not counted
@@ -83,8 +84,15 @@ FIELDS: dict[str, Callable[[str], Any]] = {
 """The columns of rok.csv and their types (an empty cell reads back as None)."""
 
 
-ADDED: dict[str, Any] = {"codec": "none", "compile": False, "race": None, "offloaded_bytes": None}
-"""Columns later versions added, with what older sweeps ran: exact, eager, no race shown."""
+ADDED: dict[str, Any] = {
+    "codec": "none",
+    "compile": False,
+    "race": None,
+    "offloaded_bytes": None,
+    "step_time_max_s": None,
+}
+"""Columns later versions added, with what older sweeps ran: exact, eager, no race or spread
+shown."""
 
 
 def _parse(name: str, text: str) -> Any:
@@ -292,6 +300,7 @@ def _results(res: dict[str, Any], batch: int, *, cuda: bool) -> dict[str, Any]:
         out.update(
             step_time_s=step,
             step_time_min_s=min(res["step_times_s"]),
+            step_time_max_s=max(res["step_times_s"]),
             samples_per_s=batch / step,
             tokens_per_s=res["tokens_per_step"] / step,
             model_tflops=res["flops_per_step"] / step / 1e12,
@@ -307,8 +316,13 @@ def point_line(r: dict[str, Any]) -> str:
     if r["status"] != "ok":
         return head + f"{r['status'].upper()} ({r['error']})"
     held = r["peak_resident_bytes"]
+    spread = (
+        f" (steps {r['step_time_min_s']:.3f}-{r['step_time_max_s']:.3f})"
+        if r.get("step_time_max_s") is not None
+        else ""
+    )
     return head + (
-        f"{r['step_time_s']:.3f} s/step, {r['samples_per_s']:.2f} samples/s, "
+        f"{r['step_time_s']:.3f} s/step{spread}, {r['samples_per_s']:.2f} samples/s, "
         f"{r['model_tflops'] * 1e3:.1f} GFLOP/s, activations {format_bytes(r['activation_peak_bytes'])}"
         + (f" (offloadd holds {format_bytes(held)})" if held is not None else "")
     )

@@ -11,6 +11,8 @@ import random
 import statistics
 from typing import Any
 
+from offloadd.tools.harness.spread import UNRESOLVED, fmt_ratio, ratio_range
+
 __all__ = [
     "OFFLOAD",
     "POOL_MIN",
@@ -64,6 +66,8 @@ def aggregate(rows: list[Row]) -> list[Row]:
                 values = [r[key] for r in ok if r.get(key) is not None]
                 agg[key] = type(values[0])(statistics.median(values)) if values else None
             agg["step_time_min_s"] = min(r["step_time_min_s"] for r in ok)
+            highs = [r["step_time_max_s"] for r in ok if r.get("step_time_max_s") is not None]
+            agg["step_time_max_s"] = max(highs) if len(highs) == len(ok) else None
             thr = [r["samples_per_s"] for r in ok]
             agg["samples_per_s_lo"], agg["samples_per_s_hi"] = min(thr), max(thr)
         out.append(agg)
@@ -100,6 +104,7 @@ def compare(rows: list[Row], offload: str) -> list[Row]:
             k = keep[b]
             c["mem_vs_keep"] = o["activation_peak_bytes"] / max(1, k["activation_peak_bytes"])
             c["thr_vs_keep"] = o["samples_per_s"] / k["samples_per_s"]
+            c["thr_vs_keep_range"] = ratio_range(o, k)
             c["keep_target"] = c["thr_vs_keep"] >= 0.95 and c["mem_vs_keep"] <= 0.5
             if o.get("step_time_min_s") and k.get("step_time_min_s"):
                 c["fastest_vs_keep"] = k["step_time_min_s"] / o["step_time_min_s"]
@@ -111,6 +116,7 @@ def compare(rows: list[Row], offload: str) -> list[Row]:
             r = rec[b]
             c["mem_vs_recompute"] = o["activation_peak_bytes"] / max(1, r["activation_peak_bytes"])
             c["thr_vs_recompute"] = o["samples_per_s"] / r["samples_per_s"]
+            c["thr_vs_recompute_range"] = ratio_range(o, r)
             c["dominates_recompute"] = c["mem_vs_recompute"] <= 1.10 and c["thr_vs_recompute"] > 1
             if o.get("step_time_min_s") and r.get("step_time_min_s"):
                 c["fastest_vs_recompute"] = r["step_time_min_s"] / o["step_time_min_s"]
@@ -132,7 +138,8 @@ _VERDICTS = (
 
 
 def _fmt(c: Row, key: str) -> str:
-    return f"{c[key]:.2f}x" if key in c else "-"
+    """A ratio of ``c``, with the range its timed steps allow where ``c`` has one."""
+    return fmt_ratio(c[key], c.get(f"{key}_range")) if key in c else "-"
 
 
 def compare_auto(rows: list[Row]) -> list[Row]:
@@ -161,10 +168,12 @@ def compare_auto(rows: list[Row]) -> list[Row]:
             best = max(fits, key=lambda r: r["samples_per_s"])
             c["best_single"] = best["strategy"]
             c["thr_vs_best_single"] = a["samples_per_s"] / best["samples_per_s"]
+            c["thr_vs_best_single_range"] = ratio_range(a, best)
             c["auto_target"] = c["thr_vs_best_single"] >= 0.98
         keep = _ok(rows, "keep").get(b)
         if keep is not None:
             c["thr_vs_keep"] = a["samples_per_s"] / keep["samples_per_s"]
+            c["thr_vs_keep_range"] = ratio_range(a, keep)
             c["mem_vs_keep"] = a["activation_peak_bytes"] / max(1, keep["activation_peak_bytes"])
             if a["strategy"] == "auto@recompute":
                 c["tba_target"] = c["thr_vs_keep"] >= 0.95
@@ -295,4 +304,7 @@ def summary_lines(rows: list[Row], rounds: list[Row] | None = None) -> list[str]
                     for c in stolen
                 )
             )
-    return lines + _auto_lines(rows) + _pooled_lines(rounds or [])
+    lines += _auto_lines(rows) + _pooled_lines(rounds or [])
+    if any("~" in line for line in lines):
+        lines.append(UNRESOLVED)
+    return lines

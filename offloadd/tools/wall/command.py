@@ -22,6 +22,7 @@ from offloadd.cli_dirs import ready_dir
 from offloadd.config import parse_size
 from offloadd.tools.harness.cgroup import CgroupUnavailable, memory_cgroup
 from offloadd.tools.harness.machine import describe_machine, machine_line
+from offloadd.tools.harness.spread import UNRESOLVED, fmt_ratio, ratio_range
 from offloadd.tools.models.build import MODELS
 from offloadd.tools.wall.points import STRATEGIES, WallSpec, measure, point_line, write_rows
 from offloadd.tools.wall.search import Wall, find_wall
@@ -189,6 +190,30 @@ def _summary(walls: dict[str, Wall], rows: list[dict[str, Any]], grow: str) -> l
         for s, w in walls.items():
             if s != "plain" and w.largest:
                 lines.append(f"{s} trains {w.largest / base.largest:.2f}x plain's largest {grow}")
+    lines += _auto_against_best(rows, key, grow)
+    return lines
+
+
+def _auto_against_best(rows: list[dict[str, Any]], key: str, grow: str) -> list[str]:
+    """Where auto and another strategy both train a size: auto's throughput against the fastest
+    other's there, with the range the timed steps allow (tools/harness/spread.py)."""
+    ok: dict[tuple[str, int], dict[str, Any]] = {}
+    for r in rows:  # the last ok run of each point
+        if r["status"] == "ok":
+            ok[(r["strategy"], r[key])] = r
+    lines = []
+    for (s, size), a in sorted(ok.items(), key=lambda kv: kv[0][1]):
+        others = [r for (t, n), r in ok.items() if n == size and t != s]
+        if s != "auto" or not others:
+            continue
+        best = max(others, key=lambda r: r["samples_per_s"])
+        ratio = a["samples_per_s"] / best["samples_per_s"]
+        lines.append(
+            f"auto at {grow} {size}: {fmt_ratio(ratio, ratio_range(a, best))} the throughput of "
+            f"{best['strategy']}, the fastest of the {len(others)} other(s) that train it"
+        )
+    if any("~" in line for line in lines):
+        lines.append(UNRESOLVED)
     return lines
 
 

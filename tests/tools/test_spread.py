@@ -1,0 +1,86 @@
+"""Figures with their spread (tools/harness/spread.py) in rok's, wall's and bench hooks' reports:
+a ratio with the range its timed steps allow, marked where that range holds 1.0x."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from offloadd.tools.bench.hooks import format_report
+from offloadd.tools.harness.spread import UNRESOLVED, fmt_ratio, quotient_range, ratio_range
+from offloadd.tools.rok.summary import aggregate, compare, summary_lines
+from offloadd.tools.wall.command import _auto_against_best
+
+
+def point(strategy: str, batch: int, lo: float, mid: float, hi: float) -> dict[str, Any]:
+    return {
+        "strategy": strategy,
+        "batch_size": batch,
+        "round": 1,
+        "status": "ok",
+        "error": None,
+        "activation_peak_bytes": 1000,
+        "step_time_s": mid,
+        "step_time_min_s": lo,
+        "step_time_max_s": hi,
+        "samples_per_s": batch / mid,
+    }
+
+
+def test_a_ratio_has_the_range_of_its_steps() -> None:
+    fast, slow = point("a", 4, 0.9, 1.0, 1.1), point("b", 4, 1.8, 2.0, 2.2)
+    assert ratio_range(fast, slow) == pytest.approx((1.8 / 1.1, 2.2 / 0.9))
+    assert ratio_range(point("a", 8, 1.0, 1.0, 1.0), slow) == pytest.approx((3.6, 4.4))
+    assert fmt_ratio(2.0, ratio_range(fast, slow)) == "2.00x (1.64-2.44)"
+    near = point("c", 4, 0.95, 1.05, 1.3)
+    assert fmt_ratio(0.95, ratio_range(near, fast)).endswith("~")  # 0.69-1.16 holds 1.0x
+    assert ratio_range({"batch_size": 1, "step_time_min_s": 1.0}, fast) is None  # no spread
+    assert fmt_ratio(1.5, None) == "1.50x"
+    assert quotient_range((2.0, 4.0), (1.0, 2.0)) == (1.0, 4.0)
+
+
+def test_rok_marks_what_a_run_does_not_resolve() -> None:
+    rows = [point("keep", 2, 1.0, 1.0, 1.02), point("offload-ssd", 2, 1.01, 1.03, 1.4)]
+    (c,) = compare(aggregate(rows), "offload-ssd")
+    assert c["thr_vs_keep_range"] == pytest.approx((1.0 / 1.4, 1.02 / 1.01))
+    lines = summary_lines(aggregate(rows))
+    assert "thr 0.97x (0.71-1.01)~" in lines[1] and lines[-1] == UNRESOLVED
+    rows[1].update(step_time_min_s=1.1, step_time_s=1.2, step_time_max_s=1.3, samples_per_s=2 / 1.2)
+    assert UNRESOLVED not in summary_lines(aggregate(rows))
+    del rows[1]["step_time_max_s"]  # a sweep from before the column: the figure alone
+    assert "thr 0.83x |" in summary_lines(aggregate(rows))[1]
+
+
+def test_wall_compares_auto_with_the_fastest_other_where_both_train() -> None:
+    rows = [
+        point("plain", 2, 1.0, 1.0, 1.0),
+        point("recompute", 2, 1.2, 1.3, 1.4),
+        point("auto", 2, 0.98, 1.01, 1.05),
+        point("auto", 8, 4.0, 4.0, 4.0),  # alone at batch 8: nothing to compare
+        point("recompute", 8, 6.0, 6.0, 6.0) | {"status": "oom"},
+    ]
+    lines = _auto_against_best(rows, "batch_size", "batch")
+    assert lines == [
+        "auto at batch 2: 0.99x (0.95-1.02)~ the throughput of plain, the fastest of the 2 "
+        "other(s) that train it",
+        UNRESOLVED,
+    ]
+
+
+def test_bench_hooks_gives_each_arm_its_rounds() -> None:
+    doc = {
+        "model": "micro",
+        "saved_per_step": 512,
+        "device": "cpu",
+        "arms": {
+            "none": {"step_ms": 6.0, "steps_ms": [5.9, 6.0, 6.4], "x_none": 1.0},
+            "noop": {"step_ms": 6.2, "steps_ms": [6.1, 6.2, 6.3], "x_none": 6.2 / 6.0},
+            "keep": {"step_ms": 9.0, "steps_ms": [8.8, 9.0, 9.3], "x_none": 1.5},
+        },
+    }
+    text = format_report(doc)
+    assert "6.100-6.300" in text and "1.03 (0.95-1.07)~" in text and "1.50 (1.38-1.58)" in text
+    assert text.splitlines()[-1] == UNRESOLVED
+    doc["arms"].pop("noop")
+    assert UNRESOLVED not in format_report(doc)

@@ -80,7 +80,18 @@ def test_bench_hooks_gives_each_arm_its_rounds() -> None:
         },
     }
     text = format_report(doc)
-    assert "6.100-6.300" in text and "1.03 (0.95-1.07)~" in text and "1.50 (1.38-1.58)" in text
+    assert (
+        "6.100-6.300" in text and "1.03 (0.95-1.07)~" in text and "1.50 (1.38-1.58)" in text
+    )  # < 4 rounds: min-max
     assert text.splitlines()[-1] == UNRESOLVED
     doc["arms"].pop("noop")
     assert UNRESOLVED not in format_report(doc)
+
+
+def test_bench_hooks_reads_its_rounds_by_their_quartiles() -> None:
+    """From four rounds on, one disturbed round (other load) does not widen the range."""
+    steady = {"step_ms": 6.0, "steps_ms": [6.0] * 7 + [30.0], "x_none": 1.0}
+    keep = {"step_ms": 9.0, "steps_ms": [9.0] * 7 + [40.0], "x_none": 1.5}
+    doc = {"model": "micro", "saved_per_step": 8, "device": "cpu"}
+    text = format_report(doc | {"arms": {"none": steady, "keep": keep}})
+    assert "6.000-6.000" in text and "1.50 (1.50-1.50)" in text and UNRESOLVED not in text

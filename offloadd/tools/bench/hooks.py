@@ -225,15 +225,21 @@ def _workdir(path: str | None) -> Iterator[Path]:
 
 
 def _lo_hi(row: dict[str, Any]) -> tuple[float, float] | None:
-    """An arm's fastest and slowest round (ms a step)."""
+    """An arm's rounds' quartiles (ms a step): the middle half of its rounds, which one round
+    disturbed by other load does not move; its fastest and slowest round below four rounds."""
     steps = row.get("steps_ms")
-    return (min(steps), max(steps)) if steps else None
+    if not steps:
+        return None
+    if len(steps) < 4:
+        return min(steps), max(steps)
+    q1, _, q3 = statistics.quantiles(steps, n=4)
+    return q1, q3
 
 
 def format_report(doc: dict[str, Any]) -> str:
     lines = [
         f"{doc['model']}: {doc['saved_per_step']} saved tensors a step on {doc['device']}",
-        f"{'arm':<12}{'step ms':>10}{'rounds ms':>17}{'x none (rounds)':>22}{'us/saved':>10}"
+        f"{'arm':<12}{'step ms':>10}{'rounds IQR ms':>17}{'x none (IQR)':>22}{'us/saved':>10}"
         f"{'x noop':>9}{'x safe':>9}",
     ]
     nan = float("nan")

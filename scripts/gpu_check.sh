@@ -3,7 +3,13 @@
 # no network). Usage, from the repository root:
 #
 #     scripts/gpu_check.sh OUTDIR [tests] [compile] [bench] [floor] [clients] [relay] [paired]
+#                                 [wall] [wall-peers]
 #
+# wall, wall-peers: scripts/wall_gpu.py, the memory wall of a 1.1 B Llama-style config in bf16 at
+# seq 4096 inside WALL_LIMIT of device memory (default 40GiB): offloadd's strategies (plain,
+# recompute, offload-cpu, auto), then the peers (sac, compile-budget, compile-offload, and
+# torchtune-offload where torchtune and torchao are in .whl/); each writes OUTDIR/PART/wall.md.
+# Each fills one device call: run them apart. WALL_ARGS adds options (e.g. --most 32).
 # relay: relay's cuda tests and scripts/relay_gpu.py (against FSDP2's CPUOffloadPolicy); RELAY_TESTS=0
 # skips the tests, RELAY_ARMS picks the arms, RELAY_WINDOW runs relay-cpu again at that window.
 # paired: bench_compile's eager tier cpu against keep (PAIRED_ROUNDS rounds, default 2), with this tree and with the tree in .base/
@@ -73,6 +79,13 @@ for part in $parts; do
             --rows 4096 --dim 2048 --steps 6 --rounds 1 --out "$out/bench_d2048.md" \
             >"$out/bench_d2048.log" 2>&1
         echo "bench_d2048 rc=$?" >>"$out/rc.txt"
+        ;;
+    wall | wall-peers)
+        what=ours
+        [ "$part" = wall-peers ] && what=peers
+        timeout 570 $py scripts/wall_gpu.py --out "$out/$part" --strategies $what \
+            --memory-limit "${WALL_LIMIT:-40GiB}" ${WALL_ARGS:-} >"$out/$part.log" 2>&1
+        echo "$part rc=$?" >>"$out/rc.txt"
         ;;
     clients)
         timeout 150 $py -m pytest "${pytest_args[@]}" tests/integrations/test_clients.py -k megatron \

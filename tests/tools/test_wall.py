@@ -3,8 +3,11 @@ for real, each point in a memory cgroup of its own (the kernel's OOM killer at t
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -189,7 +192,7 @@ def test_compile_budget_runs_compiled_under_torchs_memory_budget() -> None:
     ``COMPILE_MEMORY_BUDGET``; it trains (compiled code, so not the eager run's bits)."""
     import torch._functorch.config as functorch_config
 
-    from offloadd.tools.harness.train import COMPILE_MEMORY_BUDGET
+    from offloadd.tools.harness.peers import COMPILE_MEMORY_BUDGET
 
     was = functorch_config.activation_memory_budget
     try:
@@ -255,3 +258,38 @@ def test_a_points_row_from_each_way_a_run_ends(monkeypatch: pytest.MonkeyPatch) 
     outcome[:] = [RunFailed("x", 1, "ValueError: something else")]
     row = points.measure(w, "auto", 4, 16)
     assert row["status"] == "error" and row["error"] == "ValueError: something else"
+
+
+def test_the_gpu_kit_runs_its_cpu_path(tmp_path: Path) -> None:
+    """scripts/wall_gpu.py (scripts/gpu_check.sh's wall parts) at toy size on the CPU: the
+    config written, the wall run inside cgroups, the page with a row per strategy, so the kit
+    works the day a GPU is lent."""
+    with memory_cgroup(64 * MIB):  # skips where no cgroup can be made
+        pass
+    script = Path(__file__).resolve().parents[2] / "scripts" / "wall_gpu.py"
+    cmd = [sys.executable, str(script), "--tiny", "--most", "1", "--out", str(tmp_path)]
+    proc = subprocess.run(
+        [*cmd, "--strategies", "offload-cpu,torchtune-offload"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    config = json.loads((tmp_path / "config" / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["num_hidden_layers"] == 2
+    page = (tmp_path / "wall.md").read_text()
+    assert "| offload-ssd | 1 |" in page  # on the CPU, the host's tier
+    assert "torchtune" not in page and "--device" not in page  # no GPU-only peer on the CPU
+
+
+def test_gpu_only_peers_are_refused_on_the_cpu(tmp_path: Path) -> None:
+    p = argparse.ArgumentParser()
+    command.add_arguments(p)
+    ns = p.parse_args(
+        ["--memory-limit", "1GiB", "--strategies", "plain,compile-offload", "--out", str(tmp_path)]
+    )
+    with pytest.raises(command.UsageError, match=r"compile-offload offloads .* needs a CUDA"):
+        command._resolve(ns)
+    ns = p.parse_args(["--memory-limit", "1GiB", "--host-memory-limit", "2GiB"])
+    with pytest.raises(command.UsageError, match="--host-memory-limit is for --device cuda"):
+        command._resolve(ns)

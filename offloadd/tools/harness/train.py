@@ -28,6 +28,7 @@ from offloadd.offloader import Offloader
 from offloadd.runtime import host_allocator
 from offloadd.tools.harness.child import RunFailed, child_main, run_module
 from offloadd.tools.harness.memory import is_oom, limit_memory, peak_rss, rss, unlimit_memory
+from offloadd.tools.harness.peers import PEERS, prepare
 from offloadd.tools.harness.step_trace import (
     ALLOCATORS,
     HOST_ALLOCATOR,
@@ -40,7 +41,6 @@ from offloadd.tools.models.build import build_model
 
 __all__ = [
     "CAP_SHARE",
-    "COMPILE_MEMORY_BUDGET",
     "STRATEGIES",
     "RunFailed",
     "RunSpec",
@@ -53,12 +53,7 @@ __all__ = [
     "warmup_steps",
 ]
 
-STRATEGIES = ("none", "keep", "recompute", "ssd", "cpu", "auto", "sac", "compile-budget")
-
-COMPILE_MEMORY_BUDGET = 0.5
-"""compile-budget: ``torch._functorch.config.activation_memory_budget``, the share of the saved
-activations torch.compile's min-cut partitioner may keep (the rest recomputed), model compiled
-whole; 0.5 is the middle of its range and the value its documentation walks through."""
+STRATEGIES = ("none", "keep", "recompute", "ssd", "cpu", "auto", "sac", *PEERS)
 
 
 def warmup_steps(strategy: str, warmup: int, *, compile: bool) -> int:
@@ -74,8 +69,8 @@ class RunSpec:
     strategy: str = "ssd"
     """none (no hooks), keep (hooks, nothing moved), recompute, ssd or cpu (offload tiers),
     auto (tier ssd under ``budget``: keep, offload or recompute per block), and peers without
-    offloadd: sac (selective checkpointing, models/sac.py) and compile-budget (torch.compile's
-    recompute planner, ``COMPILE_MEMORY_BUDGET``)."""
+    offloadd: sac (selective checkpointing, models/sac.py) and those of peers.py (torch.compile's
+    recompute planner and activation offloading, torchtune's offloading)."""
     num_layers: int = 4
     d_model: int = 256
     num_heads: int = 4
@@ -109,9 +104,13 @@ class RunSpec:
     """A directory holding a transformers ``config.json``: its causal LM instead of ``model``
     (the sizes are the config's; ``seq_len`` and ``batch_size`` still apply)."""
     memory_cap_bytes: int = 0
-    """The hard limit the run's whole process is inside (a memory cgroup its parent made, as
-    ``offloadd wall`` does; 0: none). auto without a budget then takes ``CAP_SHARE`` of what the
-    cap leaves once the model, its gradients and optimizer state exist."""
+    """The hard limit the run is inside (0: none): on CPU the memory cgroup its parent made, as
+    ``offloadd wall`` does; on CUDA the device memory it may take (a per-process fraction, set
+    before the model is built). auto without a budget then takes ``CAP_SHARE`` of what the cap
+    leaves once the model, its gradients and optimizer state exist."""
+    dtype: str = "float32"
+    """The model's parameters' dtype (``bfloat16``: pure bf16 training, as fine-tunes on a GPU
+    often run)."""
 
 
 CAP_SHARE = 1 / (1 + host_allocator.SLACK)
@@ -152,11 +151,11 @@ def _run(spec: RunSpec, progress: bool, acquired: list[bool]) -> dict[str, Any]:
         )
     torch.manual_seed(spec.seed)
     device = torch.device(spec.device)
-    compiled = spec.compile or spec.strategy == "compile-budget"
-    if spec.strategy == "compile-budget":
-        import torch._functorch.config as functorch_config
-
-        functorch_config.activation_memory_budget = COMPILE_MEMORY_BUDGET
+    whole, peer_scope = prepare(spec.strategy)
+    compiled = spec.compile or whole
+    if spec.memory_cap_bytes and device.type == "cuda":  # the limit is the device's
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, spec.memory_cap_bytes / total), device)
     built = build_model(
         spec.model,
         num_layers=spec.num_layers,
@@ -169,7 +168,7 @@ def _run(spec: RunSpec, progress: bool, acquired: list[bool]) -> dict[str, Any]:
         compile=compiled,
         hf_config=spec.hf_config,
     )
-    model = built.module.to(device)
+    model = built.module.to(device, dtype=getattr(torch, spec.dtype))
     vocab = built.vocab_size
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(spec.seed + 1)
@@ -193,7 +192,8 @@ def _run(spec: RunSpec, progress: bool, acquired: list[bool]) -> dict[str, Any]:
         p.grad = torch.zeros_like(p)
     opt.step()
     if capped:  # the budget: a share of what the cap leaves now (see CAP_SHARE)
-        left = spec.memory_cap_bytes - rss()
+        held = torch.cuda.memory_allocated(device) if device.type == "cuda" else rss()
+        left = spec.memory_cap_bytes - held
         if left <= 0:
             raise MemoryError(f"the model holds more than the cap of {spec.memory_cap_bytes} bytes")
         off = _offloader(spec, str(int(CAP_SHARE * left)))
@@ -234,7 +234,8 @@ def _run(spec: RunSpec, progress: bool, acquired: list[bool]) -> dict[str, Any]:
                 with off:
                     loss = built.loss(batch[:, :-1], batch[:, 1:])
             else:
-                loss = built.loss(batch[:, :-1], batch[:, 1:])
+                with peer_scope():
+                    loss = built.loss(batch[:, :-1], batch[:, 1:])
             clock.mark()  # on CUDA: when the host queued it (no sync between phases)
             loss.backward()
             clock.mark()
@@ -303,6 +304,7 @@ def _run(spec: RunSpec, progress: bool, acquired: list[bool]) -> dict[str, Any]:
     }
     if cuda:
         out["peak_device_above_base"] = torch.cuda.max_memory_allocated() - base_dev
+        out["peak_device"] = torch.cuda.max_memory_allocated()  # the model included
     if cache is not None and base_live is not None:
         # what the allocator counts (the budget's measure, [measured peaks] in auto/probe.py)
         out["peak_live_above_base"] = max(0, cache.counters().peak_live_bytes - base_live)

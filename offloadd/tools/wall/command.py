@@ -22,6 +22,7 @@ from offloadd.cli_dirs import ready_dir
 from offloadd.config import parse_size
 from offloadd.tools.harness.cgroup import CgroupUnavailable, memory_cgroup
 from offloadd.tools.harness.machine import describe_machine, machine_line
+from offloadd.tools.harness.peers import unavailable
 from offloadd.tools.harness.spread import UNRESOLVED, fmt_ratio, ratio_range
 from offloadd.tools.models.build import MODELS
 from offloadd.tools.wall.points import STRATEGIES, WallSpec, measure, point_line, write_rows
@@ -89,6 +90,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--point-timeout", type=float, default=None, help="seconds before a point is abandoned"
     )
     p.add_argument("--no-plot", action="store_true", help="skip wall.png (no matplotlib needed)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (default; the limit is a memory cgroup) or cuda (the limit is device memory: "
+        "a per-process fraction of the GPU's)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="the model's parameters' dtype (default float32; bfloat16 on a GPU)",
+    )
+    p.add_argument(
+        "--host-memory-limit",
+        default=None,
+        help="with --device cuda: a memory cgroup of this size around each point too",
+    )
 
 
 class UsageError(ValueError):
@@ -108,6 +126,20 @@ def _resolve(ns: argparse.Namespace) -> tuple[WallSpec, list[str], int, int, Pat
         raise UsageError(
             f"--strategies must list names from {', '.join(STRATEGIES)}, got {ns.strategies!r}"
         )
+    if ns.device not in ("cpu", "cuda") and not ns.device.startswith("cuda:"):
+        raise UsageError(f"--device must be cpu or cuda, got {ns.device!r}")
+    for s in names:
+        why = unavailable(STRATEGIES[s], ns.device)
+        if why is not None:
+            raise UsageError(f"--strategies: {why}")
+    host_limit = 0
+    if ns.host_memory_limit is not None:
+        if ns.device == "cpu":
+            raise UsageError("--host-memory-limit is for --device cuda (on cpu: --memory-limit)")
+        try:
+            host_limit = parse_size("--host-memory-limit", ns.host_memory_limit)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     for opt in ("layers", "hidden", "heads", "seq", "batch", "steps", "tolerance"):
         if getattr(ns, opt) <= 0:
             raise UsageError(f"--{opt} must be positive, got {getattr(ns, opt)}")
@@ -155,6 +187,9 @@ def _resolve(ns: argparse.Namespace) -> tuple[WallSpec, list[str], int, int, Pat
         ssd_dir=ns.ssd_dir,
         point_timeout=ns.point_timeout,
         hf_config=ns.hf_config,
+        device=ns.device,
+        dtype=ns.dtype,
+        host_limit=host_limit,
     )
     if described is not None:  # the config's sizes, for the title and wall.json
         spec.model, shape = described
@@ -217,26 +252,45 @@ def _auto_against_best(rows: list[dict[str, Any]], key: str, grow: str) -> list[
     return lines
 
 
+def _check_gpu(spec: WallSpec) -> None:
+    """A GPU to limit: there, and with more memory than the limit."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError(f"--device {spec.device}: no CUDA device here (torch {torch.__version__})")
+    total = torch.cuda.get_device_properties(torch.device(spec.device)).total_memory
+    if spec.limit > total:
+        raise UsageError(
+            f"--memory-limit {format_bytes(spec.limit)} is more than {spec.device}'s "
+            f"{format_bytes(total)}"
+        )
+
+
 def main(ns: argparse.Namespace) -> int:
     try:
         spec, strategies, start, most, out = _resolve(ns)
     except UsageError as e:
         print(f"offloadd wall: {e}", file=sys.stderr)
         return 2
+    on_gpu = spec.device != "cpu"
     try:  # before any point: a limit that cannot be enforced is said at once
-        with memory_cgroup(spec.limit, prefix="offloadd-wall"):
-            pass
-    except CgroupUnavailable as e:
+        if not on_gpu or spec.host_limit:
+            with memory_cgroup(spec.host_limit or spec.limit, prefix="offloadd-wall"):
+                pass
+        if on_gpu:
+            _check_gpu(spec)
+    except (CgroupUnavailable, UsageError) as e:
         print(f"offloadd wall: {e}", file=sys.stderr)
         return 2
     # compiled points (compile-budget) share an inductor cache of this run's own
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(out / "inductor-cache"))
-    machine = describe_machine("cpu", spec.ssd_dir)
+    machine = describe_machine("cuda" if on_gpu else "cpu", spec.ssd_dir)
     grow = ns.grow
     title = (
         f"{spec.model} {spec.layers}L d{spec.hidden} "
         + (f"seq {spec.seq}" if grow == "batch" else f"batch {spec.batch}")
         + f" in {format_bytes(spec.limit)}"
+        + (f" of {spec.device} memory, {spec.dtype}" if on_gpu else "")
     )
     print(f"offloadd wall: {title}; growing the {grow} from {start}; {machine_line(machine)}")
     rows: list[dict[str, Any]] = []

@@ -36,6 +36,8 @@ STRATEGIES = {
     "auto": "auto",
     "sac": "sac",
     "compile-budget": "compile-budget",
+    "compile-offload": "compile-offload",
+    "torchtune-offload": "torchtune-offload",
 }
 """``--strategies`` names -> ``RunSpec.strategy``: plain (no hooks), recompute (every block
 checkpointed), offload-ssd / offload-cpu (offloadd's tiers, every tensor above ``min_bytes``),
@@ -43,14 +45,17 @@ auto (offloadd's planner, its budget a share of what the limit leaves: ``CAP_SHA
 peers a user would reach for instead: sac (selective activation checkpointing, the matmuls'
 outputs saved: models/sac.py) and compile-budget (the model compiled whole with torch.compile's
 activation memory budget: ``COMPILE_MEMORY_BUDGET``; inductor's cache is the run's own, so the
-first compiled point compiles cold and the later ones reuse it, as a second run would)."""
+first compiled point compiles cold and the later ones reuse it, as a second run would), and on a
+GPU compile-offload (torch.compile's activation offloading) and torchtune-offload (torchtune's
+``OffloadActivations``, where it installs): harness/peers.py."""
 
 FIELDS = (
     "strategy",
     "batch_size",
     "seq_len",
     "status",  # ok, oom, infeasible (auto: no plan fits its budget), error
-    "peak_bytes",  # the cgroup's peak: everything the process was charged, torch included
+    "peak_bytes",  # the cgroup's peak: everything the process was charged, torch included (on
+    # a GPU: the device's peak allocated bytes, the model included)
     "samples_per_s",  # batch over the median timed step
     "step_time_s",  # the median timed step, and the spread of the timed steps
     "step_time_min_s",
@@ -78,6 +83,9 @@ class WallSpec:
     ssd_dir: str | None
     point_timeout: float | None
     hf_config: str | None = None  # a config directory's causal LM instead of model
+    device: str = "cpu"  # cuda: the limit is the device's memory (a per-process fraction)
+    dtype: str = "float32"
+    host_limit: int = 0  # on a GPU, a memory cgroup of this many bytes too (0: none)
 
 
 def measure(
@@ -100,15 +108,20 @@ def measure(
         ssd_dir=w.ssd_dir,
         memory_cap_bytes=w.limit,
         hf_config=w.hf_config,
+        device=w.device,
+        dtype=w.dtype,
     )
     row: dict[str, Any] = {"strategy": strategy, "batch_size": batch, "seq_len": seq}
-    if not limited:
+    on_gpu = w.device.startswith("cuda")
+    if not limited or (on_gpu and not w.host_limit):  # a GPU's limit is in the run itself
         try:
             res = run_in_subprocess(spec, timeout=w.point_timeout)
+        except subprocess.TimeoutExpired:
+            return {**row, "status": "error", "error": f"timed out after {w.point_timeout} s"}
         except RunFailed as e:
             return {**row, **failure(e)}
-        return _row(row, res, res["peak_rss"])
-    with memory_cgroup(w.limit, prefix="offloadd-wall") as cg:
+        return _row(row, res, res["peak_device"] if on_gpu else res["peak_rss"])
+    with memory_cgroup(w.host_limit if on_gpu else w.limit, prefix="offloadd-wall") as cg:
         try:
             res = run_in_subprocess(spec, timeout=w.point_timeout, preexec_fn=cg.enter)
         except subprocess.TimeoutExpired:
@@ -116,7 +129,7 @@ def measure(
         except RunFailed as e:
             return {**row, **failure(e, oom_killed=cg.oom_killed()), "peak_bytes": cg.peak()}
         peak = cg.peak()
-    return _row(row, res, peak)
+    return _row(row, res, res["peak_device"] if on_gpu else peak)
 
 
 def _row(row: dict[str, Any], res: dict[str, Any], peak: int) -> dict[str, Any]:

@@ -89,8 +89,7 @@ class Slabs:
         self.mapped_bytes = 0
         self.peak_bytes = 0
         self.guarding = can_guard() and hasattr(os, "memfd_create")
-        pool = weakref.ref(self)
-        os.register_at_fork(after_in_child=lambda: _forget_in_child(pool))
+        _POOLS.add(self)
 
     @property
     def held_bytes(self) -> int:
@@ -242,7 +241,12 @@ class Slabs:
                     s.privatize()
 
 
-def _forget_in_child(pool: weakref.ref[Slabs]) -> None:
-    p = pool()
-    if p is not None:
-        p.forget_in_child()
+_POOLS: weakref.WeakSet[Slabs] = weakref.WeakSet()  # every pool alive, for a fork
+
+
+def _forget_in_child() -> None:
+    for pool in list(_POOLS):
+        pool.forget_in_child()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)

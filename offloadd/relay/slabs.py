@@ -11,10 +11,11 @@ swap (:meth:`Slabs.views`): a swap sets each parameter's ``.data`` to a view mad
 What is handed out is a handle, an alias of the slab's tensor (:meth:`Slabs.take`). A slab is in
 use while anything other than the pool shares its storage: a handle (a read in flight, a group
 swapped in, a slab kept for backward), a parameter swapped in, an unpacked weight autograd
-holds in backward. The pool asks the storage's use count at the next :meth:`take` (a counter
-read, no callback in whatever thread dropped the last tensor), so what relay holds is known
-exactly, whoever held the weights last, and a slab's pages stay warm for the next group of its
-size.
+holds in backward, a storage object anyone kept (``untyped_storage()``: torch keeps one Python
+object a storage, so its references are counted, not the storage's). The pool asks those counts
+at the next :meth:`take` (no callback in whatever thread dropped the last tensor), so what relay
+holds is known exactly, whoever held the weights last, and a slab's pages stay warm for the next
+group of its size.
 
 Note [write guard]
 ~~~~~~~~~~~~~~~~~~
@@ -25,9 +26,10 @@ child, ``MADV_DONTFORK``), so the guard costs no system call a swap. The first w
 weight faults into csrc/write_guard's handler, which records the address and makes the mapping
 writable, so the write goes ahead into a private copy of the page while the shared page (what
 the next read lands in) stays as it was. :meth:`Slabs.unguard` tells relay whether and where the
-slab was written since :meth:`Slabs.guard` (in forward it raises naming the weight; in a load it
-writes the group again), and :meth:`take` drops the private pages (``MADV_DONTNEED``) and makes
-the mapping read-only again before the slab is read into again. ``resident()`` disarms its slabs
+slab was written (in forward it raises naming the weight; in a load it writes the group again).
+A write noted stays noted, the slab guarded again or not, until :meth:`take` drops the private
+pages (``MADV_DONTNEED``) and makes the mapping read-only again before the slab is read into
+again. ``resident()`` disarms its slabs
 (a system call writing into a read-only weight fails with EFAULT) and compares each group with
 the store on exit. Without the native module or memfd, a slab is one private mapping and nothing
 is guarded: relay then cannot see such writes in forward (docs/relay.md).
@@ -82,7 +84,9 @@ class Slabs:
 
     def __init__(self, keep: int) -> None:
         self.keep = keep
-        self._lock = threading.Lock()
+        # reentrant: a collection inside a held lock may run a finalizer that closes the pool
+        # (relay's, when a model is dropped)
+        self._lock = threading.RLock()
         self._sizes: dict[int, list[Slab]] = {}  # padded size -> its slabs, mapped
         self._by_storage: dict[int, Slab] = {}  # a slab's storages -> the slab
         self._padded: dict[int, int] = {}  # nbytes -> padded(nbytes)
@@ -108,15 +112,16 @@ class Slabs:
         tensor on its storage) is dropped. What weights view is read-only where guarded: read
         into it at :meth:`target`; ``writable``: the writable mapping of it, for a record to be
         written (its tensor is filled, then written)."""
-        slab = self._take(nbytes)
-        return (slab.wtensor if writable else slab.tensor).detach()
+        return self._take(nbytes, writable)[0]
 
     def take_to(self, nbytes: int) -> tuple[torch.Tensor, int]:
         """:meth:`take`, and the address to read into it (:meth:`target`)."""
-        slab = self._take(nbytes)
-        return slab.tensor.detach(), slab.target
+        handle, slab = self._take(nbytes, False)
+        return handle, slab.target
 
-    def _take(self, nbytes: int) -> Slab:
+    def _take(self, nbytes: int, writable: bool) -> tuple[torch.Tensor, Slab]:
+        """A handle on a free slab (or a new one) and the slab: the handle is made under the
+        lock, so that no other take finds the slab free meanwhile."""
         size = self._padded.get(nbytes)
         if size is None:
             size = self._padded[nbytes] = padded(nbytes)
@@ -126,23 +131,41 @@ class Slabs:
                 slabs = self._sizes[size] = []
             slab = None
             idle = 0
-            for s in slabs:  # Slab.free, inlined: a swap's hot path
-                if use_count(s.mine) == s.base and use_count(s.wmine) == s.wbase:
+            for s in slabs:
+                if s.free():
                     if slab is None:
                         slab = s
                     else:
                         idle += 1
             if idle > self.keep:  # after a burst (resident()): back to ``keep`` idle
                 self._trim_size(slabs, keep=self.keep + 1, spare=slab)
-            if slab is None:
-                slab = Slab(size, self.guarding)
-                slabs.append(slab)
-                self._by_storage[slab.mine] = self._by_storage[slab.wmine] = slab
-                self.mapped_bytes += size
-                self.peak_bytes = max(self.peak_bytes, self.mapped_bytes)
-            elif slab.guarded:
-                slab.clean()
-            return slab
+            if slab is not None:
+                if slab.guarded:
+                    slab.clean()
+                return slab.handle(writable), slab
+        slab = self._new(size)  # outside the lock: a mapping and tensors, allocated
+        with self._lock:
+            self._sizes.setdefault(size, []).append(slab)
+            self._by_storage[slab.mine] = self._by_storage[slab.wmine] = slab
+            self.mapped_bytes += size
+            self.peak_bytes = max(self.peak_bytes, self.mapped_bytes)
+            return slab.handle(writable), slab
+
+    def _new(self, size: int) -> Slab:
+        if self.guarding:
+            try:
+                return Slab(size, guarded=True)
+            except OSError as err:  # no memfd here (seccomp, gVisor): no guard either
+                self.guarding = False
+                if not _warned:
+                    _warned.append(True)
+                    log.warning(
+                        "offloadd relay: slabs cannot be mapped twice here (memfd_create: %s), "
+                        "so a write through weight.data to a relayed weight in its forward goes "
+                        "unseen",
+                        err,
+                    )
+        return Slab(size, guarded=False)
 
     def target(self, slab: torch.Tensor) -> int:
         """The address a read into ``slab`` (one of this pool's handles) writes to."""
@@ -157,20 +180,23 @@ class Slabs:
             return None
         got = s.views.get(layout)
         if got is None:
-            before = use_count(s.mine)
-            if len(s.views) >= 8:  # layouts of other groups of the size: not kept for ever
-                s.views.clear()
-            got = s.views[layout] = make(s.tensor)
-            s.base += use_count(s.mine) - before
-            if s.wmine == s.mine:  # one mapping (unguarded): one count
-                s.wbase = s.base
+            with self._lock:  # the pool's count moves with its views: no take reads it between
+                before = use_count(s.mine)
+                try:
+                    if len(s.views) >= 8:  # other groups' layouts of the size: not kept for ever
+                        s.views.clear()
+                    got = s.views[layout] = make(s.tensor)
+                finally:  # whatever make did, the count is the pool's own again
+                    s.base += use_count(s.mine) - before
+                    if s.wmine == s.mine:  # one mapping (unguarded): one count
+                        s.wbase = s.base
         return got
 
     def _slab(self, slab: torch.Tensor) -> Slab | None:
         return self._by_storage.get(slab.untyped_storage()._cdata)
 
     def guard(self, slab: torch.Tensor) -> bool:
-        """Note writes into ``slab`` from now on (Note [write guard]), forgetting earlier ones;
+        """Note writes into ``slab`` from now on (Note [write guard]; a write noted before stays);
         False where it cannot be guarded."""
         s = self._slab(slab)
         return s is not None and s.guard()
@@ -233,7 +259,7 @@ class Slabs:
         get private pages (Note [write guard])."""
         sizes, self._sizes = self._sizes, {}
         self._by_storage = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self.mapped_bytes = 0
         for slabs in sizes.values():
             for s in slabs:

@@ -148,7 +148,123 @@ def test_a_slab_written_while_guarded_is_clean_when_taken_again() -> None:
     ctypes.memset(pool.target(again), 3, 3 * 4096)  # writable there: no EFAULT for a read
     assert int(again.min()) == 3 and pool.written(again) is None
     again[7] = 4
-    assert pool.guard(again) and pool.written(again) is None  # guard() forgets what was seen
+    assert pool.guard(again) and pool.written(again) == 7  # guarded again: still seen
+    del again
+    third = pool.take(3 * 4096)
+    ctypes.memset(pool.target(third), 9, 3 * 4096)  # a read into it shows, whole
+    assert third.data_ptr() == address and int(third[7]) == 9 and pool.written(third) is None
+
+
+class Twice(Layered):
+    """Its last layer runs twice in a forward; between the two, ``write`` runs."""
+
+    write: Callable[[], None] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for layer in self.layers:
+            x = x + layer(x)
+        if self.write is not None:
+            self.write()
+        return self.head(x + self.layers[-1](x))
+
+
+def test_a_write_into_a_carried_slab_is_seen_and_not_kept(
+    make_relay_config: MakeRelayConfig, disk_dir: Path
+) -> None:
+    """A write through a kept ``weight.data`` between two calls of one layer (its slab carried
+    from the first to the second): the forward raises naming the weight, and the slab, taken by
+    other groups later, shows what they read, not the write."""
+    torch.manual_seed(0)
+    ref = freeze_layers(Twice())
+    torch.manual_seed(0)
+    model = offloadd.relay(freeze_layers(Twice()), config=make_relay_config(disk_dir))
+    last = model.layers[-1][1]
+    kept: list[torch.Tensor] = []
+    handle = last.register_forward_hook(lambda m, i, o: kept.append(m.weight.data))
+    model.write = lambda: kept[0].add_(1.0)
+    with pytest.raises(RelayError, match=r"layers\.3\.1\.weight"):
+        model(torch.randn(3, 16, requires_grad=True)).sum().backward()
+    handle.remove()
+    model.write = ref.write = None
+    kept.clear()
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(3, 16)
+            assert torch.equal(model(x), ref(x))
+    offloadd.unrelay(model)
+
+
+def test_a_kept_storage_keeps_its_slab() -> None:
+    """``untyped_storage()`` (or a TypedStorage) kept by anyone holds its slab: torch counts one
+    storage object however many hold it, so the pool counts the object's references."""
+    pool = slabs.Slabs(keep=1)
+    h = pool.take(4096)
+    ctypes.memset(pool.target(h), 1, 4096)
+    storage = h.untyped_storage()
+    del h
+    again = pool.take(4096)
+    assert again.data_ptr() != storage.data_ptr()
+    del storage, again
+    assert pool.live_bytes == 0
+
+
+def test_without_memfd_slabs_are_unguarded(
+    make_relay_config: MakeRelayConfig,
+    disk_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A kernel that refuses memfd_create (seccomp, gVisor): relay runs, its slabs one private
+    mapping each, unguarded, said once."""
+    import errno
+
+    def refused(*args: object) -> int:
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(os, "memfd_create", refused)
+    monkeypatch.setattr(slabs, "_warned", [])
+    torch.manual_seed(0)
+    ref = freeze_layers(Layered())
+    torch.manual_seed(0)
+    with caplog.at_level("WARNING", logger="offloadd"):
+        model = offloadd.relay(freeze_layers(Layered()), config=make_relay_config(disk_dir))
+        x = torch.randn(3, 16)
+        assert same(step(ref, x, square_loss), step(model, x, square_loss))
+    assert caplog.text.count("cannot be mapped twice here (memfd_create") == 1
+    offloadd.unrelay(model)
+
+
+def test_a_finalizer_closing_the_pool_inside_a_take_returns() -> None:
+    """A collection inside take (a new slab's allocations) may run relay's finalizer, which
+    closes the pool: on the same thread, that must not wait on the lock take holds."""
+    import gc
+    import threading
+    import weakref
+
+    class Model:
+        pass
+
+    def attempt(threshold: int) -> bool:
+        pool = slabs.Slabs(keep=1)
+
+        def run() -> None:
+            m = Model()
+            m.me = m  # type: ignore[attr-defined]  # a dropped cycle, as a relayed model is
+            weakref.finalize(m, pool.close)
+            del m
+            gc.set_threshold(threshold)
+            try:
+                pool.take(1 << 20)
+            finally:
+                gc.set_threshold(700)
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(10)
+        return not t.is_alive()
+
+    assert all(attempt(k) for k in range(1, 60))
 
 
 def test_a_new_data_over_the_same_bytes_is_seen(

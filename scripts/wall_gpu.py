@@ -25,8 +25,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from offloadd.tools.harness.machine import machine_line
-
 OURS = "plain,recompute,offload-cpu,auto"
 PEERS = "sac,compile-budget,compile-offload,torchtune-offload"
 
@@ -111,8 +109,8 @@ def page(out: Path, cmd: list[str], log: str) -> str:
     doc = json.loads((out / "wall.json").read_text())
     with (out / "wall.csv").open(newline="") as f:
         rows = list(csv.DictReader(f))
-    lines = [f"# The memory wall: {doc['title']}", "", f"Machine: {machine_line(doc['machine'])}"]
-    lines += [""]
+    head = log.splitlines()[0] if log else ""  # "offloadd wall: <title>; ...; <machine>"
+    lines = [f"# The memory wall: {doc['title']}", "", head.removeprefix("offloadd wall: "), ""]
     lines += ["| strategy | largest batch | samples/s there | peak there | stopped by |"]
     lines += ["|---|---|---|---|---|"]
     for s, w in doc["walls"].items():

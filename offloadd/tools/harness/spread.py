@@ -3,7 +3,7 @@
 A ratio of medians says nothing of how sure it is. Each measured point keeps its fastest and
 slowest timed step (``step_time_min_s``, ``step_time_max_s``), so a ratio of two points'
 throughputs has a range: the slowest of one against the fastest of the other, and the other way
-round. Where that range holds 1.0x, the run does not resolve which is faster, and the tools say
+round. Where that range holds a ratio of one, the run does not resolve which is faster, and the tools say
 so beside the figure (``~``) and once below it.
 """
 
@@ -14,8 +14,8 @@ from typing import Any
 __all__ = ["UNRESOLVED", "fmt_ratio", "quotient_range", "ratio_range", "unresolved"]
 
 UNRESOLVED = (
-    "~: the timed steps' spread holds 1.0x, wider than the difference; this run does not resolve "
-    "it (more steps, or a quieter machine)"
+    "~: the range the timed steps allow holds a ratio of one, wider than the difference: this run "
+    "does not resolve it (more steps, or a quieter machine)"
 )
 
 
@@ -44,7 +44,8 @@ def unresolved(rng: tuple[float, float] | None) -> bool:
 
 
 def fmt_ratio(ratio: float, rng: tuple[float, float] | None) -> str:
-    """``1.12x (1.05-1.20)``, marked ``~`` where the range holds 1.0x."""
+    """The ratio and its range (``R.RRx (L.LL-H.HH)``), marked ``~`` where the range holds a
+    ratio of one."""
     if rng is None:
         return f"{ratio:.2f}x"
     return f"{ratio:.2f}x ({rng[0]:.2f}-{rng[1]:.2f}){'~' if unresolved(rng) else ''}"

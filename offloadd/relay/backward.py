@@ -12,6 +12,7 @@ import torch
 
 from offloadd.relay.groups import Group
 from offloadd.relay.placeholder import RelayError
+from offloadd.relay.slabs import Slabs
 from offloadd.relay.store import Transfer
 from offloadd.runtime.compiled import unseen
 from offloadd.runtime.hook_stack import PASSES_TO
@@ -31,6 +32,7 @@ class Reader(Protocol):
     order_at: dict[int, int]  # each group's place in it
     slab_group: dict[int, Group]  # the storage of a slab swapped in -> its group
     store: Any  # its ``swaps`` counts the groups brought back here too
+    slabs: Slabs  # the views backward gets (Slabs.view)
 
     def read_ahead(self, g: Group) -> Transfer: ...
     def wait_for(self, t: Transfer) -> torch.Tensor: ...
@@ -43,17 +45,15 @@ Key = tuple[int, int]  # (group, forward): see Saved.forwards
 class WeightRef:
     """What autograd holds for a saved view of a relayed weight (see Note [relay schedule])."""
 
-    __slots__ = ("dtype", "generation", "group", "key", "offset", "saved", "size", "stride")
+    __slots__ = ("generation", "geometry", "group", "key", "saved")
 
     def __init__(self, saved: Saved, group: Group, t: torch.Tensor) -> None:
         self.saved = saved
         self.group = group
         self.key = (group.index, saved.forwards)  # a group's refs of one forward are held together
         self.generation = group.generation
-        self.offset = t.storage_offset()
-        self.size = tuple(t.shape)
-        self.stride = tuple(t.stride())
-        self.dtype = t.dtype
+        # dtype, storage offset, sizes, strides: the view backward gets back (Slabs.view)
+        self.geometry = (t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
 
     def __del__(self) -> None:
         # It may run in any thread, within any allocation (a collection), even one made while
@@ -248,7 +248,7 @@ class Saved:
                 self._pending.pop(key, None)
                 self._held.pop(key, None)
                 self._carried.pop(key, None)
-        return _view(slab, ref)
+        return self.relay.slabs.view(slab, ref.geometry)
 
     def _again_view(self, ref: WeightRef) -> torch.Tensor:
         """A ref unpacked again (a second backward through a retained graph): each group is read
@@ -258,7 +258,7 @@ class Saved:
             while len(self._again) >= self.relay.window:
                 del self._again[next(iter(self._again))]
             slab = self._again[ref.key] = self.relay.fetch(ref.group)
-        return _view(slab, ref)
+        return self.relay.slabs.view(slab, ref.geometry)
 
     def _prefetch_backward(self, key: Key) -> None:
         order = self._bwd_order
@@ -271,9 +271,3 @@ class Saved:
                 continue
             if j not in self._held and j not in self._bwd and self._pending.get(j):
                 self._bwd[j] = self.relay.read_ahead(groups[j[0]])
-
-
-def _view(slab: torch.Tensor, ref: WeightRef) -> torch.Tensor:
-    return torch.empty(0, dtype=ref.dtype, device=slab.device).set_(
-        slab.untyped_storage(), ref.offset, ref.size, ref.stride
-    )

@@ -41,6 +41,7 @@ child's writes and the parent's next reads never meet.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -183,7 +184,7 @@ class Slabs:
             with self._lock:  # the pool's count moves with its views: no take reads it between
                 before = use_count(s.mine)
                 try:
-                    if len(s.views) >= 8:  # other groups' layouts of the size: not kept for ever
+                    if len(s.views) >= 64:  # layouts and saved views of the size: not for ever
                         s.views.clear()
                     got = s.views[layout] = make(s.tensor)
                 finally:  # whatever make did, the count is the pool's own again
@@ -191,6 +192,20 @@ class Slabs:
                     if s.wmine == s.mine:  # one mapping (unguarded): one count
                         s.wbase = s.base
         return got
+
+    def view(self, slab: torch.Tensor, geometry: tuple[Any, ...]) -> torch.Tensor:
+        """A new tensor on ``slab`` of ``geometry`` (dtype, storage offset, sizes, strides),
+        made from one kept for the slab (a device copy's: made now). New, so that it holds the
+        slab as long as whoever it is given to keeps it."""
+        key = slab.untyped_storage()._cdata
+        s = self._by_storage.get(key)
+        if s is None or s.mine != key:  # a device copy
+            return _one_view(slab, geometry)[0]
+        got = s.views.get(geometry)
+        if got is None:
+            got = self.views(slab, geometry, functools.partial(_one_view, geometry=geometry))
+            assert got is not None
+        return got[0].detach()
 
     def _slab(self, slab: torch.Tensor) -> Slab | None:
         return self._by_storage.get(slab.untyped_storage()._cdata)
@@ -265,6 +280,15 @@ class Slabs:
             for s in slabs:
                 if s.guarded and not s.free():
                     s.privatize()
+
+
+def _one_view(slab: torch.Tensor, geometry: tuple[Any, ...] | None = None) -> list[torch.Tensor]:
+    dtype, offset, size, stride = geometry  # type: ignore[misc]
+    return [
+        torch.empty(0, dtype=dtype, device=slab.device).set_(
+            slab.untyped_storage(), offset, size, stride
+        )
+    ]
 
 
 _POOLS: weakref.WeakSet[Slabs] = weakref.WeakSet()  # every pool alive, for a fork

@@ -45,7 +45,7 @@ Key = tuple[int, int]  # (group, forward): see Saved.forwards
 class WeightRef:
     """What autograd holds for a saved view of a relayed weight (see Note [relay schedule])."""
 
-    __slots__ = ("generation", "geometry", "group", "key", "saved")
+    __slots__ = ("generation", "geometry", "group", "key", "saved", "unpacked")
 
     def __init__(self, saved: Saved, group: Group, t: torch.Tensor) -> None:
         self.saved = saved
@@ -54,11 +54,13 @@ class WeightRef:
         self.generation = group.generation
         # dtype, storage offset, sizes, strides: the view backward gets back (Slabs.view)
         self.geometry = (t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        self.unpacked = False  # once unpacked, its key's bookkeeping has forgotten it
 
     def __del__(self) -> None:
         # It may run in any thread, within any allocation (a collection), even one made while
         # that thread holds the relay's lock: so it only appends (see Saved._drain).
-        self.saved._dead.append((self.key, id(self)))
+        if not self.unpacked:
+            self.saved._dead.append((self.key, id(self)))
 
 
 class Saved:
@@ -226,7 +228,7 @@ class Saved:
                 "backward would use the new values"
             )
         key = ref.key
-        if id(ref) not in self._pending.get(key, ()):  # unpacked before: a retained graph's
+        if ref.unpacked:  # unpacked before: a retained graph's second backward
             return self._again_view(ref)
         slab = self._held.get(key)
         if slab is None:  # the key's first unpack: read it (or take its prefetch), read ahead
@@ -238,6 +240,7 @@ class Saved:
             self._carried.pop(key, None)
             self.relay.store.swaps += 1
             self._prefetch_backward(key)
+        ref.unpacked = True  # read: its key forgets it here (a failed read leaves it to _drain)
         with self.relay.lock:
             self._drain()
             pending = self._pending.get(key, set())

@@ -20,6 +20,7 @@ part of the model sees:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,7 +28,7 @@ from torch import nn
 from offloadd.io.buffers import round_up
 from offloadd.relay.placeholder import RelayedWeight
 
-__all__ = ["Entry", "Group", "find_groups", "lay_out"]
+__all__ = ["Entry", "Group", "find_groups", "lay_out", "view_of"]
 
 ALIGN = 64
 
@@ -68,16 +69,23 @@ class Group:
     generation: int = 0
     record: object = None  # the store's Record
     released: bool = False  # made resident for good (Note [made resident] in release.py)
-    layout: tuple[object, ...] = ()  # its entries' views: a key for the views a slab keeps
+    layout: tuple[tuple[Any, ...], ...] = ()  # its entries' views: a key for the views a slab keeps
 
     def view(self, slab: torch.Tensor, e: Entry) -> torch.Tensor:
-        return torch.empty(0, dtype=e.dtype, device=slab.device).set_(
-            slab.untyped_storage(), e.offset, e.size, e.stride
-        )
+        return view_of(slab, (e.dtype, e.offset, e.size, e.stride))
 
     def views_of(self, slab: torch.Tensor) -> list[torch.Tensor]:
         """Each entry's view of ``slab``, in entry order."""
-        return [self.view(slab, e) for e in self.entries]
+        return [view_of(slab, geometry) for geometry in self.layout]
+
+
+def view_of(slab: torch.Tensor, geometry: tuple[Any, ...]) -> torch.Tensor:
+    """A new tensor on ``slab``'s storage of ``geometry``: (dtype, storage offset, sizes,
+    strides)."""
+    dtype, offset, size, stride = geometry
+    return torch.empty(0, dtype=dtype, device=slab.device).set_(
+        slab.untyped_storage(), offset, size, stride
+    )
 
 
 def lay_out(group: Group, tensors: list[torch.Tensor]) -> None:

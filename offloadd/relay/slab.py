@@ -151,7 +151,7 @@ class Slab:
         st = self.storages
         return (
             use_count(self.mine) == self.base
-            and use_count(self.wmine) == self.wbase
+            and (not self.guarded or use_count(self.wmine) == self.wbase)  # unguarded: one storage
             and sys.getrefcount(st[0]) + sys.getrefcount(st[1]) == self.held
         )
 

@@ -41,7 +41,6 @@ child's writes and the parent's next reads never meet.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
@@ -51,6 +50,7 @@ from typing import Any
 import torch
 
 from offloadd.io.buffers import ALIGN, round_up
+from offloadd.relay.groups import view_of
 from offloadd.relay.slab import Slab, use_count
 
 try:
@@ -176,36 +176,36 @@ class Slabs:
     def views(self, slab: torch.Tensor, layout: Any, make: Any) -> list[torch.Tensor] | None:
         """The views of ``slab`` a layout takes (``make(tensor)`` makes them), made once a slab
         and kept; None for a tensor that is not a slab of this pool (a device copy)."""
-        s = self._by_storage.get(slab.untyped_storage()._cdata)
-        if s is None or s.mine != slab.untyped_storage()._cdata:
-            return None
-        got = s.views.get(layout)
+        s = self._viewed(slab)
+        return None if s is None else self._kept(s, layout, make)
+
+    def view(self, slab: torch.Tensor, geometry: tuple[Any, ...]) -> torch.Tensor:
+        """A new tensor on ``slab`` of ``geometry`` (dtype, storage offset, sizes, strides),
+        made from one kept for the slab (a device copy's: made now). New, so that it holds the
+        slab as long as whoever it is given to keeps it."""
+        s = self._viewed(slab)
+        if s is None:
+            return view_of(slab, geometry)
+        return self._kept(s, geometry, lambda t: [view_of(t, geometry)])[0].detach()
+
+    def _viewed(self, slab: torch.Tensor) -> Slab | None:
+        """The slab whose read-only mapping (what weights view) ``slab`` is on, or None."""
+        key = slab.untyped_storage()._cdata
+        s = self._by_storage.get(key)
+        return s if s is not None and s.mine == key else None
+
+    def _kept(self, s: Slab, key: Any, make: Any) -> list[torch.Tensor]:
+        got = s.views.get(key)
         if got is None:
             with self._lock:  # the pool's count moves with its views: no take reads it between
                 before = use_count(s.mine)
                 try:
                     if len(s.views) >= 64:  # layouts and saved views of the size: not for ever
                         s.views.clear()
-                    got = s.views[layout] = make(s.tensor)
+                    got = s.views[key] = make(s.tensor)
                 finally:  # whatever make did, the count is the pool's own again
                     s.base += use_count(s.mine) - before
-                    if s.wmine == s.mine:  # one mapping (unguarded): one count
-                        s.wbase = s.base
         return got
-
-    def view(self, slab: torch.Tensor, geometry: tuple[Any, ...]) -> torch.Tensor:
-        """A new tensor on ``slab`` of ``geometry`` (dtype, storage offset, sizes, strides),
-        made from one kept for the slab (a device copy's: made now). New, so that it holds the
-        slab as long as whoever it is given to keeps it."""
-        key = slab.untyped_storage()._cdata
-        s = self._by_storage.get(key)
-        if s is None or s.mine != key:  # a device copy
-            return _one_view(slab, geometry)[0]
-        got = s.views.get(geometry)
-        if got is None:
-            got = self.views(slab, geometry, functools.partial(_one_view, geometry=geometry))
-            assert got is not None
-        return got[0].detach()
 
     def _slab(self, slab: torch.Tensor) -> Slab | None:
         return self._by_storage.get(slab.untyped_storage()._cdata)
@@ -280,15 +280,6 @@ class Slabs:
             for s in slabs:
                 if s.guarded and not s.free():
                     s.privatize()
-
-
-def _one_view(slab: torch.Tensor, geometry: tuple[Any, ...] | None = None) -> list[torch.Tensor]:
-    dtype, offset, size, stride = geometry  # type: ignore[misc]
-    return [
-        torch.empty(0, dtype=dtype, device=slab.device).set_(
-            slab.untyped_storage(), offset, size, stride
-        )
-    ]
 
 
 _POOLS: weakref.WeakSet[Slabs] = weakref.WeakSet()  # every pool alive, for a fork

@@ -132,7 +132,7 @@ def _cost(ours: Row, ref: Row) -> str:
     said = f"{abs(1 - ratio) * 100:.0f} % {'less' if ratio < 1 else 'more'}"
     return (
         f"What it cost: at batch {ours['batch_size']}, offloadd's throughput is "
-        f"{fmt_ratio(ratio, rng).rstrip('~')} plain's without the limit ({said}; in brackets, "
+        f"{fmt_ratio(ratio, rng, mark=False)} plain's without the limit ({said}; in brackets, "
         "the range the timed steps allow)"
         + (
             "; the timed steps' spreads overlap, so this run does not resolve the difference"

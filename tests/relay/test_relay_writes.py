@@ -104,6 +104,18 @@ def test_a_write_by_the_kernel_inside_resident_is_kept(
     offloadd.unrelay(model)
 
 
+def _relayed_beside(
+    config: offloadd.Config, caplog: pytest.LogCaptureFixture
+) -> tuple[nn.Module, nn.Module]:
+    """The same frozen ``Layered`` twice (one seed): as it is, and relayed, its warnings caught."""
+    torch.manual_seed(0)
+    ref = freeze_layers(Layered())
+    torch.manual_seed(0)
+    with caplog.at_level("WARNING", logger="offloadd"):
+        model = offloadd.relay(freeze_layers(Layered()), config=config)
+    return ref, model
+
+
 def test_without_the_guard_resident_writes_back(
     make_relay_config: MakeRelayConfig,
     disk_dir: Path,
@@ -114,11 +126,7 @@ def test_without_the_guard_resident_writes_back(
     changed all the same."""
     monkeypatch.setattr(slabs, "_write_guard", None)
     monkeypatch.setattr(slabs, "_warned", [])
-    torch.manual_seed(0)
-    ref = freeze_layers(Layered())
-    torch.manual_seed(0)
-    with caplog.at_level("WARNING", logger="offloadd"):
-        model = offloadd.relay(freeze_layers(Layered()), config=make_relay_config(disk_dir))
+    ref, model = _relayed_beside(make_relay_config(disk_dir), caplog)
     assert "offloadd.relay._write_guard is not built" in caplog.text
     st = offloadd.relay_stats(model)
     with offloadd.resident(model):
@@ -224,13 +232,9 @@ def test_without_memfd_slabs_are_unguarded(
 
     monkeypatch.setattr(os, "memfd_create", refused)
     monkeypatch.setattr(slabs, "_warned", [])
-    torch.manual_seed(0)
-    ref = freeze_layers(Layered())
-    torch.manual_seed(0)
-    with caplog.at_level("WARNING", logger="offloadd"):
-        model = offloadd.relay(freeze_layers(Layered()), config=make_relay_config(disk_dir))
-        x = torch.randn(3, 16)
-        assert same(step(ref, x, square_loss), step(model, x, square_loss))
+    ref, model = _relayed_beside(make_relay_config(disk_dir), caplog)
+    x = torch.randn(3, 16)
+    assert same(step(ref, x, square_loss), step(model, x, square_loss))
     assert caplog.text.count("cannot be mapped twice here (memfd_create") == 1
     offloadd.unrelay(model)
 

@@ -252,7 +252,7 @@ def format_report(doc: dict[str, Any]) -> str:
         x_none = "-"
         if "x_none" in row:
             rng = quotient_range(lo_hi, none) if lo_hi and none and name != "none" else None
-            x_none = fmt_ratio(row["x_none"], rng).replace("x", "", 1)
+            x_none = fmt_ratio(row["x_none"], rng, unit="")
             said = said or unresolved(rng)
         lines.append(
             f"{name:<12}{row['step_ms']:>10.3f}{rounds:>17}{x_none:>22}"

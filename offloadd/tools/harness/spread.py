@@ -43,9 +43,12 @@ def unresolved(rng: tuple[float, float] | None) -> bool:
     return rng is not None and rng[0] <= 1.0 <= rng[1]
 
 
-def fmt_ratio(ratio: float, rng: tuple[float, float] | None) -> str:
+def fmt_ratio(
+    ratio: float, rng: tuple[float, float] | None, *, unit: str = "x", mark: bool = True
+) -> str:
     """The ratio and its range (``R.RRx (L.LL-H.HH)``), marked ``~`` where the range holds a
-    ratio of one."""
+    ratio of one (``mark``: where the caller says so in words instead)."""
     if rng is None:
-        return f"{ratio:.2f}x"
-    return f"{ratio:.2f}x ({rng[0]:.2f}-{rng[1]:.2f}){'~' if unresolved(rng) else ''}"
+        return f"{ratio:.2f}{unit}"
+    marked = "~" if mark and unresolved(rng) else ""
+    return f"{ratio:.2f}{unit} ({rng[0]:.2f}-{rng[1]:.2f}){marked}"

@@ -1,6 +1,11 @@
-"""``offloadd plan``: the plan a budget gives, for a model and config, without training.
+"""``offloadd plan``: what a model needs, before a training run.
 
-It builds the model with random weights, runs forward and backward (no optimizer step) until the
+Without ``--budget``, it predicts without training (tools/predict/): per strategy, the peak for
+a batch and sequence and the largest batch under ``--memory-limit``, from the model traced on fake
+tensors, and the config it recommends (``--json`` too). ``--hf-config`` takes any causal LM's
+config directory.
+
+With ``--budget``, the plan that budget gives: it builds the model with random weights, runs forward and backward (no optimizer step) until the
 planner has profiled it (a warm-up step, a profile step, one planned step), and prints the plan:
 block, saved bytes, times, decision and predicted cost. ``--json`` also writes it. That is the
 profile's plan: in training, the next steps race it against offloading every block, which may
@@ -19,15 +24,40 @@ from offloadd.auto import InfeasibleBudget, plan_dict, plan_table
 from offloadd.auto.race import RACE_STEPS_MAX, RACE_STEPS_MIN
 from offloadd.auto.solver import OFFLOAD
 from offloadd.cli_dirs import ready_dir, ready_parent
-from offloadd.config import Config
+from offloadd.config import Config, parse_size
 from offloadd.offloader import Offloader
 from offloadd.tools.models.build import MODELS, build_model, default_vocab
+from offloadd.tools.predict.report import PREDICTED
+from offloadd.tools.predict.trace import OPTIMIZERS
 
 __all__ = ["add_arguments", "main"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--budget", required=True, help="a size (6GiB) or a fraction of keep's (0.3x)")
+    p.add_argument(
+        "--budget",
+        help="the budget planner's plan for this budget, a size (6GiB) or a fraction of keep's "
+        "(0.3x), after profiling a few steps; without it: the peaks predicted without training",
+    )
+    p.add_argument(
+        "--hf-config",
+        metavar="DIR",
+        help="instead of --model: the causal LM of a transformers config.json in DIR",
+    )
+    p.add_argument("--memory-limit", help="predict each strategy's largest batch within this size")
+    p.add_argument(
+        "--strategies",
+        default=",".join(PREDICTED),
+        help=f"predicted strategies, from {', '.join(PREDICTED)} (default: all)",
+    )
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="default adamw")
+    p.add_argument(
+        "--allocator",
+        choices=("held", "system"),
+        default="held",
+        help="torch's CPU allocator the run trains on: held (offloadd's host cache, default, as "
+        "offloadd wall runs) or system (glibc's heap: its retention is not predicted)",
+    )
     p.add_argument("--model", choices=MODELS, default="mini-gpt")
     # the model flags of rok and wall (--d-model: this command's old name for --hidden)
     p.add_argument("--layers", type=int, default=12, help="blocks (default 12)")
@@ -51,6 +81,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(ns: argparse.Namespace) -> int:
+    if ns.budget is None:
+        return _predicted(ns)
+    if ns.hf_config is not None:
+        print("offloadd plan: --budget plans the built-in models (--model)", file=sys.stderr)
+        return 2
     try:
         cfg = Config.load(ns.config)
         changes: dict[str, object] = {"budget": ns.budget}
@@ -110,6 +145,60 @@ def main(ns: argparse.Namespace) -> int:
         with open(ns.json, "w", encoding="utf-8") as f:
             json.dump(plan_dict(plan), f, indent=2)
             f.write("\n")
+    return 0
+
+
+def _predicted(ns: argparse.Namespace) -> int:
+    """The peaks predicted without training (tools/predict/report.py)."""
+    from offloadd.tools.predict.peak import predict
+    from offloadd.tools.predict.report import Row, largest_batch, recommend, render, rows_json
+    from offloadd.tools.predict.trace import TraceSpec
+
+    try:
+        limit = parse_size("--memory-limit", ns.memory_limit) if ns.memory_limit else None
+        names = [s.strip() for s in ns.strategies.split(",") if s.strip()]
+        bad = [s for s in names if s not in PREDICTED]
+        if bad or not names:
+            raise ValueError(
+                f"--strategies must list names from {', '.join(PREDICTED)}, got {ns.strategies!r}"
+            )
+        for opt in ("layers", "hidden", "heads", "seq", "batch"):
+            if getattr(ns, opt) <= 0:
+                raise ValueError(f"--{opt} must be positive, got {getattr(ns, opt)}")
+        if ns.hf_config is not None:
+            from offloadd.tools.models.hf_config import check_seq, load_config
+
+            check_seq(load_config(ns.hf_config), ns.seq)
+        if ns.json:
+            ready_parent("--json", ns.json)
+    except (ValueError, ImportError) as e:
+        print(f"offloadd plan: {e}", file=sys.stderr)
+        return 2
+    spec = TraceSpec(
+        model=ns.model,
+        layers=ns.layers,
+        hidden=ns.hidden,
+        heads=ns.heads,
+        vocab=ns.vocab,
+        hf_config=ns.hf_config,
+        optimizer=ns.optimizer,
+        min_bytes=Config.load(ns.config).min_bytes,
+    )
+    allocator = "caching" if ns.allocator == "held" else "system"
+    rows = []
+    for name in names:
+        print(f"offloadd plan: tracing {name}", file=sys.stderr, flush=True)
+        at = predict(spec, name, ns.batch, ns.seq, allocator=allocator)
+        largest = largest_batch(spec, name, ns.seq, limit, allocator=allocator) if limit else None
+        rows.append(Row(name, at, largest))
+    print(render(rows, ns.batch, ns.seq, limit))
+    advice, toml = recommend(rows, ns.batch, limit)
+    print(f"\nrecommended: {advice}")
+    if toml:
+        print(toml, end="")
+    if ns.json:
+        with open(ns.json, "w", encoding="utf-8") as f:
+            f.write(rows_json(rows, spec, ns.batch, ns.seq, limit))
     return 0
 
 

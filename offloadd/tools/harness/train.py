@@ -41,6 +41,7 @@ from offloadd.tools.models.build import build_model
 
 __all__ = [
     "CAP_SHARE",
+    "OWN_CACHE",
     "STRATEGIES",
     "RunFailed",
     "RunSpec",
@@ -54,6 +55,9 @@ __all__ = [
 ]
 
 STRATEGIES = ("none", "keep", "recompute", "ssd", "cpu", "auto", "sac", *PEERS)
+OWN_CACHE = ("none", "recompute", "sac", *PEERS)
+"""The strategies without an Offloader: with ``allocator="caching"`` the run installs the host
+cache itself, so that they train on the allocator offloadd's own strategies use."""
 
 
 def warmup_steps(strategy: str, warmup: int, *, compile: bool) -> int:
@@ -177,7 +181,7 @@ def _run(spec: RunSpec, progress: bool, acquired: list[bool]) -> dict[str, Any]:
     longest = max(warmup, AUTO_WARMUP_MAX) if spec.strategy == "auto" else warmup
     off = None
     # where an Offloader would install it: after the model and its optimizer are built
-    own_cache = spec.allocator == "caching" and spec.strategy in ("none", "recompute")
+    own_cache = spec.allocator == "caching" and spec.strategy in OWN_CACHE
     if own_cache:
         host_allocator.acquire()  # the host cache without an Offloader
         acquired.append(True)

@@ -26,6 +26,7 @@ from offloadd.tools.harness.peers import unavailable
 from offloadd.tools.harness.spread import UNRESOLVED, fmt_ratio, ratio_range
 from offloadd.tools.models.build import MODELS
 from offloadd.tools.wall.points import STRATEGIES, WallSpec, measure, point_line, write_rows
+from offloadd.tools.wall.predicted import Predictor, error_lines
 from offloadd.tools.wall.search import Wall, find_wall
 from offloadd.units import format_bytes
 
@@ -101,6 +102,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="float32",
         choices=("float32", "bfloat16", "float16"),
         help="the model's parameters' dtype (default float32; bfloat16 on a GPU)",
+    )
+    p.add_argument(
+        "--allocator",
+        choices=("held", "system"),
+        default="held",
+        help="torch's CPU allocator on cpu: held (default): offloadd's host cache for every "
+        "strategy, so that a peak is the strategy's, not the allocator's; system: glibc's heap "
+        "where the strategy has no Offloader (as plain PyTorch runs)",
     )
     p.add_argument(
         "--host-memory-limit",
@@ -190,11 +199,23 @@ def _resolve(ns: argparse.Namespace) -> tuple[WallSpec, list[str], int, int, Pat
         device=ns.device,
         dtype=ns.dtype,
         host_limit=host_limit,
+        allocator=_allocator(ns.allocator, ns.device),
     )
     if described is not None:  # the config's sizes, for the title and wall.json
         spec.model, shape = described
         spec.layers, spec.hidden, spec.vocab = shape["layers"], shape["hidden"], shape["vocab"]
     return spec, list(dict.fromkeys(names)), start, most, out
+
+
+def _allocator(choice: str, device: str) -> str:
+    """The runs' ``RunSpec.allocator``: on cpu, ``held`` is the one bench step and the demo hold
+    equal (the host cache where it is built); ``system`` and any GPU run keep each strategy's
+    own."""
+    if choice == "system" or device != "cpu":
+        return "auto"
+    from offloadd.tools.harness.step_trace import cpu_allocator
+
+    return cpu_allocator()
 
 
 _SAID = {"oom": "out of memory", "infeasible": "no plan fits its budget"}
@@ -297,19 +318,21 @@ def main(ns: argparse.Namespace) -> int:
     walls: dict[str, Wall] = {}
     csv_path = out / "wall.csv"
     started = time.time()
+    predictor = Predictor(spec)
     for s in strategies:
 
         def status_of(size: int, s: str = s) -> str:
             batch, seq = (size, spec.seq) if grow == "batch" else (spec.batch, size)
             print(f"  {s} {grow} {size} ...", file=sys.stderr, flush=True)
-            row = measure(spec, s, batch, seq)
+            predicted = predictor(s, batch, seq)
+            row = {**measure(spec, s, batch, seq), "predicted_peak_bytes": predicted}
             rows.append(row)
             write_rows(csv_path, rows)
             print(point_line(row, grow), flush=True)
             return str(row["status"])
 
         walls[s] = find_wall(status_of, start, most, ns.tolerance)
-    lines = _summary(walls, rows, grow)
+    lines = _summary(walls, rows, grow) + error_lines(rows)
     doc = {
         "title": title,
         "grow": grow,

@@ -86,6 +86,7 @@ class WallSpec:
     device: str = "cpu"  # cuda: the limit is the device's memory (a per-process fraction)
     dtype: str = "float32"
     host_limit: int = 0  # on a GPU, a memory cgroup of this many bytes too (0: none)
+    allocator: str = "auto"  # RunSpec.allocator of every point (command.py: --allocator)
 
 
 def measure(
@@ -110,6 +111,7 @@ def measure(
         hf_config=w.hf_config,
         device=w.device,
         dtype=w.dtype,
+        allocator=w.allocator,
     )
     row: dict[str, Any] = {"strategy": strategy, "batch_size": batch, "seq_len": seq}
     on_gpu = w.device.startswith("cuda")
@@ -159,6 +161,9 @@ def point_line(r: dict[str, Any], grow: str) -> str:
     size = r["batch_size"] if grow == "batch" else r["seq_len"]
     head = f"{r['strategy']:>12} {grow} {size:>5}: "
     peak = f"peak {format_bytes(r['peak_bytes'])}" if r.get("peak_bytes") is not None else ""
+    if peak and r.get("predicted_peak_bytes"):
+        off = r["predicted_peak_bytes"] / r["peak_bytes"] - 1
+        peak += f" (predicted {format_bytes(r['predicted_peak_bytes'])}, {off:+.1%})"
     if r["status"] != "ok":
         return head + f"{r['status'].upper()}" + (f", {peak}" if peak else "") + f" ({r['error']})"
     return head + (

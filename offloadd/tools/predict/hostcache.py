@@ -1,0 +1,103 @@
+"""offloadd's host cache replayed over a traced run: the bytes it would keep mapped at its
+peak, live and cached (the policy of Note [host cache] in csrc/host_allocator/host_allocator.cpp,
+with the constants of runtime/host_allocator.py).
+
+An allocation of at least ``MIN_BYTES`` takes a block of its size class: a cached one of that
+class if there is one (the most recently freed), else a new one, after unmapping the blocks freed
+longest ago while live plus cached bytes would pass ``max(FLOOR_BYTES, peak live x (1 + SLACK))``.
+A freed block is cached. Smaller allocations go to glibc's heap, counted as live. Blocks of 2 MiB
+and more are backed by huge pages (the cache advises them), so a block's resident bytes are its
+class rounded up to 2 MiB.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from offloadd.runtime.host_allocator import FLOOR_BYTES, MIN_BYTES, SLACK
+from offloadd.tools.predict.live import Event
+
+__all__ = ["HUGE", "Replay", "footprint_peak", "replay", "resident_bytes", "size_class"]
+
+_PAGE = 4096
+HUGE = 2 << 20
+
+
+def size_class(n: int) -> int:
+    """The block the cache maps for ``n`` bytes: eight classes per power of two, whole pages."""
+    b = (n - 1).bit_length()
+    step = max(1 << (b - 4) if b > 4 else 1, _PAGE)
+    return -(-n // step) * step
+
+
+def resident_bytes(block: int) -> int:
+    """What a block of ``block`` bytes holds resident once written (huge pages from 2 MiB)."""
+    return -(-block // HUGE) * HUGE if block >= HUGE else block
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """The replay's peaks: ``resident`` bytes (everything, the cache's blocks with their huge
+    pages), and the cache's own counters' (size-class bytes): ``live`` and ``footprint``
+    (live plus cached)."""
+
+    resident: int
+    live: int
+    footprint: int
+
+
+def footprint_peak(events: Iterable[Event], *, outside: tuple[str, ...] = ("build",)) -> int:
+    """The most bytes resident at once, live and cached, for ``events`` replayed through the
+    host cache; storages made in a phase of ``outside`` (before the cache was installed) are
+    counted as they are, never cached."""
+    return replay(events, outside=outside).resident
+
+
+def replay(events: Iterable[Event], *, outside: tuple[str, ...] = ("build",)) -> Replay:
+    """``events`` through the host cache (footprint_peak)."""
+    blocks: dict[int, int] = {}  # live key -> its block's size class (0: not the cache's)
+    sizes: dict[int, int] = {}  # live key outside the cache -> its bytes
+    free: dict[int, list[int]] = {}  # size class -> cached blocks' ids, most recent last
+    lru: OrderedDict[int, int] = OrderedDict()  # cached block id -> class, oldest first
+    next_id = 0
+    live = cached = live_peak = 0  # the cache's counters: class bytes
+    resident = peak = footprint = 0  # resident bytes: the cache's blocks and everything else
+    for e in events:
+        if e.nbytes < 0:
+            cls = blocks.pop(e.key, 0)
+            if cls:
+                live -= cls
+                cached += cls
+                free.setdefault(cls, []).append(next_id)
+                lru[next_id] = cls
+                next_id += 1
+            else:
+                resident -= sizes.pop(e.key)
+            continue
+        if e.phase in outside or e.nbytes < MIN_BYTES:
+            blocks[e.key] = 0
+            sizes[e.key] = e.nbytes
+            resident += e.nbytes
+            peak = max(peak, resident)
+            continue
+        cls = size_class(e.nbytes)
+        stack = free.get(cls)
+        if stack:
+            lru.pop(stack.pop())
+            cached -= cls
+        else:
+            resident += resident_bytes(cls)
+            cap = max(FLOOR_BYTES, max(live_peak, live + cls) * (1 + SLACK))
+            while lru and live + cached + cls > cap:
+                old, old_cls = lru.popitem(last=False)
+                free[old_cls].remove(old)
+                cached -= old_cls
+                resident -= resident_bytes(old_cls)
+        live += cls
+        live_peak = max(live_peak, live)
+        footprint = max(footprint, live + cached)
+        blocks[e.key] = cls
+        peak = max(peak, resident)
+    return Replay(resident=peak, live=live_peak, footprint=footprint)

@@ -1,0 +1,116 @@
+"""A run's peak memory, predicted: what the process holds before it builds anything (measured
+once, in a fresh interpreter that imports what a training run imports), plus the traced run's
+peak through the allocator it trains on (the host cache replayed: hostcache.py; glibc's heap:
+the live bytes, since how much more its heap keeps depends on the order of frees).
+
+On CPU that is what a memory cgroup charges a run of ``offloadd wall``: its limit counts
+anonymous memory and the page cache a run brings in, and torch's libraries are in the page cache
+before any run starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from offloadd.tools.predict.hostcache import footprint_peak
+from offloadd.tools.predict.trace import TraceSpec, trace
+
+__all__ = ["UNPREDICTED", "Prediction", "base_bytes", "predict", "traced_as"]
+
+_TRACED_AS = {
+    "plain": "plain",
+    "none": "plain",
+    "keep": "plain",
+    "recompute": "recompute",
+    "sac": "sac",
+    "offload-ssd": "offload",
+    "offload-cpu": "offload",
+    "ssd": "offload",
+    "cpu": "offload",
+}
+
+UNPREDICTED = {
+    "auto": "auto's peak is set by its planner's profile and race steps, which follow measured "
+    "step times (offloadd plan --budget gives its plan's own prediction after profiling)",
+    "compile-budget": "a compiled graph saves what its partitioner picks and reuses buffers as "
+    "inductor plans them; the trace runs eager",
+    "compile-offload": "a compiled graph is not traced",
+    "torchtune-offload": "on a GPU only; device memory is not predicted",
+}
+"""Why a strategy has no prediction."""
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """A predicted peak and its parts (bytes)."""
+
+    peak_bytes: int
+    base_bytes: int  # the interpreter, torch and the libraries, before any tensor
+    weights_bytes: int
+    state_bytes: int  # gradients and optimizer state
+    steps_bytes: int  # the steps' own peak above those: activations and temporaries
+    allocator: str  # "caching" (the host cache replayed) or "system"
+
+
+def traced_as(strategy: str) -> str | None:
+    """What ``strategy`` (a wall or RunSpec name) is traced as, or None (UNPREDICTED says
+    why)."""
+    return _TRACED_AS.get(strategy)
+
+
+@functools.cache
+def base_bytes(spec: TraceSpec) -> int:
+    """Anonymous memory of a fresh interpreter that imported what a run imports, built the model
+    on fake tensors (so the model's code is loaded: transformers loads it on first use) and
+    trained a tiny real step (so torch's threads and kernels are set up): what a run holds before
+    its tensors."""
+    code = (
+        "import json, sys, dataclasses, torch\n"
+        "import offloadd.tools.harness.train\n"
+        "from offloadd.tools.predict.trace import TraceSpec, trace\n"
+        "spec = TraceSpec(**json.loads(sys.argv[1]))\n"
+        "trace(dataclasses.replace(spec, steps=1), 'plain', 1, 8)\n"
+        "lin = torch.nn.Linear(64, 64)\n"
+        "lin(torch.randn(8, 64)).sum().backward()\n"
+        "print(next(int(l.split()[1]) for l in open('/proc/self/status') "
+        "if l.startswith('RssAnon:')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(dataclasses.asdict(spec))],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if out.returncode:
+        tail = out.stderr.strip().splitlines()[-1:] or ["(no output)"]
+        raise RuntimeError(f"measuring the base memory failed: {tail[0]}")
+    return int(out.stdout.split()[-1]) * 1024
+
+
+def predict(
+    spec: TraceSpec, strategy: str, batch: int, seq: int, *, allocator: str = "caching"
+) -> Prediction:
+    """The peak of ``strategy`` (traced_as must know it) at ``batch`` x ``seq``, on
+    ``allocator``: ``caching`` (offloadd's host cache, installed after the model is built) or
+    ``system`` (glibc's heap)."""
+    kind = traced_as(strategy)
+    if kind is None:
+        raise ValueError(f"{strategy}: not predicted: {UNPREDICTED.get(strategy, 'unknown')}")
+    run = trace(spec, kind, batch, seq)
+    weights = run.held.get("build", 0)
+    state = run.held.get("state", 0)
+    steps = footprint_peak(run.events) if allocator == "caching" else run.peak
+    base = base_bytes(spec)
+    return Prediction(
+        peak_bytes=base + steps,
+        base_bytes=base,
+        weights_bytes=weights,
+        state_bytes=state,
+        steps_bytes=max(0, steps - weights - state),
+        allocator=allocator,
+    )

@@ -1,0 +1,179 @@
+"""A training run traced on fake tensors: the model built and trained for a few steps as the
+harness trains it (tools/harness/train.py: AdamW, gradients and optimizer state made before the
+first step), every storage noted (live.py). Nothing is computed and no memory is used, so a
+model of any size traces on a laptop in seconds.
+
+Offloading is traced as an ideal offloader would run: a saved tensor that offloadd would move
+(not a parameter's, its storage at least ``min_bytes``) leaves memory when packed, one copy per
+storage however many tensors share it, and comes back at its first unpack, freed after its last.
+offloadd's prefetch window, staging buffers and writer queue are not in it: measured on the wall
+they stay inside the prediction's error (docs/benchmarks/, the wall page).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from offloadd.tools.models.build import build_model
+from offloadd.tools.predict.live import Event, LiveBytes
+
+__all__ = ["OPTIMIZERS", "STAND_INS", "TRACED", "Traced", "TraceSpec", "trace"]
+
+TRACED = ("plain", "recompute", "sac", "offload")
+"""What can be traced: no hooks, every block checkpointed, selective checkpointing, offloaded."""
+
+OPTIMIZERS = ("adamw", "adam", "sgd", "none")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TraceSpec:
+    """The model, as tools/models/build.py builds it, and how it trains."""
+
+    model: str = "gpt"
+    layers: int = 8
+    hidden: int = 512
+    heads: int = 8
+    vocab: int | None = None
+    hf_config: str | None = None
+    optimizer: str = "adamw"
+    dtype: str = "float32"  # the parameters'
+    steps: int = 3  # the wall's point: 1 warm-up and 2 timed steps
+    min_bytes: int = 1 << 20  # offload: the Config's
+
+
+@dataclass(frozen=True, slots=True)
+class Traced:
+    """One traced run: its events, its peak of live bytes, and what was live at the end by
+    phase (``build``: the weights; ``state``: gradients and optimizer state)."""
+
+    events: list[Event]
+    peak: int
+    held: dict[str, int]
+
+
+def trace(spec: TraceSpec, strategy: str, batch: int, seq: int) -> Traced:
+    """Trace ``strategy`` (one of TRACED) at ``batch`` x ``seq``."""
+    if strategy not in TRACED:
+        raise ValueError(f"strategy must be one of {', '.join(TRACED)}, got {strategy!r}")
+    if spec.optimizer not in OPTIMIZERS:
+        raise ValueError(
+            f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {spec.optimizer!r}"
+        )
+    live = LiveBytes(STAND_INS)
+    with FakeTensorMode(), live:
+        torch.manual_seed(0)
+        built = build_model(
+            spec.model,
+            num_layers=spec.layers,
+            d_model=spec.hidden,
+            num_heads=spec.heads,
+            seq_len=seq,
+            vocab_size=spec.vocab,
+            recompute=strategy in ("recompute", "sac"),
+            selective=strategy == "sac",
+            hf_config=spec.hf_config,
+        )
+        if spec.dtype != "float32":  # as the harness does, after building
+            built.module.to(dtype=getattr(torch, spec.dtype))
+        params = list(built.module.parameters())
+        live.phase = "state"
+        opt = _optimizer(spec.optimizer, params)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        if opt is not None:
+            opt.step()
+        live.phase = "step"
+        offload = strategy == "offload"
+        for _ in range(spec.steps):
+            x = torch.randint(0, built.vocab_size, (batch, seq + 1))
+            with _offloaded(params, spec.min_bytes) if offload else contextlib.nullcontext():
+                loss = built.loss(x[:, :-1], x[:, 1:])
+            loss.backward()
+            del loss, x
+            if opt is not None:
+                opt.step()
+                opt.zero_grad(set_to_none=False)
+        held = live.live_by_phase()
+    return Traced(live.events, live.peak, held)
+
+
+def _grouped_mm(*args: Any, **kwargs: Any) -> Any:
+    """aten._grouped_mm on fake tensors of any float type: its meta function takes bfloat16
+    only, while the CPU kernel (a mixture of experts' layers in transformers) takes float32 too.
+    The output's shape is the same; its dtype is the inputs'."""
+    dtype = args[0].dtype
+    cast = [
+        a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+        for a in args
+    ]
+    out: torch.Tensor = torch.ops.aten._grouped_mm.default(*cast, **kwargs)
+    return out.to(dtype)
+
+
+STAND_INS = {torch.ops.aten._grouped_mm.default: _grouped_mm}
+"""Ops whose fake-tensor implementation refuses what the real kernel runs."""
+
+
+def _optimizer(name: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer | None:
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=1e-3)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+    return None
+
+
+_numbers = itertools.count()
+
+
+@contextlib.contextmanager
+def _offloaded(
+    params: list[torch.nn.Parameter], min_bytes: int, brought: list[int] | None = None
+) -> Iterator[None]:
+    """Saved-tensor hooks that drop what offloadd would move and make it again when unpacked
+    (``brought``: each copy back's bytes are appended to it)."""
+    kept = {p.untyped_storage()._cdata for p in params}
+    # A storage's address is reused once it is freed, so an offloaded one is known by a weak
+    # reference to it while it lives, and by a number of its own after.
+    known: dict[int, tuple[weakref.ref[torch.UntypedStorage], int]] = {}
+    away: dict[int, list[Any]] = {}  # number -> [unpacks left, its copy back or None, bytes]
+
+    def pack(t: torch.Tensor) -> Any:
+        st = t.untyped_storage()
+        if st.nbytes() < min_bytes or st._cdata in kept:
+            return t
+        ref, key = known.get(st._cdata, (None, -1))
+        if ref is None or ref() is not st:
+            key = next(_numbers)
+            known[st._cdata] = (weakref.ref(st), key)
+        entry = away.setdefault(key, [0, None, st.nbytes()])
+        entry[0] += 1
+        return (key, t.shape, t.stride(), t.dtype, t.storage_offset())
+
+    def unpack(packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        key, shape, stride, dtype, offset = packed
+        entry = away[key]
+        if entry[1] is None:
+            entry[1] = torch.empty(entry[2], dtype=torch.uint8)
+            if brought is not None:
+                brought.append(entry[2])
+        back = entry[1]
+        entry[0] -= 1
+        if entry[0] == 0:
+            del away[key]
+        out: torch.Tensor = back.view(dtype).as_strided(shape, stride, offset)
+        return out
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield

@@ -1,0 +1,78 @@
+"""The wall's predictions: each point's peak as ``offloadd plan`` predicts it, without training
+(tools/predict/), beside the measured one, and how far apart they are over the ok points."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from offloadd.tools.predict.peak import UNPREDICTED, predict, traced_as
+from offloadd.tools.predict.trace import TraceSpec
+from offloadd.tools.wall.points import STRATEGIES, WallSpec
+
+__all__ = ["TARGET", "Predictor", "error_lines"]
+
+TARGET = 0.15
+"""The issue's bound on a prediction's error, as a share of the measured peak."""
+
+
+class Predictor:
+    """``predictor(strategy, batch, seq)``: the predicted peak in bytes, or None where the
+    strategy is not predicted (said once per strategy) or on a GPU (device memory is not)."""
+
+    def __init__(self, w: WallSpec) -> None:
+        self.on = w.device == "cpu"
+        self.allocator = "caching" if w.allocator == "caching" else "system"
+        self.spec = TraceSpec(
+            model=w.model,
+            layers=w.layers,
+            hidden=w.hidden,
+            heads=w.heads,
+            vocab=w.vocab,
+            hf_config=w.hf_config,
+            dtype=w.dtype,
+            steps=min(3, w.warmup + w.steps),
+        )
+        self._said: set[str] = set()
+
+    def __call__(self, strategy: str, batch: int, seq: int) -> int | None:
+        kind = traced_as(STRATEGIES[strategy])
+        if not self.on or kind is None:
+            if self.on:
+                self._say(strategy, UNPREDICTED.get(strategy, "not traced"))
+            return None
+        try:
+            run = STRATEGIES[strategy]
+            return predict(self.spec, run, batch, seq, allocator=self.allocator).peak_bytes
+        except Exception as e:  # a model the trace cannot run: measured all the same
+            self._say(strategy, f"the trace failed: {type(e).__name__}: {e}"[:300])
+            return None
+
+    def _say(self, strategy: str, why: str) -> None:
+        if strategy not in self._said:
+            self._said.add(strategy)
+            print(f"offloadd wall: {strategy} has no prediction: {why}", file=sys.stderr)
+
+
+def error_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The predictions' error over the ok points: the largest, and each point past TARGET."""
+    errs = [
+        (r["predicted_peak_bytes"] / r["peak_bytes"] - 1, r)
+        for r in rows
+        if r["status"] == "ok" and r.get("predicted_peak_bytes") and r.get("peak_bytes")
+    ]
+    if not errs:
+        return []
+    worst = max(errs, key=lambda e: abs(e[0]))
+    lines = [
+        f"prediction: within {abs(worst[0]):.1%} of the measured peak at all {len(errs)} ok "
+        f"point(s) predicted (worst: {worst[1]['strategy']} at batch {worst[1]['batch_size']}, "
+        f"seq {worst[1]['seq_len']})"
+    ]
+    lines += [
+        f"  {r['strategy']} batch {r['batch_size']} seq {r['seq_len']}: predicted {e:+.1%} off, "
+        f"past the {TARGET:.0%} target"
+        for e, r in errs
+        if abs(e) > TARGET
+    ]
+    return lines

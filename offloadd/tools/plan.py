@@ -150,7 +150,7 @@ def main(ns: argparse.Namespace) -> int:
 
 def _predicted(ns: argparse.Namespace) -> int:
     """The peaks predicted without training (tools/predict/report.py)."""
-    from offloadd.tools.predict.peak import predict
+    from offloadd.tools.predict.peak import predict, predict_auto
     from offloadd.tools.predict.report import Row, largest_batch, recommend, render, rows_json
     from offloadd.tools.predict.trace import TraceSpec
 
@@ -186,10 +186,18 @@ def _predicted(ns: argparse.Namespace) -> int:
     )
     allocator = "caching" if ns.allocator == "held" else "system"
     rows = []
+    if limit is None and "auto" in names:
+        print("offloadd plan: auto is predicted inside a --memory-limit only", file=sys.stderr)
+        names.remove("auto")
     for name in names:
         print(f"offloadd plan: tracing {name}", file=sys.stderr, flush=True)
-        at = predict(spec, name, ns.batch, ns.seq, allocator=allocator)
-        largest = largest_batch(spec, name, ns.seq, limit, allocator=allocator) if limit else None
+        if name == "auto":  # inside the limit; at its wall it offloads every block
+            assert limit is not None
+            at = predict_auto(spec, ns.batch, ns.seq, limit, allocator=allocator)
+            traced = "offload-ssd"
+        else:
+            at, traced = predict(spec, name, ns.batch, ns.seq, allocator=allocator), name
+        largest = largest_batch(spec, traced, ns.seq, limit, allocator=allocator) if limit else None
         rows.append(Row(name, at, largest))
     print(render(rows, ns.batch, ns.seq, limit))
     advice, toml = recommend(rows, ns.batch, limit)

@@ -200,7 +200,7 @@ def test_plan_predicts_each_strategy_and_its_largest_batch(
 def test_plan_names_what_it_cannot_predict(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert cli.main(["plan", "--strategies", "auto"]) == 2
+    assert cli.main(["plan", "--strategies", "compile-budget"]) == 2
     assert "--strategies must list names from plain" in capsys.readouterr().err
     assert cli.main(["plan", "--memory-limit", "lots"]) == 2
     assert "--memory-limit" in capsys.readouterr().err
@@ -209,3 +209,24 @@ def test_plan_names_what_it_cannot_predict(
     assert "--budget plans the built-in models" in capsys.readouterr().err
     assert cli.main(["plan", "--hf-config", cfg, "--seq", "4096"]) == 2
     assert "max_position_embeddings (512)" in capsys.readouterr().err
+
+
+def test_auto_inside_a_limit_is_predicted_by_its_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """plain's peak where keeping every block fits the budget, offload's where offloading every
+    block needs more than it, and the budget's in between."""
+    from offloadd.tools.harness.train import CAP_SHARE
+    from offloadd.tools.predict import peak
+
+    def made(plain: int, offload: int) -> Any:
+        def fake(spec: TraceSpec, strategy: str, batch: int, seq: int, **kw: Any) -> Any:
+            steps = {"plain": plain, "offload-ssd": offload}[strategy]
+            return peak.Prediction(1000 + steps, 400, 100, 300, steps - 400, "caching")
+
+        return fake
+
+    limit, held = 3000, 800
+    budgeted = held + int(CAP_SHARE * (limit - held))
+    cases = [((900, 500), 1900), ((2500, 600), budgeted), ((2500, 2000), 3000)]
+    for (plain, offload), want in cases:
+        monkeypatch.setattr(peak, "predict", made(plain, offload))
+        assert peak.predict_auto(MINI_SPEC, 1, 1, limit).peak_bytes == want

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from offloadd.tools.predict.hostcache import footprint_peak
 from offloadd.tools.predict.trace import TraceSpec, trace
 
-__all__ = ["UNPREDICTED", "Prediction", "base_bytes", "predict", "traced_as"]
+__all__ = ["UNPREDICTED", "Prediction", "base_bytes", "predict", "predict_auto", "traced_as"]
 
 _TRACED_AS = {
     "plain": "plain",
@@ -35,8 +35,8 @@ _TRACED_AS = {
 }
 
 UNPREDICTED = {
-    "auto": "auto's peak is set by its planner's profile and race steps, which follow measured "
-    "step times (offloadd plan --budget gives its plan's own prediction after profiling)",
+    "auto": "auto is predicted inside a memory limit only (its budget is a share of what the "
+    "limit leaves)",
     "compile-budget": "a compiled graph saves what its partitioner picks and reuses buffers as "
     "inductor plans them; the trace runs eager",
     "compile-offload": "a compiled graph is not traced",
@@ -92,6 +92,7 @@ def base_bytes(spec: TraceSpec) -> int:
     return int(out.stdout.split()[-1]) * 1024
 
 
+@functools.lru_cache(maxsize=256)
 def predict(
     spec: TraceSpec, strategy: str, batch: int, seq: int, *, allocator: str = "caching"
 ) -> Prediction:
@@ -114,3 +115,25 @@ def predict(
         steps_bytes=max(0, steps - weights - state),
         allocator=allocator,
     )
+
+
+def predict_auto(
+    spec: TraceSpec, batch: int, seq: int, limit: int, *, allocator: str = "caching"
+) -> Prediction:
+    """auto inside a memory limit, as ``offloadd wall`` runs it: its budget is ``CAP_SHARE`` of
+    what the limit leaves once the model and its state exist, and its plans keep what the budget
+    holds. So its peak is the budget's, unless offloading every block needs more (then it is
+    offload's), or keeping every block needs less (then it is plain's). Which blocks its planner
+    keeps follows measured step times, so where a plan keeps less than its budget the peak is
+    lower than predicted."""
+    from offloadd.tools.harness.train import CAP_SHARE
+
+    plain = predict(spec, "plain", batch, seq, allocator=allocator)
+    held = plain.base_bytes + plain.weights_bytes + plain.state_bytes
+    if plain.peak_bytes <= held + CAP_SHARE * (limit - held):
+        return plain
+    offload = predict(spec, "offload-ssd", batch, seq, allocator=allocator)
+    budgeted = held + int(CAP_SHARE * (limit - held))
+    if offload.peak_bytes >= budgeted:
+        return offload
+    return dataclasses.replace(offload, peak_bytes=budgeted, steps_bytes=budgeted - held)

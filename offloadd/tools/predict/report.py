@@ -20,8 +20,8 @@ from offloadd.units import format_bytes
 
 __all__ = ["PREDICTED", "Row", "largest_batch", "recommend", "render", "rows_json"]
 
-PREDICTED = ("plain", "recompute", "sac", "offload-ssd")
-"""The strategies ``offloadd plan`` predicts by default (offload-cpu traces as offload-ssd)."""
+PREDICTED = ("plain", "recompute", "sac", "offload-ssd", "auto")
+"""The strategies ``offloadd plan`` predicts by default (auto inside a limit only)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -92,6 +92,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-plot", action="store_true", help="skip wall.png (no matplotlib needed)")
     p.add_argument(
+        "--no-predict",
+        action="store_true",
+        help="leave predicted_peak_bytes empty (saves a trace of a few seconds per point)",
+    )
+    p.add_argument(
         "--device",
         default="cpu",
         help="cpu (default; the limit is a memory cgroup) or cuda (the limit is device memory: "
@@ -318,7 +323,7 @@ def main(ns: argparse.Namespace) -> int:
     walls: dict[str, Wall] = {}
     csv_path = out / "wall.csv"
     started = time.time()
-    predictor = Predictor(spec)
+    predictor = Predictor(spec, on=not ns.no_predict)
     for s in strategies:
 
         def status_of(size: int, s: str = s) -> str:

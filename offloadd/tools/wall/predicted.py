@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from offloadd.tools.predict.peak import UNPREDICTED, predict, traced_as
+from offloadd.tools.predict.peak import UNPREDICTED, predict, predict_auto, traced_as
 from offloadd.tools.predict.trace import TraceSpec
 from offloadd.tools.wall.points import STRATEGIES, WallSpec
 
@@ -18,10 +18,12 @@ TARGET = 0.15
 
 class Predictor:
     """``predictor(strategy, batch, seq)``: the predicted peak in bytes, or None where the
-    strategy is not predicted (said once per strategy) or on a GPU (device memory is not)."""
+    strategy is not predicted (said once per strategy), on a GPU (device memory is not), or
+    where ``on`` is false."""
 
-    def __init__(self, w: WallSpec) -> None:
-        self.on = w.device == "cpu"
+    def __init__(self, w: WallSpec, *, on: bool = True) -> None:
+        self.on = on and w.device == "cpu"
+        self.limit = w.limit
         self.allocator = "caching" if w.allocator == "caching" else "system"
         self.spec = TraceSpec(
             model=w.model,
@@ -37,6 +39,8 @@ class Predictor:
 
     def __call__(self, strategy: str, batch: int, seq: int) -> int | None:
         kind = traced_as(STRATEGIES[strategy])
+        if self.on and strategy == "auto":
+            return self._auto(batch, seq)
         if not self.on or kind is None:
             if self.on:
                 self._say(strategy, UNPREDICTED.get(strategy, "not traced"))
@@ -46,6 +50,15 @@ class Predictor:
             return predict(self.spec, run, batch, seq, allocator=self.allocator).peak_bytes
         except Exception as e:  # a model the trace cannot run: measured all the same
             self._say(strategy, f"the trace failed: {type(e).__name__}: {e}"[:300])
+            return None
+
+    def _auto(self, batch: int, seq: int) -> int | None:
+        try:
+            return predict_auto(
+                self.spec, batch, seq, self.limit, allocator=self.allocator
+            ).peak_bytes
+        except Exception as e:
+            self._say("auto", f"the trace failed: {type(e).__name__}: {e}"[:300])
             return None
 
     def _say(self, strategy: str, why: str) -> None:

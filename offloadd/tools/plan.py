@@ -150,18 +150,22 @@ def main(ns: argparse.Namespace) -> int:
 
 def _predicted(ns: argparse.Namespace) -> int:
     """The peaks predicted without training (tools/predict/report.py)."""
-    from offloadd.tools.predict.peak import predict, predict_auto
-    from offloadd.tools.predict.report import Row, largest_batch, recommend, render, rows_json
+    from offloadd.tools.predict.report import predict_rows, recommend, render, rows_json
     from offloadd.tools.predict.trace import TraceSpec
 
     try:
         limit = parse_size("--memory-limit", ns.memory_limit) if ns.memory_limit else None
-        names = [s.strip() for s in ns.strategies.split(",") if s.strip()]
+        names = list(dict.fromkeys(s.strip() for s in ns.strategies.split(",") if s.strip()))
         bad = [s for s in names if s not in PREDICTED]
         if bad or not names:
             raise ValueError(
                 f"--strategies must list names from {', '.join(PREDICTED)}, got {ns.strategies!r}"
             )
+        if limit is None and "auto" in names:
+            print("offloadd plan: auto is predicted inside a --memory-limit only", file=sys.stderr)
+            names.remove("auto")
+            if not names:
+                raise ValueError("--strategies auto needs --memory-limit")
         for opt in ("layers", "hidden", "heads", "seq", "batch"):
             if getattr(ns, opt) <= 0:
                 raise ValueError(f"--{opt} must be positive, got {getattr(ns, opt)}")
@@ -169,9 +173,12 @@ def _predicted(ns: argparse.Namespace) -> int:
             from offloadd.tools.models.hf_config import check_seq, load_config
 
             check_seq(load_config(ns.hf_config), ns.seq)
+        elif ns.hidden % ns.heads:
+            raise ValueError(f"--heads ({ns.heads}) must divide --hidden ({ns.hidden})")
+        min_bytes = Config.load(ns.config).min_bytes
         if ns.json:
             ready_parent("--json", ns.json)
-    except (ValueError, ImportError) as e:
+    except (ValueError, ImportError, OSError) as e:
         print(f"offloadd plan: {e}", file=sys.stderr)
         return 2
     spec = TraceSpec(
@@ -182,23 +189,13 @@ def _predicted(ns: argparse.Namespace) -> int:
         vocab=ns.vocab,
         hf_config=ns.hf_config,
         optimizer=ns.optimizer,
-        min_bytes=Config.load(ns.config).min_bytes,
+        min_bytes=min_bytes,
     )
-    allocator = "caching" if ns.allocator == "held" else "system"
-    rows = []
-    if limit is None and "auto" in names:
-        print("offloadd plan: auto is predicted inside a --memory-limit only", file=sys.stderr)
-        names.remove("auto")
-    for name in names:
-        print(f"offloadd plan: tracing {name}", file=sys.stderr, flush=True)
-        if name == "auto":  # inside the limit; at its wall it offloads every block
-            assert limit is not None
-            at = predict_auto(spec, ns.batch, ns.seq, limit, allocator=allocator)
-            traced = "offload-ssd"
-        else:
-            at, traced = predict(spec, name, ns.batch, ns.seq, allocator=allocator), name
-        largest = largest_batch(spec, traced, ns.seq, limit, allocator=allocator) if limit else None
-        rows.append(Row(name, at, largest))
+    try:
+        rows = predict_rows(spec, names, ns.batch, ns.seq, limit, held=ns.allocator == "held")
+    except Exception as e:  # a model the trace cannot run, or the base not measured
+        print(f"offloadd plan: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     print(render(rows, ns.batch, ns.seq, limit))
     advice, toml = recommend(rows, ns.batch, limit)
     print(f"\nrecommended: {advice}")

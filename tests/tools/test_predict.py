@@ -10,6 +10,7 @@ import csv
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from offloadd.tools.models.build import build_model
 from offloadd.tools.predict.hostcache import replay, size_class
 from offloadd.tools.predict.live import LiveBytes
 from offloadd.tools.predict.peak import predict
+from offloadd.tools.predict.report import MOST, Row, largest_batch, recommend
 from offloadd.tools.predict.trace import TraceSpec, _offloaded, trace
 from tests._support.cgroup import memory_cgroup
 
@@ -37,9 +39,9 @@ def _real_counters(strategy: str) -> list[int]:
     """The host cache's peaks (live, and live plus cached) after the harness's steps for real,
     in a fresh process (the counters are the process's): built, then the cache, gradients and
     AdamW's state, then three steps at batch 8."""
-    code = f"from tests.tools.test_predict import _train; print(*_train({strategy!r}))"
+    code = "import sys; from tests.tools.test_predict import _train; print(*_train(sys.argv[1]))"
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+        [sys.executable, "-c", code, strategy], capture_output=True, text=True, check=True, cwd=ROOT
     )
     return [int(v) for v in out.stdout.split()[-2:]]
 
@@ -76,9 +78,8 @@ def test_the_host_cache_replayed_over_the_trace_gives_the_real_caches_counters(
     """The fake run asks for the same storages as the real one, in the same order: replayed
     through the cache's policy, its peaks of live and of live plus cached bytes are the real
     cache's, byte for byte."""
-    real = _real_counters(strategy)
     traced = replay(trace(MINI_SPEC, strategy, 8, 128).events)
-    assert [traced.live, traced.footprint] == real
+    assert [traced.live, traced.footprint] == _real_counters(strategy)
 
 
 def test_size_classes_are_the_caches() -> None:
@@ -163,7 +164,7 @@ def test_the_walls_peaks_are_predicted_within_15_percent(tmp_path: Path) -> None
     model, its state and the steps) against the prediction beside it in wall.csv."""
     model = ["--model", "mini-gpt", "--layers", "4", "--hidden", "256", "--heads", "4"]
     model += ["--seq", "256", "--vocab", "512"]
-    _within(_wall(tmp_path, model, "plain,recompute,offload-ssd", 16, "1GiB"), 0.15)
+    _within(_wall(tmp_path, model, "plain,offload-ssd", 16, "1GiB"), 0.15)
 
 
 @pytest.mark.slow
@@ -179,19 +180,19 @@ def test_plan_predicts_each_strategy_and_its_largest_batch(
     cfg = _config(tmp_path, "llama")
     out = tmp_path / "plan.json"
     args = ["plan", "--hf-config", cfg, "--seq", "512", "--batch", "8"]
-    args += ["--strategies", "plain,recompute,offload-ssd"]
+    args += ["--strategies", "plain,recompute"]
     assert cli.main([*args, "--memory-limit", "400MiB", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "largest batch in 400.0 MiB" in printed and "recommended:" in printed
     doc = json.loads(out.read_text())
     rows = doc["strategies"]
-    assert list(rows) == ["plain", "recompute", "offload-ssd"]
+    assert list(rows) == ["plain", "recompute"]
     assert all(r["peak_bytes"] > r["base_bytes"] + r["weights_bytes"] for r in rows.values())
     assert rows["recompute"]["peak_bytes"] < rows["plain"]["peak_bytes"]
     largest = {s: r["largest_batch"] for s, r in rows.items()}
     assert largest["recompute"] > largest["plain"] >= 1, largest
     n = largest["plain"]  # it fits, and the next batch does not, as predicted
-    spec = TraceSpec(hf_config=cfg)
+    spec = TraceSpec(**doc["spec"])
     assert predict(spec, "plain", n, 512).peak_bytes <= 400 * MIB
     assert predict(spec, "plain", n + 1, 512).peak_bytes > 400 * MIB
     assert doc["recommendation"]["advice"]
@@ -202,6 +203,10 @@ def test_plan_names_what_it_cannot_predict(
 ) -> None:
     assert cli.main(["plan", "--strategies", "compile-budget"]) == 2
     assert "--strategies must list names from plain" in capsys.readouterr().err
+    assert cli.main(["plan", "--strategies", "auto,auto"]) == 2
+    assert "--strategies auto needs --memory-limit" in capsys.readouterr().err
+    assert cli.main(["plan", "--hidden", "100", "--heads", "3"]) == 2
+    assert "--heads (3) must divide --hidden (100)" in capsys.readouterr().err
     assert cli.main(["plan", "--memory-limit", "lots"]) == 2
     assert "--memory-limit" in capsys.readouterr().err
     cfg = _config(tmp_path, "gpt2")
@@ -213,20 +218,68 @@ def test_plan_names_what_it_cannot_predict(
 
 def test_auto_inside_a_limit_is_predicted_by_its_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     """plain's peak where keeping every block fits the budget, offload's where offloading every
-    block needs more than it, and the budget's in between."""
+    block needs more than it, and the budget's in between; the budget is the harness's, a share
+    of what the limit leaves below the RSS (file-backed pages included)."""
     from offloadd.tools.harness.train import CAP_SHARE
     from offloadd.tools.predict import peak
 
     def made(plain: int, offload: int) -> Any:
         def fake(spec: TraceSpec, strategy: str, batch: int, seq: int, **kw: Any) -> Any:
             steps = {"plain": plain, "offload-ssd": offload}[strategy]
-            return peak.Prediction(1000 + steps, 400, 100, 300, steps - 400, "caching")
+            return peak.Prediction(800 + steps, 400, 50, 100, 300, steps, "caching")
 
         return fake
 
     limit, held = 3000, 800
-    budgeted = held + int(CAP_SHARE * (limit - held))
-    cases = [((900, 500), 1900), ((2500, 600), budgeted), ((2500, 2000), 3000)]
+    budget = int(CAP_SHARE * (limit - held - 50))
+    cases = [((900, 500), 1700), ((2500, 600), held + budget), ((2500, 2000), 2800)]
     for (plain, offload), want in cases:
         monkeypatch.setattr(peak, "predict", made(plain, offload))
         assert peak.predict_auto(MINI_SPEC, 1, 1, limit).peak_bytes == want
+
+
+@pytest.mark.parametrize("wall", [0, 1, 2, 3, 17, 1000])
+@pytest.mark.parametrize("shape", ["linear", "sublinear", "superlinear"])
+def test_the_largest_batch_is_found_from_a_few_peaks(wall: int, shape: str) -> None:
+    grow = {"linear": lambda b: b, "sublinear": lambda b: b**0.5, "superlinear": lambda b: b**2}
+    asked: list[int] = []
+
+    def peak_of(batch: int) -> int:
+        asked.append(batch)
+        return int(1000 + 100 * grow[shape](batch))
+
+    limit = peak_of(wall) if wall else 1000
+    assert largest_batch(peak_of, limit) == wall
+    assert largest_batch(peak_of, 1 << 40) == MOST
+    assert len(set(asked)) < 64
+
+
+def test_the_recommended_config_loads() -> None:
+    from offloadd.config import Config
+    from offloadd.tools.predict.peak import Prediction
+
+    def row(name: str, peak: int) -> Row:
+        return Row(
+            name, Prediction(peak, 300 * MIB, 90 * MIB, 100 * MIB, 300 * MIB, 0, "caching"), 4
+        )
+
+    limit = 2 << 30
+    advice, toml = recommend([row("plain", 3 << 30), row("offload-ssd", 1 << 30)], 8, limit)
+    assert "tier ssd with a budget" in advice
+    path = Path(tempfile.mkdtemp()) / "offload.toml"
+    path.write_text(toml)
+    cfg = Config.load(path, environ={})
+    assert cfg.tier == "ssd" and 0 < cfg.budget < limit
+    advice, toml = recommend([row("plain", 1 << 30), row("offload-ssd", 1 << 29)], 8, limit)
+    assert "no offloading needed" in advice and not toml
+    advice, toml = recommend([row("plain", 3 << 30), row("offload-ssd", 3 << 30)], 8, limit)
+    assert "does not fit" in advice and not toml
+
+
+def test_tier_cpu_moves_nothing_on_a_cpu_machine_and_is_predicted_as_plain() -> None:
+    from offloadd.tools.predict.peak import allocator_of, traced_as
+
+    assert traced_as("offload-cpu") == traced_as("plain") == "plain"
+    assert traced_as("offload-ssd") == "offload" and traced_as("compile-budget") is None
+    assert allocator_of("plain", held=False) == "system"
+    assert allocator_of("offload-ssd", held=False) == allocator_of("plain", held=True) == "caching"

@@ -5,9 +5,9 @@ with the constants of runtime/host_allocator.py).
 An allocation of at least ``MIN_BYTES`` takes a block of its size class: a cached one of that
 class if there is one (the most recently freed), else a new one, after unmapping the blocks freed
 longest ago while live plus cached bytes would pass ``max(FLOOR_BYTES, peak live x (1 + SLACK))``.
-A freed block is cached. Smaller allocations go to glibc's heap, counted as live. Blocks of 2 MiB
-and more are backed by huge pages (the cache advises them), so a block's resident bytes are its
-class rounded up to 2 MiB.
+A freed block is cached. Smaller allocations go to glibc's heap, counted as live. A block's
+resident bytes are its class: the cache maps no page past it (huge pages, which it advises from
+2 MiB, cover the block's aligned whole 2 MiB only), and a training step writes its tensors whole.
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ from dataclasses import dataclass
 from offloadd.runtime.host_allocator import FLOOR_BYTES, MIN_BYTES, SLACK
 from offloadd.tools.predict.live import Event
 
-__all__ = ["HUGE", "Replay", "footprint_peak", "replay", "resident_bytes", "size_class"]
+__all__ = ["Replay", "footprint_peak", "replay", "size_class"]
 
 _PAGE = 4096
-HUGE = 2 << 20
 
 
 def size_class(n: int) -> int:
@@ -32,16 +31,11 @@ def size_class(n: int) -> int:
     return -(-n // step) * step
 
 
-def resident_bytes(block: int) -> int:
-    """What a block of ``block`` bytes holds resident once written (huge pages from 2 MiB)."""
-    return -(-block // HUGE) * HUGE if block >= HUGE else block
-
-
 @dataclass(frozen=True, slots=True)
 class Replay:
-    """The replay's peaks: ``resident`` bytes (everything, the cache's blocks with their huge
-    pages), and the cache's own counters' (size-class bytes): ``live`` and ``footprint``
-    (live plus cached)."""
+    """The replay's peaks: ``resident`` bytes (the cache's blocks, live and cached, and the
+    allocations outside it), and the cache's own counters' (size-class bytes): ``live`` and
+    ``footprint`` (live plus cached)."""
 
     resident: int
     live: int
@@ -88,13 +82,13 @@ def replay(events: Iterable[Event], *, outside: tuple[str, ...] = ("build",)) ->
             lru.pop(stack.pop())
             cached -= cls
         else:
-            resident += resident_bytes(cls)
+            resident += cls
             cap = max(FLOOR_BYTES, max(live_peak, live + cls) * (1 + SLACK))
             while lru and live + cached + cls > cap:
                 old, old_cls = lru.popitem(last=False)
                 free[old_cls].remove(old)
                 cached -= old_cls
-                resident -= resident_bytes(old_cls)
+                resident -= old_cls
         live += cls
         live_peak = max(live_peak, live)
         footprint = max(footprint, live + cached)

@@ -3,7 +3,8 @@
 :class:`LiveBytes` is a dispatch mode: each op's outputs' storages are noted when first seen,
 with their size and the phase the trace is in, and a finalizer notes when one is freed. That
 is what torch's allocator would be asked for, op by op; temporaries a kernel allocates inside
-itself (below the dispatcher) are not seen.
+itself (below the dispatcher) are not seen, nor are sparse outputs, nor a storage's resize after
+it was first seen.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class LiveBytes(TorchDispatchMode):
     ) -> Any:
         out = self.stand_ins.get(func, func)(*args, **(kwargs or {}))
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and t.layout is torch.strided:
                 self.note(t)
         return out
 

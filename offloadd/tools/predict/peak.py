@@ -20,7 +20,16 @@ from dataclasses import dataclass
 from offloadd.tools.predict.hostcache import footprint_peak
 from offloadd.tools.predict.trace import TraceSpec, trace
 
-__all__ = ["UNPREDICTED", "Prediction", "base_bytes", "predict", "predict_auto", "traced_as"]
+__all__ = [
+    "UNPREDICTED",
+    "Prediction",
+    "allocator_of",
+    "base_bytes",
+    "cap_budget",
+    "predict",
+    "predict_auto",
+    "traced_as",
+]
 
 _TRACED_AS = {
     "plain": "plain",
@@ -29,9 +38,9 @@ _TRACED_AS = {
     "recompute": "recompute",
     "sac": "sac",
     "offload-ssd": "offload",
-    "offload-cpu": "offload",
     "ssd": "offload",
-    "cpu": "offload",
+    "offload-cpu": "plain",  # predictions are a CPU machine's, where tier cpu moves nothing
+    "cpu": "plain",
 }
 
 UNPREDICTED = {
@@ -51,6 +60,7 @@ class Prediction:
 
     peak_bytes: int
     base_bytes: int  # the interpreter, torch and the libraries, before any tensor
+    file_bytes: int  # the libraries' file-backed pages (in the RSS, not charged again)
     weights_bytes: int
     state_bytes: int  # gradients and optimizer state
     steps_bytes: int  # the steps' own peak above those: activations and temporaries
@@ -64,52 +74,74 @@ def traced_as(strategy: str) -> str | None:
 
 
 @functools.cache
-def base_bytes(spec: TraceSpec) -> int:
-    """Anonymous memory of a fresh interpreter that imported what a run imports, built the model
-    on fake tensors (so the model's code is loaded: transformers loads it on first use) and
-    trained a tiny real step (so torch's threads and kernels are set up): what a run holds before
-    its tensors."""
+def _measured_base(spec: TraceSpec) -> tuple[int, int]:
     code = (
-        "import json, sys, dataclasses, torch\n"
+        "import json, sys, torch\n"
         "import offloadd.tools.harness.train\n"
         "from offloadd.tools.predict.trace import TraceSpec, trace\n"
-        "spec = TraceSpec(**json.loads(sys.argv[1]))\n"
-        "trace(dataclasses.replace(spec, steps=1), 'plain', 1, 8)\n"
+        "trace(TraceSpec(**json.loads(sys.argv[1])), 'plain', 1, 8)\n"
         "lin = torch.nn.Linear(64, 64)\n"
         "lin(torch.randn(8, 64)).sum().backward()\n"
-        "print(next(int(l.split()[1]) for l in open('/proc/self/status') "
-        "if l.startswith('RssAnon:')))"
+        "kib = dict(l.split()[:2] for l in open('/proc/self/status') if l.startswith('Rss'))\n"
+        "print('base', kib['RssAnon:'], kib['RssFile:'])"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(dataclasses.asdict(spec))],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if out.returncode:
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", code, json.dumps(dataclasses.asdict(spec))],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    except subprocess.TimeoutExpired:
+        raise RuntimeError("measuring the base memory took over 600 s") from None
+    said = [line.split() for line in out.stdout.splitlines() if line.startswith("base ")]
+    if out.returncode or not said:
         tail = out.stderr.strip().splitlines()[-1:] or ["(no output)"]
         raise RuntimeError(f"measuring the base memory failed: {tail[0]}")
-    return int(out.stdout.split()[-1]) * 1024
+    return int(said[-1][1]) * 1024, int(said[-1][2]) * 1024
+
+
+def base_bytes(spec: TraceSpec, *, file: bool = False) -> int:
+    """Anonymous memory (``file``: file-backed resident memory, torch's libraries' pages) of a
+    fresh interpreter that imported what a run imports, built the model on fake tensors (so the
+    model's code is loaded: transformers loads it on first use) and trained a tiny real step (so
+    torch's threads and kernels are set up): what a run holds before its tensors. Measured once
+    per model and process."""
+    model = dataclasses.replace(spec, steps=1, optimizer="none", min_bytes=1 << 20)
+    return _measured_base(model)[1 if file else 0]
+
+
+def allocator_of(strategy: str, *, held: bool) -> str:
+    """The allocator ``strategy`` trains on, on a CPU machine: all on the host cache where it is
+    held equal (``held``); else only those with an Offloader of tier ssd, which installs it."""
+    return "caching" if held or traced_as(strategy) == "offload" or strategy == "auto" else "system"
 
 
 @functools.lru_cache(maxsize=256)
 def predict(
-    spec: TraceSpec, strategy: str, batch: int, seq: int, *, allocator: str = "caching"
+    spec: TraceSpec,
+    strategy: str,
+    batch: int,
+    seq: int,
+    *,
+    allocator: str = "caching",
+    outside: tuple[str, ...] = ("build",),
 ) -> Prediction:
     """The peak of ``strategy`` (traced_as must know it) at ``batch`` x ``seq``, on
-    ``allocator``: ``caching`` (offloadd's host cache, installed after the model is built) or
-    ``system`` (glibc's heap)."""
+    ``allocator``: ``caching`` (offloadd's host cache, installed after the phases ``outside``)
+    or ``system`` (glibc's heap: the live bytes, its retention not predicted)."""
     kind = traced_as(strategy)
     if kind is None:
         raise ValueError(f"{strategy}: not predicted: {UNPREDICTED.get(strategy, 'unknown')}")
     run = trace(spec, kind, batch, seq)
     weights = run.held.get("build", 0)
     state = run.held.get("state", 0)
-    steps = footprint_peak(run.events) if allocator == "caching" else run.peak
+    steps = footprint_peak(run.events, outside=outside) if allocator == "caching" else run.peak
     base = base_bytes(spec)
     return Prediction(
         peak_bytes=base + steps,
         base_bytes=base,
+        file_bytes=base_bytes(spec, file=True),
         weights_bytes=weights,
         state_bytes=state,
         steps_bytes=max(0, steps - weights - state),
@@ -117,23 +149,30 @@ def predict(
     )
 
 
-def predict_auto(
-    spec: TraceSpec, batch: int, seq: int, limit: int, *, allocator: str = "caching"
-) -> Prediction:
-    """auto inside a memory limit, as ``offloadd wall`` runs it: its budget is ``CAP_SHARE`` of
-    what the limit leaves once the model and its state exist, and its plans keep what the budget
-    holds. So its peak is the budget's, unless offloading every block needs more (then it is
-    offload's), or keeping every block needs less (then it is plain's). Which blocks its planner
-    keeps follows measured step times, so where a plan keeps less than its budget the peak is
-    lower than predicted."""
+def cap_budget(p: Prediction, limit: int) -> int:
+    """auto's budget inside ``limit``, as the harness gives it: ``CAP_SHARE`` of what the limit
+    leaves below the RSS once the model and its state exist (0: nothing left)."""
     from offloadd.tools.harness.train import CAP_SHARE
 
-    plain = predict(spec, "plain", batch, seq, allocator=allocator)
+    rss = p.base_bytes + p.file_bytes + p.weights_bytes + p.state_bytes
+    return max(0, int(CAP_SHARE * (limit - rss)))
+
+
+def predict_auto(spec: TraceSpec, batch: int, seq: int, limit: int) -> Prediction:
+    """auto inside a memory limit, as ``offloadd wall`` runs it (tools/harness/train.py): its
+    Offloader comes after the model, gradients and optimizer state (which stay on glibc's heap),
+    with a budget of ``CAP_SHARE`` of what the limit leaves below the process's RSS then, and its
+    plans keep what the budget holds. So its peak is the budget's, unless offloading every block
+    needs more (then it is offload's), or keeping every block needs less (then it is plain's).
+    Which blocks its planner keeps follows measured step times, so where a plan keeps less than
+    its budget holds the peak is lower than predicted."""
+    after = ("build", "state")
+    plain = predict(spec, "plain", batch, seq, outside=after)
     held = plain.base_bytes + plain.weights_bytes + plain.state_bytes
-    if plain.peak_bytes <= held + CAP_SHARE * (limit - held):
+    budget = cap_budget(plain, limit)
+    if plain.peak_bytes <= held + budget:
         return plain
-    offload = predict(spec, "offload-ssd", batch, seq, allocator=allocator)
-    budgeted = held + int(CAP_SHARE * (limit - held))
-    if offload.peak_bytes >= budgeted:
+    offload = predict(spec, "offload-ssd", batch, seq, outside=after)
+    if offload.peak_bytes >= held + budget:
         return offload
-    return dataclasses.replace(offload, peak_bytes=budgeted, steps_bytes=budgeted - held)
+    return dataclasses.replace(offload, peak_bytes=held + budget, steps_bytes=budget)

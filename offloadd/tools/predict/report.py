@@ -10,15 +10,34 @@ every size).
 from __future__ import annotations
 
 import json
+import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from offloadd.runtime.host_allocator import SLACK
-from offloadd.tools.predict.peak import Prediction, predict
+from offloadd.tools.predict.peak import (
+    Prediction,
+    allocator_of,
+    cap_budget,
+    predict,
+    predict_auto,
+)
 from offloadd.tools.predict.trace import TraceSpec
 from offloadd.units import format_bytes
 
-__all__ = ["PREDICTED", "Row", "largest_batch", "recommend", "render", "rows_json"]
+__all__ = [
+    "MOST",
+    "PREDICTED",
+    "Row",
+    "largest_batch",
+    "predict_rows",
+    "recommend",
+    "render",
+    "rows_json",
+]
+
+MOST = 1 << 16
+"""The largest batch searched: a strategy that fits it is said to fit "MOST or more"."""
 
 PREDICTED = ("plain", "recompute", "sac", "offload-ssd", "auto")
 """The strategies ``offloadd plan`` predicts by default (auto inside a limit only)."""
@@ -28,35 +47,57 @@ PREDICTED = ("plain", "recompute", "sac", "offload-ssd", "auto")
 class Row:
     strategy: str
     at: Prediction  # at the asked batch
-    largest: int | None  # the largest batch under the limit (None: no limit, or not even 1)
+    largest: int | None  # the largest batch under the limit (None: no limit; 0: not even 1)
 
 
-def largest_batch(
-    spec: TraceSpec, strategy: str, seq: int, limit: int, *, allocator: str, most: int = 1 << 16
-) -> int:
-    """The largest batch whose predicted peak is within ``limit`` (0: not even batch 1)."""
-
-    def fits(batch: int) -> bool:
-        return predict(spec, strategy, batch, seq, allocator=allocator).peak_bytes <= limit
-
-    one = predict(spec, strategy, 1, seq, allocator=allocator).peak_bytes
-    if one > limit:
+def largest_batch(peak_of: Callable[[int], int], limit: int, *, most: int = MOST) -> int:
+    """The largest batch up to ``most`` whose ``peak_of(batch)`` is within ``limit`` (0: not even
+    batch 1), for a peak that grows with the batch."""
+    if peak_of(1) > limit:
         return 0
-    two = predict(spec, strategy, 2, seq, allocator=allocator).peak_bytes
-    if two > limit:
+    if peak_of(2) > limit:
         return 1
-    slope = max(two - one, 1)
-    guess = max(2, min(most, 1 + (limit - one) // slope))
-    if fits(guess):
+    slope = max(peak_of(2) - peak_of(1), 1)
+    guess = max(2, min(most, 1 + (limit - peak_of(1)) // slope))
+    if peak_of(guess) <= limit:
         lo, hi = guess, guess + 1
-        while hi <= most and fits(hi):  # the peak grew slower than the guess assumed
+        while hi <= most and peak_of(hi) <= limit:  # the peak grew slower than guessed
             lo, hi = hi, min(most + 1, 2 * hi)
     else:
         lo, hi = 2, guess
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        lo, hi = (mid, hi) if peak_of(mid) <= limit else (lo, mid)
     return min(lo, most)
+
+
+def predict_rows(
+    spec: TraceSpec, names: list[str], batch: int, seq: int, limit: int | None, *, held: bool
+) -> list[Row]:
+    """Each strategy's prediction at ``batch``, and its largest batch within ``limit``."""
+    rows = []
+    for name in names:
+        print(f"offloadd plan: tracing {name}", file=sys.stderr, flush=True)
+        peak_of = _peak_of(spec, name, seq, limit, held)
+        largest = largest_batch(peak_of, limit) if limit else None
+        at = (
+            predict_auto(spec, batch, seq, limit)
+            if name == "auto" and limit is not None
+            else predict(spec, name, batch, seq, allocator=allocator_of(name, held=held))
+        )
+        rows.append(Row(name, at, largest))
+    return rows
+
+
+def _peak_of(
+    spec: TraceSpec, name: str, seq: int, limit: int | None, held: bool
+) -> Callable[[int], int]:
+    if name == "auto":
+        if limit is None:
+            raise ValueError("auto is predicted inside a limit only")
+        return lambda b: predict_auto(spec, b, seq, limit).peak_bytes
+    alloc = allocator_of(name, held=held)
+    return lambda b: predict(spec, name, b, seq, allocator=alloc).peak_bytes
 
 
 def recommend(rows: list[Row], batch: int, limit: int | None) -> tuple[str, str]:
@@ -66,26 +107,27 @@ def recommend(rows: list[Row], batch: int, limit: int | None) -> tuple[str, str]
     if limit is None:
         return "no --memory-limit given: nothing to fit", ""
     if plain is not None and plain.at.peak_bytes <= limit:
+        on = "offloadd's host cache" if plain.at.allocator == "caching" else "glibc's heap"
         return (
-            f"plain PyTorch fits batch {batch} in {format_bytes(limit)}: no offloading needed",
+            f"plain fits batch {batch} in {format_bytes(limit)}, as predicted on {on}: no "
+            "offloading needed (glibc's heap, plain PyTorch's allocator, may keep more than "
+            "the live bytes: docs/rok-and-benchmarks.md)",
             "",
         )
     if ssd is None:
         return "offload-ssd was not predicted: no config to recommend", ""
-    if ssd.at.peak_bytes > limit:
+    budget = cap_budget(ssd.at, limit)
+    if ssd.at.peak_bytes > limit or budget < 1 << 20:
         return (
             f"batch {batch} does not fit in {format_bytes(limit)} even with every activation "
             f"offloaded; offload-ssd's largest batch is {ssd.largest}",
             "",
         )
-    # auto's budget under a cap, as offloadd wall gives it: a share of what the model and its
-    # state leave, since the host cache may keep up to (1 + SLACK) x the live bytes
-    held = ssd.at.base_bytes + ssd.at.weights_bytes + ssd.at.state_bytes
-    budget = int((limit - held) / (1 + SLACK))
     toml = f'[offload]\ntier = "ssd"\nbudget = "{budget >> 20}MiB"\n'
     return (
         f"offloadd fits batch {batch} in {format_bytes(limit)}: tier ssd with a budget of "
-        f"{format_bytes(budget >> 20 << 20)} keeps what fits and offloads the rest",
+        f"{format_bytes(budget >> 20 << 20)} (the one offloadd wall gives auto there) keeps "
+        "what fits and offloads the rest",
         toml,
     )
 
@@ -98,7 +140,8 @@ def render(rows: list[Row], batch: int, seq: int, limit: int | None) -> str:
     for r in rows:
         line = f"{r.strategy:<12} {format_bytes(r.at.peak_bytes):>20}"
         if limit is not None:
-            line += f" {r.largest if r.largest else 'none':>28}"
+            most = f"{MOST} or more" if r.largest == MOST else str(r.largest or "none")
+            line += f" {most:>28}"
         lines.append(line)
     at = rows[0].at
     lines.append(

@@ -4,8 +4,9 @@ first step), every storage noted (live.py). Nothing is computed and no memory is
 model of any size traces on a laptop in seconds.
 
 Offloading is traced as an ideal offloader would run: a saved tensor that offloadd would move
-(not a parameter's, its storage at least ``min_bytes``) leaves memory when packed, one copy per
-storage however many tensors share it, and comes back at its first unpack, freed after its last.
+(as its pack decides: not a parameter or a view of one, at least ``min_bytes`` of its own) leaves
+memory when packed, one copy of its storage however many tensors share it, and comes back at its
+first unpack, freed after its last.
 offloadd's prefetch window, staging buffers and writer queue are not in it: measured on the wall
 they stay inside the prediction's error (docs/benchmarks/, the wall page).
 """
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from offloadd.runtime.identity import is_parameter
 from offloadd.tools.models.build import build_model
 from offloadd.tools.predict.live import Event, LiveBytes
 
@@ -102,7 +104,7 @@ def trace(spec: TraceSpec, strategy: str, batch: int, seq: int) -> Traced:
                 opt.step()
                 opt.zero_grad(set_to_none=False)
         held = live.live_by_phase()
-    return Traced(live.events, live.peak, held)
+    return Traced(list(live.events), live.peak, held)
 
 
 def _grouped_mm(*args: Any, **kwargs: Any) -> Any:
@@ -148,8 +150,13 @@ def _offloaded(
     away: dict[int, list[Any]] = {}  # number -> [unpacks left, its copy back or None, bytes]
 
     def pack(t: torch.Tensor) -> Any:
+        # what offloadd's pack keeps (runtime/hooks.py): a parameter or a view of one, a
+        # tensor below min_bytes (its own bytes: a small view holds its whole storage), a
+        # sparse or empty one
+        if t.layout is not torch.strided or not t.nbytes or t.nbytes < min_bytes:
+            return t
         st = t.untyped_storage()
-        if st.nbytes() < min_bytes or st._cdata in kept:
+        if st._cdata in kept or is_parameter(t):
             return t
         ref, key = known.get(st._cdata, (None, -1))
         if ref is None or ref() is not st:
@@ -164,8 +171,8 @@ def _offloaded(
             return packed
         key, shape, stride, dtype, offset = packed
         entry = away[key]
-        if entry[1] is None:
-            entry[1] = torch.empty(entry[2], dtype=torch.uint8)
+        if entry[1] is None:  # whole 16-byte words, for a view of any dtype
+            entry[1] = torch.empty(-(-entry[2] // 16) * 16, dtype=torch.uint8)
             if brought is not None:
                 brought.append(entry[2])
         back = entry[1]

@@ -161,7 +161,7 @@ def point_line(r: dict[str, Any], grow: str) -> str:
     size = r["batch_size"] if grow == "batch" else r["seq_len"]
     head = f"{r['strategy']:>12} {grow} {size:>5}: "
     peak = f"peak {format_bytes(r['peak_bytes'])}" if r.get("peak_bytes") is not None else ""
-    if peak and r.get("predicted_peak_bytes"):
+    if peak and r.get("predicted_peak_bytes") and r["peak_bytes"]:
         off = r["predicted_peak_bytes"] / r["peak_bytes"] - 1
         peak += f" (predicted {format_bytes(r['predicted_peak_bytes'])}, {off:+.1%})"
     if r["status"] != "ok":

@@ -6,7 +6,14 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from offloadd.tools.predict.peak import UNPREDICTED, predict, predict_auto, traced_as
+from offloadd.config import Config
+from offloadd.tools.predict.peak import (
+    UNPREDICTED,
+    allocator_of,
+    predict,
+    predict_auto,
+    traced_as,
+)
 from offloadd.tools.predict.trace import TraceSpec
 from offloadd.tools.wall.points import STRATEGIES, WallSpec
 
@@ -24,7 +31,7 @@ class Predictor:
     def __init__(self, w: WallSpec, *, on: bool = True) -> None:
         self.on = on and w.device == "cpu"
         self.limit = w.limit
-        self.allocator = "caching" if w.allocator == "caching" else "system"
+        self.held = w.allocator == "caching"  # every strategy on the host cache
         self.spec = TraceSpec(
             model=w.model,
             layers=w.layers,
@@ -34,31 +41,24 @@ class Predictor:
             hf_config=w.hf_config,
             dtype=w.dtype,
             steps=min(3, w.warmup + w.steps),
+            min_bytes=Config.from_env().min_bytes,  # as the points' Offloaders take it
         )
         self._said: set[str] = set()
 
     def __call__(self, strategy: str, batch: int, seq: int) -> int | None:
-        kind = traced_as(STRATEGIES[strategy])
-        if self.on and strategy == "auto":
-            return self._auto(batch, seq)
-        if not self.on or kind is None:
-            if self.on:
-                self._say(strategy, UNPREDICTED.get(strategy, "not traced"))
+        if not self.on:
+            return None
+        run = STRATEGIES[strategy]
+        if strategy != "auto" and traced_as(run) is None:
+            self._say(strategy, UNPREDICTED.get(strategy, "not traced"))
             return None
         try:
-            run = STRATEGIES[strategy]
-            return predict(self.spec, run, batch, seq, allocator=self.allocator).peak_bytes
+            if strategy == "auto":
+                return predict_auto(self.spec, batch, seq, self.limit).peak_bytes
+            alloc = allocator_of(run, held=self.held)
+            return predict(self.spec, run, batch, seq, allocator=alloc).peak_bytes
         except Exception as e:  # a model the trace cannot run: measured all the same
             self._say(strategy, f"the trace failed: {type(e).__name__}: {e}"[:300])
-            return None
-
-    def _auto(self, batch: int, seq: int) -> int | None:
-        try:
-            return predict_auto(
-                self.spec, batch, seq, self.limit, allocator=self.allocator
-            ).peak_bytes
-        except Exception as e:
-            self._say("auto", f"the trace failed: {type(e).__name__}: {e}"[:300])
             return None
 
     def _say(self, strategy: str, why: str) -> None:

@@ -216,26 +216,30 @@ def test_plan_names_what_it_cannot_predict(
     assert "max_position_embeddings (512)" in capsys.readouterr().err
 
 
-def test_auto_inside_a_limit_is_predicted_by_its_budget(monkeypatch: pytest.MonkeyPatch) -> None:
-    """plain's peak where keeping every block fits the budget, offload's where offloading every
-    block needs more than it, and the budget's in between; the budget is the harness's, a share
-    of what the limit leaves below the RSS (file-backed pages included)."""
+def test_auto_inside_a_limit_keeps_the_blocks_its_budget_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """plain's peak where every block's saved bytes fit the budget; else offload-ssd's plus the
+    whole blocks that fit beside it; the budget is the harness's, a share of what the limit
+    leaves below the RSS (file-backed pages included)."""
     from offloadd.tools.harness.train import CAP_SHARE
     from offloadd.tools.predict import peak
 
     def made(plain: int, offload: int) -> Any:
         def fake(spec: TraceSpec, strategy: str, batch: int, seq: int, **kw: Any) -> Any:
             steps = {"plain": plain, "offload-ssd": offload}[strategy]
-            return peak.Prediction(800 + steps, 400, 50, 100, 300, steps, "caching")
+            return peak.Prediction(800 + steps, 400, 50, 100, 300, steps, "caching", blocks=10)
 
         return fake
 
     limit, held = 3000, 800
-    budget = int(CAP_SHARE * (limit - held - 50))
-    cases = [((900, 500), 1700), ((2500, 600), held + budget), ((2500, 2000), 2800)]
+    budget = int(CAP_SHARE * (limit - held - 50))  # 1535
+    per_block = (2500 - 500) / 10  # 200: 5 blocks fit beside offload's 500
+    cases = [((1500, 500), 2300), ((2500, 500), 1300 + 5 * per_block), ((2500, 1600), 2400)]
     for (plain, offload), want in cases:
         monkeypatch.setattr(peak, "predict", made(plain, offload))
         assert peak.predict_auto(MINI_SPEC, 1, 1, limit).peak_bytes == want
+    assert budget == 1535
 
 
 @pytest.mark.parametrize("wall", [0, 1, 2, 3, 17, 1000])

@@ -65,6 +65,7 @@ class Prediction:
     state_bytes: int  # gradients and optimizer state
     steps_bytes: int  # the steps' own peak above those: activations and temporaries
     allocator: str  # "caching" (the host cache replayed) or "system"
+    blocks: int = 0  # the model's blocks, as auto's planner finds them
 
 
 def traced_as(strategy: str) -> str | None:
@@ -146,6 +147,7 @@ def predict(
         state_bytes=state,
         steps_bytes=max(0, steps - weights - state),
         allocator=allocator,
+        blocks=run.blocks,
     )
 
 
@@ -160,19 +162,24 @@ def cap_budget(p: Prediction, limit: int) -> int:
 
 def predict_auto(spec: TraceSpec, batch: int, seq: int, limit: int) -> Prediction:
     """auto inside a memory limit, as ``offloadd wall`` runs it (tools/harness/train.py): its
-    Offloader comes after the model, gradients and optimizer state (which stay on glibc's heap),
-    with a budget of ``CAP_SHARE`` of what the limit leaves below the process's RSS then, and its
-    plans keep what the budget holds. So its peak is the budget's, unless offloading every block
-    needs more (then it is offload's), or keeping every block needs less (then it is plain's).
-    Which blocks its planner keeps follows measured step times, so where a plan keeps less than
-    its budget holds the peak is lower than predicted."""
-    after = ("build", "state")
-    plain = predict(spec, "plain", batch, seq, outside=after)
-    held = plain.base_bytes + plain.weights_bytes + plain.state_bytes
+    budget is ``cap_budget``, and its plan keeps whole blocks while their saved bytes fit what
+    the budget leaves beside offloading the rest. So its peak is offload-ssd's plus the blocks
+    that fit, each block taken to save an equal share of what plain saves beyond offload-ssd,
+    or plain's where every block fits. Which blocks, and whether a kept plan survives its race
+    against offloading every block, follow measured step times; the peak of a run counts the
+    race's steps too."""
+    plain = predict(spec, "plain", batch, seq)
     budget = cap_budget(plain, limit)
-    if plain.peak_bytes <= held + budget:
+    if plain.steps_bytes <= budget or not plain.blocks:
         return plain
-    offload = predict(spec, "offload-ssd", batch, seq, outside=after)
-    if offload.peak_bytes >= held + budget:
-        return offload
-    return dataclasses.replace(offload, peak_bytes=held + budget, steps_bytes=budget)
+    offload = predict(spec, "offload-ssd", batch, seq)
+    per_block = max(1.0, (plain.steps_bytes - offload.steps_bytes) / plain.blocks)
+    kept = min(plain.blocks, max(0, int((budget - offload.steps_bytes) // per_block)))
+    if kept == plain.blocks:
+        return plain
+    more = int(kept * per_block)
+    return dataclasses.replace(
+        offload,
+        peak_bytes=offload.peak_bytes + more,
+        steps_bytes=offload.steps_bytes + more,
+    )

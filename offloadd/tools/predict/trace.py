@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from offloadd.auto.discover import find_blocks
 from offloadd.runtime.identity import is_parameter
 from offloadd.tools.models.build import build_model
 from offloadd.tools.predict.live import Event, LiveBytes
@@ -59,6 +60,7 @@ class Traced:
     events: list[Event]
     peak: int
     held: dict[str, int]
+    blocks: int  # the blocks auto's planner finds in the model (auto/discover.py)
 
 
 def trace(spec: TraceSpec, strategy: str, batch: int, seq: int) -> Traced:
@@ -104,7 +106,7 @@ def trace(spec: TraceSpec, strategy: str, batch: int, seq: int) -> Traced:
                 opt.step()
                 opt.zero_grad(set_to_none=False)
         held = live.live_by_phase()
-    return Traced(list(live.events), live.peak, held)
+    return Traced(list(live.events), live.peak, held, len(find_blocks(built.module)))
 
 
 def _grouped_mm(*args: Any, **kwargs: Any) -> Any:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from offloadd.runtime.host_allocator import FLOOR_BYTES, MIN_BYTES, SLACK
 from offloadd.tools.predict.live import Event
 
-__all__ = ["Replay", "footprint_peak", "replay", "size_class"]
+__all__ = ["Replay", "replay", "size_class"]
 
 _PAGE = 4096
 
@@ -42,16 +42,11 @@ class Replay:
     footprint: int
 
 
-def footprint_peak(events: Iterable[Event], *, outside: tuple[str, ...] = ("build",)) -> int:
-    """The most bytes resident at once, live and cached, for ``events`` replayed through the
-    host cache; storages made in a phase of ``outside`` (before the cache was installed) are
-    counted as they are, never cached."""
-    return replay(events, outside=outside).resident
-
-
-def replay(events: Iterable[Event], *, outside: tuple[str, ...] = ("build",)) -> Replay:
-    """``events`` through the host cache (footprint_peak)."""
-    blocks: dict[int, int] = {}  # live key -> its block's size class (0: not the cache's)
+def replay(events: Iterable[Event]) -> Replay:
+    """``events`` replayed through the host cache; storages made while the model was built
+    (before the cache is installed), or below ``MIN_BYTES``, are counted as they are, never
+    cached."""
+    blocks: dict[int, int] = {}  # live key in the cache -> its block's size class
     sizes: dict[int, int] = {}  # live key outside the cache -> its bytes
     free: dict[int, list[int]] = {}  # size class -> cached blocks' ids, most recent last
     lru: OrderedDict[int, int] = OrderedDict()  # cached block id -> class, oldest first
@@ -60,8 +55,8 @@ def replay(events: Iterable[Event], *, outside: tuple[str, ...] = ("build",)) ->
     resident = peak = footprint = 0  # resident bytes: the cache's blocks and everything else
     for e in events:
         if e.nbytes < 0:
-            cls = blocks.pop(e.key, 0)
-            if cls:
+            if e.key in blocks:
+                cls = blocks.pop(e.key)
                 live -= cls
                 cached += cls
                 free.setdefault(cls, []).append(next_id)
@@ -70,8 +65,7 @@ def replay(events: Iterable[Event], *, outside: tuple[str, ...] = ("build",)) ->
             else:
                 resident -= sizes.pop(e.key)
             continue
-        if e.phase in outside or e.nbytes < MIN_BYTES:
-            blocks[e.key] = 0
+        if e.phase == "build" or e.nbytes < MIN_BYTES:
             sizes[e.key] = e.nbytes
             resident += e.nbytes
             peak = max(peak, resident)

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from offloadd.tools.predict.hostcache import footprint_peak
+from offloadd.tools.predict.hostcache import replay
 from offloadd.tools.predict.trace import TraceSpec, trace
 
 __all__ = [
@@ -28,19 +28,16 @@ __all__ = [
     "cap_budget",
     "predict",
     "predict_auto",
+    "predict_run",
     "traced_as",
 ]
 
-_TRACED_AS = {
+_TRACED_AS = {  # offloadd wall's and plan's names
     "plain": "plain",
-    "none": "plain",
-    "keep": "plain",
     "recompute": "recompute",
     "sac": "sac",
     "offload-ssd": "offload",
-    "ssd": "offload",
     "offload-cpu": "plain",  # predictions are a CPU machine's, where tier cpu moves nothing
-    "cpu": "plain",
 }
 
 UNPREDICTED = {
@@ -69,8 +66,7 @@ class Prediction:
 
 
 def traced_as(strategy: str) -> str | None:
-    """What ``strategy`` (a wall or RunSpec name) is traced as, or None (UNPREDICTED says
-    why)."""
+    """What ``strategy`` (a wall name) is traced as, or None (UNPREDICTED says why)."""
     return _TRACED_AS.get(strategy)
 
 
@@ -126,18 +122,17 @@ def predict(
     seq: int,
     *,
     allocator: str = "caching",
-    outside: tuple[str, ...] = ("build",),
 ) -> Prediction:
     """The peak of ``strategy`` (traced_as must know it) at ``batch`` x ``seq``, on
-    ``allocator``: ``caching`` (offloadd's host cache, installed after the phases ``outside``)
-    or ``system`` (glibc's heap: the live bytes, its retention not predicted)."""
+    ``allocator``: ``caching`` (offloadd's host cache, installed once the model is built) or
+    ``system`` (glibc's heap: the live bytes, its retention not predicted)."""
     kind = traced_as(strategy)
     if kind is None:
         raise ValueError(f"{strategy}: not predicted: {UNPREDICTED.get(strategy, 'unknown')}")
     run = trace(spec, kind, batch, seq)
     weights = run.held.get("build", 0)
     state = run.held.get("state", 0)
-    steps = footprint_peak(run.events, outside=outside) if allocator == "caching" else run.peak
+    steps = replay(run.events).resident if allocator == "caching" else run.peak
     base = base_bytes(spec)
     return Prediction(
         peak_bytes=base + steps,
@@ -183,3 +178,15 @@ def predict_auto(spec: TraceSpec, batch: int, seq: int, limit: int) -> Predictio
         peak_bytes=offload.peak_bytes + more,
         steps_bytes=offload.steps_bytes + more,
     )
+
+
+def predict_run(
+    spec: TraceSpec, strategy: str, batch: int, seq: int, *, limit: int | None, held: bool
+) -> Prediction:
+    """``strategy`` (a wall name) as ``offloadd wall`` runs it: auto inside ``limit``, the others
+    on the allocator they train on (``allocator_of``)."""
+    if strategy == "auto":
+        if limit is None:
+            raise ValueError("auto is predicted inside a limit only")
+        return predict_auto(spec, batch, seq, limit)
+    return predict(spec, strategy, batch, seq, allocator=allocator_of(strategy, held=held))

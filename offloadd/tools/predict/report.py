@@ -17,10 +17,8 @@ from typing import Any
 
 from offloadd.tools.predict.peak import (
     Prediction,
-    allocator_of,
     cap_budget,
-    predict,
-    predict_auto,
+    predict_run,
 )
 from offloadd.tools.predict.trace import TraceSpec
 from offloadd.units import format_bytes
@@ -53,12 +51,13 @@ class Row:
 def largest_batch(peak_of: Callable[[int], int], limit: int, *, most: int = MOST) -> int:
     """The largest batch up to ``most`` whose ``peak_of(batch)`` is within ``limit`` (0: not even
     batch 1), for a peak that grows with the batch."""
-    if peak_of(1) > limit:
+    one = peak_of(1)
+    if one > limit:
         return 0
-    if peak_of(2) > limit:
+    two = peak_of(2)
+    if two > limit:
         return 1
-    slope = max(peak_of(2) - peak_of(1), 1)
-    guess = max(2, min(most, 1 + (limit - peak_of(1)) // slope))
+    guess = max(2, min(most, 1 + (limit - one) // max(two - one, 1)))
     if peak_of(guess) <= limit:
         lo, hi = guess, guess + 1
         while hi <= most and peak_of(hi) <= limit:  # the peak grew slower than guessed
@@ -78,26 +77,13 @@ def predict_rows(
     rows = []
     for name in names:
         print(f"offloadd plan: tracing {name}", file=sys.stderr, flush=True)
-        peak_of = _peak_of(spec, name, seq, limit, held)
-        largest = largest_batch(peak_of, limit) if limit else None
-        at = (
-            predict_auto(spec, batch, seq, limit)
-            if name == "auto" and limit is not None
-            else predict(spec, name, batch, seq, allocator=allocator_of(name, held=held))
-        )
-        rows.append(Row(name, at, largest))
+        at = predict_run(spec, name, batch, seq, limit=limit, held=held)
+
+        def peak_of(b: int, name: str = name) -> int:
+            return predict_run(spec, name, b, seq, limit=limit, held=held).peak_bytes
+
+        rows.append(Row(name, at, largest_batch(peak_of, limit) if limit else None))
     return rows
-
-
-def _peak_of(
-    spec: TraceSpec, name: str, seq: int, limit: int | None, held: bool
-) -> Callable[[int], int]:
-    if name == "auto":
-        if limit is None:
-            raise ValueError("auto is predicted inside a limit only")
-        return lambda b: predict_auto(spec, b, seq, limit).peak_bytes
-    alloc = allocator_of(name, held=held)
-    return lambda b: predict(spec, name, b, seq, allocator=alloc).peak_bytes
 
 
 def recommend(rows: list[Row], batch: int, limit: int | None) -> tuple[str, str]:

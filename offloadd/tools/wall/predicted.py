@@ -7,15 +7,9 @@ import sys
 from typing import Any
 
 from offloadd.config import Config
-from offloadd.tools.predict.peak import (
-    UNPREDICTED,
-    allocator_of,
-    predict,
-    predict_auto,
-    traced_as,
-)
+from offloadd.tools.predict.peak import UNPREDICTED, predict_run, traced_as
 from offloadd.tools.predict.trace import TraceSpec
-from offloadd.tools.wall.points import STRATEGIES, WallSpec
+from offloadd.tools.wall.points import WallSpec
 
 __all__ = ["TARGET", "Predictor", "error_lines"]
 
@@ -48,18 +42,15 @@ class Predictor:
     def __call__(self, strategy: str, batch: int, seq: int) -> int | None:
         if not self.on:
             return None
-        run = STRATEGIES[strategy]
-        if strategy != "auto" and traced_as(run) is None:
+        if strategy != "auto" and traced_as(strategy) is None:
             self._say(strategy, UNPREDICTED.get(strategy, "not traced"))
             return None
         try:
-            if strategy == "auto":
-                return predict_auto(self.spec, batch, seq, self.limit).peak_bytes
-            alloc = allocator_of(run, held=self.held)
-            return predict(self.spec, run, batch, seq, allocator=alloc).peak_bytes
+            run = predict_run(self.spec, strategy, batch, seq, limit=self.limit, held=self.held)
         except Exception as e:  # a model the trace cannot run: measured all the same
             self._say(strategy, f"the trace failed: {type(e).__name__}: {e}"[:300])
             return None
+        return run.peak_bytes
 
     def _say(self, strategy: str, why: str) -> None:
         if strategy not in self._said:

@@ -27,7 +27,7 @@ from offloadd.cli_dirs import ready_dir, ready_parent
 from offloadd.config import Config, parse_size
 from offloadd.offloader import Offloader
 from offloadd.tools.models.build import MODELS, build_model, default_vocab
-from offloadd.tools.predict.report import PREDICTED
+from offloadd.tools.predict.report import ON_REQUEST, PREDICTED
 from offloadd.tools.predict.trace import OPTIMIZERS
 
 __all__ = ["add_arguments", "main"]
@@ -48,7 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--strategies",
         default=",".join(PREDICTED),
-        help=f"predicted strategies, from {', '.join(PREDICTED)} (default: all)",
+        help=f"predicted strategies, from {', '.join(PREDICTED + ON_REQUEST)} (default: "
+        f"{', '.join(PREDICTED)}; compile-budget compiles the model once at a sequence of 8 to "
+        "measure what the compiler holds)",
     )
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="default adamw")
     p.add_argument(
@@ -156,10 +158,11 @@ def _predicted(ns: argparse.Namespace) -> int:
     try:
         limit = parse_size("--memory-limit", ns.memory_limit) if ns.memory_limit else None
         names = list(dict.fromkeys(s.strip() for s in ns.strategies.split(",") if s.strip()))
-        bad = [s for s in names if s not in PREDICTED]
+        bad = [s for s in names if s not in PREDICTED + ON_REQUEST]
         if bad or not names:
             raise ValueError(
-                f"--strategies must list names from {', '.join(PREDICTED)}, got {ns.strategies!r}"
+                f"--strategies must list names from {', '.join(PREDICTED + ON_REQUEST)}, got "
+                f"{ns.strategies!r}"
             )
         if limit is None and "auto" in names:
             print("offloadd plan: auto is predicted inside a --memory-limit only", file=sys.stderr)

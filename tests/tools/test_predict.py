@@ -7,6 +7,7 @@ are within 15 % of the prediction."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import subprocess
 import sys
@@ -140,6 +141,28 @@ def test_each_architecture_traces_and_recompute_and_offload_save(tmp_path: Path,
     assert peaks["recompute"] < peaks["plain"] and peaks["offload"] < peaks["plain"], peaks
 
 
+def test_a_compiled_run_is_traced_through_its_partitioner() -> None:
+    """compile-budget traces through torch.compile on fake tensors (Note [a compiled run
+    traced]): its partitioner keeps part of what plain saves and recomputes the rest, so its
+    steps' peak lies between recompute's and plain's; and the trace leaves dynamo as it was."""
+    import torch._functorch.config as functorch_config
+
+    spec = dataclasses.replace(MINI_SPEC, steps=2)
+    before = functorch_config.activation_memory_budget
+    peaks = {s: trace(spec, s, 8, 128).peak for s in ("plain", "recompute", "compile-budget")}
+    assert peaks["recompute"] < peaks["compile-budget"] < peaks["plain"], peaks
+    assert functorch_config.activation_memory_budget == before
+
+
+@pytest.mark.slow
+def test_a_compiled_wall_point_is_predicted_within_15_percent(tmp_path: Path) -> None:
+    """compile-budget compiled for real by inductor in a memory cgroup, against the prediction
+    (the trace, plus what the compiler holds: ``compiler_bytes``)."""
+    model = ["--model", "mini-gpt", "--layers", "4", "--hidden", "256", "--heads", "4"]
+    model += ["--seq", "256", "--vocab", "512"]
+    _within(_wall(tmp_path, model, "compile-budget", 16, "1GiB"), 0.15)
+
+
 def _wall(tmp_path: Path, model: list[str], strategies: str, batch: int, limit: str) -> list[Any]:
     with memory_cgroup(64 * MIB):  # skips where no cgroup can be made
         pass
@@ -201,7 +224,7 @@ def test_plan_predicts_each_strategy_and_its_largest_batch(
 def test_plan_names_what_it_cannot_predict(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert cli.main(["plan", "--strategies", "compile-budget"]) == 2
+    assert cli.main(["plan", "--strategies", "compile-offload"]) == 2
     assert "--strategies must list names from plain" in capsys.readouterr().err
     assert cli.main(["plan", "--strategies", "auto,auto"]) == 2
     assert "--strategies auto needs --memory-limit" in capsys.readouterr().err
@@ -284,6 +307,6 @@ def test_tier_cpu_moves_nothing_on_a_cpu_machine_and_is_predicted_as_plain() -> 
     from offloadd.tools.predict.peak import allocator_of, traced_as
 
     assert traced_as("offload-cpu") == traced_as("plain") == "plain"
-    assert traced_as("offload-ssd") == "offload" and traced_as("compile-budget") is None
+    assert traced_as("offload-ssd") == "offload" and traced_as("compile-offload") is None
     assert allocator_of("plain", held=False) == "system"
     assert allocator_of("offload-ssd", held=False) == allocator_of("plain", held=True) == "caching"

@@ -39,6 +39,14 @@ class TrainModel:
         return (6 * self.num_params + attention) * tokens
 
 
+def _compiled(module: nn.Module, compile: bool | Callable[..., Any]) -> Any:
+    """``module`` as a run calls it: itself, compiled whole by inductor (True), or by the backend
+    ``compile`` names."""
+    if compile is False:
+        return module
+    return torch.compile(module) if compile is True else torch.compile(module, backend=compile)
+
+
 def default_vocab(name: str) -> int:
     return GPTConfig().vocab_size if name == "mini-gpt" else HF_VOCAB[name]
 
@@ -53,12 +61,13 @@ def build_model(
     vocab_size: int | None = None,
     recompute: bool = False,
     selective: bool = False,
-    compile: bool = False,
+    compile: bool | Callable[..., Any] = False,
     hf_config: str | None = None,
 ) -> TrainModel:
     """Build ``name`` (one of MODELS) with random weights from the current torch seed;
     ``recompute``: each block checkpointed (``selective``: its matmuls' outputs saved, sac.py);
-    ``compile``: its loss runs ``torch.compile(module)``, the model compiled whole.
+    ``compile``: its loss runs ``torch.compile(module)``, the model compiled whole (given a
+    callable: compiled by that backend, as the predictor traces a compiled run).
     ``hf_config``: instead, the causal LM of that config directory (hf_config.py; the sizes
     are the config's, ``seq_len`` the sequence trained)."""
     if hf_config is not None:
@@ -78,7 +87,7 @@ def build_model(
     if name == "mini-gpt":
         cfg = GPTConfig(**shape)
         gpt = GPT(cfg)
-        run: Any = torch.compile(gpt) if compile else gpt
+        run: Any = _compiled(gpt, compile)
         return TrainModel(
             module=gpt,
             loss=lambda x, y: run(x, y),
@@ -99,7 +108,11 @@ def build_model(
 
 
 def _from_config(
-    directory: str, seq_len: int, recompute: bool, selective: bool, compile: bool
+    directory: str,
+    seq_len: int,
+    recompute: bool,
+    selective: bool,
+    compile: bool | Callable[..., Any],
 ) -> TrainModel:
     config = load_config(directory)
     shape = shape_of(config)
@@ -116,7 +129,7 @@ def _from_config(
 
 def _transformers_model(
     module: nn.Module,
-    compile: bool,
+    compile: bool | Callable[..., Any],
     *,
     shifts: bool,
     attention_layers: int,
@@ -126,7 +139,7 @@ def _transformers_model(
     """A transformers model as a TrainModel; ``shifts``: a causal LM, which takes the inputs as
     its labels and shifts them itself (BERT, every position masked-LM, and T5 take the next
     tokens as they are)."""
-    runner: Any = torch.compile(module) if compile else module
+    runner: Any = _compiled(module, compile)
 
     def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         x, y = x.contiguous(), y.contiguous()

@@ -13,8 +13,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 
 from offloadd.tools.predict.hostcache import replay
@@ -26,6 +28,7 @@ __all__ = [
     "allocator_of",
     "base_bytes",
     "cap_budget",
+    "compiler_bytes",
     "predict",
     "predict_auto",
     "predict_run",
@@ -38,14 +41,13 @@ _TRACED_AS = {  # offloadd wall's and plan's names
     "sac": "sac",
     "offload-ssd": "offload",
     "offload-cpu": "plain",  # predictions are a CPU machine's, where tier cpu moves nothing
+    "compile-budget": "compile-budget",
 }
 
 UNPREDICTED = {
     "auto": "auto is predicted inside a memory limit only (its budget is a share of what the "
     "limit leaves)",
-    "compile-budget": "a compiled graph saves what its partitioner picks and reuses buffers as "
-    "inductor plans them; the trace runs eager",
-    "compile-offload": "a compiled graph is not traced",
+    "compile-offload": "on a GPU only; device memory is not predicted",
     "torchtune-offload": "on a GPU only; device memory is not predicted",
 }
 """Why a strategy has no prediction."""
@@ -56,7 +58,8 @@ class Prediction:
     """A predicted peak and its parts (bytes)."""
 
     peak_bytes: int
-    base_bytes: int  # the interpreter, torch and the libraries, before any tensor
+    base_bytes: int  # the interpreter, torch and the libraries, before any tensor (and what
+    # torch.compile holds, for a compiled run)
     file_bytes: int  # the libraries' file-backed pages (in the RSS, not charged again)
     weights_bytes: int
     state_bytes: int  # gradients and optimizer state
@@ -72,30 +75,83 @@ def traced_as(strategy: str) -> str | None:
 
 @functools.cache
 def _measured_base(spec: TraceSpec) -> tuple[int, int]:
-    code = (
-        "import json, sys, torch\n"
-        "import offloadd.tools.harness.train\n"
-        "from offloadd.tools.predict.trace import TraceSpec, trace\n"
-        "trace(TraceSpec(**json.loads(sys.argv[1])), 'plain', 1, 8)\n"
-        "lin = torch.nn.Linear(64, 64)\n"
-        "lin(torch.randn(8, 64)).sum().backward()\n"
-        "kib = dict(l.split()[:2] for l in open('/proc/self/status') if l.startswith('Rss'))\n"
-        "print('base', kib['RssAnon:'], kib['RssFile:'])"
-    )
+    return _run_base(_BASE, spec)
+
+
+def _run_base(
+    code: str, spec: TraceSpec, *args: str, env: dict[str, str] | None = None
+) -> tuple[int, int]:
+    """RssAnon and RssFile as ``code`` prints them, run in a fresh interpreter."""
     try:
         out = subprocess.run(
-            [sys.executable, "-c", code, json.dumps(dataclasses.asdict(spec))],
+            [sys.executable, "-c", code, json.dumps(dataclasses.asdict(spec)), *args],
             capture_output=True,
             text=True,
-            timeout=600,
+            timeout=900,
+            env=None if env is None else {**os.environ, **env},
         )
     except subprocess.TimeoutExpired:
-        raise RuntimeError("measuring the base memory took over 600 s") from None
+        raise RuntimeError("measuring the base memory took over 900 s") from None
     said = [line.split() for line in out.stdout.splitlines() if line.startswith("base ")]
     if out.returncode or not said:
         tail = out.stderr.strip().splitlines()[-1:] or ["(no output)"]
         raise RuntimeError(f"measuring the base memory failed: {tail[0]}")
     return int(said[-1][1]) * 1024, int(said[-1][2]) * 1024
+
+
+_BASE = (
+    "import json, sys, torch\n"
+    "import offloadd.tools.harness.train\n"
+    "from offloadd.tools.predict.trace import TraceSpec, trace\n"
+    "trace(TraceSpec(**json.loads(sys.argv[1])), 'plain', 1, 8)\n"
+    "lin = torch.nn.Linear(64, 64)\n"
+    "lin(torch.randn(8, 64)).sum().backward()\n"
+    "kib = dict(l.split()[:2] for l in open('/proc/self/status') if l.startswith('Rss'))\n"
+    "print('base', kib['RssAnon:'], kib['RssFile:'])"
+)
+
+
+_COMPILED_STEPS = (
+    "import json, sys, torch\n"
+    "import torch._functorch.config as functorch_config\n"
+    "from offloadd.runtime import host_allocator\n"
+    "from offloadd.tools.harness.peers import COMPILE_MEMORY_BUDGET\n"
+    "from offloadd.tools.models.build import build_model\n"
+    "spec, compile, seq = json.loads(sys.argv[1]), sys.argv[2] == '1', int(sys.argv[3])\n"
+    "functorch_config.activation_memory_budget = COMPILE_MEMORY_BUDGET\n"
+    "built = build_model(spec['model'], num_layers=spec['layers'], d_model=spec['hidden'],\n"
+    "    num_heads=spec['heads'], seq_len=seq, vocab_size=spec['vocab'],\n"
+    "    hf_config=spec['hf_config'], compile=compile)\n"
+    "built.module.to(dtype=getattr(torch, spec['dtype']))\n"
+    "opt = torch.optim.AdamW(built.module.parameters(), lr=1e-3)\n"
+    "cache = host_allocator.acquire()\n"
+    "for _ in range(2):\n"
+    "    x = torch.randint(0, built.vocab_size, (1, seq + 1))\n"
+    "    built.loss(x[:, :-1], x[:, 1:]).backward()\n"
+    "    opt.step()\n"
+    "    opt.zero_grad()\n"
+    "c = cache.counters()\n"
+    "kib = dict(l.split()[:2] for l in open('/proc/self/status') if l.startswith('Rss'))\n"
+    "print('base', int(kib['RssAnon:']) - (c.live_bytes + c.cached_bytes) // 1024, kib['RssFile:'])"
+)
+
+
+@functools.cache
+def compiler_bytes(spec: TraceSpec, seq: int) -> int:
+    """The anonymous memory torch.compile holds once it has compiled ``spec``'s model whole and
+    trained it at ``seq`` (dynamo's and AOTAutograd's graphs, inductor, the kernels it loaded
+    and what they allocate below the host cache's least size): the same two real steps at batch
+    1, compiled and not, each in a fresh interpreter with the host cache holding the tensors,
+    and the difference of their RssAnon beside the cache's bytes. The compiled one compiles for
+    real, from an empty inductor cache of its own (a compile that finds its kernels cached
+    holds less), a minute or more on a small machine, and the model and its AdamW state must
+    fit in memory; once per model, sequence and process."""
+    model = dataclasses.replace(spec, steps=1, optimizer="none", min_bytes=1 << 20)
+    eager = _run_base(_COMPILED_STEPS, model, "0", str(seq))[0]
+    with tempfile.TemporaryDirectory(prefix="offloadd-compile-") as cache:
+        env = {"TORCHINDUCTOR_CACHE_DIR": cache}
+        compiled = _run_base(_COMPILED_STEPS, model, "1", str(seq), env=env)[0]
+    return max(0, compiled - eager)
 
 
 def base_bytes(spec: TraceSpec, *, file: bool = False) -> int:
@@ -134,6 +190,8 @@ def predict(
     state = run.held.get("state", 0)
     steps = replay(run.events).resident if allocator == "caching" else run.peak
     base = base_bytes(spec)
+    if kind == "compile-budget":
+        base += compiler_bytes(spec, seq)
     return Prediction(
         peak_bytes=base + steps,
         base_bytes=base,

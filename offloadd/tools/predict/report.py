@@ -25,6 +25,7 @@ from offloadd.units import format_bytes
 
 __all__ = [
     "MOST",
+    "ON_REQUEST",
     "PREDICTED",
     "Row",
     "largest_batch",
@@ -39,6 +40,10 @@ MOST = 1 << 16
 
 PREDICTED = ("plain", "recompute", "sac", "offload-ssd", "auto")
 """The strategies ``offloadd plan`` predicts by default (auto inside a limit only)."""
+
+ON_REQUEST = ("compile-budget",)
+"""Predicted when named: compile-budget traces through torch.compile (seconds a size) and
+measures what the compiler holds by compiling the model for real at a sequence of 8 (once)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,8 @@ import pytest
 from offloadd.tools.bench.hooks import format_report
 from offloadd.tools.harness.spread import UNRESOLVED, fmt_ratio, quotient_range, ratio_range
 from offloadd.tools.rok.summary import aggregate, compare, summary_lines
-from offloadd.tools.wall.command import _auto_against_best
+from offloadd.tools.wall.search import Wall
+from offloadd.tools.wall.summary import contested, summary
 
 
 def point(strategy: str, batch: int, lo: float, mid: float, hi: float) -> dict[str, Any]:
@@ -60,12 +61,33 @@ def test_wall_compares_auto_with_the_fastest_other_where_both_train() -> None:
         point("auto", 8, 4.0, 4.0, 4.0),  # alone at batch 8: nothing to compare
         point("recompute", 8, 6.0, 6.0, 6.0) | {"status": "oom"},
     ]
-    lines = _auto_against_best(rows, "batch_size", "batch")
+    lines = summary({}, rows, "batch")
     assert lines == [
         "auto at batch 2: 0.99x (0.95-1.02)~ the throughput of plain, the fastest of the 2 "
         "other(s) that train it",
         UNRESOLVED,
     ]
+
+
+def test_wall_rounds_compare_medians_over_every_rounds_steps() -> None:
+    """--rounds: the sizes two or more strategies train are measured again; each point is then
+    its rounds' median throughput, its spread their fastest and slowest step."""
+    rows = [
+        point("plain", 1, 1.0, 1.0, 1.0),
+        point("plain", 2, 1.9, 2.0, 2.1),
+        point("auto", 1, 1.05, 1.1, 1.2),  # the search's point, in a slow hour
+        point("auto", 2, 2.0, 2.0, 2.0) | {"status": "oom"},
+    ]
+    assert contested(rows, "batch_size") == {1: ["plain", "auto"]}
+    rows += [point("auto", 1, 0.98, 1.0, 1.01), point("plain", 1, 0.99, 1.0, 1.02)]
+    rows += [point("plain", 1, 0.97, 1.0, 1.0), point("auto", 1, 0.99, 1.0, 1.0)]
+    walls = {"plain": Wall(largest=2), "auto": Wall(largest=1, smallest_failed=2, failed_as="oom")}
+    lines = summary(walls, rows, "batch")
+    assert lines[1] == "        auto: largest batch 1, 1.00 samples/s there; batch 2: out of memory"
+    assert lines[-2] == (
+        "auto at batch 1: 1.00x (0.81-1.04)~ the throughput of plain, the fastest of the 1 "
+        "other(s) that train it (medians of 3 rounds)"
+    )
 
 
 def test_bench_hooks_gives_each_arm_its_rounds() -> None:

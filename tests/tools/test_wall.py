@@ -4,6 +4,7 @@ for real, each point in a memory cgroup of its own (the kernel's OOM killer at t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import subprocess
@@ -116,6 +117,45 @@ def test_auto_inside_a_cap_budgets_a_share_of_what_the_cap_leaves(disk_dir: Path
     assert budget >= CAP_SHARE * (512 - 128) * MIB  # the model and its state (and imports): little
     with pytest.raises(ValueError, match="needs a budget"):
         run(RunSpec(strategy="auto", model="mini-gpt", num_layers=1, d_model=32, num_heads=2))
+
+
+def test_rounds_measure_again_each_size_two_strategies_train(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--rounds 3: after the search, each size plain and auto both train is measured twice
+    more, the strategies in turn (reversed every other round); the summary compares medians."""
+    monkeypatch.setattr(command, "memory_cgroup", lambda limit, prefix="": contextlib.nullcontext())
+    ran: list[tuple[str, int]] = []
+    speed = {"plain": [1.0, 2.0, 2.0], "auto": [1.8, 1.9, 2.1]}  # plain's first point: slow hour
+
+    def measure(spec: Any, s: str, batch: int, seq: int) -> dict[str, Any]:
+        ran.append((s, batch))
+        fits = batch <= {"plain": 2, "auto": 8}[s]
+        seen = sum(1 for t, b in ran if (t, b) == (s, batch)) - 1
+        v = speed[s][seen] if batch == 1 else 1.0
+        return {
+            "strategy": s, "batch_size": batch, "seq_len": seq, "peak_bytes": 1 << 20,
+            "status": "ok" if fits else "oom", "error": None if fits else "killed",
+            "samples_per_s": v * batch, "step_time_s": 1 / v,
+            "step_time_min_s": 1 / v, "step_time_max_s": 1 / v,
+        }  # fmt: skip
+
+    monkeypatch.setattr(command, "measure", measure)
+    args = ["wall", "--memory-limit", "1GiB", "--strategies", "plain,auto", "--most", "16"]
+    args += ["--rounds", "3", "--no-predict", "--no-plot", "--out", str(tmp_path / "o")]
+    assert cli.main(args) == 0
+    search = [("plain", b) for b in (1, 2, 4, 3)] + [
+        ("auto", b) for b in (1, 2, 4, 8, 16, 12, 10, 9)
+    ]
+    again = [("auto", 1), ("plain", 1), ("plain", 1), ("auto", 1)]
+    again += [("auto", 2), ("plain", 2), ("plain", 2), ("auto", 2)]
+    assert ran == search + again
+    rows = list(csv.DictReader((tmp_path / "o" / "wall.csv").open()))
+    assert [int(r["round"]) for r in rows[-8:]] == [1, 1, 2, 2, 1, 1, 2, 2]
+    out = capsys.readouterr().out
+    assert "auto at batch 1: 0.95x (0.90-2.10)~ the throughput of plain" in out
+    assert "(medians of 3 rounds)" in out
+    assert json.loads((tmp_path / "o" / "wall.json").read_text())["rounds"] == 3
 
 
 def test_the_wall_found_for_real_inside_a_cgroup(tmp_path: Path) -> None:

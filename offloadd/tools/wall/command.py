@@ -11,6 +11,7 @@ memory cgroup: root, or a delegated cgroup v2 subtree (it says so where it has n
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -23,11 +24,11 @@ from offloadd.config import parse_size
 from offloadd.tools.harness.cgroup import CgroupUnavailable, memory_cgroup
 from offloadd.tools.harness.machine import describe_machine, machine_line
 from offloadd.tools.harness.peers import unavailable
-from offloadd.tools.harness.spread import UNRESOLVED, fmt_ratio, ratio_range
 from offloadd.tools.models.build import MODELS
 from offloadd.tools.wall.points import STRATEGIES, WallSpec, measure, point_line, write_rows
 from offloadd.tools.wall.predicted import Predictor, error_lines
 from offloadd.tools.wall.search import Wall, find_wall
+from offloadd.tools.wall.summary import contested, summary
 from offloadd.units import format_bytes
 
 __all__ = ["DEFAULT_STRATEGIES", "UsageError", "add_arguments", "main"]
@@ -76,6 +77,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--tolerance", type=int, default=1, help="bisect until the wall is this close (1)"
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure each size two or more strategies train this many times in all, the "
+        "strategies in turn (reversed every other round), and compare their medians (default 1: "
+        "the search's points only, which may run far apart in time)",
     )
     p.add_argument("--steps", type=int, default=2, help="timed steps per point (default 2)")
     p.add_argument(
@@ -154,7 +163,7 @@ def _resolve(ns: argparse.Namespace) -> tuple[WallSpec, list[str], int, int, Pat
             host_limit = parse_size("--host-memory-limit", ns.host_memory_limit)
         except ValueError as e:
             raise UsageError(str(e)) from None
-    for opt in ("layers", "hidden", "heads", "seq", "batch", "steps", "tolerance"):
+    for opt in ("layers", "hidden", "heads", "seq", "batch", "steps", "tolerance", "rounds"):
         if getattr(ns, opt) <= 0:
             raise UsageError(f"--{opt} must be positive, got {getattr(ns, opt)}")
     if ns.warmup < 0:
@@ -223,61 +232,6 @@ def _allocator(choice: str, device: str) -> str:
     return cpu_allocator()
 
 
-_SAID = {"oom": "out of memory", "infeasible": "no plan fits its budget"}
-
-
-def _summary(walls: dict[str, Wall], rows: list[dict[str, Any]], grow: str) -> list[str]:
-    key = "batch_size" if grow == "batch" else "seq_len"
-    lines = []
-    for s, w in walls.items():
-        at = next(
-            (r for r in rows if r["strategy"] == s and r[key] == w.largest and r["status"] == "ok"),
-            None,
-        )
-        if w.largest is None:
-            lines.append(
-                f"{s:>12}: trains no {grow} tried ({grow} {w.smallest_failed}: {w.failed_as})"
-            )
-            continue
-        speed = f", {at['samples_per_s']:.2f} samples/s there" if at is not None else ""
-        stop = (
-            f"; {grow} {w.smallest_failed}: {_SAID.get(w.failed_as or '', w.failed_as)}"
-            if w.smallest_failed is not None
-            else " (the largest tried)"
-        )
-        lines.append(f"{s:>12}: largest {grow} {w.largest}{speed}{stop}")
-    base = walls.get("plain")
-    if base is not None and base.largest:
-        for s, w in walls.items():
-            if s != "plain" and w.largest:
-                lines.append(f"{s} trains {w.largest / base.largest:.2f}x plain's largest {grow}")
-    lines += _auto_against_best(rows, key, grow)
-    return lines
-
-
-def _auto_against_best(rows: list[dict[str, Any]], key: str, grow: str) -> list[str]:
-    """Where auto and another strategy both train a size: auto's throughput against the fastest
-    other's there, with the range the timed steps allow (tools/harness/spread.py)."""
-    ok: dict[tuple[str, int], dict[str, Any]] = {}
-    for r in rows:  # the last ok run of each point
-        if r["status"] == "ok":
-            ok[(r["strategy"], r[key])] = r
-    lines = []
-    for (s, size), a in sorted(ok.items(), key=lambda kv: kv[0][1]):
-        others = [r for (t, n), r in ok.items() if n == size and t != s]
-        if s != "auto" or not others:
-            continue
-        best = max(others, key=lambda r: r["samples_per_s"])
-        ratio = a["samples_per_s"] / best["samples_per_s"]
-        lines.append(
-            f"auto at {grow} {size}: {fmt_ratio(ratio, ratio_range(a, best))} the throughput of "
-            f"{best['strategy']}, the fastest of the {len(others)} other(s) that train it"
-        )
-    if any("~" in line for line in lines):
-        lines.append(UNRESOLVED)
-    return lines
-
-
 def _check_gpu(spec: WallSpec) -> None:
     """A GPU to limit: there, and with more memory than the limit."""
     import torch
@@ -324,20 +278,26 @@ def main(ns: argparse.Namespace) -> int:
     csv_path = out / "wall.csv"
     started = time.time()
     predictor = Predictor(spec, on=not ns.no_predict)
+
+    def status_of(s: str, size: int, round: int = 0) -> str:
+        batch, seq = (size, spec.seq) if grow == "batch" else (spec.batch, size)
+        again = f" (round {round + 1} of {ns.rounds})" if round else ""
+        print(f"  {s} {grow} {size}{again} ...", file=sys.stderr, flush=True)
+        predicted = predictor(s, batch, seq)
+        row = {**measure(spec, s, batch, seq), "predicted_peak_bytes": predicted, "round": round}
+        rows.append(row)
+        write_rows(csv_path, rows)
+        print(point_line(row, grow), flush=True)
+        return str(row["status"])
+
     for s in strategies:
-
-        def status_of(size: int, s: str = s) -> str:
-            batch, seq = (size, spec.seq) if grow == "batch" else (spec.batch, size)
-            print(f"  {s} {grow} {size} ...", file=sys.stderr, flush=True)
-            predicted = predictor(s, batch, seq)
-            row = {**measure(spec, s, batch, seq), "predicted_peak_bytes": predicted}
-            rows.append(row)
-            write_rows(csv_path, rows)
-            print(point_line(row, grow), flush=True)
-            return str(row["status"])
-
-        walls[s] = find_wall(status_of, start, most, ns.tolerance)
-    lines = _summary(walls, rows, grow) + error_lines(rows)
+        walls[s] = find_wall(functools.partial(status_of, s), start, most, ns.tolerance)
+    key = "batch_size" if grow == "batch" else "seq_len"
+    for size, names in contested(rows, key).items() if ns.rounds > 1 else ():
+        for r in range(1, ns.rounds):
+            for s in names if r % 2 == 0 else names[::-1]:
+                status_of(s, size, r)
+    lines = summary(walls, rows, grow) + error_lines(rows)
     doc = {
         "title": title,
         "grow": grow,
@@ -351,6 +311,7 @@ def main(ns: argparse.Namespace) -> int:
             for s, w in walls.items()
         },
         "machine": machine,
+        "rounds": ns.rounds,
         "seconds": round(time.time() - started, 1),
     }
     (out / "wall.json").write_text(json.dumps(doc, indent=1) + "\n")

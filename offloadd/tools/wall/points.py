@@ -63,6 +63,7 @@ FIELDS = (
     "predicted_peak_bytes",  # offloadd plan's prediction (empty: not predicted yet)
     "plan",  # auto: its blocks kept, offloaded, recomputed ("k2 o10 r0"), and its budget
     "error",
+    "round",  # 0: the search's point; 1 and on: measured again (--rounds)
 )
 
 

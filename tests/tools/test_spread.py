@@ -117,3 +117,20 @@ def test_bench_hooks_reads_its_rounds_by_their_quartiles() -> None:
     doc = {"model": "micro", "saved_per_step": 8, "device": "cpu"}
     text = format_report(doc | {"arms": {"none": steady, "keep": keep}})
     assert "6.000-6.000" in text and "1.50 (1.50-1.50)" in text and UNRESOLVED not in text
+
+
+def test_the_predictions_error_counts_a_point_measured_in_rounds_once() -> None:
+    from offloadd.tools.wall.predicted import error_lines
+
+    def row(strategy: str, batch: int, peak: int, predicted: int) -> dict[str, Any]:
+        return point(strategy, batch, 1.0, 1.0, 1.0) | {
+            "seq_len": 512, "peak_bytes": peak, "predicted_peak_bytes": predicted,
+        }  # fmt: skip
+
+    rows = [row("plain", 1, 100, 95), row("auto", 1, 100, 120), row("auto", 1, 100, 118)]
+    rows.append(row("auto", 2, 100, 90) | {"status": "oom"})
+    assert error_lines(rows) == [
+        "prediction: within 20.0% of the measured peak at all 2 ok point(s) predicted (worst: "
+        "auto at batch 1, seq 512)",
+        "  auto batch 1 seq 512: predicted +20.0% off, past the 15% target",
+    ]

@@ -49,8 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--strategies",
         default=",".join(PREDICTED),
         help=f"predicted strategies, from {', '.join(PREDICTED + ON_REQUEST)} (default: "
-        f"{', '.join(PREDICTED)}; compile-budget compiles the model once at a sequence of 8 to "
-        "measure what the compiler holds)",
+        f"{', '.join(PREDICTED)}; compile-budget also compiles the model and trains it two "
+        "real steps at batch 1 to measure what the compiler holds: a minute or more, and the "
+        "model and its optimizer state must fit in memory)",
     )
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="default adamw")
     p.add_argument(

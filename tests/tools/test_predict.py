@@ -154,6 +154,22 @@ def test_a_compiled_run_is_traced_through_its_partitioner() -> None:
     assert functorch_config.activation_memory_budget == before
 
 
+def test_plans_table_says_what_the_compiler_holds_apart() -> None:
+    from offloadd.tools.predict.peak import Prediction
+    from offloadd.tools.predict.report import render
+
+    def at(compiler: int) -> Prediction:
+        return Prediction(
+            peak_bytes=(900 + compiler) * MIB, base_bytes=257 * MIB, file_bytes=0,
+            weights_bytes=101 * MIB, state_bytes=303 * MIB, steps_bytes=239 * MIB,
+            allocator="caching", compiler_bytes=compiler * MIB,
+        )  # fmt: skip
+
+    text = render([Row("compile-budget", at(150), None), Row("plain", at(0), None)], 1, 512, None)
+    assert "each peak counts 257.0 MiB of interpreter and libraries" in text
+    assert "(compile-budget also counts 150.0 MiB that torch.compile holds)" in text
+
+
 @pytest.mark.slow
 def test_a_compiled_wall_point_is_predicted_within_15_percent(tmp_path: Path) -> None:
     """compile-budget compiled for real by inductor in a memory cgroup, against the prediction

@@ -11,7 +11,7 @@ from offloadd.tools.bench.hooks import format_report
 from offloadd.tools.harness.spread import UNRESOLVED, fmt_ratio, quotient_range, ratio_range
 from offloadd.tools.rok.summary import aggregate, compare, summary_lines
 from offloadd.tools.wall.search import Wall
-from offloadd.tools.wall.summary import contested, summary
+from offloadd.tools.wall.summary import contested, points, summary
 
 
 def point(strategy: str, batch: int, lo: float, mid: float, hi: float) -> dict[str, Any]:
@@ -69,25 +69,39 @@ def test_wall_compares_auto_with_the_fastest_other_where_both_train() -> None:
     ]
 
 
-def test_wall_rounds_compare_medians_over_every_rounds_steps() -> None:
-    """--rounds: the sizes two or more strategies train are measured again; each point is then
-    its rounds' median throughput, its spread their fastest and slowest step."""
+def test_wall_rounds_compare_medians_over_the_rounds_steps() -> None:
+    """--rounds: the sizes auto and another strategy train are measured again; each point is
+    then its later rounds' median throughput (the search's point left out), its spread their
+    fastest and slowest step; a round that did not train is said."""
+
+    def at(strategy: str, batch: int, lo: float, mid: float, hi: float, r: int) -> dict[str, Any]:
+        return point(strategy, batch, lo, mid, hi) | {"round": r}
+
     rows = [
-        point("plain", 1, 1.0, 1.0, 1.0),
-        point("plain", 2, 1.9, 2.0, 2.1),
-        point("auto", 1, 1.05, 1.1, 1.2),  # the search's point, in a slow hour
-        point("auto", 2, 2.0, 2.0, 2.0) | {"status": "oom"},
+        at("plain", 1, 1.0, 1.0, 1.0, 0),
+        at("plain", 2, 1.9, 2.0, 2.1, 0),
+        at("sac", 4, 4.0, 4.0, 4.0, 0),
+        at("auto", 1, 1.05, 1.1, 1.2, 0),  # the search's point, in a slow hour
+        at("auto", 2, 2.0, 2.0, 2.0, 0) | {"status": "oom"},
+        at("auto", 4, 4.0, 4.0, 4.0, 0) | {"status": "oom"},
     ]
-    assert contested(rows, "batch_size") == {1: ["plain", "auto"]}
-    rows += [point("auto", 1, 0.98, 1.0, 1.01), point("plain", 1, 0.99, 1.0, 1.02)]
-    rows += [point("plain", 1, 0.97, 1.0, 1.0), point("auto", 1, 0.99, 1.0, 1.0)]
+    assert contested(rows, "batch_size") == {1: ["plain", "auto"]}  # not sac and plain alone
+    rows += [at("auto", 1, 0.98, 1.0, 1.01, 1), at("plain", 1, 0.99, 1.0, 1.02, 1)]
+    rows += [
+        at("plain", 1, 0.97, 1.0, 1.0, 2),
+        at("auto", 1, 0.99, 1.0, 1.0, 2) | {"status": "oom"},
+    ]
     walls = {"plain": Wall(largest=2), "auto": Wall(largest=1, smallest_failed=2, failed_as="oom")}
     lines = summary(walls, rows, "batch")
     assert lines[1] == "        auto: largest batch 1, 1.00 samples/s there; batch 2: out of memory"
-    assert lines[-2] == (
-        "auto at batch 1: 1.00x (0.81-1.04)~ the throughput of plain, the fastest of the 1 "
-        "other(s) that train it (medians of 3 rounds)"
+    assert (
+        "auto at batch 1: 1 of 2 rounds did not train (oom): its wall is not sharp there" in lines
     )
+    assert lines[-2] == (
+        "auto at batch 1: 1.00x (0.96-1.04)~ the throughput of plain, the fastest of the 1 "
+        "other(s) that train it"
+    )
+    assert points(rows, "batch_size")[("plain", 1)]["runs"] == 2
 
 
 def test_bench_hooks_gives_each_arm_its_rounds() -> None:
@@ -119,18 +133,20 @@ def test_bench_hooks_reads_its_rounds_by_their_quartiles() -> None:
     assert "6.000-6.000" in text and "1.50 (1.50-1.50)" in text and UNRESOLVED not in text
 
 
-def test_the_predictions_error_counts_a_point_measured_in_rounds_once() -> None:
+def test_the_predictions_error_counts_the_searchs_points_only() -> None:
     from offloadd.tools.wall.predicted import error_lines
 
     def row(strategy: str, batch: int, peak: int, predicted: int) -> dict[str, Any]:
         return point(strategy, batch, 1.0, 1.0, 1.0) | {
-            "seq_len": 512, "peak_bytes": peak, "predicted_peak_bytes": predicted,
+            "seq_len": 512, "peak_bytes": peak, "predicted_peak_bytes": predicted, "round": 0,
         }  # fmt: skip
 
-    rows = [row("plain", 1, 100, 95), row("auto", 1, 100, 120), row("auto", 1, 100, 118)]
-    rows.append(row("auto", 2, 100, 90) | {"status": "oom"})
+    rows = [row("plain", 1, 100, 95), row("auto", 1, 100, 120), row("auto", 2, 100, 118)]
+    rows.append(row("auto", 1, 80, 120) | {"round": 1})  # warm where the prediction is cold
+    rows.append(row("auto", 4, 100, 90) | {"status": "oom"})
     assert error_lines(rows) == [
-        "prediction: within 20.0% of the measured peak at all 2 ok point(s) predicted (worst: "
+        "prediction: within 20.0% of the measured peak at all 3 ok point(s) predicted (worst: "
         "auto at batch 1, seq 512)",
         "  auto batch 1 seq 512: predicted +20.0% off, past the 15% target",
+        "  auto batch 2 seq 512: predicted +18.0% off, past the 15% target",
     ]

@@ -58,14 +58,14 @@ class Prediction:
     """A predicted peak and its parts (bytes)."""
 
     peak_bytes: int
-    base_bytes: int  # the interpreter, torch and the libraries, before any tensor (and what
-    # torch.compile holds, for a compiled run)
+    base_bytes: int  # the interpreter, torch and the libraries, before any tensor
     file_bytes: int  # the libraries' file-backed pages (in the RSS, not charged again)
     weights_bytes: int
     state_bytes: int  # gradients and optimizer state
     steps_bytes: int  # the steps' own peak above those: activations and temporaries
     allocator: str  # "caching" (the host cache replayed) or "system"
     blocks: int = 0  # the model's blocks, as auto's planner finds them
+    compiler_bytes: int = 0  # compile-budget: what torch.compile holds (compiler_bytes)
 
 
 def traced_as(strategy: str) -> str | None:
@@ -75,13 +75,14 @@ def traced_as(strategy: str) -> str | None:
 
 @functools.cache
 def _measured_base(spec: TraceSpec) -> tuple[int, int]:
-    return _run_base(_BASE, spec)
+    return _run_base("the base memory", _BASE, spec)
 
 
 def _run_base(
-    code: str, spec: TraceSpec, *args: str, env: dict[str, str] | None = None
+    what: str, code: str, spec: TraceSpec, *args: str, env: dict[str, str] | None = None
 ) -> tuple[int, int]:
-    """RssAnon and RssFile as ``code`` prints them, run in a fresh interpreter."""
+    """RssAnon and RssFile as ``code`` prints them, run in a fresh interpreter to measure
+    ``what`` (named in its errors)."""
     try:
         out = subprocess.run(
             [sys.executable, "-c", code, json.dumps(dataclasses.asdict(spec)), *args],
@@ -91,11 +92,13 @@ def _run_base(
             env=None if env is None else {**os.environ, **env},
         )
     except subprocess.TimeoutExpired:
-        raise RuntimeError("measuring the base memory took over 900 s") from None
+        raise RuntimeError(f"measuring {what} took over 900 s") from None
     said = [line.split() for line in out.stdout.splitlines() if line.startswith("base ")]
     if out.returncode or not said:
         tail = out.stderr.strip().splitlines()[-1:] or ["(no output)"]
-        raise RuntimeError(f"measuring the base memory failed: {tail[0]}")
+        raise RuntimeError(
+            f"measuring {what} failed (exit status {out.returncode}): {tail[0]}"[:400]
+        )
     return int(said[-1][1]) * 1024, int(said[-1][2]) * 1024
 
 
@@ -147,10 +150,11 @@ def compiler_bytes(spec: TraceSpec, seq: int) -> int:
     holds less), a minute or more on a small machine, and the model and its AdamW state must
     fit in memory; once per model, sequence and process."""
     model = dataclasses.replace(spec, steps=1, optimizer="none", min_bytes=1 << 20)
-    eager = _run_base(_COMPILED_STEPS, model, "0", str(seq))[0]
+    what = "the compiler's memory (two real steps at batch 1)"
+    eager = _run_base(what, _COMPILED_STEPS, model, "0", str(seq))[0]
     with tempfile.TemporaryDirectory(prefix="offloadd-compile-") as cache:
         env = {"TORCHINDUCTOR_CACHE_DIR": cache}
-        compiled = _run_base(_COMPILED_STEPS, model, "1", str(seq), env=env)[0]
+        compiled = _run_base(what, _COMPILED_STEPS, model, "1", str(seq), env=env)[0]
     return max(0, compiled - eager)
 
 
@@ -190,10 +194,9 @@ def predict(
     state = run.held.get("state", 0)
     steps = replay(run.events).resident if allocator == "caching" else run.peak
     base = base_bytes(spec)
-    if kind == "compile-budget":
-        base += compiler_bytes(spec, seq)
+    compiler = compiler_bytes(spec, seq) if kind == "compile-budget" else 0
     return Prediction(
-        peak_bytes=base + steps,
+        peak_bytes=base + compiler + steps,
         base_bytes=base,
         file_bytes=base_bytes(spec, file=True),
         weights_bytes=weights,
@@ -201,6 +204,7 @@ def predict(
         steps_bytes=max(0, steps - weights - state),
         allocator=allocator,
         blocks=run.blocks,
+        compiler_bytes=compiler,
     )
 
 

@@ -43,7 +43,9 @@ PREDICTED = ("plain", "recompute", "sac", "offload-ssd", "auto")
 
 ON_REQUEST = ("compile-budget",)
 """Predicted when named: compile-budget traces through torch.compile (seconds a size) and
-measures what the compiler holds by compiling the model for real at a sequence of 8 (once)."""
+measures what the compiler holds by compiling the model for real and training it two steps at
+batch 1 and the asked sequence (a minute or more, once a sequence; the model and its optimizer
+state must fit in memory)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +136,8 @@ def render(rows: list[Row], batch: int, seq: int, limit: int | None) -> str:
             most = f"{MOST} or more" if r.largest == MOST else str(r.largest or "none")
             line += f" {most:>28}"
         lines.append(line)
-    at = rows[0].at
+    at = next((r.at for r in rows if not r.at.compiler_bytes), rows[0].at)
+    compiled = [r for r in rows if r.at.compiler_bytes]
     lines.append(
         f"(seq {seq}; each peak counts {format_bytes(at.base_bytes)} of interpreter and libraries, "
         f"{format_bytes(at.weights_bytes)} of weights and {format_bytes(at.state_bytes)} of "
@@ -142,6 +145,10 @@ def render(rows: list[Row], batch: int, seq: int, limit: int | None) -> str:
         + ("offloadd's host cache" if at.allocator == "caching" else "glibc's heap")
         + ")"
     )
+    lines += [
+        f"({r.strategy} also counts {format_bytes(r.at.compiler_bytes)} that torch.compile holds)"
+        for r in compiled
+    ]
     return "\n".join(lines)
 
 

@@ -74,6 +74,7 @@ def trace(spec: TraceSpec, strategy: str, batch: int, seq: int) -> Traced:
         )
     compiled = strategy == "compile-budget"
     live = (_CompiledLiveBytes if compiled else LiveBytes)(STAND_INS)
+    backend = _Partitioned() if compiled else None
     with FakeTensorMode(), live, _planner() if compiled else contextlib.nullcontext():
         torch.manual_seed(0)
         built = build_model(
@@ -85,7 +86,7 @@ def trace(spec: TraceSpec, strategy: str, batch: int, seq: int) -> Traced:
             vocab_size=spec.vocab,
             recompute=strategy in ("recompute", "sac"),
             selective=strategy == "sac",
-            compile=_partitioned() if compiled else False,
+            compile=backend or False,
             hf_config=spec.hf_config,
         )
         if spec.dtype != "float32":  # as the harness does, after building
@@ -109,6 +110,11 @@ def trace(spec: TraceSpec, strategy: str, batch: int, seq: int) -> Traced:
                 opt.step()
                 opt.zero_grad(set_to_none=False)
         held = live.live_by_phase()
+    if backend is not None and not backend.graphs:  # dynamo skipped every frame: ran eager
+        raise RuntimeError(
+            f"compile-budget: torch.compile compiled no graph of the model under the trace "
+            f"(torch {torch.__version__}); its peak is not predicted"
+        )
     return Traced(list(live.events), live.peak, held, len(find_blocks(built.module)))
 
 
@@ -132,9 +138,9 @@ STAND_INS = {torch.ops.aten._grouped_mm.default: _grouped_mm}
 # Note [a compiled run traced]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # compile-budget's run is traced through torch.compile itself: dynamo captures the same graphs
-# (and breaks) on fake tensors, and AOTAutograd partitions each joint graph with the min-cut
-# partitioner under the run's ``activation_memory_budget``, after inductor's decompositions, so
-# the forward saves what the real run's saves. The partitioned graphs then run as FX code, which
+# (and breaks) on fake tensors, and AOTAutograd partitions each joint graph as inductor does
+# (its decompositions and joint-graph passes, then the min-cut partitioner under the run's
+# ``activation_memory_budget``), so the forward saves what the real run's saves. The partitioned graphs then run as FX code, which
 # frees each value after its last use. Inductor fuses ops, so it makes fewer temporaries than
 # that: the trace's temporaries read above inductor's, its saved bytes the same. (Leaving out a
 # pointwise op's output where its users are all pointwise, as inductor fuses them, moved the
@@ -166,22 +172,39 @@ def _planner() -> Iterator[None]:
         torch._dynamo.reset()
 
 
-def _partitioned() -> Any:
-    """A torch.compile backend that partitions as inductor's does and runs the graphs as FX."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-    from torch._inductor.decomposition import select_decomp_table
+class _Partitioned:
+    """A torch.compile backend that partitions as inductor does (its joint-graph passes, then
+    the min-cut partitioner) and runs the graphs as FX; ``graphs`` counts those it was given."""
 
-    def as_fx(gm: torch.fx.GraphModule, example: Any) -> Any:
+    def __init__(self) -> None:
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._inductor.decomposition import select_decomp_table
+
+        self.graphs = 0
+        self.backend = aot_autograd(
+            fw_compiler=self.as_fx,
+            bw_compiler=self.as_fx,
+            partition_fn=self.partition,
+            decompositions=select_decomp_table(),
+        )
+
+    @staticmethod
+    def partition(gm: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
+        from torch._guards import detect_fake_mode
+        from torch._inductor.compile_fx import partition_fn
+        from torch._inductor.virtualized import V
+
+        with V.set_fake_mode(detect_fake_mode(joint_inputs)):  # as inductor's compile sets it
+            return partition_fn(gm, joint_inputs, **kwargs)
+
+    def as_fx(self, gm: torch.fx.GraphModule, example: Any) -> Any:
+        from functorch.compile import make_boxed_func
+
+        self.graphs += 1
         return make_boxed_func(gm)
 
-    return aot_autograd(
-        fw_compiler=as_fx,
-        bw_compiler=as_fx,
-        partition_fn=min_cut_rematerialization_partition,
-        decompositions=select_decomp_table(),
-    )
+    def __call__(self, gm: torch.fx.GraphModule, example: Any) -> Any:
+        return self.backend(gm, example)
 
 
 def _optimizer(name: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer | None:

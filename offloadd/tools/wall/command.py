@@ -287,7 +287,7 @@ def main(ns: argparse.Namespace) -> int:
         row = {**measure(spec, s, batch, seq), "predicted_peak_bytes": predicted, "round": round}
         rows.append(row)
         write_rows(csv_path, rows)
-        print(point_line(row, grow), flush=True)
+        print(point_line(row, grow) + again, flush=True)
         return str(row["status"])
 
     for s in strategies:

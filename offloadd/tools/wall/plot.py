@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from offloadd.tools.wall.summary import points
+
 __all__ = ["plot"]
 
 _COLORS = {
@@ -29,6 +31,7 @@ def plot(rows: list[dict[str, Any]], grow: str, path: Path, title: str) -> None:
     key = "batch_size" if grow == "batch" else "seq_len"
     fig, ax = plt.subplots(figsize=(9, 5.2))
     strategies = list(dict.fromkeys(r["strategy"] for r in rows))
+    aggregated = points(rows, key)  # a size measured in rounds: one point (summary.py)
     for s in strategies:
         color = _COLORS.get(s, "tab:gray")
         ok = sorted(
@@ -39,8 +42,8 @@ def plot(rows: list[dict[str, Any]], grow: str, path: Path, title: str) -> None:
                 r["step_time_min_s"],
                 r["step_time_max_s"],
             )
-            for r in rows
-            if r["strategy"] == s and r["status"] == "ok"
+            for (t, _), r in aggregated.items()
+            if t == s
         )
         failed = [r[key] for r in rows if r["strategy"] == s and r["status"] != "ok"]
         if ok:

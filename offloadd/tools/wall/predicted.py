@@ -38,9 +38,10 @@ class Predictor:
             min_bytes=Config.from_env().min_bytes,  # as the points' Offloaders take it
         )
         self._said: set[str] = set()
+        self._failed: set[str] = set()  # a trace or a measurement that failed is not retried
 
     def __call__(self, strategy: str, batch: int, seq: int) -> int | None:
-        if not self.on:
+        if not self.on or strategy in self._failed:
             return None
         if strategy != "auto" and traced_as(strategy) is None:
             self._say(strategy, UNPREDICTED.get(strategy, "not traced"))
@@ -48,7 +49,8 @@ class Predictor:
         try:
             run = predict_run(self.spec, strategy, batch, seq, limit=self.limit, held=self.held)
         except Exception as e:  # a model the trace cannot run: measured all the same
-            self._say(strategy, f"the trace failed: {type(e).__name__}: {e}"[:300])
+            self._failed.add(strategy)
+            self._say(strategy, f"the prediction failed: {type(e).__name__}: {e}"[:400])
             return None
         return run.peak_bytes
 
@@ -59,20 +61,19 @@ class Predictor:
 
 
 def error_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """The predictions' error over the ok points: the largest, and each point past TARGET."""
+    """The predictions' error over the search's ok points (a later round runs what the first
+    left cached, such as compiled kernels, which the prediction does not count on): the
+    largest, and each point past TARGET."""
     errs = [
         (r["predicted_peak_bytes"] / r["peak_bytes"] - 1, r)
         for r in rows
-        if r["status"] == "ok" and r.get("predicted_peak_bytes") and r.get("peak_bytes")
+        if r["status"] == "ok"
+        and r.get("predicted_peak_bytes")
+        and r.get("peak_bytes")
+        and not r.get("round")
     ]
     if not errs:
         return []
-    by_point: dict[tuple[Any, ...], tuple[float, dict[str, Any]]] = {}
-    for e, r in errs:  # a point measured in several rounds: its worst
-        point = (r["strategy"], r["batch_size"], r["seq_len"])
-        if point not in by_point or abs(e) > abs(by_point[point][0]):
-            by_point[point] = (e, r)
-    errs = list(by_point.values())
     worst = max(errs, key=lambda e: abs(e[0]))
     lines = [
         f"prediction: within {abs(worst[0]):.1%} of the measured peak at all {len(errs)} ok "

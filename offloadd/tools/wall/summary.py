@@ -1,10 +1,11 @@
 """What ``offloadd wall`` says at the end: each strategy's wall, and auto against the fastest
 other strategy at each size both train.
 
-A size measured in several rounds (``--rounds``) is summed up by its rounds: the median of
-their throughputs, and the fastest and slowest timed step of any round as its spread. Rounds
-run the strategies in turn at each size, so a comparison there is between points measured
-minutes apart, not the search's, which may be an hour apart on a machine whose speed moves.
+A size measured again in rounds (``--rounds``) is summed up by those rounds, without the
+search's point: the median of their throughputs, and the fastest and slowest timed step of any
+of them as its spread. Rounds run the strategies in turn at each size, so a comparison there is
+between points measured minutes apart, not the search's, which may be an hour apart on a
+machine whose speed moves.
 """
 
 from __future__ import annotations
@@ -15,45 +16,60 @@ from typing import Any
 from offloadd.tools.harness.spread import UNRESOLVED, fmt_ratio, ratio_range
 from offloadd.tools.wall.search import Wall
 
-__all__ = ["contested", "summary"]
+__all__ = ["contested", "points", "summary"]
 
 _SAID = {"oom": "out of memory", "infeasible": "no plan fits its budget"}
 
 
-def _ok(rows: list[dict[str, Any]], key: str) -> dict[tuple[str, int], dict[str, Any]]:
-    """Each (strategy, size) that trained, summed up over its rounds."""
+def points(rows: list[dict[str, Any]], key: str) -> dict[tuple[str, int], dict[str, Any]]:
+    """Each (strategy, size) that trained, summed up over its rounds (see above); a point
+    measured again counts its rounds' ``runs`` and the statuses of those that did not train
+    (``failed``)."""
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for r in rows:
-        if r["status"] == "ok":
-            runs.setdefault((r["strategy"], r[key]), []).append(r)
+        runs.setdefault((r["strategy"], r[key]), []).append(r)
     out = {}
-    for point, done in runs.items():
-        if len(done) == 1:
+    for point, all_runs in runs.items():
+        again = [r for r in all_runs if r.get("round")]
+        measured = again or all_runs
+        done = [r for r in measured if r["status"] == "ok"]
+        if not done:
+            continue
+        if len(measured) == 1:
             out[point] = done[0]
             continue
         lows = [r["step_time_min_s"] for r in done if r.get("step_time_min_s")]
         highs = [r["step_time_max_s"] for r in done if r.get("step_time_max_s")]
+        rate = statistics.median(r["samples_per_s"] for r in done)
         out[point] = {
             **done[-1],
-            "samples_per_s": statistics.median(r["samples_per_s"] for r in done),
+            "samples_per_s": rate,
+            "step_time_s": done[-1]["batch_size"] / rate,
             "step_time_min_s": min(lows) if len(lows) == len(done) else None,
             "step_time_max_s": max(highs) if len(highs) == len(done) else None,
-            "rounds": len(done),
+            "runs": len(done),
+            "failed": [r["status"] for r in measured if r["status"] != "ok"],
         }
     return out
 
 
 def contested(rows: list[dict[str, Any]], key: str) -> dict[int, list[str]]:
-    """The sizes two or more strategies trained, with those strategies in the order they ran."""
+    """The sizes auto and another strategy trained (where auto was not run: any two), with
+    those strategies in the order they ran: the sizes ``summary`` compares."""
     by_size: dict[int, list[str]] = {}
-    for s, size in _ok(rows, key):
+    for s, size in points(rows, key):
         by_size.setdefault(size, []).append(s)
-    return {size: names for size, names in sorted(by_size.items()) if len(names) > 1}
+    with_auto = any(r["strategy"] == "auto" for r in rows)
+    return {
+        size: names
+        for size, names in sorted(by_size.items())
+        if len(names) > 1 and ("auto" in names or not with_auto)
+    }
 
 
 def summary(walls: dict[str, Wall], rows: list[dict[str, Any]], grow: str) -> list[str]:
     key = "batch_size" if grow == "batch" else "seq_len"
-    ok = _ok(rows, key)
+    ok = points(rows, key)
     lines = []
     for s, w in walls.items():
         if w.largest is None:
@@ -74,6 +90,12 @@ def summary(walls: dict[str, Wall], rows: list[dict[str, Any]], grow: str) -> li
         for s, w in walls.items():
             if s != "plain" and w.largest:
                 lines.append(f"{s} trains {w.largest / base.largest:.2f}x plain's largest {grow}")
+    for (s, size), p in ok.items():
+        if p.get("failed"):
+            lines.append(
+                f"{s} at {grow} {size}: {len(p['failed'])} of {p['runs'] + len(p['failed'])} "
+                f"rounds did not train ({', '.join(p['failed'])}): its wall is not sharp there"
+            )
     return lines + _auto_against_best(ok, grow)
 
 
@@ -87,7 +109,7 @@ def _auto_against_best(ok: dict[tuple[str, int], dict[str, Any]], grow: str) -> 
             continue
         best = max(others, key=lambda r: r["samples_per_s"])
         ratio = a["samples_per_s"] / best["samples_per_s"]
-        rounds = min(a.get("rounds", 1), best.get("rounds", 1))
+        rounds = min(a.get("runs", 1), best.get("runs", 1))
         lines.append(
             f"auto at {grow} {size}: {fmt_ratio(ratio, ratio_range(a, best))} the throughput of "
             f"{best['strategy']}, the fastest of the {len(others)} other(s) that train it"

@@ -118,20 +118,53 @@ class MinimalRelay:
         self.backward.clear()
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def options(doc: str) -> argparse.ArgumentParser:
+    """The micro model's options, and the rounds' (saved_hooks_floor.py takes them too)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--blocks", type=int, default=64)
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--json", help="write the figures here")
-    ns = p.parse_args(argv)
+    return p
+
+
+def frozen_micro(ns: argparse.Namespace) -> nn.Module:
+    """``bench hooks``' micro model with its Linear layers frozen (relay's groups), one thread."""
     torch.set_num_threads(1)
     plain = micro_model(ns.blocks, ns.width)
     for m in plain.modules():
         if isinstance(m, nn.Linear):
             m.requires_grad_(False)
+    return plain
+
+
+def medians(arms: dict[str, Any], step: Any, rounds: int, steps: int) -> dict[str, float]:
+    """Each arm's median step time over ``rounds`` rounds of ``steps`` steps, the arms in turn
+    (reversed every other round), after three rounds of warm-up."""
+    times: dict[str, list[float]] = {k: [] for k in arms}
+    for r in range(-3, rounds):
+        for name in arms if r % 2 == 0 else reversed(list(arms)):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step(arms[name])
+            if r >= 0:
+                times[name].append((time.perf_counter() - t0) / steps)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def written(ns: argparse.Namespace, out: dict[str, Any]) -> int:
+    """Write ``out`` to ``--json``, if given; the exit status."""
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = options(__doc__).parse_args(argv)
+    plain = frozen_micro(ns)
     minimal_model = copy.deepcopy(plain)
     minimal = MinimalRelay(minimal_model)
     x = torch.randn(ns.batch, ns.width, requires_grad=True)
@@ -153,15 +186,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for model in arms.values():
         step(model)  # warm-up, and the order relay learns
-    times: dict[str, list[float]] = {k: [] for k in arms}
-    for r in range(-3, ns.rounds):
-        for name in arms if r % 2 == 0 else reversed(list(arms)):
-            t0 = time.perf_counter()
-            for _ in range(ns.steps):
-                step(arms[name])
-            if r >= 0:
-                times[name].append((time.perf_counter() - t0) / ns.steps)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = medians(arms, step, ns.rounds, ns.steps)
     swaps = 2 * ns.blocks
     out = {
         "plain_ms": med["plain"] * 1e3,
@@ -171,10 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         f"plain {out['plain_ms']:.3f} ms a step; µs a group swap above plain: "
         + ", ".join(f"{k} {out[f'{k}_us_per_swap']:.1f}" for k in arms if k != "plain")
     )
-    if ns.json:
-        with open(ns.json, "w") as f:
-            json.dump(out, f, indent=1)
-    return 0
+    return written(ns, out)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ On ``bench hooks``' micro model (width 128, its Linear layers frozen, as ``relay
 runs it), each layer's forward pushes a pair and pops it, through module hooks as relay's are.
 Arms, interleaved in one process: plain; the module hooks alone (nothing pushed); a Python
 identity pair, run with dynamo's frame callback off as relay's are (``unseen``); the same pair
-without that; and a pair of C builtins (``Tensor.detach``, no Python frame). Each figure is µs a
+without that; and a pair of C methods (``Tensor.to``, which with nothing to convert to gives the
+tensor back as it is: no Python frame). Each figure is µs a
 layer (a group of relay) and step above plain, and the last column µs a hooked saved tensor.
 
     python scripts/saved_hooks_floor.py [--rounds 15] [--json OUT]
@@ -60,9 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         "module hooks": _hooked(copy.deepcopy(plain), None),
         "python pair, unseen": _hooked(copy.deepcopy(plain), (unseen(ident), unseen(ident))),
         "python pair": _hooked(copy.deepcopy(plain), (ident, ident)),
-        "C pair (detach)": _hooked(
-            copy.deepcopy(plain), (torch.Tensor.detach, torch.Tensor.detach)
-        ),
+        # a C method that gives back the tensor itself: Tensor.to() with nothing to convert to
+        "C pair (Tensor.to)": _hooked(copy.deepcopy(plain), (torch.Tensor.to, torch.Tensor.to)),
     }
 
     def step(model: nn.Module) -> None:

@@ -44,6 +44,10 @@ def worker(rank: int, mode: str, port: str) -> None:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    # Both ranks leave their last collective before either tears gloo down: one that destroys
+    # its group while the other still runs one aborts now and then on torch 2.13's CPU wheel
+    # ("terminate called without an active exception"), as ddp_train.py says.
+    dist.barrier()
     dist.destroy_process_group()
     line = json.dumps({"rank": rank, "losses": losses}) + "\n"
     os.write(1, line.encode())  # one write: the two workers share stdout

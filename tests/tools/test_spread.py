@@ -101,7 +101,7 @@ def test_wall_rounds_compare_medians_over_the_rounds_steps() -> None:
         "auto at batch 1: 1.00x (0.96-1.04)~ the throughput of plain, the fastest of the 1 "
         "other(s) that train it"
     )
-    assert points(rows, "batch_size")[("plain", 1)]["runs"] == 2
+    assert points(rows, "batch_size")[("plain", 1)]["ok_rounds"] == 2
 
 
 def test_bench_hooks_gives_each_arm_its_rounds() -> None:

@@ -11,7 +11,7 @@ import random
 import statistics
 from typing import Any
 
-from offloadd.tools.harness.spread import UNRESOLVED, fmt_ratio, ratio_range
+from offloadd.tools.harness.spread import UNRESOLVED, aggregate, fmt_ratio, ratio_range
 
 __all__ = [
     "OFFLOAD",
@@ -31,47 +31,6 @@ SINGLE = ("keep", "recompute", *OFFLOAD)
 """The single strategies an auto point is judged against."""
 
 Row = dict[str, Any]
-
-
-_MEDIAN_KEYS = (
-    "step_time_s",
-    "samples_per_s",
-    "tokens_per_s",
-    "model_tflops",
-    "activation_peak_bytes",
-    "peak_rss_above_base",
-    "peak_device_above_base",
-    "peak_live_above_base",
-    "peak_resident_bytes",
-    "io_wait_s",
-    "steal_s",
-)
-
-
-def aggregate(rows: list[Row]) -> list[Row]:
-    """One row per (strategy, batch size): medians over the rounds that ran (status ok), the
-    fastest step of any round, the range of throughput over rounds (``samples_per_s_lo``/``_hi``)
-    and ``rounds``/``ok_rounds``. A point none of whose rounds
-    succeeded keeps its first round's status and error."""
-    groups: dict[tuple[str, int], list[Row]] = {}
-    for r in rows:
-        groups.setdefault((r["strategy"], r["batch_size"]), []).append(r)
-    out = []
-    for group in groups.values():
-        ok = [r for r in group if r["status"] == "ok"]
-        agg = dict(ok[0] if ok else group[0])
-        agg["rounds"], agg["ok_rounds"] = len(group), len(ok)
-        if ok:
-            for key in _MEDIAN_KEYS:
-                values = [r[key] for r in ok if r.get(key) is not None]
-                agg[key] = type(values[0])(statistics.median(values)) if values else None
-            agg["step_time_min_s"] = min(r["step_time_min_s"] for r in ok)
-            highs = [r["step_time_max_s"] for r in ok if r.get("step_time_max_s") is not None]
-            agg["step_time_max_s"] = max(highs) if len(highs) == len(ok) else None
-            thr = [r["samples_per_s"] for r in ok]
-            agg["samples_per_s_lo"], agg["samples_per_s_hi"] = min(thr), max(thr)
-        out.append(agg)
-    return out
 
 
 def _ok(rows: list[Row], strategy: str) -> dict[int, Row]:

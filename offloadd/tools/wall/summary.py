@@ -10,10 +10,9 @@ machine whose speed moves.
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
-from offloadd.tools.harness.spread import UNRESOLVED, fmt_ratio, ratio_range
+from offloadd.tools.harness.spread import UNRESOLVED, aggregate, fmt_ratio, ratio_range
 from offloadd.tools.wall.search import Wall
 
 __all__ = ["contested", "points", "summary"]
@@ -21,36 +20,20 @@ __all__ = ["contested", "points", "summary"]
 _SAID = {"oom": "out of memory", "infeasible": "no plan fits its budget"}
 
 
+def _measured(rows: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
+    """Each point's rows: its later rounds where it was measured again, else the search's."""
+    again = {(r["strategy"], r[key]) for r in rows if r.get("round")}
+    return [r for r in rows if r.get("round") or (r["strategy"], r[key]) not in again]
+
+
 def points(rows: list[dict[str, Any]], key: str) -> dict[tuple[str, int], dict[str, Any]]:
-    """Each (strategy, size) that trained, summed up over its rounds (see above); a point
-    measured again counts its rounds' ``runs`` and the statuses of those that did not train
-    (``failed``)."""
-    runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
-    for r in rows:
-        runs.setdefault((r["strategy"], r[key]), []).append(r)
-    out = {}
-    for point, all_runs in runs.items():
-        again = [r for r in all_runs if r.get("round")]
-        measured = again or all_runs
-        done = [r for r in measured if r["status"] == "ok"]
-        if not done:
-            continue
-        if len(measured) == 1:
-            out[point] = done[0]
-            continue
-        lows = [r["step_time_min_s"] for r in done if r.get("step_time_min_s")]
-        highs = [r["step_time_max_s"] for r in done if r.get("step_time_max_s")]
-        rate = statistics.median(r["samples_per_s"] for r in done)
-        out[point] = {
-            **done[-1],
-            "samples_per_s": rate,
-            "step_time_s": done[-1]["batch_size"] / rate,
-            "step_time_min_s": min(lows) if len(lows) == len(done) else None,
-            "step_time_max_s": max(highs) if len(highs) == len(done) else None,
-            "runs": len(done),
-            "failed": [r["status"] for r in measured if r["status"] != "ok"],
-        }
-    return out
+    """Each (strategy, size) that trained, summed up over its rounds (see above; ``aggregate``
+    in tools/harness/spread.py)."""
+    return {
+        (r["strategy"], r[key]): r
+        for r in aggregate(_measured(rows, key), key)
+        if r["status"] == "ok"
+    }
 
 
 def contested(rows: list[dict[str, Any]], key: str) -> dict[int, list[str]]:
@@ -91,10 +74,15 @@ def summary(walls: dict[str, Wall], rows: list[dict[str, Any]], grow: str) -> li
             if s != "plain" and w.largest:
                 lines.append(f"{s} trains {w.largest / base.largest:.2f}x plain's largest {grow}")
     for (s, size), p in ok.items():
-        if p.get("failed"):
+        if p["ok_rounds"] < p["rounds"]:
+            failed = [
+                r["status"]
+                for r in _measured(rows, key)
+                if (r["strategy"], r[key]) == (s, size) and r["status"] != "ok"
+            ]
             lines.append(
-                f"{s} at {grow} {size}: {len(p['failed'])} of {p['runs'] + len(p['failed'])} "
-                f"rounds did not train ({', '.join(p['failed'])}): its wall is not sharp there"
+                f"{s} at {grow} {size}: {len(failed)} of {p['rounds']} rounds did not train "
+                f"({', '.join(failed)}): its wall is not sharp there"
             )
     return lines + _auto_against_best(ok, grow)
 
@@ -109,7 +97,7 @@ def _auto_against_best(ok: dict[tuple[str, int], dict[str, Any]], grow: str) -> 
             continue
         best = max(others, key=lambda r: r["samples_per_s"])
         ratio = a["samples_per_s"] / best["samples_per_s"]
-        rounds = min(a.get("runs", 1), best.get("runs", 1))
+        rounds = min(a["ok_rounds"], best["ok_rounds"])
         lines.append(
             f"auto at {grow} {size}: {fmt_ratio(ratio, ratio_range(a, best))} the throughput of "
             f"{best['strategy']}, the fastest of the {len(others)} other(s) that train it"

@@ -139,7 +139,6 @@ _COMPILED_STEPS = (
 )
 
 
-@functools.cache
 def compiler_bytes(spec: TraceSpec, seq: int) -> int:
     """The anonymous memory torch.compile holds once it has compiled ``spec``'s model whole and
     trained it at ``seq`` (dynamo's and AOTAutograd's graphs, inductor, the kernels it loaded
@@ -149,7 +148,11 @@ def compiler_bytes(spec: TraceSpec, seq: int) -> int:
     real, from an empty inductor cache of its own (a compile that finds its kernels cached
     holds less), a minute or more on a small machine, and the model and its AdamW state must
     fit in memory; once per model, sequence and process."""
-    model = dataclasses.replace(spec, steps=1, optimizer="none", min_bytes=1 << 20)
+    return _measured_compiler(_model_of(spec), seq)
+
+
+@functools.cache
+def _measured_compiler(model: TraceSpec, seq: int) -> int:
     what = "the compiler's memory (two real steps at batch 1)"
     eager = _run_base(what, _COMPILED_STEPS, model, "0", str(seq))[0]
     with tempfile.TemporaryDirectory(prefix="offloadd-compile-") as cache:
@@ -164,8 +167,12 @@ def base_bytes(spec: TraceSpec, *, file: bool = False) -> int:
     model's code is loaded: transformers loads it on first use) and trained a tiny real step (so
     torch's threads and kernels are set up): what a run holds before its tensors. Measured once
     per model and process."""
-    model = dataclasses.replace(spec, steps=1, optimizer="none", min_bytes=1 << 20)
-    return _measured_base(model)[1 if file else 0]
+    return _measured_base(_model_of(spec))[1 if file else 0]
+
+
+def _model_of(spec: TraceSpec) -> TraceSpec:
+    """``spec`` with only what names the model: one measurement serves every run of it."""
+    return dataclasses.replace(spec, steps=1, optimizer="none", min_bytes=1 << 20)
 
 
 def allocator_of(strategy: str, *, held: bool) -> str:

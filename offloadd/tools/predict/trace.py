@@ -140,13 +140,14 @@ STAND_INS = {torch.ops.aten._grouped_mm.default: _grouped_mm}
 # compile-budget's run is traced through torch.compile itself: dynamo captures the same graphs
 # (and breaks) on fake tensors, and AOTAutograd partitions each joint graph as inductor does
 # (its decompositions and joint-graph passes, then the min-cut partitioner under the run's
-# ``activation_memory_budget``), so the forward saves what the real run's saves. The partitioned graphs then run as FX code, which
-# frees each value after its last use. Inductor fuses ops, so it makes fewer temporaries than
-# that: the trace's temporaries read above inductor's, its saved bytes the same. (Leaving out a
-# pointwise op's output where its users are all pointwise, as inductor fuses them, moved the
-# prediction further from the wall's measured peaks, and is not done.)
-# LiveBytes is off while dynamo compiles (``ignore_compile_internals``) and on while the graphs
-# run. The memory the compiler itself holds is the base's (peak.py).
+# ``activation_memory_budget``), so the forward saves what the real run's saves. The
+# partitioned graphs then run as FX code, which frees each value after its last use. Inductor
+# fuses ops, so it makes fewer temporaries than that: the trace's temporaries read above
+# inductor's, its saved bytes the same. (Leaving out a pointwise op's output where its users
+# are all pointwise, as inductor fuses them, moved the prediction further from the wall's
+# measured peaks, and is not done.) LiveBytes is off while dynamo compiles
+# (``ignore_compile_internals``) and on while the graphs run. What the compiler itself holds is
+# measured apart (``compiler_bytes`` in peak.py).
 
 
 class _CompiledLiveBytes(LiveBytes):

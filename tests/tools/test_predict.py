@@ -20,6 +20,7 @@ import torch
 
 from offloadd import cli
 from offloadd.runtime import host_allocator
+from offloadd.runtime.host_allocator import SLACK
 from offloadd.tools.models.build import build_model
 from offloadd.tools.predict.hostcache import replay, size_class
 from offloadd.tools.predict.live import LiveBytes
@@ -255,30 +256,54 @@ def test_plan_names_what_it_cannot_predict(
     assert "max_position_embeddings (512)" in capsys.readouterr().err
 
 
-def test_auto_inside_a_limit_keeps_the_blocks_its_budget_holds(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """plain's peak where every block's saved bytes fit the budget; else offload-ssd's plus the
-    whole blocks that fit beside it; the budget is the harness's, a share of what the limit
-    leaves below the RSS (file-backed pages included)."""
+def test_a_plan_is_traced_keeping_what_it_keeps() -> None:
+    """auto's plan in a trace: keeping more units never holds less in a step; keeping every
+    unit holds what plain holds; a plan is one decision per block and one for the head."""
+    plain = replay(trace(MINI_SPEC, "plain", 8, 128).events, before=("build", "state"))
+    lives = []
+    for n in range(4):  # two blocks and the head
+        kept = tuple(k > 2 - n for k in range(3))
+        lives.append(replay(trace(MINI_SPEC, "offload", 8, 128, kept=kept).events).step_live)
+    assert lives == sorted(lives) and lives[0] < lives[-1]
+    assert lives[-1] == plain.step_live
+    with pytest.raises(ValueError, match="3 decisions here, not 2"):
+        trace(MINI_SPEC, "offload", 8, 128, kept=(True, False))
+    with pytest.raises(ValueError, match="offload only"):
+        trace(MINI_SPEC, "plain", 8, 128, kept=(True, True, True))
+
+
+def test_auto_inside_a_limit_is_predicted_with_the_plan_its_planner_makes() -> None:
+    """Where the budget holds every unit, plain's steps; where it holds none, offloading every
+    block plus the writes in flight the budget leaves room for; in between, as many kept
+    blocks as the planner's reckoning fits."""
     from offloadd.tools.harness.train import CAP_SHARE
     from offloadd.tools.predict import peak
 
-    def made(plain: int, offload: int) -> Any:
-        def fake(spec: TraceSpec, strategy: str, batch: int, seq: int, **kw: Any) -> Any:
-            steps = {"plain": plain, "offload-ssd": offload}[strategy]
-            return peak.Prediction(800 + steps, 400, 50, 100, 300, steps, "caching", blocks=10)
+    p = peak.predict(MINI_SPEC, "plain", 8, 128)
+    rss = p.base_bytes + p.file_bytes + p.weights_bytes + p.state_bytes
+    lives = [peak._planned(MINI_SPEC, 8, 128, n)[0] for n in range(4)]
+    budgets = {"roomy": lives[3], "one block": (lives[0] + lives[3]) // 2, "none": 0}
+    got = {}
+    for name, budget in budgets.items():
+        limit = rss + int((budget + 1) / CAP_SHARE)
+        assert peak.cap_budget(p, limit) == budget
+        got[name] = peak.predict_auto(MINI_SPEC, 8, 128, limit).peak_bytes - p.base_bytes
+    assert got["roomy"] == peak._planned(MINI_SPEC, 8, 128, 3)[2].resident
+    # the head and one block kept, the writes in flight filling what the budget leaves
+    writes = budgets["one block"] - lives[2]
+    one = peak._planned(MINI_SPEC, 8, 128, 2)[2].resident + int(writes * (1 + SLACK))
+    assert got["one block"] == one
+    assert got["none"] == peak._planned(MINI_SPEC, 8, 128, 1)[2].resident
 
-        return fake
 
-    limit, held = 3000, 800
-    budget = int(CAP_SHARE * (limit - held - 50))  # 1535
-    per_block = (2500 - 500) / 10  # 200: 5 blocks fit beside offload's 500
-    cases = [((1500, 500), 2300), ((2500, 500), 1300 + 5 * per_block), ((2500, 1600), 2400)]
-    for (plain, offload), want in cases:
-        monkeypatch.setattr(peak, "predict", made(plain, offload))
-        assert peak.predict_auto(MINI_SPEC, 1, 1, limit).peak_bytes == want
-    assert budget == 1535
+@pytest.mark.slow
+@pytest.mark.parametrize("limit", ["1GiB", "700MiB"])
+def test_autos_wall_points_are_predicted_within_15_percent(tmp_path: Path, limit: str) -> None:
+    """auto in a memory cgroup, its warm-up, profile and race included: at 1 GiB it keeps every
+    block; at 700 MiB it offloads."""
+    model = ["--model", "mini-gpt", "--layers", "4", "--hidden", "256", "--heads", "4"]
+    model += ["--seq", "256", "--vocab", "512"]
+    _within(_wall(tmp_path, model, "auto", 16, limit), 0.15)
 
 
 @pytest.mark.parametrize("wall", [0, 1, 2, 3, 17, 1000])

@@ -35,16 +35,20 @@ def size_class(n: int) -> int:
 class Replay:
     """The replay's peaks: ``resident`` bytes (the cache's blocks, live and cached, and the
     allocations outside it), and the cache's own counters' (size-class bytes): ``live`` and
-    ``footprint`` (live plus cached)."""
+    ``footprint`` (live plus cached); ``step_live``: the most live above the level the first
+    step began at, which is what auto's budget bounds where the host cache measures (Note
+    [measured peaks] in offloadd/auto/probe.py)."""
 
     resident: int
     live: int
     footprint: int
+    step_live: int = 0
 
 
-def replay(events: Iterable[Event]) -> Replay:
-    """``events`` replayed through the host cache; storages made while the model was built
-    (before the cache is installed), or below ``MIN_BYTES``, are counted as they are, never
+def replay(events: Iterable[Event], *, before: tuple[str, ...] = ("build",)) -> Replay:
+    """``events`` replayed through the host cache; storages made in the phases ``before`` the
+    cache is installed (the model's build; for auto inside a limit, its gradients and optimizer
+    state too: tools/harness/train.py), or below ``MIN_BYTES``, are counted as they are, never
     cached."""
     blocks: dict[int, int] = {}  # live key in the cache -> its block's size class
     sizes: dict[int, int] = {}  # live key outside the cache -> its bytes
@@ -53,7 +57,11 @@ def replay(events: Iterable[Event]) -> Replay:
     next_id = 0
     live = cached = live_peak = 0  # the cache's counters: class bytes
     resident = peak = footprint = 0  # resident bytes: the cache's blocks and everything else
+    start: int | None = None  # live when the first step began
+    step_peak = 0
     for e in events:
+        if start is None and e.phase == "step":
+            start = live
         if e.nbytes < 0:
             if e.key in blocks:
                 cls = blocks.pop(e.key)
@@ -65,7 +73,7 @@ def replay(events: Iterable[Event]) -> Replay:
             else:
                 resident -= sizes.pop(e.key)
             continue
-        if e.phase == "build" or e.nbytes < MIN_BYTES:
+        if e.phase in before or e.nbytes < MIN_BYTES:
             sizes[e.key] = e.nbytes
             resident += e.nbytes
             peak = max(peak, resident)
@@ -85,7 +93,9 @@ def replay(events: Iterable[Event]) -> Replay:
                 resident -= old_cls
         live += cls
         live_peak = max(live_peak, live)
+        if start is not None:
+            step_peak = max(step_peak, live - start)
         footprint = max(footprint, live + cached)
         blocks[e.key] = cls
         peak = max(peak, resident)
-    return Replay(resident=peak, live=live_peak, footprint=footprint)
+    return Replay(resident=peak, live=live_peak, footprint=footprint, step_live=step_peak)

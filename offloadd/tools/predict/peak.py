@@ -19,8 +19,10 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-from offloadd.tools.predict.hostcache import replay
-from offloadd.tools.predict.trace import TraceSpec, trace
+from offloadd.config import Config
+from offloadd.runtime.host_allocator import SLACK
+from offloadd.tools.predict.hostcache import Replay, replay
+from offloadd.tools.predict.trace import Traced, TraceSpec, trace
 
 __all__ = [
     "UNPREDICTED",
@@ -105,7 +107,7 @@ def _run_base(
 _BASE = (
     "import json, sys, torch\n"
     "import offloadd.tools.harness.train\n"
-    "from offloadd.tools.predict.trace import TraceSpec, trace\n"
+    "from offloadd.tools.predict.trace import Traced, TraceSpec, trace\n"
     "trace(TraceSpec(**json.loads(sys.argv[1])), 'plain', 1, 8)\n"
     "lin = torch.nn.Linear(64, 64)\n"
     "lin(torch.randn(8, 64)).sum().backward()\n"
@@ -197,11 +199,18 @@ def predict(
     if kind is None:
         raise ValueError(f"{strategy}: not predicted: {UNPREDICTED.get(strategy, 'unknown')}")
     run = trace(spec, kind, batch, seq)
+    steps = replay(run.events).resident if allocator == "caching" else run.peak
+    compiler = compiler_bytes(spec, seq) if kind == "compile-budget" else 0
+    return _prediction(spec, run, steps, allocator, compiler)
+
+
+def _prediction(
+    spec: TraceSpec, run: Traced, steps: int, allocator: str, compiler: int = 0
+) -> Prediction:
+    """``run``'s prediction, ``steps`` its peak through ``allocator``."""
     weights = run.held.get("build", 0)
     state = run.held.get("state", 0)
-    steps = replay(run.events).resident if allocator == "caching" else run.peak
     base = base_bytes(spec)
-    compiler = compiler_bytes(spec, seq) if kind == "compile-budget" else 0
     return Prediction(
         peak_bytes=base + compiler + steps,
         base_bytes=base,
@@ -225,28 +234,52 @@ def cap_budget(p: Prediction, limit: int) -> int:
 
 
 def predict_auto(spec: TraceSpec, batch: int, seq: int, limit: int) -> Prediction:
-    """auto inside a memory limit, as ``offloadd wall`` runs it (tools/harness/train.py): its
-    budget is ``cap_budget``, and its plan keeps whole blocks while their saved bytes fit what
-    the budget leaves beside offloading the rest. So its peak is offload-ssd's plus the blocks
-    that fit, each block taken to save an equal share of what plain saves beyond offload-ssd,
-    or plain's where every block fits. Which blocks, and whether a kept plan survives its race
-    against offloading every block, follow measured step times; the peak of a run counts the
-    race's steps too."""
+    """auto inside a memory limit, as ``offloadd wall`` runs it (tools/harness/train.py; Note
+    [auto's peak predicted])."""
     plain = predict(spec, "plain", batch, seq)
     budget = cap_budget(plain, limit)
-    if plain.steps_bytes <= budget or not plain.blocks:
-        return plain
-    offload = predict(spec, "offload-ssd", batch, seq)
-    per_block = max(1.0, (plain.steps_bytes - offload.steps_bytes) / plain.blocks)
-    kept = min(plain.blocks, max(0, int((budget - offload.steps_bytes) // per_block)))
-    if kept == plain.blocks:
-        return plain
-    more = int(kept * per_block)
-    return dataclasses.replace(
-        offload,
-        peak_bytes=offload.peak_bytes + more,
-        steps_bytes=offload.steps_bytes + more,
-    )
+    units = plain.blocks + 1
+    low = _planned(spec, batch, seq, 0)[0]  # offloading every unit
+    saved = (_planned(spec, batch, seq, units)[0] - low) / max(1, plain.blocks)
+    # the planner's reckoning: a kept block needs its forward's peak and its saved bytes on top
+    # of what the units before it hold (solver.py, [the plan])
+    kept = min(units, 1 + max(0, int((budget - low) // saved)) if saved > 0 else units)
+    step_live, run, cache = _planned(spec, batch, seq, kept)
+    if kept == units:  # every unit kept: nothing is written
+        return _prediction(spec, run, cache.resident, "caching")
+    writes = max(0, min(budget - step_live, Config().staging_bytes))
+    return _prediction(spec, run, cache.resident + int(writes * (1 + SLACK)), "caching")
+
+
+# Note [auto's peak predicted]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Inside a limit, auto's budget is ``cap_budget``. It bounds the step's live bytes in the host
+# cache above the level the step began at; the cache is installed after the gradients and
+# optimizer state exist, so they are outside it. The plan predicted is the one the planner
+# makes from its profile, in which every unit is offloaded: it keeps the head, then blocks from
+# the last back, while what the units before a kept block hold, plus that block's forward peak
+# (the profile's, taken as offloading every unit's step peak) and its saved bytes, fit the
+# budget; the rest are offloaded. It keeps fewer blocks than fit in fact, by about one block's
+# forward peak, which it counts beside that block's saved bytes. Which blocks follow measured
+# times, but on a model of equal blocks any choice of as many holds as much. The plan is traced
+# (``trace``'s ``kept``). The trace's ideal offloader holds no write in flight, where offloadd
+# holds up to ``staging_bytes`` of them within what the budget leaves beside the plan (Note
+# [room for writes] in runtime/writer_in_place.py), and its host cache keeps up to ``1 + SLACK``
+# times its live peak: so a plan that offloads is predicted at the replay's peak plus ``1 +
+# SLACK`` times those writes. The run's peak is that plan's even where its race then picks
+# offloading every block (race.py): the race runs it. Measured against the wall: run F of
+# docs/benchmarks/wall_hf-gpt2_cpu-2core_2026-12-06_predicted.md.
+
+
+@functools.lru_cache(maxsize=256)
+def _planned(spec: TraceSpec, batch: int, seq: int, n: int) -> tuple[int, Traced, Replay]:
+    """auto's plan that keeps the last ``n`` units (the blocks and what runs after them), traced:
+    the step's live bytes above its start in the host cache, the run and its replay."""
+    blocks = predict(spec, "plain", batch, seq).blocks
+    kept = tuple(k > blocks - n for k in range(blocks + 1))
+    run = trace(spec, "offload", batch, seq, kept=kept)
+    cache = replay(run.events, before=("build", "state"))
+    return cache.step_live, run, cache
 
 
 def predict_run(

@@ -14,9 +14,10 @@ they stay inside the prediction's error (docs/benchmarks/, the wall page).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,10 +65,15 @@ class Traced:
     blocks: int  # the blocks auto's planner finds in the model (auto/discover.py)
 
 
-def trace(spec: TraceSpec, strategy: str, batch: int, seq: int) -> Traced:
-    """Trace ``strategy`` (one of TRACED) at ``batch`` x ``seq``."""
+def trace(
+    spec: TraceSpec, strategy: str, batch: int, seq: int, *, kept: tuple[bool, ...] = ()
+) -> Traced:
+    """Trace ``strategy`` (one of TRACED) at ``batch`` x ``seq``. ``kept``: offload as auto's
+    plan does, a decision per block and one for what runs after the blocks (``_Plan``)."""
     if strategy not in TRACED:
         raise ValueError(f"strategy must be one of {', '.join(TRACED)}, got {strategy!r}")
+    if kept and strategy != "offload":
+        raise ValueError(f"a plan (kept) is traced with offload only, not {strategy!r}")
     if spec.optimizer not in OPTIMIZERS:
         raise ValueError(
             f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {spec.optimizer!r}"
@@ -100,9 +106,14 @@ def trace(spec: TraceSpec, strategy: str, batch: int, seq: int) -> Traced:
             opt.step()
         live.phase = "step"
         offload = strategy == "offload"
+        blocks = find_blocks(built.module)
+        plan = _Plan(blocks, kept) if kept else None
         for _ in range(spec.steps):
             x = torch.randint(0, built.vocab_size, (batch, seq + 1))
-            with _offloaded(params, spec.min_bytes) if offload else contextlib.nullcontext():
+            if plan is not None:
+                plan.now = True
+            offloaded = _offloaded(params, spec.min_bytes, keeping=plan)
+            with offloaded if offload else contextlib.nullcontext():
                 loss = built.loss(x[:, :-1], x[:, 1:])
             loss.backward()
             del loss, x
@@ -115,7 +126,32 @@ def trace(spec: TraceSpec, strategy: str, batch: int, seq: int) -> Traced:
             f"compile-budget: torch.compile compiled no graph of the model under the trace "
             f"(torch {torch.__version__}); its peak is not predicted"
         )
-    return Traced(list(live.events), live.peak, held, len(find_blocks(built.module)))
+    return Traced(list(live.events), live.peak, held, len(blocks))
+
+
+class _Plan:
+    """auto's plan in a trace: what block ``k`` saves is kept where ``kept[k]``, else offloaded;
+    what runs after the blocks (the head and the loss) by ``kept[-1]``; what is saved before the
+    first block and between blocks is kept, as the planner keeps it (Note [auto] in
+    offloadd/auto/planner.py). Called: whether what is saved now is kept."""
+
+    def __init__(self, blocks: list[tuple[str, torch.nn.Module]], kept: tuple[bool, ...]) -> None:
+        if len(kept) != len(blocks) + 1:
+            raise ValueError(f"a plan has {len(blocks) + 1} decisions here, not {len(kept)}")
+        self.kept = kept
+        self.now = True
+        for k, (_, m) in enumerate(blocks):
+            m.register_forward_pre_hook(functools.partial(self._pre, k))
+            m.register_forward_hook(functools.partial(self._post, k))
+
+    def _pre(self, k: int, *_: Any) -> None:
+        self.now = self.kept[k]
+
+    def _post(self, k: int, *_: Any) -> None:
+        self.now = self.kept[-1] if k == len(self.kept) - 2 else True
+
+    def __call__(self) -> bool:
+        return self.now
 
 
 def _grouped_mm(*args: Any, **kwargs: Any) -> Any:
@@ -223,10 +259,15 @@ _numbers = itertools.count()
 
 @contextlib.contextmanager
 def _offloaded(
-    params: list[torch.nn.Parameter], min_bytes: int, brought: list[int] | None = None
+    params: list[torch.nn.Parameter],
+    min_bytes: int,
+    brought: list[int] | None = None,
+    *,
+    keeping: Callable[[], bool] | None = None,
 ) -> Iterator[None]:
     """Saved-tensor hooks that drop what offloadd would move and make it again when unpacked
-    (``brought``: each copy back's bytes are appended to it)."""
+    (``brought``: each copy back's bytes are appended to it; ``keeping``: whether a plan keeps
+    what is saved now)."""
     kept = {p.untyped_storage()._cdata for p in params}
     # A storage's address is reused once it is freed, so an offloaded one is known by a weak
     # reference to it while it lives, and by a number of its own after.
@@ -238,6 +279,8 @@ def _offloaded(
         # tensor below min_bytes (its own bytes: a small view holds its whole storage), a
         # sparse or empty one
         if t.layout is not torch.strided or not t.nbytes or t.nbytes < min_bytes:
+            return t
+        if keeping is not None and keeping():
             return t
         st = t.untyped_storage()
         if st._cdata in kept or is_parameter(t):

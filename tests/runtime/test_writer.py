@@ -14,7 +14,7 @@ import torch
 from offloadd.io.python_engine import PythonEngine
 from offloadd.io.request import Op
 from offloadd.runtime.blocks import Out
-from tests._support.helpers import StagedEngine
+from tests._support.helpers import SlowEngine, StagedEngine
 from tests._support.parts import CHUNK, Failing, HeldWrites, Parts, parts_in
 
 pytestmark = pytest.mark.unit
@@ -76,8 +76,9 @@ def test_skew_is_zero_where_nothing_is_written_in_place(staged: Parts, in_place:
 
 
 def test_writes_wait_for_a_slot_when_staging_is_full(tmp_path: Path) -> None:
-    """Staging of 2 chunks, a block of 6: the writer waits for writes to give slots back."""
-    for parts in parts_in(tmp_path, StagedEngine(2), staging_bytes=2 * CHUNK):
+    """Staging of 2 chunks, a block of 6: the writer waits for writes to give slots back
+    (each write delayed, so that none can finish before the writer wants a third slot)."""
+    for parts in parts_in(tmp_path, SlowEngine(pages=False), staging_bytes=2 * CHUNK):
         t = _payload(6 * CHUNK, seed=1)
         ref = parts.pack(t)
         parts.capture(ref.block)

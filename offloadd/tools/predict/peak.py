@@ -107,7 +107,7 @@ def _run_base(
 _BASE = (
     "import json, sys, torch\n"
     "import offloadd.tools.harness.train\n"
-    "from offloadd.tools.predict.trace import Traced, TraceSpec, trace\n"
+    "from offloadd.tools.predict.trace import TraceSpec, trace\n"
     "trace(TraceSpec(**json.loads(sys.argv[1])), 'plain', 1, 8)\n"
     "lin = torch.nn.Linear(64, 64)\n"
     "lin(torch.randn(8, 64)).sum().backward()\n"

@@ -112,8 +112,11 @@ def trace(
             x = torch.randint(0, built.vocab_size, (batch, seq + 1))
             if plan is not None:
                 plan.now = True
-            offloaded = _offloaded(params, spec.min_bytes, keeping=plan)
-            with offloaded if offload else contextlib.nullcontext():
+            with (
+                _offloaded(params, spec.min_bytes, keeping=plan)
+                if offload
+                else contextlib.nullcontext()
+            ):
                 loss = built.loss(x[:, :-1], x[:, 1:])
             loss.backward()
             del loss, x

@@ -4,9 +4,12 @@ The wall's goal model (HF GPT-2, 8 layers, d 512, seq 512, vocabulary 2000, Adam
 under an Offloader with a budget until its planner has raced and settled, then steps plain
 (the same model and optimizer, no hooks, on the same host cache) and auto in turn, reversed
 every other round, one process, no memory limit: a ratio with the machine's drift paired out.
-``--early`` adds a third arm, auto reading back from backward's start (before its first
-unpack); ``--window`` widens the read-ahead window of every arm that reads. Each arm's
-``read_wait_s`` is backward's wait for read-backs per step (``Stats.read_wait_s``).
+``--early`` adds a third arm, auto reading back one read-ahead window from backward's start
+(before its first unpack; a block whose write has not ended by then is left to its unpack);
+``--window`` sets the read-ahead window of every arm that reads (offloadd's: at most
+``prefetch_bytes``). Each arm's ``read_wait_s`` and ``write_wait_s`` are backward's wait for
+read-backs and forward's for writes, per step (``Stats``); ``x_plain`` is the ratio of the
+arms' median steps, ``x_plain_rounds`` the ratio within each round.
 
     python scripts/offload_waits.py --batch 4 --budget 927MiB --ssd-dir /var/tmp/x
     python scripts/offload_waits.py --batch 4 --budget 927MiB --ssd-dir /dev/shm/x   # no disk
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from typing import Any
@@ -36,6 +40,7 @@ def main() -> None:
     p.add_argument("--window", type=int, default=0, help="read-ahead window, MiB (0: offloadd's)")
     p.add_argument("--json", default=None)
     ns = p.parse_args()
+    os.makedirs(ns.ssd_dir, exist_ok=True)
     torch.manual_seed(0)
     built = build_model("gpt", num_layers=8, d_model=512, num_heads=8, seq_len=512, vocab_size=2000)
     opt = torch.optim.AdamW(built.module.parameters(), lr=1e-4)
@@ -44,7 +49,8 @@ def main() -> None:
         w.grad = torch.zeros_like(w)
     opt.step()  # gradients and optimizer state exist before the host cache, as in the harness
     auto = Offloader(tier="ssd", ssd_dirs=[ns.ssd_dir], budget=ns.budget)
-    reader = auto._runtime.reader
+    runtime = auto.runtime
+    reader = runtime.reader
 
     def step(off: Offloader | None, early: bool = False) -> float:
         t = time.perf_counter()
@@ -54,7 +60,7 @@ def main() -> None:
             with off:
                 loss = built.loss(x, x)
             if early:
-                with auto._runtime.lock:
+                with runtime.lock:
                     reader.prefetch_below(1 << 62)
         loss.backward()
         opt.step()
@@ -68,28 +74,40 @@ def main() -> None:
             break
     plan = auto.plan()
     assert plan is not None
+    if plan.race is None:
+        print("warning: the planner's race had not ended after 60 steps")
+    chosen = plan.decisions
     if ns.window:
         reader._size_window = lambda: ns.window << 20  # type: ignore[method-assign]
     arms = ["plain", "auto", *(["early"] if ns.early else [])]
     times: dict[str, list[float]] = {a: [] for a in arms}
-    waits: dict[str, float] = {a: 0.0 for a in arms}
+    waits: dict[str, list[float]] = {a: [0.0, 0.0] for a in arms}  # read, write
     step(None)
     for r in range(ns.rounds):
         for arm in arms if r % 2 == 0 else reversed(arms):
-            before = auto.stats().read_wait_s
+            before = auto.stats()
             times[arm].append(step(None if arm == "plain" else auto, early=arm == "early"))
-            waits[arm] += auto.stats().read_wait_s - before
+            after = auto.stats()
+            waits[arm][0] += after.read_wait_s - before.read_wait_s
+            waits[arm][1] += after.write_wait_s - before.write_wait_s
     plain = statistics.median(times["plain"])
+    final = auto.plan()
+    if final is None or final.decisions != chosen:
+        print("warning: the plan changed while the arms were measured")
     out: dict[str, Any] = {
         "batch": ns.batch,
         "plan": "".join(d[0] for d in plan.decisions),
-        "race": str(plan.race),
+        "race": str(plan.race),  # the planner's own race: its plan against offloading all
+        "window_bytes": reader.window,
+        "buffered_io": auto.stats().buffered_io,
         "arms": {
             a: {
                 "step_s": statistics.median(times[a]),
                 "steps_s": times[a],
                 "x_plain": statistics.median(times[a]) / plain,
-                "read_wait_s": waits[a] / ns.rounds,
+                "x_plain_rounds": [t / q for t, q in zip(times[a], times["plain"], strict=True)],
+                "read_wait_s": waits[a][0] / ns.rounds,
+                "write_wait_s": waits[a][1] / ns.rounds,
             }
             for a in arms
         },
@@ -98,7 +116,9 @@ def main() -> None:
     for a, v in out["arms"].items():
         print(
             f"{a:>6}: {v['step_s']:.3f} s a step ({min(v['steps_s']):.2f}-{max(v['steps_s']):.2f}),"
-            f" {v['x_plain']:.3f} x plain, backward waited {v['read_wait_s']:.3f} s for reads"
+            f" {v['x_plain']:.3f} x plain (rounds {min(v['x_plain_rounds']):.3f}-"
+            f"{max(v['x_plain_rounds']):.3f}), waits for reads {v['read_wait_s']:.3f} s,"
+            f" for writes {v['write_wait_s']:.3f} s"
         )
     if ns.json:
         with open(ns.json, "w") as f:

@@ -8,12 +8,16 @@ and the arms run in turn, reversed every other round. An arm is a strategy of th
 (``none`` is plain) and options, comma-separated:
 
 - ``cgroup=4``: the cgroup's limit in GiB (default ``--limit``), for a strategy that does not
-  fit the limit, measured beside it;
+  fit the limit, measured beside it (auto's budget still comes from ``--limit``);
 - ``share=0.77``: auto's budget this share of what the limit leaves (the harness's
   ``CAP_SHARE``, 1/1.4, otherwise);
 - ``blocks``: each transformer block compiled on its own (``block.compile()``), which auto's
   planner plans around (a model compiled whole it refuses);
-- ``dir=/dev/shm/x``: offload there (tmpfs: the same writes and reads, no disk).
+- ``dir=/dev/shm/x``: offload there (tmpfs: the same writes and reads, no disk); created if
+  missing.
+
+Inductor's cache is the environment's (``TORCHINDUCTOR_CACHE_DIR``): a compiled arm's first
+point compiles cold, later ones warm, which moves its peak, not its steps.
 
     python scripts/wall_parts.py --batch 4 --rounds 3 \\
         --arms none,cgroup=4 compile-budget auto auto,dir=/dev/shm/offloadd,cgroup=4
@@ -40,6 +44,14 @@ def _options(arm: str) -> tuple[str, dict[str, str]]:
     unknown = set(opts) - {"cgroup", "share", "blocks", "dir"}
     if unknown:
         raise SystemExit(f"arm {arm!r}: unknown option {', '.join(sorted(unknown))}")
+    for key in ("cgroup", "share"):
+        try:
+            if key in opts and float(opts[key]) <= 0:
+                raise ValueError
+        except ValueError:
+            raise SystemExit(
+                f"arm {arm!r}: {key} must be a positive number, got {opts[key]!r}"
+            ) from None
     return strategy, opts
 
 
@@ -96,7 +108,8 @@ def _spawn(ns: argparse.Namespace, arm: str) -> dict[str, Any]:
     args += ["--steps", str(ns.steps), "--limit", str(ns.limit), "--ssd-dir", ns.ssd_dir]
     with memory_cgroup(limit, prefix="wall-parts") as cg:
         p = subprocess.run(args, preexec_fn=cg.enter, capture_output=True, text=True)
-        out: dict[str, Any] = {"arm": arm, "peak_mib": round(cg.peak() / 2**20)}
+        out: dict[str, Any] = {"arm": arm, "cgroup_gib": limit / GIB}
+        out["peak_mib"] = round(cg.peak() / 2**20)
         out["oom"] = cg.oom_killed()
     lines = [x for x in p.stdout.splitlines() if x.startswith("{")]
     if p.returncode == 0 and lines:
@@ -120,9 +133,13 @@ def main() -> None:
     if ns.point is not None:
         print(json.dumps(_point(ns, ns.point)), flush=True)
         return
-    for arm in ns.arms:
-        _options(arm)  # refuse a bad arm before the first point runs
-    os.makedirs(ns.ssd_dir, exist_ok=True)
+    from offloadd.tools.harness.train import STRATEGIES
+
+    for arm in ns.arms:  # refuse a bad arm before the first point runs
+        strategy, opts = _options(arm)
+        if strategy not in STRATEGIES:
+            raise SystemExit(f"arm {arm!r}: strategy must be one of {', '.join(STRATEGIES)}")
+        os.makedirs(opts.get("dir", ns.ssd_dir), exist_ok=True)
     points: list[dict[str, Any]] = []
     for r in range(ns.rounds):
         for arm in ns.arms if r % 2 == 0 else reversed(ns.arms):
@@ -142,7 +159,8 @@ def main() -> None:
             )
     if ns.json:
         with open(ns.json, "w") as f:
-            json.dump({"batch": ns.batch, "limit_gib": ns.limit, "points": points}, f, indent=1)
+            head = {"batch": ns.batch, "limit_gib": ns.limit, "steps": ns.steps}
+            json.dump(head | {"points": points}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from typing import Any
@@ -27,6 +26,7 @@ from typing import Any
 import torch
 
 from offloadd import Offloader
+from offloadd.cli_dirs import ready_dir
 from offloadd.tools.models.build import build_model
 
 
@@ -40,7 +40,10 @@ def main() -> None:
     p.add_argument("--window", type=int, default=0, help="read-ahead window, MiB (0: offloadd's)")
     p.add_argument("--json", default=None)
     ns = p.parse_args()
-    os.makedirs(ns.ssd_dir, exist_ok=True)
+    try:
+        ready_dir("--ssd-dir", ns.ssd_dir)  # created 0700 if missing, as offloadd's options are
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     torch.manual_seed(0)
     built = build_model("gpt", num_layers=8, d_model=512, num_heads=8, seq_len=512, vocab_size=2000)
     opt = torch.optim.AdamW(built.module.parameters(), lr=1e-4)

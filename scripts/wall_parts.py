@@ -13,8 +13,8 @@ and the arms run in turn, reversed every other round. An arm is a strategy of th
   ``CAP_SHARE``, 1/1.4, otherwise);
 - ``blocks``: each transformer block compiled on its own (``block.compile()``), which auto's
   planner plans around (a model compiled whole it refuses);
-- ``dir=/dev/shm/x``: offload there (tmpfs: the same writes and reads, no disk); created if
-  missing.
+- ``dir=/dev/shm/x``: offload there (tmpfs: the same writes and reads, no disk); made ready as
+  offloadd's own directory options are (``offloadd/cli_dirs.py``).
 
 Inductor's cache is the environment's (``TORCHINDUCTOR_CACHE_DIR``): a compiled arm's first
 point compiles cold, later ones warm, which moves its peak, not its steps.
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -45,14 +44,16 @@ def _options(arm: str) -> tuple[str, dict[str, str]]:
     if unknown:
         raise SystemExit(f"arm {arm!r}: unknown option {', '.join(sorted(unknown))}")
     for key in ("cgroup", "share"):
-        try:
-            if key in opts and float(opts[key]) <= 0:
-                raise ValueError
-        except ValueError:
-            raise SystemExit(
-                f"arm {arm!r}: {key} must be a positive number, got {opts[key]!r}"
-            ) from None
+        if key in opts and not _positive(opts[key]):
+            raise SystemExit(f"arm {arm!r}: {key} must be a positive number, got {opts[key]!r}")
     return strategy, opts
+
+
+def _positive(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
 
 
 def _point(ns: argparse.Namespace, arm: str) -> dict[str, Any]:
@@ -105,7 +106,9 @@ def _spawn(ns: argparse.Namespace, arm: str) -> dict[str, Any]:
     _, opts = _options(arm)
     limit = int(float(opts.get("cgroup", ns.limit)) * GIB)
     args = [sys.executable, __file__, "--point", arm, "--batch", str(ns.batch)]
-    args += ["--steps", str(ns.steps), "--limit", str(ns.limit), "--ssd-dir", ns.ssd_dir]
+    args += ["--steps", str(ns.steps), "--limit", str(ns.limit)]
+    if ns.ssd_dir:
+        args += ["--ssd-dir", ns.ssd_dir]
     with memory_cgroup(limit, prefix="wall-parts") as cg:
         p = subprocess.run(args, preexec_fn=cg.enter, capture_output=True, text=True)
         out: dict[str, Any] = {"arm": arm, "cgroup_gib": limit / GIB}
@@ -126,20 +129,26 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=4, help="timed steps a point (default 4)")
     p.add_argument("--limit", type=float, default=2, help="the limit in GiB (default 2)")
-    p.add_argument("--ssd-dir", default="/var/tmp/offloadd-wall-parts")
+    p.add_argument("--ssd-dir", default=None, help="offload directory (default: offloadd's)")
     p.add_argument("--json", default=None, help="write every point here")
     p.add_argument("--point", default=None, help=argparse.SUPPRESS)  # the child's arm
     ns = p.parse_args()
     if ns.point is not None:
         print(json.dumps(_point(ns, ns.point)), flush=True)
         return
+    from offloadd.cli_dirs import ready_dir
     from offloadd.tools.harness.train import STRATEGIES
 
     for arm in ns.arms:  # refuse a bad arm before the first point runs
         strategy, opts = _options(arm)
         if strategy not in STRATEGIES:
             raise SystemExit(f"arm {arm!r}: strategy must be one of {', '.join(STRATEGIES)}")
-        os.makedirs(opts.get("dir", ns.ssd_dir), exist_ok=True)
+        for option, path in (("--ssd-dir", ns.ssd_dir), (f"{arm}: dir", opts.get("dir"))):
+            if path:
+                try:
+                    ready_dir(option, path)  # created 0700 if missing, as offloadd's options are
+                except ValueError as e:
+                    raise SystemExit(str(e)) from None
     points: list[dict[str, Any]] = []
     for r in range(ns.rounds):
         for arm in ns.arms if r % 2 == 0 else reversed(ns.arms):

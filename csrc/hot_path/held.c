@@ -37,9 +37,6 @@
  *   Given ``index`` (tier keep: offloadd's StorageIndex, else None), Pack also keeps a plain
  *   tensor of min_bytes or more: as a parameter where the index knows its storage, else
  *   through Tally.share (see known_parameter); one the index may not know yet goes to slow(t).
- *   An optional last argument, ``storage_address`` (torch._C._storage_address, or None), lets
- *   Pack key an op's output by its storage without making the storage's Python object (see
- *   output_storage). Tensor attributes are read through their getters (see Attr).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -90,105 +87,7 @@ static PyTypeObject TallyType;
 static PyTypeObject HeldType;
 static PyTypeObject SharedType;
 static PyObject *s_requires_grad, *s_detach, *s_version, *s_num_pending, *s_claims, *s_layout,
-    *s_is_meta, *s_nbytes, *s_base, *s_untyped_storage, *s_cdata, *s_expired, *s_learned, *s_step, *s_params, *s_weak_ref, *s_is_leaf;
-
-/* A tensor attribute read through its getter, found once on torch.Tensor (see [attributes
- * read directly] in offloadd/runtime/held.py): for a tensor whose type is exactly one of
- * ``direct_types``, where the type's lookup gives the getter the same getset descriptor that
- * PyObject_GetAttr would call, without the lookup; else PyObject_GetAttr. A type whose
- * attributes changed since (its version tag moved: an attribute set on it or a base) is read
- * through PyObject_GetAttr. */
-typedef struct {
-    PyObject *name;
-    getter get; /* NULL: not resolved, or not a getset descriptor */
-    void *closure;
-} Attr;
-
-static PyTypeObject *direct_types[2];
-static unsigned int direct_tags[2]; /* their version tags when resolved (0: none valid) */
-static Attr a_requires_grad, a_version, a_layout, a_is_meta, a_nbytes, a_base, a_is_leaf;
-
-static void resolve(Attr *a, PyObject *name) {
-    a->name = name;
-    a->get = NULL;
-    if (direct_tags[0] == 0 || direct_tags[1] == 0)
-        return;
-    PyObject *d = _PyType_Lookup(direct_types[0], name);
-    if (d == NULL || !Py_IS_TYPE(d, &PyGetSetDescr_Type))
-        return;
-    for (int i = 1; i < 2; i++) /* the same descriptor for each type */
-        if (_PyType_Lookup(direct_types[i], name) != d)
-            return;
-    PyGetSetDef *def = ((PyGetSetDescrObject *)d)->d_getset;
-    a->get = def->get;
-    a->closure = def->closure;
-}
-
-/* Each attribute's getter for direct_types (none yet: each is read through PyObject_GetAttr). */
-static void resolve_names(void) {
-    resolve(&a_requires_grad, s_requires_grad);
-    resolve(&a_version, s_version);
-    resolve(&a_layout, s_layout);
-    resolve(&a_is_meta, s_is_meta);
-    resolve(&a_nbytes, s_nbytes);
-    resolve(&a_base, s_base);
-    resolve(&a_is_leaf, s_is_leaf);
-}
-
-/* 1 if both direct types still have the version tags they were resolved with. */
-static int current_tags(void) {
-    for (int i = 0; i < 2; i++)
-        if (direct_tags[i] == 0 || !PyType_HasFeature(direct_types[i], Py_TPFLAGS_VALID_VERSION_TAG) ||
-            direct_types[i]->tp_version_tag != direct_tags[i])
-            return 0;
-    return 1;
-}
-
-/* Resolve the attributes for tensors of exactly these two types (torch.Tensor and
- * torch.nn.Parameter); a descriptor found stays alive with its type, which lives as long as
- * torch. 0, or -1 with TypeError if either is not a type. */
-static int resolve_all(PyObject *tensor_type, PyObject *parameter_type) {
-    if (!PyType_Check(tensor_type) || !PyType_Check(parameter_type)) {
-        PyErr_SetString(PyExc_TypeError, "Pack: tensor_type and parameter_type must be types");
-        return -1;
-    }
-    if ((PyObject *)direct_types[0] == tensor_type &&
-        (PyObject *)direct_types[1] == parameter_type && current_tags())
-        return 0;
-    Py_XSETREF(direct_types[0], (PyTypeObject *)Py_NewRef(tensor_type));
-    Py_XSETREF(direct_types[1], (PyTypeObject *)Py_NewRef(parameter_type));
-    for (int i = 0; i < 2; i++) {
-        _PyType_Lookup(direct_types[i], s_version); /* gives the type a version tag if it can */
-        PyTypeObject *type = direct_types[i];
-        direct_tags[i] = PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG) ? type->tp_version_tag : 0;
-    }
-    resolve_names();
-    return 0;
-}
-
-/* ``t.<a>``, a new reference, or NULL with an exception set. */
-static inline PyObject *tensor_attr(PyObject *t, const Attr *a) {
-    PyTypeObject *type = Py_TYPE(t);
-    int i = type == direct_types[0] ? 0 : type == direct_types[1] ? 1 : -1;
-    if (a->get != NULL && i >= 0 && type->tp_version_tag == direct_tags[i] &&
-        PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG))
-        return a->get(t, a->closure);
-    return PyObject_GetAttr(t, a->name);
-}
-
-/* 1 if ``v`` (a new reference, released here) is true, 0 if not, -1 if NULL or on error. */
-static int truth(PyObject *v) {
-    if (v == NULL)
-        return -1;
-    int r = PyObject_IsTrue(v);
-    Py_DECREF(v);
-    return r;
-}
-
-/* 1 if ``t.<a>`` is true, 0 if not, -1 on error. */
-static int tensor_true(PyObject *t, const Attr *a) {
-    return truth(tensor_attr(t, a));
-}
+    *s_is_meta, *s_nbytes, *s_base, *s_untyped_storage, *s_cdata, *s_expired, *s_learned, *s_step, *s_params, *s_weak_ref;
 
 static void shared_dealloc(Shared *self) {
     if (self->weak != NULL && free_weak_ref != NULL && !IS_FINALIZING()) {
@@ -270,7 +169,11 @@ static int attr_true(PyObject *obj, PyObject *name) {
     PyObject *v;
     if (LOOKUP_ATTR(obj, name, &v) < 0)
         return -1;
-    return v == NULL ? 0 : truth(v);
+    if (v == NULL)
+        return 0;
+    int r = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return r;
 }
 
 /* ``unlink``: detach a tensor that requires grad (an op's output saved by that op would make a
@@ -279,10 +182,10 @@ static int attr_true(PyObject *obj, PyObject *name) {
 enum { UNLINK_NO = 0, UNLINK_YES = 1, UNLINK_ASK = 2 };
 
 static PyObject *keep(Tally *self, PyObject *t, long long nbytes, long long resident, int unlink) {
-    int requires = unlink == UNLINK_ASK ? tensor_true(t, &a_requires_grad) : unlink;
+    int requires = unlink == UNLINK_ASK ? attr_true(t, s_requires_grad) : unlink;
     if (requires < 0)
         return NULL;
-    PyObject *version = tensor_attr(t, &a_version);
+    PyObject *version = PyObject_GetAttr(t, s_version);
     if (version == NULL)
         return NULL;
     PyObject *held_tensor;
@@ -346,22 +249,7 @@ static int storage_of(PyObject *t, PyObject **storage, PyObject **key, long long
     return 1;
 }
 
-/* The entry's weak reference to ``storage``, if it has none yet: 0, or -1 on error. */
-static int pin(Shared *entry, PyObject *storage) {
-    if (entry->weak != NULL)
-        return 0;
-    if (free_weak_ref == NULL) {
-        free_weak_ref = PyObject_GetAttrString((PyObject *)Py_TYPE(storage), "_free_weak_ref");
-        if (free_weak_ref == NULL)
-            return -1;
-    }
-    entry->weak = PyObject_CallMethodNoArgs(storage, s_weak_ref);
-    return entry->weak == NULL ? -1 : 0;
-}
-
-/* keep() for a tensor whose storage (key, storage_nbytes) counts once (Tally.share).
- * ``storage``: its storage object, which the entry pins, or NULL for an op's output whose Held
- * holds a detached alias of it: that alias pins the storage (see output_storage). */
+/* keep() for a tensor whose storage (key, storage_nbytes) counts once (Tally.share). */
 static PyObject *share(Tally *self, PyObject *t, long long nbytes, PyObject *storage,
                        PyObject *key, long long storage_nbytes, int unlink) {
     Shared *entry = (Shared *)PyDict_GetItemWithError(self->shared, key); /* borrowed */
@@ -370,20 +258,20 @@ static PyObject *share(Tally *self, PyObject *t, long long nbytes, PyObject *sto
     int hit = entry != NULL;
     if (hit) {
         Py_INCREF(entry);
-        if (storage != NULL && pin(entry, storage) < 0) {
-            Py_DECREF(entry);
-            return NULL;
-        }
     } else {
+        if (free_weak_ref == NULL) {
+            free_weak_ref = PyObject_GetAttrString((PyObject *)Py_TYPE(storage), "_free_weak_ref");
+            if (free_weak_ref == NULL)
+                return NULL;
+        }
         entry = PyObject_New(Shared, &SharedType);
         if (entry == NULL)
             return NULL;
         entry->key = Py_NewRef(key);
         entry->nbytes = storage_nbytes;
         entry->count = 0;
-        entry->weak = NULL;
-        if ((storage != NULL && pin(entry, storage) < 0) ||
-            PyDict_SetItem(self->shared, key, (PyObject *)entry) < 0) {
+        entry->weak = PyObject_CallMethodNoArgs(storage, s_weak_ref);
+        if (entry->weak == NULL || PyDict_SetItem(self->shared, key, (PyObject *)entry) < 0) {
             Py_DECREF(entry);
             return NULL;
         }
@@ -508,7 +396,6 @@ typedef struct {
     long long min_bytes;
     PyObject *index;  /* tier keep: the StorageIndex (else None); tensors kept through share */
     PyObject *params; /* its parameters' storages, {StorageImpl address: StorageWeakRef} */
-    PyObject *storage_address; /* torch._C._storage_address, or None (see output_storage) */
     PyObject *captures, *evicted, *slow, *tensor_type, *parameter_type, *strided, *is_parameter;
 } Pack;
 
@@ -522,12 +409,16 @@ static PyTypeObject PackType;
 
 /* 1 if ``obj.name()`` is true, 0 if not, -1 on error. */
 static int attr_true_call(PyObject *obj, PyObject *name) {
-    return truth(PyObject_CallMethodNoArgs(obj, name));
+    PyObject *v = PyObject_CallMethodNoArgs(obj, name);
+    if (v == NULL)
+        return -1;
+    int r = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return r;
 }
 
-/* The resident bytes of a plain tensor: 0 for a parameter or a view of one. ``unviewed`` (if
- * not NULL) is set to 1 where t is known to be no view (``_base`` is None), else 0. */
-static long long resident_of(Pack *self, PyObject *t, long long nbytes, int *unviewed) {
+/* The resident bytes of a small plain tensor: 0 for a parameter or a view of one. */
+static long long resident_of(Pack *self, PyObject *t, long long nbytes) {
     /* the instance dict as it is: asking for ``__dict__`` would make one for every tensor */
     PyObject **dp = _PyObject_GetDictPtr(t);
     Py_ssize_t attrs = 1;
@@ -536,8 +427,6 @@ static long long resident_of(Pack *self, PyObject *t, long long nbytes, int *unv
     else if (PyDict_Check(*dp))
         attrs = PyDict_GET_SIZE(*dp);
     int param;
-    if (unviewed != NULL)
-        *unviewed = 0;
     if (attrs) { /* attributes: offloadd's is_parameter in Python decides */
         PyObject *r = PyObject_CallOneArg(self->is_parameter, t);
         if (r == NULL)
@@ -545,11 +434,9 @@ static long long resident_of(Pack *self, PyObject *t, long long nbytes, int *unv
         param = PyObject_IsTrue(r);
         Py_DECREF(r);
     } else {
-        PyObject *base = tensor_attr(t, &a_base);
+        PyObject *base = PyObject_GetAttr(t, s_base);
         if (base == NULL)
             return -1;
-        if (unviewed != NULL)
-            *unviewed = base == Py_None;
         param = base == Py_None ? 0 : PyObject_IsInstance(base, self->parameter_type);
         Py_DECREF(base);
     }
@@ -580,18 +467,6 @@ static int known_parameter(Pack *self, PyObject *key) {
     return r < 0 ? -1 : (r ? 0 : 2);
 }
 
-/* storage_of() for an op's output that requires grad and is no view (output_storage): its key
- * from torch._C._storage_address and its own bytes, with no storage object. See [an output's
- * storage] in offloadd/runtime/held.py. */
-static int output_storage(Pack *self, PyObject *t, long long nbytes, PyObject **key,
-                          long long *storage_nbytes) {
-    *key = PyObject_CallOneArg(self->storage_address, t);
-    if (*key == NULL)
-        return no_storage();
-    *storage_nbytes = nbytes;
-    return 1;
-}
-
 static PyObject *pack_call(Pack *self, PyObject *args, PyObject *kwargs) {
     PyObject *t;
     if (!PyArg_UnpackTuple(args, "pack", 1, 1, &t))
@@ -603,16 +478,16 @@ static PyObject *pack_call(Pack *self, PyObject *args, PyObject *kwargs) {
     PyObject *type = (PyObject *)Py_TYPE(t);
     if (r != 0 || (type != self->tensor_type && type != self->parameter_type))
         goto slow;
-    PyObject *layout = tensor_attr(t, &a_layout);
+    PyObject *layout = PyObject_GetAttr(t, s_layout);
     if (layout == NULL)
         return NULL;
     Py_DECREF(layout); /* compared by identity: torch.strided lives as long as torch */
     if (layout != self->strided)
         goto slow;
-    r = tensor_true(t, &a_is_meta);
+    r = attr_true(t, s_is_meta);
     if (r != 0)
         goto slow;
-    PyObject *n = tensor_attr(t, &a_nbytes);
+    PyObject *n = PyObject_GetAttr(t, s_nbytes);
     if (n == NULL)
         return NULL;
     long long nbytes = PyLong_AsLongLong(n);
@@ -624,39 +499,28 @@ static PyObject *pack_call(Pack *self, PyObject *args, PyObject *kwargs) {
     if (nbytes >= self->min_bytes && nbytes != 0) {
         if (self->index == Py_None)
             goto slow;
-        int unviewed;
-        long long resident = resident_of(self, t, nbytes, &unviewed);
+        long long resident = resident_of(self, t, nbytes);
         if (resident <= 0) /* a parameter's view, or an error */
             return resident < 0 ? NULL : keep(self->tally, t, nbytes, 0, UNLINK_ASK);
-        int requires = tensor_true(t, &a_requires_grad);
-        if (requires < 0)
-            return NULL;
-        int output = 0;
-        if (requires && unviewed && self->storage_address != Py_None) {
-            output = tensor_true(t, &a_is_leaf);
-            if (output < 0)
-                return NULL;
-            output = !output;
-        }
-        PyObject *storage = NULL, *key;
+        PyObject *storage, *key;
         long long storage_nbytes;
-        r = output ? output_storage(self, t, nbytes, &key, &storage_nbytes)
-                   : storage_of(t, &storage, &key, &storage_nbytes);
+        r = storage_of(t, &storage, &key, &storage_nbytes);
         if (r <= 0)
             goto slow; /* no storage of its own (slow decides), or an error */
-        int param = requires ? 0 : known_parameter(self, key);
+        int requires = attr_true(t, s_requires_grad);
+        int param = requires < 0 ? -1 : requires ? 0 : known_parameter(self, key);
         PyObject *h = NULL;
         if (param == 0)
             h = share(self->tally, t, nbytes, storage, key, storage_nbytes, requires);
         else if (param == 1)
             h = keep(self->tally, t, nbytes, 0, UNLINK_NO);
         Py_DECREF(key);
-        Py_XDECREF(storage);
+        Py_DECREF(storage);
         if (param == 2)
             goto slow;
         return h;
     }
-    long long resident = resident_of(self, t, nbytes, NULL);
+    long long resident = resident_of(self, t, nbytes);
     if (resident < 0)
         return NULL;
     return keep(self->tally, t, nbytes, resident, UNLINK_ASK);
@@ -678,20 +542,17 @@ static void pack_drop(Pack *self) {
     Py_CLEAR(self->parameter_type);
     Py_CLEAR(self->strided);
     Py_CLEAR(self->is_parameter);
-    Py_CLEAR(self->storage_address);
 }
 
 static int pack_init(Pack *self, PyObject *args, PyObject *kwargs) {
     /* parsed into locals (borrowed), kept only once nothing can fail: dealloc releases
      * whatever self holds */
     PyObject *tally, *index, *captures, *evicted, *slow, *tensor_type, *parameter_type, *strided,
-        *is_parameter, *params = NULL, *storage_address = Py_None;
+        *is_parameter, *params = NULL;
     long long min_bytes;
-    if (!PyArg_ParseTuple(args, "O!LOOOOOOOO|O:Pack", &TallyType, &tally, &min_bytes, &index,
+    if (!PyArg_ParseTuple(args, "O!LOOOOOOOO:Pack", &TallyType, &tally, &min_bytes, &index,
                           &captures, &evicted, &slow, &tensor_type, &parameter_type, &strided,
-                          &is_parameter, &storage_address))
-        return -1;
-    if (resolve_all(tensor_type, parameter_type) < 0)
+                          &is_parameter))
         return -1;
     if (index != Py_None) {
         params = PyObject_GetAttr(index, s_params);
@@ -715,7 +576,6 @@ static int pack_init(Pack *self, PyObject *args, PyObject *kwargs) {
     self->parameter_type = Py_NewRef(parameter_type);
     self->strided = Py_NewRef(strided);
     self->is_parameter = Py_NewRef(is_parameter);
-    self->storage_address = Py_NewRef(storage_address);
     return 0;
 }
 
@@ -728,7 +588,6 @@ static int pack_traverse(Pack *self, visitproc visit, void *arg) {
     Py_VISIT(self->evicted);
     Py_VISIT(self->slow);
     Py_VISIT(self->is_parameter);
-    Py_VISIT(self->storage_address);
     return 0;
 }
 
@@ -766,7 +625,7 @@ static PyObject *unpack_call(Unpack *self, PyObject *args, PyObject *kwargs) {
         return NULL;
     if (Py_TYPE(p) == &HeldType) {
         Held *h = (Held *)p;
-        PyObject *v = tensor_attr(h->tensor, &a_version);
+        PyObject *v = PyObject_GetAttr(h->tensor, s_version);
         if (v == NULL)
             return NULL;
         int same = PyObject_RichCompareBool(v, h->version, Py_EQ);
@@ -845,13 +704,11 @@ PyMODINIT_FUNC PyInit__held(void) {
     s_step = PyUnicode_InternFromString("step");
     s_params = PyUnicode_InternFromString("_params");
     s_weak_ref = PyUnicode_InternFromString("_weak_ref");
-    s_is_leaf = PyUnicode_InternFromString("is_leaf");
-    resolve_names();
     if (s_requires_grad == NULL || s_detach == NULL || s_version == NULL ||
         s_num_pending == NULL || s_claims == NULL || s_layout == NULL || s_is_meta == NULL ||
         s_nbytes == NULL || s_base == NULL || s_untyped_storage == NULL ||
         s_cdata == NULL || s_expired == NULL || s_learned == NULL || s_step == NULL ||
-        s_params == NULL || s_weak_ref == NULL || s_is_leaf == NULL)
+        s_params == NULL || s_weak_ref == NULL)
         return NULL;
     if (PyType_Ready(&TallyType) < 0 || PyType_Ready(&HeldType) < 0 ||
         PyType_Ready(&SharedType) < 0 ||
@@ -864,7 +721,7 @@ PyMODINIT_FUNC PyInit__held(void) {
         PyModule_AddObjectRef(m, "Held", (PyObject *)&HeldType) < 0 ||
         PyModule_AddObjectRef(m, "Pack", (PyObject *)&PackType) < 0 ||
         PyModule_AddObjectRef(m, "Unpack", (PyObject *)&UnpackType) < 0 ||
-        PyModule_AddIntConstant(m, "VERSION", 3) < 0) {
+        PyModule_AddIntConstant(m, "VERSION", 2) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -19,30 +19,6 @@ pins with a weak reference (a Held's tensor may leave that storage, ``x.data = y
 it; no new storage takes the address while the entry lives). Nothing moves, so no version or root enters
 the key (compare [dedup identity] in dedup.py, for bytes that leave and come back).
 
-Note: [an output's storage] Asking a tensor for its storage (``untyped_storage()``) makes the
-storage's Python object, and torch keeps that object as long as the storage lives: one more
-object for the garbage collector for each saved tensor until backward frees it. Most saved
-tensors under tier keep are ops' outputs that require grad, are no view (``_base`` is None) and
-are not leaves. Such a tensor was made by the op, its storage holds exactly its bytes, and its
-Held holds a detached alias of it, which keeps that storage (and its address) while the entry
-lives. For these the C pack asks ``torch._C._storage_address(t)`` (the StorageImpl's address,
-the same key as ``untyped_storage()._cdata``) and counts ``t.nbytes``, with no storage object
-and no weak reference; any other tensor is asked for its storage as before, and pins the entry
-with a weak reference if it hits one made this way. The one tensor this counts short is an
-in-place op's result on a tensor that does not span its storage (an in-place op with grad on a
-``detach()``-ed slice): its storage's other bytes are not counted.
-(``offloadd bench hooks``, keep-all: docs/benchmarks/hooks-round4_cpu-2core_2026-12-06.md.)
-
-Note: [attributes read directly] The C pack reads seven tensor attributes (``layout``,
-``is_meta``, ``nbytes``, ``_base``, ``requires_grad``, ``is_leaf``, ``_version``) through the
-getter of the getset descriptor that ``torch.Tensor``'s type lookup finds, for a tensor whose
-type is exactly ``torch.Tensor`` or ``torch.nn.Parameter`` and where both types find the same
-descriptor. A getset descriptor is a data descriptor: ``PyObject_GetAttr`` would call that same
-getter, whatever the instance dict holds, so the result (torch function handling included,
-which the getter itself does) is the same, without the lookup. An attribute set on either class
-or a base later moves the type's version tag: the pack then reads through ``PyObject_GetAttr``,
-and the next pack made finds the getters again.
-
 The library built from csrc/hot_path/held.c does this in C, several times faster per tensor; where
 it is not built, the classes below do the same in Python
 (docs/benchmarks/hooks_cpu-2core_2026-12-05.md).
@@ -155,7 +131,7 @@ def _load() -> tuple[Any, Any, Any, Any, bool]:
         from offloadd.runtime import _held
     except ImportError:  # not built (docs/native.md)
         return _PyTally, _PyHeld, None, None, False
-    if getattr(_held, "VERSION", 0) < 3:  # a stale build
+    if getattr(_held, "VERSION", 0) < 2:  # a stale build
         return _PyTally, _PyHeld, None, None, False
     return _held.Tally, _held.Held, _held.Pack, _held.Unpack, True
 

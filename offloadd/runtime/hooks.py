@@ -41,8 +41,6 @@ from offloadd.trace import span
 __all__ = ["Hooks"]
 
 _Parameter = torch.nn.Parameter
-# an output's storage identity without a storage object (see [an output's storage] in held.py)
-_STORAGE_ADDRESS = getattr(torch._C, "_storage_address", None)
 
 
 class Hooks:
@@ -114,7 +112,6 @@ class Hooks:
                 torch.nn.Parameter,
                 torch.strided,
                 is_parameter,
-                _STORAGE_ADDRESS,
             )
             unpack = held.Unpack(unseen(self.unpack))
         else:

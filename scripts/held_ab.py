@@ -16,7 +16,7 @@ Each arm is a tier of ``offloadd bench hooks`` (``keep-all``, ``keep``, ``ssd``)
 the installed build and ``ARM@other`` the other, beside ``none`` and ``noop``. Prints µs per
 saved tensor above ``none`` and the ratio to ``noop`` (``--model micro``), or the step against
 ``none`` (``--model gpt2``), and the other's against the installed build's; ``--json`` writes
-the step times. An older build whose ``Pack`` takes ten arguments is given ten.
+the step times.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from torch import nn
 from offloadd.offloader import Offloader
 from offloadd.runtime import held
 from offloadd.tools.bench.hooks import _gpt2, _interleave, micro_model, saved_per_step
+from offloadd.tools.bench.hooks_arms import open_arms, tier_kwargs
 
 ARMS = ("keep-all", "keep", "ssd")
 
@@ -67,14 +68,9 @@ def using(module: ModuleType | None) -> Iterator[None]:
         held.Tally, held.Held, held.Pack, held.Unpack = saved
 
 
-def offloader(arm: str, module: ModuleType | None, workdir: str) -> Offloader:
-    kwargs: dict[str, Any] = {"tier": arm.removesuffix("-all")}
-    if arm.endswith("-all"):
-        kwargs["min_bytes"] = 0
-    if kwargs["tier"] == "ssd":
-        kwargs["ssd_dirs"] = [workdir]
-    with using(module):
-        return Offloader(**kwargs)
+def offloader(arm: str, module: ModuleType | None, workdir: Path) -> Offloader:
+    with using(module):  # its tally is made now, from module's Tally
+        return Offloader(**tier_kwargs(arm, workdir))
 
 
 def step_of(
@@ -120,14 +116,13 @@ def main() -> None:
     else:
         model, loss_of = _gpt2("cpu")
     saved = saved_per_step(model, loss_of)
-    same = lambda t: t  # noqa: E731
-    steps: dict[str, Callable[[], None]] = {
-        "none": step_of(model, loss_of, contextlib.nullcontext, None),
-        "noop": step_of(
-            model, loss_of, lambda: torch.autograd.graph.saved_tensors_hooks(same, same), None
-        ),
-    }
-    with tempfile.TemporaryDirectory(dir="/var/tmp") as workdir, contextlib.ExitStack() as stack:
+    with (
+        tempfile.TemporaryDirectory(dir="/var/tmp") as tmp,
+        open_arms(["none", "noop"], Path(tmp), "0.5x", "cpu") as base,
+        contextlib.ExitStack() as stack,
+    ):
+        workdir = Path(tmp)
+        steps = {a.name: step_of(model, loss_of, a.scope, None) for a in base}
         for arm in arms:
             for name, module in ((arm, None), (f"{arm}@other", other)):
                 off = offloader(arm, module, workdir)

@@ -5,6 +5,8 @@ alike."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
@@ -40,9 +42,9 @@ def test_outputs_saved_again_and_viewed_count_once(tally_kind: str) -> None:
     off.close()
 
 
-def _storages_held(step: object) -> int:
-    """The bytes of the storages a step saves, each once, parameters and their views aside:
-    what tier keep holds (``step``: a callable that runs the forward)."""
+def _storages_held(forward: Callable[[], object]) -> int:
+    """The bytes of the storages ``forward`` saves, each once, parameters and their views aside:
+    what tier keep holds."""
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -52,7 +54,7 @@ def _storages_held(step: object) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        step()  # type: ignore[operator]
+        forward()
     return sum(storages.values())
 
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from offloadd.offloader import Offloader
 
-__all__ = ["ARMS", "Arm", "open_arms", "relay_cost"]
+__all__ = ["ARMS", "Arm", "open_arms", "relay_cost", "tier_kwargs"]
 
 ARMS = (
     "none",
@@ -93,6 +93,18 @@ def _daemon(workdir: Path) -> Iterator[str]:
         log.close()
 
 
+def tier_kwargs(name: str, workdir: Path) -> dict[str, Any]:
+    """The Offloader options of a tier's arm: ``keep``, ``ssd``, ``cpu`` with their defaults,
+    ``-all`` with ``min_bytes=0`` (every tensor through offloadd); ssd's files in ``workdir``."""
+    tier = name.removesuffix("-all")
+    kwargs: dict[str, Any] = {"tier": tier}
+    if tier == "ssd":
+        kwargs["ssd_dirs"] = [str(workdir)]
+    if name.endswith("-all"):
+        kwargs["min_bytes"] = 0
+    return kwargs
+
+
 @contextlib.contextmanager
 def open_arms(names: list[str], workdir: Path, budget: str, device: str) -> Iterator[list[Arm]]:
     """The arms asked for, their Offloaders open (all before any is timed: the host allocator
@@ -116,10 +128,7 @@ def open_arms(names: list[str], workdir: Path, budget: str, device: str) -> Iter
             elif name == "auto":
                 kwargs = {"tier": "ssd", "min_bytes": 0, "budget": budget, **ssd}
             else:
-                tier = name.removesuffix("-all")
-                kwargs = {"tier": tier, **(ssd if tier == "ssd" else {})}
-                if name.endswith("-all"):
-                    kwargs["min_bytes"] = 0
+                kwargs = tier_kwargs(name, workdir)
             if kwargs is not None:
                 off = Offloader(**kwargs)
                 stack.callback(off.close)

@@ -179,7 +179,7 @@ def _predicted(ns: argparse.Namespace) -> int:
             check_seq(load_config(ns.hf_config), ns.seq)
         elif ns.hidden % ns.heads:
             raise ValueError(f"--heads ({ns.heads}) must divide --hidden ({ns.hidden})")
-        min_bytes = Config.load(ns.config).min_bytes
+        config = Config.load(ns.config)
         if ns.json:
             ready_parent("--json", ns.json)
     except (ValueError, ImportError, OSError) as e:
@@ -193,7 +193,8 @@ def _predicted(ns: argparse.Namespace) -> int:
         vocab=ns.vocab,
         hf_config=ns.hf_config,
         optimizer=ns.optimizer,
-        min_bytes=min_bytes,
+        min_bytes=config.min_bytes,
+        staging_bytes=config.staging_bytes,
     )
     try:
         rows = predict_rows(spec, names, ns.batch, ns.seq, limit, held=ns.allocator == "held")

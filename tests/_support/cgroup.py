@@ -1,17 +1,21 @@
-"""A memory cgroup of a test's own (offloadd/tools/harness/cgroup.py), the test skipped where
-none can be made (not root)."""
+"""A memory cgroup of a test's own (offloadd/tools/harness/cgroup.py), and a cgroup that
+throttles writes to a disk (a slow disk, for real): the test skipped where none can be made
+(not root)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from offloadd.tools.harness import cgroup
 from offloadd.tools.harness.cgroup import CgroupUnavailable, MemoryCgroup
 
-__all__ = ["MemoryCgroup", "memory_cgroup"]
+__all__ = ["MemoryCgroup", "memory_cgroup", "slow_writes"]
 
 
 @contextlib.contextmanager
@@ -23,3 +27,45 @@ def memory_cgroup(limit: int) -> Iterator[MemoryCgroup]:
         except CgroupUnavailable as err:
             pytest.skip(str(err))
         yield cg
+
+
+def _disk_of(path: Path) -> str:
+    """``major:minor`` of the disk ``path`` lies on (its whole disk, for a partition)."""
+    dev = os.stat(path).st_dev
+    node = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    if (node / "partition").exists():
+        node = node.resolve().parent
+    if not (node / "dev").exists():
+        pytest.skip(f"{path} is on no block device ({node}): its writes cannot be throttled")
+    return (node / "dev").read_text().strip()
+
+
+@contextlib.contextmanager
+def slow_writes(path: Path, bytes_per_s: int) -> Iterator[Path]:
+    """A cgroup (v1's blkio or v2's io) whose processes write to the disk of ``path`` at most
+    ``bytes_per_s``: yields its ``cgroup.procs``, for a child to write its pid to (as
+    ``MemoryCgroup.enter``); removed on exit."""
+    disk = _disk_of(path)
+    name = f"offloadd-test-io-{os.getpid()}-{time.monotonic_ns()}"
+    v1 = Path("/sys/fs/cgroup/blkio")
+    made = v1 if (v1 / "blkio.throttle.write_bps_device").exists() else Path("/sys/fs/cgroup")
+    made = made / name
+    try:
+        made.mkdir()
+        if made.parent == v1:
+            (made / "blkio.throttle.write_bps_device").write_text(f"{disk} {bytes_per_s}")
+        else:
+            (made / "io.max").write_text(f"{disk} wbps={bytes_per_s}")
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            made.rmdir()
+        pytest.skip(f"no cgroup throttles writes to {disk} here ({err})")
+    try:
+        yield made / "cgroup.procs"
+    finally:
+        for _ in range(50):  # its last process may take a moment to leave
+            try:
+                made.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)

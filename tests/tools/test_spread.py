@@ -150,3 +150,26 @@ def test_the_predictions_error_counts_the_searchs_points_only() -> None:
         "  auto batch 1 seq 512: predicted +20.0% off, past the 15% target",
         "  auto batch 2 seq 512: predicted +18.0% off, past the 15% target",
     ]
+
+
+def test_a_point_above_its_prediction_within_its_slow_disk_peak_is_said_apart() -> None:
+    """offload-ssd's second prediction, with ``staging_bytes`` of writes held behind the disk
+    (Note [writes behind a slow disk]): a peak between the two is no miss, one past both is."""
+    from offloadd.tools.wall.predicted import behind_a_slow_disk, error_lines
+
+    def row(batch: int, peak: int, predicted: int, slow: int | None) -> dict[str, Any]:
+        return point("offload-ssd", batch, 1.0, 1.0, 1.0) | {
+            "seq_len": 256, "peak_bytes": peak, "predicted_peak_bytes": predicted,
+            "predicted_slow_disk_peak_bytes": slow, "round": 0,
+        }  # fmt: skip
+
+    rows = [row(16, 100, 95, 130), row(17, 125, 100, 130), row(18, 160, 100, 130)]
+    assert [behind_a_slow_disk(r) for r in rows] == [False, True, False]
+    assert not behind_a_slow_disk(row(19, 125, 100, None))
+    assert error_lines(rows) == [
+        "prediction: within 37.5% of the measured peak at all 2 ok point(s) predicted (worst: "
+        "offload-ssd at batch 18, seq 256), 1 more within the slow-disk peak",
+        "  offload-ssd batch 18 seq 256: predicted -37.5% off, past the 15% target",
+        "  offload-ssd batch 17 seq 256: predicted -20.0% off, within the slow-disk peak "
+        "(+4.0%): writes were held behind the disk",
+    ]

@@ -19,7 +19,6 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-from offloadd.config import Config
 from offloadd.runtime.host_allocator import SLACK
 from offloadd.tools.predict.hostcache import Replay, replay
 from offloadd.tools.predict.trace import Traced, TraceSpec, trace
@@ -68,6 +67,14 @@ class Prediction:
     allocator: str  # "caching" (the host cache replayed) or "system"
     blocks: int = 0  # the model's blocks, as auto's planner finds them
     compiler_bytes: int = 0  # compile-budget: what torch.compile holds (compiler_bytes)
+    # offload without a budget: what writes behind a slow disk may hold above ``peak_bytes``
+    # (Note [writes behind a slow disk]); auto's peak counts its own
+    writes_bytes: int = 0
+
+    @property
+    def slow_disk_peak_bytes(self) -> int:
+        """The peak where the disk falls behind the writes: ``peak_bytes + writes_bytes``."""
+        return self.peak_bytes + self.writes_bytes
 
 
 def traced_as(strategy: str) -> str | None:
@@ -174,7 +181,9 @@ def base_bytes(spec: TraceSpec, *, file: bool = False) -> int:
 
 def _model_of(spec: TraceSpec) -> TraceSpec:
     """``spec`` with only what names the model: one measurement serves every run of it."""
-    return dataclasses.replace(spec, steps=1, optimizer="none", min_bytes=1 << 20)
+    return dataclasses.replace(
+        spec, steps=1, optimizer="none", min_bytes=1 << 20, staging_bytes=TraceSpec().staging_bytes
+    )
 
 
 def allocator_of(strategy: str, *, held: bool) -> str:
@@ -201,11 +210,30 @@ def predict(
     run = trace(spec, kind, batch, seq)
     steps = replay(run.events).resident if allocator == "caching" else run.peak
     compiler = compiler_bytes(spec, seq) if kind == "compile-budget" else 0
-    return _prediction(spec, run, steps, allocator, compiler)
+    writes = spec.staging_bytes if kind == "offload" else 0
+    return _prediction(spec, run, steps, allocator, compiler, writes)
+
+
+# Note [writes behind a slow disk]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The trace's ideal offloader frees what it moves at pack. offloadd's ssd tier writes a CPU
+# tensor from its own pages and holds it until written, up to ``staging_bytes`` (Note
+# [zero-copy] in runtime/writer_in_place.py), before forward waits. While the disk keeps up,
+# little is held at the peak; when it falls behind for a moment, up to ``staging_bytes`` is, and
+# that happens on a quiet machine too (the wall-writes page in docs/benchmarks/). So
+# offload without a budget is predicted twice: ``peak_bytes``, the disk keeping up, and
+# ``slow_disk_peak_bytes``, with ``staging_bytes`` of writes held on top, which is the room a
+# limit must leave (``offloadd plan``'s largest batch). auto's budget bounds its writes, and its
+# peak counts them (Note [auto's peak predicted]).
 
 
 def _prediction(
-    spec: TraceSpec, run: Traced, steps: int, allocator: str, compiler: int = 0
+    spec: TraceSpec,
+    run: Traced,
+    steps: int,
+    allocator: str,
+    compiler: int = 0,
+    writes: int = 0,
 ) -> Prediction:
     """``run``'s prediction, ``steps`` its peak through ``allocator``."""
     weights = run.held.get("build", 0)
@@ -221,6 +249,7 @@ def _prediction(
         allocator=allocator,
         blocks=run.blocks,
         compiler_bytes=compiler,
+        writes_bytes=writes,
     )
 
 
@@ -247,7 +276,7 @@ def predict_auto(spec: TraceSpec, batch: int, seq: int, limit: int) -> Predictio
     step_live, run, cache = _planned(spec, batch, seq, kept)
     if kept == units:  # every unit kept: nothing is written
         return _prediction(spec, run, cache.resident, "caching")
-    writes = max(0, min(budget - step_live, Config().staging_bytes))
+    writes = max(0, min(budget - step_live, spec.staging_bytes))
     return _prediction(spec, run, cache.resident + int(writes * (1 + SLACK)), "caching")
 
 

@@ -87,7 +87,9 @@ def predict_rows(
         at = predict_run(spec, name, batch, seq, limit=limit, held=held)
 
         def peak_of(b: int, name: str = name) -> int:
-            return predict_run(spec, name, b, seq, limit=limit, held=held).peak_bytes
+            # room for the writes a slow disk holds (Note [writes behind a slow disk])
+            run = predict_run(spec, name, b, seq, limit=limit, held=held)
+            return run.slow_disk_peak_bytes
 
         rows.append(Row(name, at, largest_batch(peak_of, limit) if limit else None))
     return rows
@@ -148,6 +150,14 @@ def render(rows: list[Row], batch: int, seq: int, limit: int | None) -> str:
     lines += [
         f"({r.strategy} also counts {format_bytes(r.at.compiler_bytes)} that torch.compile holds)"
         for r in compiled
+    ]
+    lines += [
+        f"({r.strategy}: up to {format_bytes(r.at.writes_bytes)} more while the disk falls "
+        "behind its writes (staging_bytes)"
+        + (", room its largest batch leaves" if limit is not None else "")
+        + ")"
+        for r in rows
+        if r.at.writes_bytes
     ]
     return "\n".join(lines)
 

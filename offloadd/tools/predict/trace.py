@@ -7,8 +7,10 @@ Offloading is traced as an ideal offloader would run: a saved tensor that offloa
 (as its pack decides: not a parameter or a view of one, at least ``min_bytes`` of its own) leaves
 memory when packed, one copy of its storage however many tensors share it, and comes back at its
 first unpack, freed after its last.
-offloadd's prefetch window, staging buffers and writer queue are not in it: measured on the wall
-they stay inside the prediction's error (docs/benchmarks/, the wall page).
+offloadd's prefetch window and staging buffers are not in it: measured on the wall they stay
+inside the prediction's error (docs/benchmarks/, the wall page). Writes held behind a slow disk
+are not either, and can pass it: they are predicted beside it (Note [writes behind a slow disk]
+in peak.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from offloadd.auto.discover import find_blocks
+from offloadd.config import Config
 from offloadd.runtime.identity import is_parameter
 from offloadd.tools.models.build import build_model
 from offloadd.tools.predict.live import Event, LiveBytes
@@ -52,6 +55,8 @@ class TraceSpec:
     dtype: str = "float32"  # the parameters'
     steps: int = 3  # the wall's point: 1 warm-up and 2 timed steps
     min_bytes: int = 1 << 20  # offload: the Config's
+    # offload: the Config's, what writes behind a slow disk may hold (Prediction.writes_bytes)
+    staging_bytes: int = Config().staging_bytes
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ from offloadd.tools.harness.machine import describe_machine, machine_line
 from offloadd.tools.harness.peers import unavailable
 from offloadd.tools.models.build import MODELS
 from offloadd.tools.wall.points import STRATEGIES, WallSpec, measure, point_line, write_rows
-from offloadd.tools.wall.predicted import Predictor, error_lines
+from offloadd.tools.wall.predicted import Predictor, columns, error_lines
 from offloadd.tools.wall.search import Wall, find_wall
 from offloadd.tools.wall.summary import contested, summary
 from offloadd.units import format_bytes
@@ -283,8 +283,8 @@ def main(ns: argparse.Namespace) -> int:
         batch, seq = (size, spec.seq) if grow == "batch" else (spec.batch, size)
         again = f" (round {round + 1} of {ns.rounds})" if round else ""
         print(f"  {s} {grow} {size}{again} ...", file=sys.stderr, flush=True)
-        predicted = predictor(s, batch, seq)
-        row = {**measure(spec, s, batch, seq), "predicted_peak_bytes": predicted, "round": round}
+        predicted = columns(predictor(s, batch, seq))
+        row = {**measure(spec, s, batch, seq), **predicted, "round": round}
         rows.append(row)
         write_rows(csv_path, rows)
         print(point_line(row, grow) + again, flush=True)

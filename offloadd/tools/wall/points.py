@@ -61,6 +61,8 @@ FIELDS = (
     "step_time_min_s",
     "step_time_max_s",
     "predicted_peak_bytes",  # offloadd plan's prediction (empty: not predicted yet)
+    # offload-ssd: the prediction with staging_bytes of writes held behind a slow disk
+    "predicted_slow_disk_peak_bytes",
     "plan",  # auto: its blocks kept, offloaded, recomputed ("k2 o10 r0"), and its budget
     "error",
     "round",  # 0: the search's point; 1 and on: measured again (--rounds)
@@ -164,7 +166,9 @@ def point_line(r: dict[str, Any], grow: str) -> str:
     peak = f"peak {format_bytes(r['peak_bytes'])}" if r.get("peak_bytes") is not None else ""
     if peak and r.get("predicted_peak_bytes") and r["peak_bytes"]:
         off = r["predicted_peak_bytes"] / r["peak_bytes"] - 1
-        peak += f" (predicted {format_bytes(r['predicted_peak_bytes'])}, {off:+.1%})"
+        slow = r.get("predicted_slow_disk_peak_bytes")
+        slow_text = f"; {format_bytes(slow)} behind a slow disk" if slow else ""
+        peak += f" (predicted {format_bytes(r['predicted_peak_bytes'])}, {off:+.1%}{slow_text})"
     if r["status"] != "ok":
         return head + f"{r['status'].upper()}" + (f", {peak}" if peak else "") + f" ({r['error']})"
     return head + (

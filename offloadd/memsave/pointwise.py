@@ -50,6 +50,18 @@ grad cannot be modified in place). One difference: the version counter advances 
 saved, so nothing observable changes. In place LeakyReLU with a slope ``<= 0`` is left to plain
 PyTorch, which refuses its backward.
 
+Note: [gradient layout]
+~~~~~~~~~~~~~~~~~~~~~~~
+The same values in another layout are not the same gradient: a BatchNorm or a sum before these
+layers reduces in memory order, so a gradient with other strides gives other bits. Plain's
+backward allocates its result after its operands' strides (TensorIterator: the first operand
+whose strides order two dimensions decides): ``threshold_backward`` and
+``leaky_relu_backward`` after the saved tensor's first, then the gradient's; Dropout's ``grad *
+noise`` after the gradient's first, then the noise's. So the mask stands in with the saved
+tensor's strides, where those are not contiguous (channels_last: a frozen stem's BatchNorm, then
+a ReLU), and backward then lets the op allocate as plain's does; a contiguous saved tensor keeps
+the paths above (the fused kernel, the result written over the mask).
+
 A fully trainable model runs plain PyTorch's forward in these modules: Note [fully trainable] in
 :mod:`offloadd.memsave.frozen_gate`.
 
@@ -88,6 +100,8 @@ __all__ = [
 
 _THRESHOLD_BACKWARD = torch.ops.aten.threshold_backward.grad_input
 _LEAKY_RELU_BACKWARD = torch.ops.aten.leaky_relu_backward.grad_input
+_THRESHOLD = torch.ops.aten.threshold_backward.default
+_LEAKY = torch.ops.aten.leaky_relu_backward.default
 
 
 def _wants_graph(x: torch.Tensor, inplace: bool) -> bool:
@@ -110,6 +124,16 @@ def _expand(
     return unpack_flags(packed, shape).to(dtype)  # one pass fewer
 
 
+def _strides(t: torch.Tensor) -> tuple[int, ...] | None:
+    """``t``'s strides where it is not contiguous, else None: Note [gradient layout]."""
+    return None if t.is_contiguous() else t.stride()
+
+
+def _laid_out(t: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    """``t`` (contiguous) with ``stride``: the mask laid out as plain's saved tensor was."""
+    return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
+
+
 def _pack(t: torch.Tensor, positive: bool) -> torch.Tensor:
     """The packed bits of ``t > 0`` if ``positive``, else of ``not (t <= 0)``."""
     k = native() if serves(t) else None
@@ -126,7 +150,7 @@ class _ReLUBits(torch.autograd.Function):
         packed = pack_bits(out.bool())  # not (result <= 0), as a cast: Note [relu mask]
         if inplace:
             ctx.mark_dirty(x)
-        ctx.shape = out.shape
+        ctx.shape, ctx.stride = out.shape, _strides(out)
         ctx.save_for_backward(packed)
         return out
 
@@ -134,10 +158,13 @@ class _ReLUBits(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         (packed,) = ctx.saved_tensors
+        passes_as = ctx.stride
         k = native() if serves(grad) and grad.dtype == torch.float32 else None
-        if k is not None:  # threshold_backward's result, in one pass: Note [fused relu]
+        if k is not None and passes_as is None:  # threshold_backward's, in one pass: [fused relu]
             return k.select(grad, packed), None
         passes = _expand(packed, ctx.shape, grad.dtype, ones=False)  # 0 where result <= 0
+        if passes_as is not None:  # Note [gradient layout]
+            return _THRESHOLD(grad, _laid_out(passes, passes_as), 0), None
         # written over ``passes`` (elementwise, same positions): one new tensor, as in plain
         return _THRESHOLD_BACKWARD(grad, passes, 0, grad_input=passes), None
 
@@ -149,7 +176,7 @@ class _LeakyReLUBits(torch.autograd.Function):
         out = F.leaky_relu(x, slope, inplace)
         if inplace:
             ctx.mark_dirty(x)
-        ctx.shape = out.shape
+        ctx.shape, ctx.stride = out.shape, _strides(x)  # plain saves x (or out: x, in place)
         ctx.slope = slope
         ctx.save_for_backward(positive)
         return out
@@ -159,6 +186,8 @@ class _LeakyReLUBits(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         (packed,) = ctx.saved_tensors
         sign = _expand(packed, ctx.shape, grad.dtype, ones=False)  # > 0 exactly where self > 0
+        if ctx.stride is not None:  # Note [gradient layout]
+            return _LEAKY(grad, _laid_out(sign, ctx.stride), ctx.slope, False), None, None
         return _LEAKY_RELU_BACKWARD(grad, sign, ctx.slope, False, grad_input=sign), None, None
 
 
@@ -178,7 +207,7 @@ class _DropoutBits(torch.autograd.Function):
             out = x.mul_(noise)
         else:
             out = x * noise
-        ctx.shape = x.shape
+        ctx.shape, ctx.stride = noise.shape, _strides(noise)
         ctx.p = p
         ctx.save_for_backward(packed)
         return out
@@ -187,8 +216,10 @@ class _DropoutBits(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         (packed,) = ctx.saved_tensors
-        noise = _expand(packed, ctx.shape, grad.dtype).div_(1 - ctx.p)  # 0 or 1, then scaled
-        return grad * noise, None, None
+        noise = _expand(packed, ctx.shape, grad.dtype)  # 0 or 1
+        if ctx.stride is not None:  # Note [gradient layout]
+            noise = _laid_out(noise, ctx.stride)
+        return grad * noise.div_(1 - ctx.p), None, None
 
 
 def relu_bits(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:

@@ -7,6 +7,7 @@ and RNG seed, and compares the bits (tests/_support/memsave_cases.py).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import pytest
@@ -16,7 +17,7 @@ from torch import nn
 from offloadd.memsave.bits import pack_bits, packed_bytes, unpack_bits
 from offloadd.memsave.pool import compact_indices, expand_indices
 from offloadd.memsave.replace import memsave
-from tests._support.memsave_cases import DTYPES, GRADS, compare, rand, special
+from tests._support.memsave_cases import DTYPES, GRADS, compare, rand, same, special
 
 # -- bits ------------------------------------------------------------------------------------
 
@@ -214,6 +215,65 @@ def test_relu_inplace_aliasing() -> None:
     with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
         m(leaf)
     assert torch.equal(leaf.detach(), before)  # refused before writing, as plain refuses
+
+
+# -- gradient layout (Note [gradient layout] in pointwise.py) ----------------------------------
+
+LAYOUTS = [
+    ("relu", lambda: nn.ReLU()),
+    ("relu-inplace", lambda: nn.ReLU(inplace=True)),
+    ("leaky", lambda: nn.LeakyReLU(0.1)),
+    ("leaky-inplace", lambda: nn.LeakyReLU(0.1, inplace=True)),
+    ("dropout", lambda: nn.Dropout(0.5)),
+]
+CL = torch.channels_last
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("x_format", "grad_format"), [(CL, CL), (None, CL), (CL, None)])
+@pytest.mark.parametrize(("name", "make"), LAYOUTS, ids=[p[0] for p in LAYOUTS])
+def test_the_gradient_keeps_plains_layout(
+    name: str,
+    make: Callable[[], nn.Module],
+    x_format: torch.memory_format | None,
+    grad_format: torch.memory_format | None,
+    dtype: torch.dtype,
+) -> None:
+    """The gradient a memsaved layer gives back has plain's values and strides, for inputs and
+    gradients in channels_last or not: another layout gives other bits in the reductions before
+    it (a BatchNorm's)."""
+
+    def grad_in(m: nn.Module) -> torch.Tensor:
+        torch.manual_seed(0)
+        leaf = rand(2, 6, 5, 4, dtype=dtype).requires_grad_()
+        x = leaf * 1 if x_format is None else leaf.to(memory_format=x_format)
+        got: list[torch.Tensor] = []
+        x.register_hook(got.append)
+        weight = rand(2, 6, 5, 4, dtype=dtype, seed=2)
+        if grad_format is not None:
+            weight = weight.to(memory_format=grad_format)
+        (m(x) * weight).sum().backward()
+        return got[0]
+
+    plain = make()
+    want, got = grad_in(plain), grad_in(memsave(copy.deepcopy(plain)))
+    assert got.stride() == want.stride() and same(got, want)
+
+
+def test_a_frozen_stems_batch_norm_in_channels_last_is_bitwise() -> None:
+    """A frozen conv, then BatchNorm and ReLU, in channels_last: the ReLU's gradient must have
+    plain's strides for BatchNorm's backward to sum as plain's does."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 16, 3, padding=1).requires_grad_(False)
+    plain = nn.Sequential(conv, nn.BatchNorm2d(16), nn.ReLU(), nn.Flatten(), nn.Linear(4096, 10))
+    plain = plain.to(memory_format=CL)
+    ms = memsave(copy.deepcopy(plain))
+    x = rand(8, 3, 16, 16).to(memory_format=CL)
+    for m in (plain, ms):
+        m(x).square().mean().backward()
+    for (name, p), q in zip(plain.named_parameters(), ms.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name
+        assert p.grad is None or same(p.grad, q.grad), name
 
 
 # -- max pool --------------------------------------------------------------------------------

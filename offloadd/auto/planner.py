@@ -369,7 +369,9 @@ class AutoPlanner:
         costs = prof.costs(kept=not self.offload)
         base, kept = self.view.window()
         self.shapes.measure = self.probe.name if self.probe is not None else None
-        self._adopt(prof.signature, self.shapes.learn(prof.signature, costs, base, kept))
+        plan = self.shapes.learn(prof.signature, costs, base, kept)
+        if plan is not None:  # else its next forward profiles it again (Note [refused once])
+            self._adopt(prof.signature, plan)
 
     def _adopt(self, sig: tuple[Any, ...], plan: Plan) -> None:
         """A new plan for shape ``sig``: measure its next step; drift counts from there."""

@@ -46,9 +46,19 @@ class ShapePlans:
         self.waiting: dict[Sig, tuple[Plan, Plan]] = {}  # races to run when this one is done
         self.measure: str | None = None  # the probe measuring peaks (None: offloadd's accounting)
         self.held: Callable[[], int] = lambda: 0  # what the model holds elsewhere (relay)
+        self.refused: set[Sig] = set()  # shapes whose first profile no plan fitted
 
-    def learn(self, sig: Sig, costs: list[BlockCost], base: int, kept: int) -> Plan:
-        """A profile's costs, ``base`` and ``kept`` its peaks held and kept: the first plan."""
+    # Note [refused once]
+    # ~~~~~~~~~~~~~~~~~~~
+    # A profile measures one step, and one step can hold more than the model needs: writes
+    # behind a disk that stalled then (the profile's room is one chunk, Note [room for writes]),
+    # a burst of the allocator. On a small model that can put the smallest feasible budget
+    # above a budget that fits every other step, and a run that trains in most tries would stop
+    # in a few. So a first profile that no plan fits is warned about and dropped, and the shape
+    # is profiled again at its next forward; only a second refusal raises.
+    def learn(self, sig: Sig, costs: list[BlockCost], base: int, kept: int) -> Plan | None:
+        """A profile's costs, ``base`` and ``kept`` its peaks held and kept: the first plan, or
+        None where no plan fits and the shape is to be profiled again (Note [refused once])."""
         if not self.offload:  # tier keep: the blocks' saved bytes were kept in the profile too
             kept = max(0, kept - sum(b.saved for b in costs))
             base = kept
@@ -56,7 +66,15 @@ class ShapePlans:
         # a fraction's bytes are fixed by the profile: replans that grow the base do not grow it
         floor = 0 if costs[0].measured else kept
         self.footprint[sig] = plan_peak(costs, (KEEP,) * len(costs), floor)
-        return self.plan_for(sig)
+        try:
+            return self.plan_for(sig)
+        except InfeasibleBudget as e:
+            if sig in self.refused:
+                raise
+            self.refused.add(sig)
+            del self.costs[sig]
+            log.warning("offloadd: %s; profiling that step once more before refusing it", e)
+            return None
 
     def plan_for(self, sig: Sig) -> Plan:
         """Plan shape ``sig`` from its costs (priced by its race's verdict); the first plan of a

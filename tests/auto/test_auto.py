@@ -499,12 +499,38 @@ def test_hf_gpt2_with_dropout_bit_identical(disk_dir: Path) -> None:
     off.close()
 
 
-def test_infeasible_budget_names_the_smallest(disk_dir: Path) -> None:
+def test_infeasible_budget_names_the_smallest(
+    disk_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Refused after a second profile, the first one warned about (Note [refused once])."""
     off = Offloader(tier="keep", min_bytes=1024, budget=1)
-    with pytest.raises(InfeasibleBudget, match="smallest feasible budget") as err:
+    refused = pytest.raises(InfeasibleBudget, match="smallest feasible budget")
+    with caplog.at_level(logging.WARNING, logger="offloadd"), refused as err:
         _train(_gpt(), off, _batches(4))
     assert err.value.smallest > 1
+    assert off.planner is not None and off.planner.profiles == 2
+    warned = [
+        r.getMessage() for r in caplog.records if "profiling that step once more" in r.message
+    ]
+    assert len(warned) == 1 and "smallest feasible budget" in warned[0]
     off.close()
+
+
+def test_a_first_profile_no_plan_fits_is_profiled_again() -> None:
+    """A profile that held more than the model needs (writes behind a stalled disk) refuses a
+    budget the next profile fits: the shape plans from the second; a second refusal raises."""
+    from offloadd.auto.plans import ShapePlans
+
+    costs = [_cost(k, 10 * MiB) for k in range(3)]
+    lean, least = smallest_budget(costs, MiB), smallest_budget(costs, 4 * MiB)
+    assert lean < least
+    shapes = ShapePlans(lean, offload=True)  # fits a profile held at 1 MiB, not one at 4
+    assert shapes.learn(("a",), costs, 4 * MiB, 4 * MiB) is None and ("a",) not in shapes.costs
+    plan = shapes.learn(("a",), costs, MiB, MiB)
+    assert plan is not None and plan.peak <= lean and shapes.plans[("a",)] is plan
+    assert shapes.learn(("b",), costs, 4 * MiB, 4 * MiB) is None
+    with pytest.raises(InfeasibleBudget, match="smallest feasible budget"):
+        shapes.learn(("b",), costs, 4 * MiB, 4 * MiB)
 
 
 def test_a_new_shape_is_profiled_and_plans_are_kept_per_shape(

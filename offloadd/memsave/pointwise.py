@@ -130,8 +130,11 @@ def _strides(t: torch.Tensor) -> tuple[int, ...] | None:
 
 
 def _laid_out(t: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
-    """``t`` (contiguous) with ``stride``: the mask laid out as plain's saved tensor was."""
-    return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
+    """``t`` (contiguous) dense, its dimensions in the memory order of ``stride``: what decides
+    the layout plain's op allocates (a slice's gaps would only cost memory)."""
+    order = sorted(range(t.dim()), key=lambda d: -stride[d])  # outermost first; ties stay
+    out = torch.empty([t.shape[d] for d in order], dtype=t.dtype, device=t.device)
+    return out.permute([order.index(d) for d in range(t.dim())]).copy_(t)
 
 
 def _pack(t: torch.Tensor, positive: bool) -> torch.Tensor:

@@ -230,26 +230,30 @@ CL = torch.channels_last
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize(("x_format", "grad_format"), [(CL, CL), (None, CL), (CL, None)])
+@pytest.mark.parametrize(
+    ("x_format", "grad_format"), [(CL, CL), (None, CL), (CL, None), ("slice", None), ("slice", CL)]
+)
 @pytest.mark.parametrize(("name", "make"), LAYOUTS, ids=[p[0] for p in LAYOUTS])
 def test_the_gradient_keeps_plains_layout(
     name: str,
     make: Callable[[], nn.Module],
-    x_format: torch.memory_format | None,
+    x_format: torch.memory_format | str | None,
     grad_format: torch.memory_format | None,
     dtype: torch.dtype,
 ) -> None:
     """The gradient a memsaved layer gives back has plain's values and strides, for inputs and
-    gradients in channels_last or not: another layout gives other bits in the reductions before
-    it (a BatchNorm's)."""
+    gradients in channels_last or not, and for a slice (not dense): another layout gives other
+    bits in the reductions before it (a BatchNorm's)."""
 
     def grad_in(m: nn.Module) -> torch.Tensor:
         torch.manual_seed(0)
         leaf = rand(2, 6, 5, 4, dtype=dtype).requires_grad_()
-        x = leaf * 1 if x_format is None else leaf.to(memory_format=x_format)
+        base = leaf * 1 if x_format in (None, "slice") else leaf.to(memory_format=x_format)
+        x = base[..., :3] if x_format == "slice" else base
         got: list[torch.Tensor] = []
-        x.register_hook(got.append)
-        weight = rand(2, 6, 5, 4, dtype=dtype, seed=2)
+        # in place on a slice, the gradient reaches the view's base only (CopySlices)
+        (base if name.endswith("inplace") else x).register_hook(got.append)
+        weight = rand(*x.shape, dtype=dtype, seed=2)
         if grad_format is not None:
             weight = weight.to(memory_format=grad_format)
         (m(x) * weight).sum().backward()

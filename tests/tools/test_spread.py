@@ -173,3 +173,8 @@ def test_a_point_above_its_prediction_within_its_slow_disk_peak_is_said_apart() 
         "  offload-ssd batch 17 seq 256: predicted -20.0% off, within the slow-disk peak "
         "(+4.0%): writes were held behind the disk",
     ]
+    as_read = {k: str(v) for k, v in rows[1].items()}  # wall.csv read back: strings
+    assert behind_a_slow_disk(as_read) and not behind_a_slow_disk(as_read | {"peak_bytes": "99"})
+    assert error_lines(rows[1:2])[0] == (
+        "prediction: all 1 ok point(s) predicted within the slow-disk peak"
+    )

@@ -210,8 +210,11 @@ def predict(
     run = trace(spec, kind, batch, seq)
     steps = replay(run.events).resident if allocator == "caching" else run.peak
     compiler = compiler_bytes(spec, seq) if kind == "compile-budget" else 0
-    writes = spec.staging_bytes if kind == "offload" else 0
-    return _prediction(spec, run, steps, allocator, compiler, writes)
+    p = _prediction(spec, run, steps, allocator, compiler)
+    if kind == "offload":  # Note [writes behind a slow disk]: at most what offloading saved
+        saved = predict(spec, "plain", batch, seq, allocator=allocator).peak_bytes - p.peak_bytes
+        p = dataclasses.replace(p, writes_bytes=min(spec.staging_bytes, max(0, saved)))
+    return p
 
 
 # Note [writes behind a slow disk]
@@ -223,17 +226,14 @@ def predict(
 # that happens on a quiet machine too (the wall-writes page in docs/benchmarks/). So
 # offload without a budget is predicted twice: ``peak_bytes``, the disk keeping up, and
 # ``slow_disk_peak_bytes``, with ``staging_bytes`` of writes held on top, which is the room a
-# limit must leave (``offloadd plan``'s largest batch). auto's budget bounds its writes, and its
-# peak counts them (Note [auto's peak predicted]).
+# limit must leave (``offloadd plan``'s largest batch). What is held is what plain would hold
+# too, so no more is added than offloading saved against plain (nothing, where every tensor is
+# below ``min_bytes``). auto's budget bounds its writes, and its peak counts them (Note [auto's
+# peak predicted]).
 
 
 def _prediction(
-    spec: TraceSpec,
-    run: Traced,
-    steps: int,
-    allocator: str,
-    compiler: int = 0,
-    writes: int = 0,
+    spec: TraceSpec, run: Traced, steps: int, allocator: str, compiler: int = 0
 ) -> Prediction:
     """``run``'s prediction, ``steps`` its peak through ``allocator``."""
     weights = run.held.get("build", 0)
@@ -249,7 +249,6 @@ def _prediction(
         allocator=allocator,
         blocks=run.blocks,
         compiler_bytes=compiler,
-        writes_bytes=writes,
     )
 
 

@@ -168,7 +168,14 @@ def rows_json(rows: list[Row], spec: TraceSpec, batch: int, seq: int, limit: int
         "batch": batch,
         "seq": seq,
         "limit_bytes": limit,
-        "strategies": {r.strategy: {**asdict(r.at), "largest_batch": r.largest} for r in rows},
+        "strategies": {
+            r.strategy: {
+                **asdict(r.at),
+                "slow_disk_peak_bytes": r.at.slow_disk_peak_bytes,
+                "largest_batch": r.largest,
+            }
+            for r in rows
+        },
     }
     advice, toml = recommend(rows, batch, limit)
     doc["recommendation"] = {"advice": advice, "toml": toml}

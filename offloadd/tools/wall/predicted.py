@@ -74,10 +74,11 @@ def columns(p: Prediction | None) -> dict[str, int | None]:
 def behind_a_slow_disk(r: dict[str, Any], share: float = TARGET) -> bool:
     """Whether point ``r`` measured above its predicted peak by more than ``share``, and not
     above its slow-disk peak by more than ``share``: writes held behind the disk."""
-    slow = r.get("predicted_slow_disk_peak_bytes")
+    slow = int(r.get("predicted_slow_disk_peak_bytes") or 0)  # a CSV's row: strings
     if not slow:
         return False
-    return bool(r["predicted_peak_bytes"] * (1 + share) < r["peak_bytes"] <= slow * (1 + share))
+    peak, predicted = int(r["peak_bytes"]), int(r["predicted_peak_bytes"])
+    return predicted * (1 + share) < peak <= slow * (1 + share)
 
 
 def error_lines(rows: list[dict[str, Any]]) -> list[str]:
@@ -95,6 +96,8 @@ def error_lines(rows: list[dict[str, Any]]) -> list[str]:
     slow = [(e, r) for e, r in errs if behind_a_slow_disk(r)]
     errs = [(e, r) for e, r in errs if not behind_a_slow_disk(r)]
     lines = []
+    if slow and not errs:
+        lines.append(f"prediction: all {len(slow)} ok point(s) predicted within the slow-disk peak")
     if errs:
         worst = max(errs, key=lambda e: abs(e[0]))
         lines.append(

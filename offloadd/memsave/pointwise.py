@@ -161,13 +161,12 @@ class _ReLUBits(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         (packed,) = ctx.saved_tensors
-        passes_as = ctx.stride
         k = native() if serves(grad) and grad.dtype == torch.float32 else None
-        if k is not None and passes_as is None:  # threshold_backward's, in one pass: [fused relu]
+        if k is not None and ctx.stride is None:  # threshold_backward's, one pass: [fused relu]
             return k.select(grad, packed), None
         passes = _expand(packed, ctx.shape, grad.dtype, ones=False)  # 0 where result <= 0
-        if passes_as is not None:  # Note [gradient layout]
-            return _THRESHOLD(grad, _laid_out(passes, passes_as), 0), None
+        if ctx.stride is not None:  # Note [gradient layout]
+            return _THRESHOLD(grad, _laid_out(passes, ctx.stride), 0), None
         # written over ``passes`` (elementwise, same positions): one new tensor, as in plain
         return _THRESHOLD_BACKWARD(grad, passes, 0, grad_input=passes), None
 

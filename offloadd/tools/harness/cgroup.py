@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["ROOT", "CgroupUnavailable", "MemoryCgroup", "memory_cgroup"]
+__all__ = ["ROOT", "CgroupUnavailable", "MemoryCgroup", "memory_cgroup", "remove"]
 
 ROOT = Path("/sys/fs/cgroup")
 
@@ -109,9 +109,15 @@ def memory_cgroup(limit: int, prefix: str = "offloadd") -> Iterator[MemoryCgroup
     try:
         yield made
     finally:
-        for _ in range(50):  # its last process may take a moment to leave
-            try:
-                made.path.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
+        remove(made.path)
+
+
+def remove(path: Path) -> None:
+    """Remove cgroup ``path`` once its processes have ended (the last may take a moment to
+    leave); left in place after 5 s."""
+    for _ in range(50):
+        try:
+            path.rmdir()
+            return
+        except OSError:
+            time.sleep(0.1)

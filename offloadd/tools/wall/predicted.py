@@ -93,9 +93,11 @@ def error_lines(rows: list[dict[str, Any]]) -> list[str]:
         and r.get("peak_bytes")
         and not r.get("round")
     ]
-    slow = [(e, r) for e, r in errs if behind_a_slow_disk(r)]
-    errs = [(e, r) for e, r in errs if not behind_a_slow_disk(r)]
-    lines = []
+    slow: list[tuple[float, dict[str, Any]]] = []
+    missed: list[tuple[float, dict[str, Any]]] = []
+    for e, r in errs:
+        (slow if behind_a_slow_disk(r) else missed).append((e, r))
+    errs, lines = missed, []
     if slow and not errs:
         lines.append(f"prediction: all {len(slow)} ok point(s) predicted within the slow-disk peak")
     if errs:

@@ -7,7 +7,6 @@ read slots and complete the requests. :class:`Traffic` holds them for
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import os
@@ -15,6 +14,7 @@ from typing import Any
 
 from offloadd.backend.daemon_ending import CLOSE_MARK, Ending
 from offloadd.backend.daemon_link import Generation, Placed
+from offloadd.io.buffers import copy_bytes
 from offloadd.io.request import Op, RequestState, mark_engine_thread
 from offloadd.trace import span
 from offloadd.wire import protocol as proto
@@ -160,7 +160,7 @@ class Traffic(Ending):
             if err is None:
                 assert self._buffer is not None
                 src = self._buffer.address + self.staging_bytes + slot * self.chunk_bytes
-                ctypes.memmove(req.address, src, req.nbytes)
+                copy_bytes(req.address, src, req.nbytes)
             self._release_read_slot(slot)
             self._complete(req, err)
             req = None

@@ -6,6 +6,10 @@ build of these sources (tests/io/native_build.py), not in this module."""
 HAVE_URING: int
 ALIGN: int
 
+def copy(dst: int, src: int, nbytes: int, /) -> None:
+    """Copy ``nbytes`` from address ``src`` to address ``dst`` (memmove; the GIL released from
+    1 MiB)."""
+
 def probe_uring() -> tuple[bool, str]:
     """Whether io_uring works in this process, and why not."""
 

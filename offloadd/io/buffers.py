@@ -15,6 +15,7 @@ import functools
 import mmap
 import os
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from offloadd.io.hugepages import prefer_huge_pages
@@ -22,7 +23,7 @@ from offloadd.io.hugepages import prefer_huge_pages
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ALIGN", "AlignedBuffer", "SlotPool", "address_view", "round_up"]
+__all__ = ["ALIGN", "AlignedBuffer", "SlotPool", "address_view", "copy_bytes", "round_up"]
 
 ALIGN = 4096
 
@@ -129,6 +130,18 @@ class SlotPool:
 
     def close(self) -> None:
         self.buffer.close()
+
+
+def _copier() -> Callable[[int, int, int], object]:
+    try:
+        from offloadd.io._native import copy
+    except ImportError:  # not built (docs/native.md): ctypes' costs a microsecond more a call
+        return ctypes.memmove
+    return copy
+
+
+copy_bytes = _copier()
+"""``copy_bytes(dst, src, nbytes)``: copy ``nbytes`` between two addresses of this process."""
 
 
 def address_view(address: int, nbytes: int) -> memoryview:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import ctypes
 import json
 import statistics
 import time
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from offloadd.io.buffers import copy_bytes
 from offloadd.relay.slabs import Slabs
 from offloadd.runtime.compiled import unseen
 from offloadd.tools.bench.hooks import micro_model
@@ -73,7 +73,7 @@ class MinimalRelay:
 
     def read(self, g: _Group) -> torch.Tensor:
         slab, to = self.slabs.take_to(g.record.numel())
-        ctypes.memmove(to, g.record.data_ptr(), g.record.numel())
+        copy_bytes(to, g.record.data_ptr(), g.record.numel())
         return slab
 
     def pre(self, g: _Group) -> None:

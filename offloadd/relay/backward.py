@@ -166,11 +166,12 @@ class Saved:
 
     def _make_hooks(self, outer_pack: Any, outer_unpack: Any) -> tuple[Any, Any]:
         slab_group = self.relay.slab_group
-        plain = torch.Tensor
+        plain, parameter = torch.Tensor, torch.nn.Parameter
         strided = torch.strided
 
         def pack(t: torch.Tensor) -> Any:
-            if type(t) is plain and t.layout is strided:  # the common case, checked quickly
+            kind = type(t)
+            if (kind is plain or kind is parameter) and t.layout is strided:  # checked quickly
                 try:
                     g = slab_group.get(t.untyped_storage()._cdata)
                 except Exception:  # no storage of its own (a functional wrapper)

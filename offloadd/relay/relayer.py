@@ -77,6 +77,7 @@ class Relay:
         self._fwd: dict[int, Transfer] = {}
         self._installed: dict[int, torch.Tensor] = {}  # group -> its slab while swapped in
         self.slab_group: dict[int, Group] = {}  # slab storage -> group, while swapped in
+        self._keys: dict[int, int] = {}  # group -> its slab's storage, while swapped in
         self._pushed: dict[int, int] = {}  # group -> its forwards running with our hooks pushed
         self.saved = Saved(self)  # backward's side (backward.py)
         self.pinned: set[int] = set()  # swapped in by resident() or a load: forward leaves them
@@ -85,16 +86,28 @@ class Relay:
         self._on_demand: dict[int, int] = {}
         self._ends: set[int] = set()  # the backwards whose end swaps their groups out
         self.depth = 0  # the model's forwards running (its pre- and post-hook)
-        self.device = next((e.param.device for g in groups for e in g.entries), None)
         self._by_placeholder: dict[int, tuple[Group, Any]] = {}
-        self._empties: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._empties: dict[torch.dtype, torch.Tensor] = {}  # on self.device
+        self.device = next((e.param.device for g in groups for e in g.entries), None)
         for g in groups:
             for e in g.entries:
                 self.note_placeholder(g, e)
 
+    @property
+    def device(self) -> torch.device | None:
+        """Where the relayed weights are used (None: the model relays none)."""
+        return self._device
+
+    @device.setter
+    def device(self, device: torch.device | None) -> None:
+        self._device = device
+        # None on the host; asked once, as a device's ``.type`` builds a string each time
+        self._accelerator = device if device is not None and device.type != "cpu" else None
+        self._empties.clear()
+
     # -- reading --------------------------------------------------------------------------
     def read(self, g: Group) -> Transfer:
-        return self.store.read(g.record, self.slabs, self.device)  # type: ignore[arg-type]
+        return self.store.read(g.record, self.slabs, self._accelerator)  # type: ignore[arg-type]
 
     def wait_for(self, t: Transfer) -> torch.Tensor:
         if t.done is not None or t.error is not None:  # else: copied on the spot, done
@@ -104,8 +117,8 @@ class Relay:
         if t.copied is not None:  # copied on the host store's side stream (Note [host relay])
             assert isinstance(self.store, HostStore)
             self.store.await_copy(t)
-        elif self.device is not None and self.device != slab.device:
-            slab = slab.to(self.device)  # a slab read from disk, to a model on a GPU
+        elif self._accelerator is not None and self._accelerator != slab.device:
+            slab = slab.to(self._accelerator)  # a slab read from disk, to a model on a GPU
         return slab
 
     def read_ahead(self, g: Group) -> Transfer:
@@ -246,8 +259,9 @@ class Relay:
             self._install(g, slab, guard)
 
     def _install(self, g: Group, slab: torch.Tensor, guard: bool) -> None:
-        # each weight's view, made once a slab (Note [slabs]); a device copy's, made now
-        views = self.slabs.views(slab, g.layout, g.views_of) or g.views_of(slab)
+        # each weight's view, made once a slab (Note [slabs]); a device copy's, made now; the
+        # slab guarded (Note [write guard] in slabs.py)
+        views, key = self.slabs.swap_in(slab, g.layout, g.views_of, guard)
         for e, view in zip(g.entries, views, strict=True):
             p = e.param
             now = e.module._parameters.get(e.attr)
@@ -268,12 +282,9 @@ class Relay:
             e.address = p.data_ptr()
             e.module._parameters[e.attr] = p
         self._installed[g.index] = slab
+        self._keys[g.index] = key
         self.store.swaps += 1
-        self.slab_group[slab.untyped_storage()._cdata] = g
-        if guard:
-            self.slabs.guard(slab)  # Note [write guard] in slabs.py
-        else:
-            self.slabs.disarm(slab)
+        self.slab_group[key] = g
 
     def changes(self, g: Group, written: int | None = None) -> list[str]:
         """The names of ``g``'s weights changed while swapped in: in place (their version
@@ -299,38 +310,34 @@ class Relay:
 
     def uninstall(self, g: Group) -> list[str]:
         """Swap the placeholders back; the names of weights changed meanwhile (:meth:`changes`)."""
-        slab = self._installed.get(g.index)
+        slab = self._installed.pop(g.index, None)
         if slab is None:
             return []
-        changed = self.changes(g, self.slabs.unguard(slab))
-        del self._installed[g.index]
-        self.slab_group.pop(slab.untyped_storage()._cdata, None)
+        key = self._keys.pop(g.index)
+        self.slab_group.pop(key, None)
+        changed = self.changes(g, self.slabs.swap_out(slab, key))
         for e in g.entries:
             e.module._parameters[e.attr] = e.placeholder
-            e.param.data = self._empty(e.dtype, e.param.device)
+            empty = self._empties.get(e.dtype)
+            e.param.data = empty if empty is not None else self._empty(e.dtype)
         return changed
 
-    def _empty(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """An empty tensor for a weight swapped out to hold, one a dtype and device: no bytes to
-        share, and one less allocation a swap."""
-        key = (dtype, device)
-        empty = self._empties.get(key)
-        if empty is None:
-            empty = self._empties[key] = torch.empty(0, dtype=dtype, device=device)
+    def _empty(self, dtype: torch.dtype) -> torch.Tensor:
+        """An empty tensor on :attr:`device` for a weight swapped out to hold, one a dtype: no
+        bytes to share, and one less allocation a swap."""
+        empty = self._empties[dtype] = torch.empty(0, dtype=dtype, device=self.device)
         return empty
 
-    def on_group_forward(self, g: Group) -> None:
+    def on_group_forward(self, g: Group, *hook_args: Any) -> None:
+        """``g``'s forward pre-hook (``hook_args``: the module's, unused)."""
         if g.released:
             return
         in_backward = torch._C._current_graph_task_id() != -1  # a recomputation (checkpointing)
-        if (
-            not in_backward  # there _install raises
-            and g.index not in self._installed
-            and any(e.param.requires_grad for e in g.entries)
-        ):
-            trained = next(e.name for e in g.entries if e.param.requires_grad)
-            release(self, g, f"{trained!r} requires grad")  # Note [made resident]
-            return
+        if not in_backward and g.index not in self._installed:  # in backward, _install raises
+            for e in g.entries:
+                if e.param.requires_grad:
+                    release(self, g, f"{e.name!r} requires grad")  # Note [made resident]
+                    return
         if not in_backward and self.depth:  # calls to layers without the model: never cleared
             self._seen.append(g.index)
         self._on_demand.pop(g.index, None)  # if read in on demand: its post-hook swaps it out
@@ -347,14 +354,16 @@ class Relay:
         at = self.order_at.get(g.index)
         if at is not None:
             ahead = self.order[at + 1 : at + self.window]
-            for i in [i for i in self._fwd if i not in ahead]:
-                del self._fwd[i]  # read for a place this forward has passed (its order changed)
+            for i in list(self._fwd):
+                if i not in ahead:  # read for a place this forward has passed (another order)
+                    del self._fwd[i]
             for i in ahead:
                 self._prefetch_forward(i)
         # held now: this group, the reads ahead, and what forward carries for backward
         self.saved.trim_carried(g, self.window - 1 - len(self._fwd))
 
-    def after_group_forward(self, g: Group) -> None:
+    def after_group_forward(self, g: Group, *hook_args: Any) -> None:
+        """``g``'s forward hook, run even if its forward raised (``hook_args``: unused)."""
         if g.released:
             return
         pushed = self._pushed.get(g.index, 0)

@@ -25,7 +25,7 @@ land in a shared writable mapping of the same pages (:meth:`Slabs.target`; dropp
 child, ``MADV_DONTFORK``), so the guard costs no system call a swap. The first write through a
 weight faults into csrc/write_guard's handler, which records the address and makes the mapping
 writable, so the write goes ahead into a private copy of the page while the shared page (what
-the next read lands in) stays as it was. :meth:`Slabs.unguard` tells relay whether and where the
+the next read lands in) stays as it was. :meth:`Slabs.swap_out` tells relay whether and where the
 slab was written (in forward it raises naming the weight; in a load it writes the group again).
 A write noted stays noted, the slab guarded again or not, until :meth:`take` drops the private
 pages (``MADV_DONTNEED``) and makes the mapping read-only again before the slab is read into
@@ -132,10 +132,13 @@ class Slabs:
                 slabs = self._sizes[size] = []
             slab = None
             idle = 0
+            few = len(slabs) <= self.keep + 1  # then never more than ``keep`` idle besides it
             for s in slabs:
                 if s.free():
                     if slab is None:
                         slab = s
+                        if few:
+                            break
                     else:
                         idle += 1
             if idle > self.keep:  # after a burst (resident()): back to ``keep`` idle
@@ -179,6 +182,29 @@ class Slabs:
         s = self._viewed(slab)
         return None if s is None else self._kept(s, layout, make)
 
+    def swap_in(
+        self, slab: torch.Tensor, layout: Any, make: Any, guard: bool
+    ) -> tuple[list[torch.Tensor], int]:
+        """What a group swapped in takes in one call: :meth:`views` (``make(slab)``'s for a
+        tensor that is not a slab of this pool), the slab guarded (:meth:`guard`) or made
+        writable (:meth:`disarm`), and its storage's key for :meth:`swap_out`."""
+        key = slab.untyped_storage()._cdata
+        s = self._by_storage.get(key)
+        if s is None:
+            return make(slab), key
+        views = self._kept(s, layout, make) if s.mine == key else make(slab)
+        if guard:
+            s.guard()
+        else:
+            s.disarm()
+        return views, key
+
+    def swap_out(self, slab: torch.Tensor, key: int) -> int | None:
+        """:meth:`written` for the slab :meth:`swap_in` gave ``key``."""
+        s = self._by_storage.get(key)
+        at = s.written() if s is not None else 0
+        return at - slab.data_ptr() if at else None
+
     def view(self, slab: torch.Tensor, geometry: tuple[Any, ...]) -> torch.Tensor:
         """A new tensor on ``slab`` of ``geometry`` (dtype, storage offset, sizes, strides),
         made from one kept for the slab (a device copy's: made now). New, so that it holds the
@@ -216,12 +242,6 @@ class Slabs:
         s = self._slab(slab)
         return s is not None and s.guard()
 
-    def disarm(self, slab: torch.Tensor) -> None:
-        """Make ``slab`` writable by anyone, a system call included (``resident()``)."""
-        s = self._slab(slab)
-        if s is not None:
-            s.disarm()
-
     def guarded(self, slab: torch.Tensor) -> bool:
         """Whether ``slab`` is guarded now (its writes are seen)."""
         s = self._slab(slab)
@@ -232,8 +252,6 @@ class Slabs:
         s = self._slab(slab)
         at = s.written() if s is not None else 0
         return at - slab.data_ptr() if at else None
-
-    unguard = written  # the slab stays read-only: what it tells is all a swap out needs
 
     def _trim(self) -> None:
         """Unmap the idle slabs beyond ``keep`` a size (lock held)."""

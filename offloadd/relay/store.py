@@ -13,7 +13,6 @@ activations never wait on each other's slots.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import threading
@@ -26,7 +25,7 @@ import torch
 
 from offloadd.backend import Backend, open_backend
 from offloadd.config import Config
-from offloadd.io.buffers import ALIGN, round_up
+from offloadd.io.buffers import ALIGN, copy_bytes, round_up
 from offloadd.io.request import Op, Request
 from offloadd.relay.placeholder import RelayError
 from offloadd.relay.slabs import Slabs
@@ -362,7 +361,7 @@ class HostStore:
             slab, to = slabs.take_to(record.nbytes)
             # both contiguous bytes on the host: a memmove costs far less than copy_ at a
             # group's size (docs/benchmarks/hooks-round2_cpu-2core_2026-12-05.md)
-            ctypes.memmove(to, held.data_ptr(), held.numel())
+            copy_bytes(to, held.data_ptr(), record.nbytes)
             return Transfer(record, slab, 0)
         o = self._ordering
         current = o.producer(device)

@@ -183,10 +183,12 @@ def _hook(model: nn.Module, state: RelayState) -> None:
     h.append(model.register_forward_pre_hook(unseen(r.on_model_forward, warn)))
     h.append(model.register_forward_hook(unseen(r.after_model_forward), always_call=True))
     for g in r.groups:
-        h.append(g.module.register_forward_pre_hook(unseen(functools.partial(_pre, r, g))))
-        h.append(
-            g.module.register_forward_hook(unseen(functools.partial(_post, r, g)), always_call=True)
+        pre, post = (
+            functools.partial(r.on_group_forward, g),
+            functools.partial(r.after_group_forward, g),
         )
+        h.append(g.module.register_forward_pre_hook(unseen(pre)))
+        h.append(g.module.register_forward_hook(unseen(post), always_call=True))
     hook_model_ops(model, state)
     # pickle and deepcopy look these up on the instance: say why, before they meet a hook
     model.__dict__["__reduce_ex__"] = _not_copied
@@ -218,14 +220,6 @@ def _not_copied(*args: Any) -> Any:
         "offloadd relay: a relayed model cannot be pickled or deep-copied (its frozen weights "
         "are in the store): save or copy its state_dict(), or call offloadd.unrelay(model) first"
     )
-
-
-def _pre(r: Relay, g: Group, module: nn.Module, args: Any) -> None:
-    r.on_group_forward(g)
-
-
-def _post(r: Relay, g: Group, module: nn.Module, args: Any, out: Any) -> None:
-    r.after_group_forward(g)
 
 
 def unrelay(model: nn.Module) -> nn.Module:

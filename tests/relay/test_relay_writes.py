@@ -147,7 +147,7 @@ def test_a_slab_written_while_guarded_is_clean_when_taken_again() -> None:
     ctypes.memset(pool.target(slab), 1, 3 * 4096)  # a read landing
     assert pool.guarded(slab) and int(slab[5000]) == 1
     slab[5000] = 2
-    assert pool.unguard(slab) == 5000 and int(slab[5000]) == 2
+    assert pool.written(slab) == 5000 and int(slab[5000]) == 2
     address = slab.data_ptr()
     del slab  # dropped written (a forward that raised)
     again = pool.take(3 * 4096)
@@ -331,9 +331,9 @@ def test_a_slab_that_cannot_be_guarded_stays_unguarded() -> None:
     guarded = [pool.guard(s) for s in held]
     assert not guarded[-1] and guarded[0]
     held[-1][0] = 1  # writable
-    assert pool.written(held[-1]) is None and pool.unguard(held[-1]) is None
+    assert pool.written(held[-1]) is None and pool.written(held[-1]) is None
     for s in held:
-        pool.unguard(s)
+        pool.written(s)
 
 
 def test_a_forked_child_writes_into_its_own_slabs() -> None:

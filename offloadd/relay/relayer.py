@@ -345,6 +345,9 @@ class Relay:
             carried = None if in_backward else self.saved.carried(g)
             if carried is not None:  # called again in this forward (a layer used twice)
                 self._fwd.pop(g.index, None)
+            elif not in_backward:  # room for its read first: held, this group and the reads ahead
+                reading = len(self._fwd) - (g.index in self._fwd)
+                self.saved.trim_carried(g, self.window - 1 - reading)
             self.install(g, carried if carried is not None else self.fetch(g))
         if torch.is_grad_enabled():
             _push_hooks(*self.saved.hooks())

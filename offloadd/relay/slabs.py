@@ -187,7 +187,8 @@ class Slabs:
     ) -> tuple[list[torch.Tensor], int]:
         """What a group swapped in takes in one call: :meth:`views` (``make(slab)``'s for a
         tensor that is not a slab of this pool), the slab guarded (:meth:`guard`) or made
-        writable (:meth:`disarm`), and its storage's key for :meth:`swap_out`."""
+        writable by anyone, a system call included (``resident()``, ``guard=False``), and its
+        storage's key for :meth:`swap_out`."""
         key = slab.untyped_storage()._cdata
         s = self._by_storage.get(key)
         if s is None:

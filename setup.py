@@ -10,7 +10,7 @@
    io_native/*.c             offloadd.io._native             CPython C API (no torch)
    codec/*.c                 offloadd.codec._kernels         CPython C API (no torch)
    write_guard/*.c           offloadd.relay._write_guard     CPython C API (no torch)
-   hot_path/held.c           offloadd.runtime._held          CPython C API (no torch)
+   hot_path/*.c              offloadd.runtime._held          CPython C API (no torch)
    host_allocator/*.cpp      offloadd.runtime._host_cache    torch ops (torch.utils.cpp_extension)
    memsave/*.cpp             offloadd.memsave._kernels       torch ops (torch.utils.cpp_extension)
    ========================  ==============================  =====================================
@@ -97,7 +97,8 @@ def c_extensions() -> list[Extension]:
         ),
         Extension(
             "offloadd.runtime._held",
-            sources=["csrc/hot_path/held.c"],
+            sources=["csrc/hot_path/held.c", "csrc/hot_path/passing.c"],
+            depends=["csrc/hot_path/passing.h"],
             extra_compile_args=["-O2", *C_FLAGS, "-Wno-missing-field-initializers"],
             optional=True,
         ),

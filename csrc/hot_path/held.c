@@ -42,6 +42,8 @@
 #include <Python.h>
 #include <structmember.h>
 
+#include "passing.h"
+
 #if PY_VERSION_HEX >= 0x030D0000
 #define LOOKUP_ATTR PyObject_GetOptionalAttr
 #define IS_FINALIZING Py_IsFinalizing
@@ -721,7 +723,7 @@ PyMODINIT_FUNC PyInit__held(void) {
         PyModule_AddObjectRef(m, "Held", (PyObject *)&HeldType) < 0 ||
         PyModule_AddObjectRef(m, "Pack", (PyObject *)&PackType) < 0 ||
         PyModule_AddObjectRef(m, "Unpack", (PyObject *)&UnpackType) < 0 ||
-        PyModule_AddIntConstant(m, "VERSION", 2) < 0) {
+        passing_add(m) < 0 || PyModule_AddIntConstant(m, "VERSION", 3) < 0) {
         Py_DECREF(m);
         return NULL;
     }

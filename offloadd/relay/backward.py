@@ -21,6 +21,19 @@ from offloadd.runtime.identity import storage_of
 __all__ = ["Reader", "Saved", "WeightRef"]
 
 
+def _pass_pair() -> tuple[Any, Any]:
+    """Relay's pair in C for the tensors it passes on (csrc/hot_path/passing.c), or None, None
+    where it is not built, or built before it: the Python pair then (docs/native.md)."""
+    try:
+        from offloadd.runtime._held import PassPack, PassUnpack
+    except ImportError:
+        return None, None
+    return PassPack, PassUnpack
+
+
+PassPack, PassUnpack = _pass_pair()
+
+
 class Reader(Protocol):
     """What :class:`Saved` needs of its relay (:class:`~offloadd.relay.relayer.Relay`)."""
 
@@ -75,7 +88,7 @@ class Saved:
         self._bwd_at: dict[Key, int] = {}  # each key's place in it
         self._bwd: dict[Key, Transfer] = {}
         self._held: dict[Key, torch.Tensor] = {}  # slab kept for the key's pending refs
-        self._carried: dict[Key, None] = {}  # held from forward on (see carry), in carry order
+        self.carrying: dict[Key, None] = {}  # held from forward on (see carry), in carry order
         self._again: dict[Key, torch.Tensor] = {}  # read for refs unpacked again (_again_view)
         self._pending: dict[Key, set[int]] = {}  # ids of the key's refs not yet unpacked
         self._dead: deque[tuple[Key, int]] = deque()  # refs collected (finalizers only append)
@@ -88,9 +101,9 @@ class Saved:
         self.forwards += 1
         with self.relay.lock:
             self._drain()
-            for key in self._carried:  # a second forward before backward: it carries its own
+            for key in self.carrying:  # a second forward before backward: it carries its own
                 self._held.pop(key, None)
-            self._carried.clear()
+            self.carrying.clear()
             self._again.clear()
         if not any(self._pending.values()):
             self._bwd_order, self._bwd_at = [], {}
@@ -107,36 +120,37 @@ class Saved:
             return
         key = (g.index, self.forwards)
         with self.relay.lock:
-            self._drain()
+            if self._dead:  # a call less in the common case (Ir: docs/benchmarks)
+                self._drain()
             if self._pending.get(key):
                 self._held[key] = slab
-                self._carried.pop(key, None)  # carried again (called twice): now the last
-                self._carried[key] = None
+                self.carrying.pop(key, None)  # carried again (called twice): now the last
+                self.carrying[key] = None
 
     def carried(self, g: Group) -> torch.Tensor | None:
         """The slab this forward carries for ``g``, if any (``g`` is called again)."""
         key = (g.index, self.forwards)
-        return self._held.get(key) if key in self._carried else None
+        return self._held.get(key) if key in self.carrying else None
 
     def drop_carried(self, g: Group) -> None:
         """Carry nothing for ``g`` in this forward: its slab was written."""
         key = (g.index, self.forwards)
         with self.relay.lock:
-            if key in self._carried:
-                del self._carried[key]
+            if key in self.carrying:
+                del self.carrying[key]
                 self._held.pop(key, None)
 
     def trim_carried(self, g: Group, room: int) -> None:
         """Carry at most ``room`` groups besides ``g`` (which runs now), dropping the first
         carried: a forward in another order than the last one's runs groups after those it
         carries, and what it holds must stay ``window`` groups."""
-        if len(self._carried) <= room:  # the common case: nothing to drop
+        if len(self.carrying) <= room:  # the common case: nothing to drop
             return
         now = (g.index, self.forwards)
         with self.relay.lock:
-            others = [key for key in self._carried if key != now]
+            others = [key for key in self.carrying if key != now]
             for key in others[: max(0, len(others) - room)]:
-                del self._carried[key]
+                del self.carrying[key]
                 self._held.pop(key, None)
 
     # Note [hooks made once a forward]
@@ -189,16 +203,25 @@ class Saved:
                 return self._unpack(x)
             return outer_unpack(x) if outer_unpack is not None else x
 
-        ours = unseen(pack)
+        ours: Any
+        theirs: Any
+        if PassPack is None:
+            ours, theirs = unseen(pack), unseen(unpack)
+        else:  # the same, with what they pass on passed in C (Note [hooks made once a forward])
+            ours = PassPack(slab_group, unseen(pack), outer_pack, plain, parameter)
+            theirs = PassUnpack(WeightRef, unseen(self._unpack), outer_unpack)
         setattr(ours, PASSES_TO, outer_pack)  # every other tensor goes where it would have
-        return ours, unseen(unpack)
+        return ours, theirs
 
     def _ref(self, g: Group, t: torch.Tensor) -> WeightRef:
         ref = WeightRef(self, g, t)
         key = ref.key
         with self.relay.lock:
-            self._drain()
-            pending = self._pending.setdefault(key, set())
+            if self._dead:  # a call less in the common case (Ir: docs/benchmarks)
+                self._drain()
+            pending = self._pending.get(key)
+            if pending is None:
+                pending = self._pending[key] = set()
             if key not in self._bwd_at:
                 self._bwd_at[key] = len(self._bwd_order)
                 self._bwd_order.append(key)
@@ -217,7 +240,7 @@ class Saved:
             if not pending:  # a key per group and forward: forgotten once its refs are
                 del self._pending[i]
                 self._held.pop(i, None)
-                self._carried.pop(i, None)
+                self.carrying.pop(i, None)
                 self._bwd.pop(i, None)  # a read in flight keeps its slab until it lands
 
     def _unpack(self, ref: WeightRef) -> torch.Tensor:
@@ -237,21 +260,23 @@ class Saved:
             slab = self.relay.wait_for(t) if t is not None else self.relay.fetch(g)
             self.relay.store.swaps += 1
             self._prefetch_backward(key)
-        elif key in self._carried:  # carried from forward: its first unpack reads ahead
-            self._carried.pop(key, None)
+        elif key in self.carrying:  # carried from forward: its first unpack reads ahead
+            self.carrying.pop(key, None)
             self.relay.store.swaps += 1
             self._prefetch_backward(key)
         ref.unpacked = True  # read: its key forgets it here (a failed read leaves it to _drain)
         with self.relay.lock:
-            self._drain()
-            pending = self._pending.get(key, set())
-            pending.discard(id(ref))
+            if self._dead:  # a call less in the common case (Ir: docs/benchmarks)
+                self._drain()
+            pending = self._pending.get(key)
+            if pending is not None:
+                pending.discard(id(ref))
             if pending:
                 self._held[key] = slab
             else:
                 self._pending.pop(key, None)
                 self._held.pop(key, None)
-                self._carried.pop(key, None)
+                self.carrying.pop(key, None)
         return self.relay.slabs.view(slab, ref.geometry)
 
     def _again_view(self, ref: WeightRef) -> torch.Tensor:

@@ -256,35 +256,32 @@ class Relay:
 
     def install(self, g: Group, slab: torch.Tensor, guard: bool = True) -> None:
         with span("offloadd::relay_swap"):
-            self._install(g, slab, guard)
-
-    def _install(self, g: Group, slab: torch.Tensor, guard: bool) -> None:
-        # each weight's view, made once a slab (Note [slabs]); a device copy's, made now; the
-        # slab guarded (Note [write guard] in slabs.py)
-        views, key = self.slabs.swap_in(slab, g.layout, g.views_of, guard)
-        for e, view in zip(g.entries, views, strict=True):
-            p = e.param
-            now = e.module._parameters.get(e.attr)
-            if now is not e.placeholder and now is not p:
-                raise RelayError(
-                    f"the weight {e.name!r} was replaced after offloadd.relay() (a new "
-                    "parameter assigned to the module): unrelay the model first, or load new "
-                    "values with load_state_dict()"
-                )
-            if p.requires_grad:
-                raise RelayError(
-                    f"the weight {e.name!r} was relayed as frozen and now requires grad while "
-                    "the model runs: unfreeze relayed weights between steps (their group is "
-                    "then made resident)"
-                )
-            p.data = view
-            e.version = p._version
-            e.address = p.data_ptr()
-            e.module._parameters[e.attr] = p
-        self._installed[g.index] = slab
-        self._keys[g.index] = key
-        self.store.swaps += 1
-        self.slab_group[key] = g
+            # each weight's view, made once a slab (Note [slabs]); a device copy's, made now;
+            # the slab guarded (Note [write guard] in slabs.py)
+            views, key = self.slabs.swap_in(slab, g.layout, g.views_of, guard)
+            for e, view in zip(g.entries, views, strict=True):
+                p = e.param
+                now = e.module._parameters.get(e.attr)
+                if now is not e.placeholder and now is not p:
+                    raise RelayError(
+                        f"the weight {e.name!r} was replaced after offloadd.relay() (a new "
+                        "parameter assigned to the module): unrelay the model first, or load "
+                        "new values with load_state_dict()"
+                    )
+                if p.requires_grad:
+                    raise RelayError(
+                        f"the weight {e.name!r} was relayed as frozen and now requires grad "
+                        "while the model runs: unfreeze relayed weights between steps (their "
+                        "group is then made resident)"
+                    )
+                p.data = view
+                e.version = p._version
+                e.address = p.data_ptr()
+                e.module._parameters[e.attr] = p
+            self._installed[g.index] = slab
+            self._keys[g.index] = key
+            self.store.swaps += 1
+            self.slab_group[key] = g
 
     def changes(self, g: Group, written: int | None = None) -> list[str]:
         """The names of ``g``'s weights changed while swapped in: in place (their version
@@ -333,7 +330,7 @@ class Relay:
         if g.released:
             return
         in_backward = torch._C._current_graph_task_id() != -1  # a recomputation (checkpointing)
-        if not in_backward and g.index not in self._installed:  # in backward, _install raises
+        if not in_backward and g.index not in self._installed:  # in backward, install raises
             for e in g.entries:
                 if e.param.requires_grad:
                     release(self, g, f"{e.name!r} requires grad")  # Note [made resident]
@@ -341,13 +338,17 @@ class Relay:
         if not in_backward and self.depth:  # calls to layers without the model: never cleared
             self._seen.append(g.index)
         self._on_demand.pop(g.index, None)  # if read in on demand: its post-hook swaps it out
+        saved = (
+            self.saved
+        )  # what it carries asked here first: calls less a group (Ir: docs/benchmarks)
         if g.index not in self._installed:
-            carried = None if in_backward else self.saved.carried(g)
+            carried = None if in_backward or not saved.carrying else saved.carried(g)
             if carried is not None:  # called again in this forward (a layer used twice)
                 self._fwd.pop(g.index, None)
             elif not in_backward:  # room for its read first: held, this group and the reads ahead
-                reading = len(self._fwd) - (g.index in self._fwd)
-                self.saved.trim_carried(g, self.window - 1 - reading)
+                room = self.window - 1 - len(self._fwd) + (g.index in self._fwd)
+                if len(saved.carrying) > room:
+                    saved.trim_carried(g, room)
             self.install(g, carried if carried is not None else self.fetch(g))
         if torch.is_grad_enabled():
             _push_hooks(*self.saved.hooks())
@@ -363,7 +364,8 @@ class Relay:
             for i in ahead:
                 self._prefetch_forward(i)
         # held now: this group, the reads ahead, and what forward carries for backward
-        self.saved.trim_carried(g, self.window - 1 - len(self._fwd))
+        if len(saved.carrying) > self.window - 1 - len(self._fwd):
+            saved.trim_carried(g, self.window - 1 - len(self._fwd))
 
     def after_group_forward(self, g: Group, *hook_args: Any) -> None:
         """``g``'s forward hook, run even if its forward raised (``hook_args``: unused)."""

@@ -146,7 +146,7 @@ class Slabs:
             if slab is not None:
                 if slab.guarded:
                     slab.clean()
-                return slab.handle(writable), slab
+                return (slab.wtensor if writable else slab.tensor).detach(), slab  # its handle
         slab = self._new(size)  # outside the lock: a mapping and tensors, allocated
         with self._lock:
             self._sizes.setdefault(size, []).append(slab)
@@ -193,7 +193,8 @@ class Slabs:
         s = self._by_storage.get(key)
         if s is None:
             return make(slab), key
-        views = self._kept(s, layout, make) if s.mine == key else make(slab)
+        # kept views looked up here first, a call less a swap
+        views = make(slab) if s.mine != key else s.views.get(layout) or self._kept(s, layout, make)
         if guard:
             s.guard()
         else:
@@ -210,10 +211,12 @@ class Slabs:
         """A new tensor on ``slab`` of ``geometry`` (dtype, storage offset, sizes, strides),
         made from one kept for the slab (a device copy's: made now). New, so that it holds the
         slab as long as whoever it is given to keeps it."""
-        s = self._viewed(slab)
-        if s is None:
+        key = slab.untyped_storage()._cdata  # as _viewed, a call less a view
+        s = self._by_storage.get(key)
+        if s is None or s.mine != key:
             return view_of(slab, geometry)
-        return self._kept(s, geometry, lambda t: [view_of(t, geometry)])[0].detach()
+        kept = s.views.get(geometry) or self._kept(s, geometry, lambda t: [view_of(t, geometry)])
+        return kept[0].detach()
 
     def _viewed(self, slab: torch.Tensor) -> Slab | None:
         """The slab whose read-only mapping (what weights view) ``slab`` is on, or None."""

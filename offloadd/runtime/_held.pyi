@@ -52,3 +52,31 @@ class Unpack:
 
     def __init__(self, slow: Callable[[Any], torch.Tensor], /) -> None: ...
     def __call__(self, packed: Any, /) -> torch.Tensor: ...
+
+class PassPack:
+    """relay's pack hook: tensors on no slab passed on (to ``outer``, or kept as they are),
+    the rest given to ``slow``."""
+
+    def __init__(
+        self,
+        slabs: dict[int, Any],
+        slow: Callable[[torch.Tensor], Any],
+        outer: Callable[[torch.Tensor], Any] | None,
+        tensor_type: type,
+        parameter_type: type,
+        /,
+    ) -> None: ...
+    def __call__(self, t: torch.Tensor, /) -> Any: ...
+    def __setattr__(self, name: str, value: Any, /) -> None: ...
+
+class PassUnpack:
+    """relay's unpack hook: its refs given to ``slow``, the rest passed on."""
+
+    def __init__(
+        self,
+        ref_type: type,
+        slow: Callable[[Any], torch.Tensor],
+        outer: Callable[[Any], torch.Tensor] | None,
+        /,
+    ) -> None: ...
+    def __call__(self, packed: Any, /) -> torch.Tensor: ...

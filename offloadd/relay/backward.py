@@ -15,23 +15,10 @@ from offloadd.relay.placeholder import RelayError
 from offloadd.relay.slabs import Slabs
 from offloadd.relay.store import Transfer
 from offloadd.runtime.compiled import unseen
-from offloadd.runtime.hook_stack import PASSES_TO
+from offloadd.runtime.hook_stack import PASSES_TO, PassPack, PassUnpack
 from offloadd.runtime.identity import storage_of
 
 __all__ = ["Reader", "Saved", "WeightRef"]
-
-
-def _pass_pair() -> tuple[Any, Any]:
-    """Relay's pair in C for the tensors it passes on (csrc/hot_path/passing.c), or None, None
-    where it is not built, or built before it: the Python pair then (docs/native.md)."""
-    try:
-        from offloadd.runtime._held import PassPack, PassUnpack
-    except ImportError:
-        return None, None
-    return PassPack, PassUnpack
-
-
-PassPack, PassUnpack = _pass_pair()
 
 
 class Reader(Protocol):

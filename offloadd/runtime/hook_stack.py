@@ -15,11 +15,25 @@ from typing import Any
 
 import torch
 
-__all__ = ["PASSES_TO", "saves_reach_offloadd"]
+__all__ = ["PASSES_TO", "PassPack", "PassUnpack", "saves_reach_offloadd"]
 
 PASSES_TO = "_offloadd_passes_to"
 """The attribute that marks offloadd's pack hooks: ``True`` on an Offloader's; on relay's, the
 pack it passes every tensor other than a weight to (None: plain autograd)."""
+
+
+def _passing() -> tuple[Any, Any]:
+    """A pair that passes saved tensors on to the hooks below it in C, handing the others to
+    Python (relay's: csrc/hot_path/passing.c), or None, None where offloadd.runtime._held is
+    not built, or was built before it (docs/native.md)."""
+    try:
+        from offloadd.runtime._held import PassPack, PassUnpack
+    except ImportError:
+        return None, None
+    return PassPack, PassUnpack
+
+
+PassPack, PassUnpack = _passing()
 
 
 def saves_reach_offloadd() -> bool:

@@ -79,6 +79,27 @@ def unseen(fn: _F, compiled: Callable[[], None] | None = None) -> _F:
     return call  # type: ignore[return-value]
 
 
+def _skip_the_wrappers_frames() -> None:
+    """Have dynamo's frame callback run ``unseen``'s wrapper as it is. A module hook of a layer
+    compiled on its own (``layer.compile()``) is called at a graph break with the callback on,
+    which caught the wrapper's frame before its first line turned the callback off, traced it,
+    and warned that it cannot trace ``set_eval_frame``. Every wrapper shares one code object,
+    marked once here, as ``torch._dynamo.eval_frame.skip_code`` marks one (without importing
+    dynamo)."""
+    if _set_eval_frame is None:  # a build without dynamo: nothing to skip
+        return
+    frames = torch._C._dynamo.eval_frame
+    mark = getattr(frames, "set_code_exec_strategy", None)
+    if mark is None:  # another torch's API: the wrapper's frame is traced, and breaks
+        return
+    skip = frames._FrameAction.SKIP
+    strategy = frames._FrameExecStrategy(skip, frames._FrameAction.DEFAULT)
+    mark(unseen(lambda: None).__code__, strategy)
+
+
+_skip_the_wrappers_frames()
+
+
 def is_traced(t: torch.Tensor) -> bool:
     """Whether ``t`` has no bytes of its own to move: fake, functional or meta."""
     if t.is_meta:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,37 @@ def test_compiled(
     said = [r.getMessage() for r in caplog.records if "compiled whole" in r.getMessage()]
     assert len(said) == 1 and "layer.compile()" in said[0], said
     offloadd.unrelay(model._orig_mod)  # type: ignore[arg-type]
+
+
+def test_layers_compiled_on_their_own(
+    make_relay_config: MakeRelayConfig, disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``layer.compile()``, what relay tells a user who compiles the model whole: the same bits
+    as the layers compiled with no-op hooks, and no warning from dynamo. Its frame callback used
+    to catch the frame of relay's hook wrapper (``unseen``) at the graph break and warn that it
+    cannot trace ``set_eval_frame``."""
+    import torch._dynamo.utils
+
+    monkeypatch.setattr(torch._dynamo.utils, "warn_once_cache", set())  # warned once a process
+    noop = unseen(lambda *args: None)
+    torch.manual_seed(0)
+    ref = freeze_layers(Layered(layers=2))
+    for layer in ref.layers:
+        layer.register_forward_pre_hook(noop)
+        layer.register_forward_hook(noop, always_call=True)
+        layer.compile()
+    torch.manual_seed(0)
+    model = offloadd.relay(freeze_layers(Layered(layers=2)), config=make_relay_config(disk_dir))
+    for layer in model.layers:
+        layer.compile()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for i in range(3):
+            x = torch.randn(6, 16, generator=torch.Generator().manual_seed(i))
+            assert same(step(ref, x, square_loss), step(model, x, square_loss))
+    dynamo = [str(w.message) for w in seen if "set_eval_frame" in str(w.message)]
+    assert not dynamo, dynamo
+    offloadd.unrelay(model)
 
 
 def test_lora(make_relay_config: MakeRelayConfig, disk_dir: Path) -> None:

@@ -405,12 +405,20 @@ def test_resume_takes_auto_rows_with_the_warmups_auto_needs() -> None:
     assert key("auto@recompute", 5) != asked
 
 
-def test_auto_warms_up_until_its_planner_settled(disk_dir: Path) -> None:
+def test_auto_warms_up_until_its_planner_settled(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """auto's race runs as long as it takes to tell its plans apart ([race]); the run warms up
     until the planner has settled and run one step under its final plan, so that every timed
     step is a settled plan's; the warm-ups that ran are recorded (rok's rows key on them)."""
+    import offloadd.auto.drift
     from offloadd.auto.planner import WARMUP_STEPS, WARMUP_STEPS_MAX
     from offloadd.tools.harness.train import RunSpec, run
+
+    # One race fits in WARMUP_STEPS_MAX, two do not. On a loaded machine the tiny blocks' slow
+    # first planned steps read as drift, and a profile again starts a second race (seen once
+    # in CI). Drift has tests of its own (tests/auto/test_auto.py).
+    monkeypatch.setattr(offloadd.auto.drift, "DRIFT", float("inf"))
 
     spec = RunSpec(
         strategy="auto", budget="0.6x", num_layers=2, d_model=64, num_heads=2, seq_len=32,

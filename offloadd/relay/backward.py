@@ -130,9 +130,8 @@ class Saved:
     def trim_carried(self, g: Group, room: int) -> None:
         """Carry at most ``room`` groups besides ``g`` (which runs now), dropping the first
         carried: a forward in another order than the last one's runs groups after those it
-        carries, and what it holds must stay ``window`` groups."""
-        if len(self.carrying) <= room:  # the common case: nothing to drop
-            return
+        carries, and what it holds must stay ``window`` groups. Called only where more than
+        ``room`` are carried (the caller asks, a call less a group in the common case)."""
         now = (g.index, self.forwards)
         with self.relay.lock:
             others = [key for key in self.carrying if key != now]

@@ -202,7 +202,8 @@ class Slabs:
         return views, key
 
     def swap_out(self, slab: torch.Tensor, key: int) -> int | None:
-        """:meth:`written` for the slab :meth:`swap_in` gave ``key``."""
+        """The offset of the first write into guarded ``slab`` so far, or None; ``key``: its
+        storage's, as :meth:`swap_in` gave it (:meth:`written` asks it of the slab)."""
         s = self._by_storage.get(key)
         at = s.written() if s is not None else 0
         return at - slab.data_ptr() if at else None
@@ -211,9 +212,8 @@ class Slabs:
         """A new tensor on ``slab`` of ``geometry`` (dtype, storage offset, sizes, strides),
         made from one kept for the slab (a device copy's: made now). New, so that it holds the
         slab as long as whoever it is given to keeps it."""
-        key = slab.untyped_storage()._cdata  # as _viewed, a call less a view
-        s = self._by_storage.get(key)
-        if s is None or s.mine != key:
+        s = self._viewed(slab)
+        if s is None:
             return view_of(slab, geometry)
         kept = s.views.get(geometry) or self._kept(s, geometry, lambda t: [view_of(t, geometry)])
         return kept[0].detach()
@@ -253,9 +253,7 @@ class Slabs:
 
     def written(self, slab: torch.Tensor) -> int | None:
         """The offset of the first write into guarded ``slab`` so far, or None."""
-        s = self._slab(slab)
-        at = s.written() if s is not None else 0
-        return at - slab.data_ptr() if at else None
+        return self.swap_out(slab, slab.untyped_storage()._cdata)
 
     def _trim(self) -> None:
         """Unmap the idle slabs beyond ``keep`` a size (lock held)."""

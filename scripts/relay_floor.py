@@ -100,8 +100,8 @@ class MinimalRelay:
 
     def pack(self, t: torch.Tensor) -> Any:
         g = self.slab_group.get(t.untyped_storage()._cdata)
-        if g is None:
-            return t
+        if g is None:  # detached where it has a grad_fn, as relay keeps it
+            return t if t.is_leaf else t.detach()
         return (g.index, t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
 
     def unpack(self, x: Any) -> torch.Tensor:

@@ -11,9 +11,10 @@
  *
  * PassPack(slabs, slow, outer, tensor_type, parameter_type):
  *   for a tensor of exactly tensor_type or parameter_type whose storage's key
- *   (``t.untyped_storage()._cdata``) is not in the dict ``slabs``: outer(t), or t where outer is
- *   None. Anything else (a weight's view, a subclass, a tensor without a storage of its own)
- *   goes to slow(t), which decides as relay's Python pack does.
+ *   (``t.untyped_storage()._cdata``) is not in the dict ``slabs``: outer(t), or, where outer is
+ *   None, t (detached where it has a grad_fn: see pass_kept). Anything else (a weight's view,
+ *   a subclass, a tensor without a storage of its own) goes to slow(t), which decides as
+ *   relay's Python pack does.
  * PassUnpack(ref_type, slow, outer):
  *   slow(x) for an x of exactly ref_type (relay's WeightRef), else outer(x), or x where outer is
  *   None.
@@ -43,13 +44,35 @@ typedef struct {
     PyObject *outer; /* the unpack below ours, or None */
 } PassUnpack;
 
-static PyObject *s_untyped_storage, *s_cdata;
+static PyObject *s_untyped_storage, *s_cdata, *s_is_leaf, *s_detach;
+
+/* 1 where ``obj.name`` is true, 0 where false, -1 with an exception set */
+static int attr_true(PyObject *obj, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL)
+        return -1;
+    int r = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return r;
+}
 
 /* outer(x), or x where outer is None */
 static PyObject *pass_on(PyObject *outer, PyObject *x) {
     if (outer == Py_None)
         return Py_NewRef(x);
     return PyObject_CallOneArg(outer, x);
+}
+
+/* What the pack keeps of a tensor it passes where no hooks are below: the tensor, detached where
+ * it has a grad_fn (it is no leaf), or an op's output saved by that op would be a cycle
+ * through the graph that no collection frees (Note [passed on detached] in relay/backward.py). */
+static PyObject *pass_kept(PyObject *outer, PyObject *t) {
+    if (outer != Py_None)
+        return PyObject_CallOneArg(outer, t);
+    int leaf = attr_true(t, s_is_leaf); /* a tensor that requires no grad is a leaf */
+    if (leaf < 0)
+        return NULL;
+    return leaf ? Py_NewRef(t) : PyObject_CallMethodNoArgs(t, s_detach);
 }
 
 static PyObject *pass_pack_call(PassPack *self, PyObject *args, PyObject *kwargs) {
@@ -76,7 +99,7 @@ static PyObject *pass_pack_call(PassPack *self, PyObject *args, PyObject *kwargs
         return NULL;
     if (mine)
         return PyObject_CallOneArg(self->slow, t);
-    return pass_on(self->outer, t);
+    return pass_kept(self->outer, t);
 }
 
 static int pass_pack_init(PassPack *self, PyObject *args, PyObject *kwargs) {
@@ -194,7 +217,9 @@ static PyTypeObject PassUnpackType = {
 int passing_add(PyObject *m) {
     s_untyped_storage = PyUnicode_InternFromString("untyped_storage");
     s_cdata = PyUnicode_InternFromString("_cdata");
-    if (s_untyped_storage == NULL || s_cdata == NULL)
+    s_is_leaf = PyUnicode_InternFromString("is_leaf");
+    s_detach = PyUnicode_InternFromString("detach");
+    if (s_untyped_storage == NULL || s_cdata == NULL || s_is_leaf == NULL || s_detach == NULL)
         return -1;
     if (PyType_Ready(&PassPackType) < 0 || PyType_Ready(&PassUnpackType) < 0)
         return -1;

@@ -164,6 +164,15 @@ class Saved:
         """The model's forward ended: drop the pair made for it (Note [hooks made once a forward])."""
         self._made = None
 
+    # Note [passed on detached]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # Where no hooks are below relay's, its pack keeps a tensor it passes on. A tensor with a
+    # grad_fn (one that is no leaf) is kept detached: an op's output saved by that op
+    # and kept as it is makes a cycle (output -> grad_fn -> saved -> output) that no collection
+    # frees, as a tensor does not traverse its graph (pytorch/pytorch#115255). Every forward whose
+    # graph is dropped without a backward, or kept with retain_graph, would leak what its layers
+    # saved. Detached, it shares the storage and the version counter, and autograd gives the
+    # unpacked tensor its grad_fn back. csrc/hot_path/passing.c does the same.
     def _make_hooks(self, outer_pack: Any, outer_unpack: Any) -> tuple[Any, Any]:
         slab_group = self.relay.slab_group
         plain, parameter = torch.Tensor, torch.nn.Parameter
@@ -182,7 +191,11 @@ class Saved:
             # a ref keeps the view's geometry, not its conjugate or negative bit
             if g is not None and not t.is_conj() and not t.is_neg():
                 return self._ref(g, t)
-            return outer_pack(t) if outer_pack is not None else t
+            if outer_pack is not None:
+                return outer_pack(t)
+            # with its grad_fn, an op's output saved by that op is a cycle no collection frees
+            # (Note [passed on detached])
+            return t if t.is_leaf else t.detach()
 
         def unpack(x: Any) -> torch.Tensor:
             if type(x) is WeightRef:

@@ -3,11 +3,13 @@ what it passes, what it hands to relay's Python hooks, and relay trained with it
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import offloadd
 from offloadd import Offloader
@@ -31,9 +33,15 @@ def _slow(tag: str) -> Any:
 def test_pass_pack_passes_what_lies_on_no_slab() -> None:
     t, p = torch.randn(4), torch.nn.Parameter(torch.randn(3))
     alone = PassPack({}, _slow("slow"), None, torch.Tensor, torch.nn.Parameter)
-    assert alone(t) is t and alone(p) is p  # no hooks below: kept as it is
+    assert alone(t) is t and alone(p) is p  # no hooks below, no grad_fn: kept as it is
+    out = p * 2  # an op's output: kept without its grad_fn (Note [passed on detached])
+    kept = alone(out)
+    assert kept is not out and kept.grad_fn is None and not kept.requires_grad
+    assert kept.data_ptr() == out.data_ptr() and kept._version == out._version
+    out.add_(1)  # the version counter is shared: autograd still sees a write after the save
+    assert kept._version == out._version
     below = PassPack({}, _slow("slow"), _slow("outer"), torch.Tensor, torch.nn.Parameter)
-    assert below(t) == ("outer", t)
+    assert below(t) == ("outer", t) and below(out) == ("outer", out)  # theirs to keep
 
 
 def test_pass_pack_gives_relay_what_may_be_a_weight() -> None:
@@ -107,4 +115,49 @@ def test_relay_trains_alike_with_either_pair(
     if off is not None:
         assert off.stats().saved_tensors > 0  # the tensors relay passed on reached it
         off.close()
+    offloadd.unrelay(model)
+
+
+def _live_tensors() -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
+
+
+class _SavesOutputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128), nn.Sigmoid())
+            for _ in range(3)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("pair", ["c", "python"])
+def test_graphs_dropped_without_backward_free_what_relay_passed_on(
+    make_relay_config: MakeRelayConfig, disk_dir: Path, monkeypatch: pytest.MonkeyPatch, pair: str
+) -> None:
+    """ReLU and sigmoid save their own outputs. Kept with their grad_fn where no hooks are below
+    relay's, each would be a cycle through the graph that no collection frees: forwards whose
+    graphs are dropped unused (an evaluation with grad on, a step that raised) or kept by
+    retain_graph leaked every such activation (Note [passed on detached])."""
+    if pair == "python":
+        monkeypatch.setattr(backward, "PassPack", None)
+        monkeypatch.setattr(backward, "PassUnpack", None)
+    torch.manual_seed(0)
+    model = offloadd.relay(freeze_layers(_SavesOutputs()), config=make_relay_config(disk_dir))
+    x = torch.randn(4, 128, requires_grad=True)
+    model(x).sum().backward()  # warm: slabs, views, the pair made
+    before = _live_tensors()
+    for _ in range(4):
+        model(x)  # dropped without a backward
+    y = model(x).sum()
+    y.backward(retain_graph=True)
+    del y  # the retained graph dropped
+    assert _live_tensors() == before
+    assert not any(state_of(model).relay.saved._pending.values())  # every ref forgotten
     offloadd.unrelay(model)

@@ -218,14 +218,15 @@ def relay_cost(
 
 def _hooked_like_relay(model: nn.Module) -> nn.Module:
     """``model`` (the micro model) with the hooks relay gives each layer and nothing behind
-    them: a pre-hook that pushes a pass-through saved-tensor pair, a post-hook that pops it
-    (run even if forward raised), each run with dynamo's frame callback off as relay's are."""
+    them: a pre-hook that pushes a pass-through saved-tensor pair (detaching what has a
+    ``grad_fn``, as relay's does), a post-hook that pops it (run even if forward raised), each
+    run with dynamo's frame callback off as relay's are."""
     from offloadd.runtime.compiled import unseen
 
     push = torch._C._autograd._push_saved_tensors_default_hooks
     pop = torch._C._autograd._pop_saved_tensors_default_hooks
-    pack = unseen(lambda t: t)
-    unpack = unseen(lambda t: t)
+    pack = unseen(_detached)  # what relay's pair keeps of what it passes on
+    unpack = unseen(_same)
 
     def pre(module: nn.Module, args: Any) -> None:
         push(pack, unpack)

@@ -1,0 +1,117 @@
+"""Relay's swap from the host store in two trees of offloadd, timed in alternating processes.
+
+A ratio the issue names against an earlier tree ("cut 3x" from the tree that measured 134 µs
+a swap) cannot be read off figures taken on other days: this VM's host and load change, and an
+absolute figure moves with them. Here each tree runs in its own process, the trees alternate
+pair by pair, and every process times the same thing the same way: ``bench hooks``' micro model
+(64 blocks, every Linear frozen, width 128, batch 8, one torch thread) plain and relayed (window
+2, from a :class:`~offloadd.relay.store.HostStore`: relay's own work, no I/O), interleaved in
+rounds of 5 steps. A process's figure is the median over its rounds of (relayed - plain) / 128
+group swaps, in µs. The harness uses only what every tree since 2026-12-05 has
+(``micro_model``, ``relay``, ``surface.open_store``, ``HostStore``). A tree is a checkout with
+its C libraries built in place (``git worktree add /tmp/old COMMIT``, then
+``python setup.py build_ext --inplace`` there).
+
+    python scripts/relay_trees.py --trees /tmp/old,. --pairs 8 --json trees.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SWAPS = 128  # 64 groups, each swapped in forward and again in backward
+
+
+def _inner(rounds: int) -> dict[str, object]:
+    """In the tree PYTHONPATH picks: the median µs a swap above plain, and every round's."""
+    import torch
+    from torch import nn
+
+    from offloadd.relay import relay, surface
+    from offloadd.relay.store import HostStore
+    from offloadd.tools.bench.hooks import micro_model
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    plain = micro_model(64, 128)
+    for m in plain.modules():
+        if isinstance(m, nn.Linear):
+            m.requires_grad_(False)
+    opened = surface.open_store
+    surface.open_store = lambda cfg, device, largest=0: HostStore()
+    try:
+        relayed = relay(copy.deepcopy(plain), window=2, tier="ssd")
+    finally:
+        surface.open_store = opened
+    x = torch.randn(8, 128, requires_grad=True)
+
+    def steps(model: nn.Module, n: int = 5) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            model(x).square().mean().backward()
+        return (time.perf_counter() - t0) / n
+
+    steps(plain, 3)
+    steps(relayed, 3)
+    above = []
+    for r in range(rounds):  # the order alternates round by round
+        if r % 2:
+            tp, tr = steps(plain), steps(relayed)
+        else:
+            tr, tp = steps(relayed), steps(plain)
+        above.append((tr - tp) / SWAPS * 1e6)
+    return {"us_a_swap": statistics.median(above), "rounds_us": above}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--trees", default="", help="two checkouts, comma-separated: before,after")
+    p.add_argument("--pairs", type=int, default=8, help="processes a tree, alternating")
+    p.add_argument("--rounds", type=int, default=20, help="rounds a process")
+    p.add_argument("--json", help="write every process's figures here")
+    p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
+    ns = p.parse_args(argv)
+    if ns.inner:
+        print(json.dumps(_inner(ns.rounds)))
+        return 0
+    trees = [Path(t).resolve() for t in ns.trees.split(",") if t]
+    if len(trees) != 2 or not all((t / "offloadd" / "__init__.py").is_file() for t in trees):
+        p.error(f"--trees: two checkouts of offloadd, before,after; got {ns.trees!r}")
+    runs: list[dict[str, object]] = []
+    figures: list[list[float]] = [[], []]  # µs a swap: before's, after's
+    for pair in range(ns.pairs):
+        for which, tree in enumerate(trees):
+            env = {**os.environ, "PYTHONPATH": str(tree)}
+            cmd = [sys.executable, os.path.abspath(__file__), "--inner", "--rounds", str(ns.rounds)]
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+            if out.returncode != 0:
+                raise SystemExit(f"relay_trees: {tree} failed:\n{out.stderr[-2000:]}")
+            got = json.loads(out.stdout.strip().splitlines()[-1])
+            runs.append({"pair": pair, "tree": str(tree), **got})
+            figures[which].append(got["us_a_swap"])
+            print(f"  pair {pair + 1}: {tree}  {got['us_a_swap']:.1f} µs a swap", flush=True)
+    before, after = figures
+    ratios = [b / a for b, a in zip(before, after, strict=True)]
+    print(
+        f"before {statistics.median(before):.1f}, after {statistics.median(after):.1f} µs a swap "
+        f"(medians); before / after per pair {min(ratios):.2f}-{max(ratios):.2f}, "
+        f"median {statistics.median(ratios):.2f}"
+    )
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump(
+                {"trees": [str(t) for t in trees], "runs": runs, "ratios": ratios}, f, indent=1
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,15 +1,15 @@
 """Two builds of offloadd's C hooks (``offloadd.runtime._held``) in one process: the installed
-one and another (``--other``, a build of csrc/hot_path/held.c from another commit, with the
+one and another (``--other``, a build of csrc/hot_path/ from another commit, with the
 flags setup.py gives it: Python's CFLAGS, then ``-O2 -std=gnu11``), each arm of
 ``offloadd bench hooks`` run with each, round by round, so that the machine's drift hits both
 alike, with the same ``none`` and ``noop`` for both. Paired processes cannot resolve a few
 per cent here: the no-op arm alone moved from 1.22 to 1.64 µs a tensor between processes
 (docs/benchmarks/hooks-round4_cpu-2core_2026-12-06.md).
 
-    git show OLD:csrc/hot_path/held.c > /tmp/old/held.c
+    mkdir -p /tmp/old && git archive OLD csrc/hot_path | tar -x -C /tmp/old
     cc $(python -c 'import sysconfig; print(sysconfig.get_config_var("CFLAGS"))') -fPIC -O2 -std=gnu11 \
         -I"$(python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" -shared \
-        /tmp/old/held.c -o /tmp/old/_held$(python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+        /tmp/old/csrc/hot_path/*.c -o /tmp/old/_held$(python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
     python scripts/held_ab.py --other /tmp/old/_held.cpython-311-x86_64-linux-gnu.so --rounds 60
 
 Each arm is a tier of ``offloadd bench hooks`` (``keep-all``, ``keep``, ``ssd``); ``ARM`` runs

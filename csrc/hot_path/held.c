@@ -166,8 +166,9 @@ static PyTypeObject HeldType = {
     .tp_members = held_members,
 };
 
-/* 1 if ``name`` of ``obj`` is set and true, 0 if not (or missing), -1 on error. */
-static int attr_true(PyObject *obj, PyObject *name) {
+/* 1 if ``name`` of ``obj`` is set and true, 0 if not (or missing), -1 on error (passing.c's
+ * too: declared in passing.h). */
+int held_attr_true(PyObject *obj, PyObject *name) {
     PyObject *v;
     if (LOOKUP_ATTR(obj, name, &v) < 0)
         return -1;
@@ -184,7 +185,7 @@ static int attr_true(PyObject *obj, PyObject *name) {
 enum { UNLINK_NO = 0, UNLINK_YES = 1, UNLINK_ASK = 2 };
 
 static PyObject *keep(Tally *self, PyObject *t, long long nbytes, long long resident, int unlink) {
-    int requires = unlink == UNLINK_ASK ? attr_true(t, s_requires_grad) : unlink;
+    int requires = unlink == UNLINK_ASK ? held_attr_true(t, s_requires_grad) : unlink;
     if (requires < 0)
         return NULL;
     PyObject *version = PyObject_GetAttr(t, s_version);
@@ -473,10 +474,10 @@ static PyObject *pack_call(Pack *self, PyObject *args, PyObject *kwargs) {
     PyObject *t;
     if (!PyArg_UnpackTuple(args, "pack", 1, 1, &t))
         return NULL;
-    int r = attr_true(self->captures, s_num_pending);
+    int r = held_attr_true(self->captures, s_num_pending);
     if (r != 0)
         goto slow;
-    r = attr_true(self->evicted, s_claims);
+    r = held_attr_true(self->evicted, s_claims);
     PyObject *type = (PyObject *)Py_TYPE(t);
     if (r != 0 || (type != self->tensor_type && type != self->parameter_type))
         goto slow;
@@ -486,7 +487,7 @@ static PyObject *pack_call(Pack *self, PyObject *args, PyObject *kwargs) {
     Py_DECREF(layout); /* compared by identity: torch.strided lives as long as torch */
     if (layout != self->strided)
         goto slow;
-    r = attr_true(t, s_is_meta);
+    r = held_attr_true(t, s_is_meta);
     if (r != 0)
         goto slow;
     PyObject *n = PyObject_GetAttr(t, s_nbytes);
@@ -509,7 +510,7 @@ static PyObject *pack_call(Pack *self, PyObject *args, PyObject *kwargs) {
         r = storage_of(t, &storage, &key, &storage_nbytes);
         if (r <= 0)
             goto slow; /* no storage of its own (slow decides), or an error */
-        int requires = attr_true(t, s_requires_grad);
+        int requires = held_attr_true(t, s_requires_grad);
         int param = requires < 0 ? -1 : requires ? 0 : known_parameter(self, key);
         PyObject *h = NULL;
         if (param == 0)

@@ -46,16 +46,6 @@ typedef struct {
 
 static PyObject *s_untyped_storage, *s_cdata, *s_is_leaf, *s_detach;
 
-/* 1 where ``obj.name`` is true, 0 where false, -1 with an exception set */
-static int attr_true(PyObject *obj, PyObject *name) {
-    PyObject *v = PyObject_GetAttr(obj, name);
-    if (v == NULL)
-        return -1;
-    int r = PyObject_IsTrue(v);
-    Py_DECREF(v);
-    return r;
-}
-
 /* outer(x), or x where outer is None */
 static PyObject *pass_on(PyObject *outer, PyObject *x) {
     if (outer == Py_None)
@@ -69,7 +59,7 @@ static PyObject *pass_on(PyObject *outer, PyObject *x) {
 static PyObject *pass_kept(PyObject *outer, PyObject *t) {
     if (outer != Py_None)
         return PyObject_CallOneArg(outer, t);
-    int leaf = attr_true(t, s_is_leaf); /* a tensor that requires no grad is a leaf */
+    int leaf = held_attr_true(t, s_is_leaf); /* a tensor that requires no grad is a leaf */
     if (leaf < 0)
         return NULL;
     return leaf ? Py_NewRef(t) : PyObject_CallMethodNoArgs(t, s_detach);

@@ -351,7 +351,7 @@ class Relay:
                     saved.trim_carried(g, room)
             self.install(g, carried if carried is not None else self.fetch(g))
         if torch.is_grad_enabled():
-            _push_hooks(*self.saved.hooks())
+            _push_hooks(*saved.hooks())
             self._pushed[g.index] = self._pushed.get(g.index, 0) + 1
         if in_backward:
             return
@@ -364,8 +364,9 @@ class Relay:
             for i in ahead:
                 self._prefetch_forward(i)
         # held now: this group, the reads ahead, and what forward carries for backward
-        if len(saved.carrying) > self.window - 1 - len(self._fwd):
-            saved.trim_carried(g, self.window - 1 - len(self._fwd))
+        room = self.window - 1 - len(self._fwd)
+        if len(saved.carrying) > room:
+            saved.trim_carried(g, room)
 
     def after_group_forward(self, g: Group, *hook_args: Any) -> None:
         """``g``'s forward hook, run even if its forward raised (``hook_args``: unused)."""

@@ -30,8 +30,10 @@ from pathlib import Path
 SWAPS = 128  # 64 groups, each swapped in forward and again in backward
 
 
-def _inner(rounds: int) -> dict[str, object]:
-    """In the tree PYTHONPATH picks: the median µs a swap above plain, and every round's."""
+def _inner(rounds: int, floors: bool) -> dict[str, object]:
+    """In the tree PYTHONPATH picks: the median µs a swap above plain, and every round's;
+    ``floors``: also the minimal relay's and relay's hooks alone (``relay_floor.py``), in the
+    same rounds."""
     import torch
     from torch import nn
 
@@ -52,23 +54,40 @@ def _inner(rounds: int) -> dict[str, object]:
     finally:
         surface.open_store = opened
     x = torch.randn(8, 128, requires_grad=True)
+    arms = {"relay": relayed}
+    ends: list[object] = []
+    if floors:  # this tree's floors (relay_floor.py runs on this tree only)
+        sys.path.insert(0, str(Path(__file__).parent))
+        from relay_floor import MinimalRelay
+
+        from offloadd.tools.bench.hooks_arms import _hooked_like_relay
+
+        arms["minimal"] = copy.deepcopy(plain)
+        ends.append(MinimalRelay(arms["minimal"]))
+        arms["hooks"] = _hooked_like_relay(copy.deepcopy(plain))
 
     def steps(model: nn.Module, n: int = 5) -> float:
         t0 = time.perf_counter()
         for _ in range(n):
             model(x).square().mean().backward()
+            for minimal in ends:
+                minimal.end_step()  # type: ignore[attr-defined]
         return (time.perf_counter() - t0) / n
 
     steps(plain, 3)
-    steps(relayed, 3)
-    above = []
+    for model in arms.values():
+        steps(model, 3)
+    above: dict[str, list[float]] = {k: [] for k in arms}
     for r in range(rounds):  # the order alternates round by round
-        if r % 2:
-            tp, tr = steps(plain), steps(relayed)
-        else:
-            tr, tp = steps(relayed), steps(plain)
-        above.append((tr - tp) / SWAPS * 1e6)
-    return {"us_a_swap": statistics.median(above), "rounds_us": above}
+        order = [("plain", plain), *arms.items()]
+        times = {k: steps(m) for k, m in (order if r % 2 else reversed(order))}
+        for k in arms:
+            above[k].append((times[k] - times["plain"]) / SWAPS * 1e6)
+    out: dict[str, object] = {"us_a_swap": statistics.median(above["relay"])}
+    out["rounds_us"] = above.pop("relay")
+    for k, v in above.items():
+        out[f"{k}_us_a_swap"] = statistics.median(v)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,10 +96,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pairs", type=int, default=8, help="processes a tree, alternating")
     p.add_argument("--rounds", type=int, default=20, help="rounds a process")
     p.add_argument("--json", help="write every process's figures here")
+    p.add_argument(
+        "--floors",
+        action="store_true",
+        help="also time the minimal relay and relay's hooks alone in the after tree's processes",
+    )
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     ns = p.parse_args(argv)
     if ns.inner:
-        print(json.dumps(_inner(ns.rounds)))
+        print(json.dumps(_inner(ns.rounds, ns.floors)))
         return 0
     trees = [Path(t).resolve() for t in ns.trees.split(",") if t]
     if len(trees) != 2 or not all((t / "offloadd" / "__init__.py").is_file() for t in trees):
@@ -91,13 +115,21 @@ def main(argv: list[str] | None = None) -> int:
         for which, tree in enumerate(trees):
             env = {**os.environ, "PYTHONPATH": str(tree)}
             cmd = [sys.executable, os.path.abspath(__file__), "--inner", "--rounds", str(ns.rounds)]
+            cmd += ["--floors"] if ns.floors and which == 1 else []
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
             if out.returncode != 0:
                 raise SystemExit(f"relay_trees: {tree} failed:\n{out.stderr[-2000:]}")
             got = json.loads(out.stdout.strip().splitlines()[-1])
             runs.append({"pair": pair, "tree": str(tree), **got})
             figures[which].append(got["us_a_swap"])
-            print(f"  pair {pair + 1}: {tree}  {got['us_a_swap']:.1f} µs a swap", flush=True)
+            floors = "".join(
+                f", {k.removesuffix('_us_a_swap')} {v:.1f}"
+                for k, v in got.items()
+                if k.endswith("_us_a_swap")
+            )
+            print(
+                f"  pair {pair + 1}: {tree}  {got['us_a_swap']:.1f} µs a swap{floors}", flush=True
+            )
     before, after = figures
     ratios = [b / a for b, a in zip(before, after, strict=True)]
     print(
@@ -105,6 +137,16 @@ def main(argv: list[str] | None = None) -> int:
         f"(medians); before / after per pair {min(ratios):.2f}-{max(ratios):.2f}, "
         f"median {statistics.median(ratios):.2f}"
     )
+    after_runs = [r for r in runs if r["tree"] == str(trees[1])]
+    for floor in ("minimal", "hooks"):
+        key = f"{floor}_us_a_swap"
+        got = [float(r[key]) for r in after_runs if key in r]  # type: ignore[arg-type]
+        if got and len(got) == len(before):
+            per = [b / g for b, g in zip(before, got, strict=True)]
+            print(
+                f"{floor}: {statistics.median(got):.1f} µs a swap (median); before / {floor} "
+                f"per pair {min(per):.2f}-{max(per):.2f}, median {statistics.median(per):.2f}"
+            )
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import gc
 import json
 import os
 import subprocess
@@ -114,6 +115,23 @@ def test_offloading_is_traced_once_per_storage() -> None:
         loss.backward()
     assert held < w.nbytes + x.nbytes + 4096
     assert brought == [hbytes, x.nbytes]
+
+
+def test_a_trace_dropped_without_backward_frees_what_it_kept() -> None:
+    """The trace's pack keeps small tensors and parameters as offloadd does, detached where they
+    have a grad_fn: sigmoid saves its own output, which kept with its grad_fn would hold its
+    own graph, a cycle no collection frees once the graph is dropped unused."""
+    w = torch.nn.Parameter(torch.randn(16, 16))
+
+    def linked() -> int:
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if type(o) is torch.Tensor and o.grad_fn is not None)
+
+    before = linked()
+    with _offloaded([w], min_bytes=1 << 20):  # every tensor below min_bytes: kept
+        for _ in range(3):
+            (torch.randn(4, 16) @ w).sigmoid().relu().sum()  # dropped without a backward
+    assert linked() == before
 
 
 SMALL = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 256, "vocab_size": 512}

@@ -27,7 +27,15 @@ import torch
 
 from offloadd import Offloader
 from offloadd.backend.daemon_link import DaemonError
-from tests._support.envrun import CLIENTS, PYTHON, clean_env, last_json, run, summary_lines
+from tests._support.envrun import (
+    CLIENTS,
+    PYTHON,
+    clean_env,
+    last_json,
+    run,
+    same_as_plain,
+    summary_lines,
+)
 from tests._support.helpers import SavePayload
 
 DEFAULT = f"/tmp/offloadd-run-{os.getuid()}/daemon.sock"
@@ -137,7 +145,7 @@ def test_an_unmodified_script_finds_the_default_daemon(tmp_path: Path) -> None:
     )
     with _default_daemon(tmp_path / "data"):
         proc = run([PYTHON, PLAIN, "1"], env)
-    assert last_json(proc.stdout) == base
+    same_as_plain(last_json(proc.stdout), base, [PYTHON, PLAIN, "1"])
     stats = json.loads(report.read_text())["stats"]
     assert stats["engine"] == "daemon" and stats["offloaded_bytes"] > 0
     assert len(summary_lines(proc.stderr)) == 1

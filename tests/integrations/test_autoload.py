@@ -24,6 +24,7 @@ from tests._support.envrun import (
     last_json,
     offload_env,
     run,
+    same_as_plain,
     summary_lines,
 )
 
@@ -211,8 +212,7 @@ def test_plain_script_is_identical_and_offloads(
     base = plain_baseline
     report = tmp_path / "report.json"
     proc = run([PYTHON, PLAIN, "2"], offload_env(disk_dir, report))
-    got = last_json(proc.stdout)
-    assert got == base  # identical losses and final weights
+    same_as_plain(last_json(proc.stdout), base, [PYTHON, PLAIN, "2"])  # losses, final weights
     data = json.loads(report.read_text())
     assert data["stats"]["offloaded_bytes"] > 0 and data["stats"]["bytes_read"] > 0
     assert data["forwards"] == 4  # 2 steps x 2 micro-batches; eval and torch.func untouched
@@ -236,7 +236,7 @@ def test_plain_script_under_a_budget_is_identical(
     report = tmp_path / "report.json"
     env = offload_env(disk_dir, report, OFFLOADD_BUDGET=budget, OFFLOADD_LOG="INFO")
     proc = run([PYTHON, PLAIN, "4"], env)
-    assert last_json(proc.stdout) == plain_baseline_4
+    same_as_plain(last_json(proc.stdout), plain_baseline_4, [PYTHON, PLAIN, "4"])
     plan = json.loads(report.read_text())["plan"]
     assert [b["name"] for b in plan["blocks"]] == ["layers.0", "layers.1", "(after the blocks)"]
     assert plan["predicted_peak_bytes"] <= plan["budget_bytes"]
@@ -298,7 +298,7 @@ def test_run_wrapper_matches_env_var(
         "2",
     ]
     proc = run(cmd, clean_env(OFFLOADD_LOG="info"))
-    assert last_json(proc.stdout) == base
+    same_as_plain(last_json(proc.stdout), base, [PYTHON, PLAIN, "2"])
     assert f"INFO offloadd: active, tier ssd, dirs {disk_dir}" in proc.stderr
     assert json.loads(report.read_text())["stats"]["offloaded_bytes"] > 0
 
@@ -311,7 +311,7 @@ def test_run_wrapper_with_a_daemon(
     env = clean_env(OFFLOADD_SSD_DIRS=str(disk_dir), OFFLOADD_MIN_BYTES="16KiB")
     cmd = [*_offloadd(), "run", "--daemon", "--report", str(report), "--", PYTHON, PLAIN, "2"]
     proc = run(cmd, env)
-    assert last_json(proc.stdout) == plain_baseline
+    same_as_plain(last_json(proc.stdout), plain_baseline, [PYTHON, PLAIN, "2"])
     stats = json.loads(report.read_text())["stats"]
     assert stats["engine"] == "daemon" and stats["offloaded_bytes"] > 0
     assert not list(disk_dir.iterdir())  # the daemon was stopped and left nothing

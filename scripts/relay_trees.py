@@ -12,7 +12,13 @@ group swaps, in µs. The harness uses only what every tree since 2026-12-05 has
 its C libraries built in place (``git worktree add /tmp/old COMMIT``, then
 ``python setup.py build_ext --inplace`` there).
 
+``--floors`` times two more arms in the after tree's processes, in the same rounds: its
+``scripts/relay_floor.py``'s minimal relay, and relay's hooks alone (``bench hooks``' floor arm),
+after checking that relay's and the minimal relay's gradients are plain's. The after tree needs
+both (any tree since 2026-12-07).
+
     python scripts/relay_trees.py --trees /tmp/old,. --pairs 8 --json trees.json
+    python scripts/relay_trees.py --trees /tmp/old,. --pairs 8 --floors --json floors.json
 """
 
 from __future__ import annotations
@@ -56,8 +62,10 @@ def _inner(rounds: int, floors: bool) -> dict[str, object]:
     x = torch.randn(8, 128, requires_grad=True)
     arms = {"relay": relayed}
     ends: list[object] = []
-    if floors:  # this tree's floors (relay_floor.py runs on this tree only)
-        sys.path.insert(0, str(Path(__file__).parent))
+    if floors:  # the floors of the tree PYTHONPATH picks, from its own relay_floor.py
+        import offloadd
+
+        sys.path.insert(0, str(Path(offloadd.__file__).parent.parent / "scripts"))
         from relay_floor import MinimalRelay
 
         from offloadd.tools.bench.hooks_arms import _hooked_like_relay
@@ -65,6 +73,13 @@ def _inner(rounds: int, floors: bool) -> dict[str, object]:
         arms["minimal"] = copy.deepcopy(plain)
         ends.append(MinimalRelay(arms["minimal"]))
         arms["hooks"] = _hooked_like_relay(copy.deepcopy(plain))
+        want = torch.autograd.grad(plain(x).square().mean(), x)[0]
+        for name in ("relay", "minimal"):  # timed only where their gradients are plain's
+            got = torch.autograd.grad(arms[name](x).square().mean(), x)[0]
+            for minimal in ends:
+                minimal.end_step()  # type: ignore[attr-defined]
+            if not torch.equal(want, got):
+                raise SystemExit(f"relay_trees: the {name} arm's gradients differ from plain's")
 
     def steps(model: nn.Module, n: int = 5) -> float:
         t0 = time.perf_counter()

@@ -106,15 +106,21 @@ def last_json(text: str) -> dict[str, Any]:
     raise AssertionError(f"no JSON line in output:\n{text[-4000:]}")
 
 
-def same_as_plain(got: dict[str, Any], base: dict[str, Any], plain: list[str]) -> None:
+def same_as_plain(
+    got: dict[str, Any],
+    base: dict[str, Any],
+    plain: list[str],
+    env: dict[str, str] | None = None,
+) -> None:
     """Assert that ``got`` (a client's losses and weights with offloadd) equals ``base`` (the
-    same client's without it, ``plain`` its command). Where it does not, plain training is run
-    again: one run of a fixture's plain client, in a loaded full test run, once gave other
-    final weights than every other plain run of it before or since. Then ``got`` must equal the
-    new plain run, and a warning shows both plain results; else it fails showing all three."""
+    same client's without it: ``plain`` its command, ``env`` its environment, ``clean_env()``
+    if None). Where it does not, plain training is run again: one run of a fixture's plain
+    client, in a loaded full test run, once gave other final weights than every other plain run
+    of it before or since. Then ``got`` must equal the new plain run, and a warning shows both
+    plain results; else it fails showing all three."""
     if got == base:
         return
-    again = last_json(run(plain, clean_env()).stdout)
+    again = last_json(run(plain, clean_env() if env is None else env).stdout)
     assert got == again, (
         f"offloadd's run differs from plain training's:\n  with offloadd {got}\n"
         f"  plain {base}\n  plain again {again}"

@@ -145,7 +145,7 @@ def test_an_unmodified_script_finds_the_default_daemon(tmp_path: Path) -> None:
     )
     with _default_daemon(tmp_path / "data"):
         proc = run([PYTHON, PLAIN, "1"], env)
-    same_as_plain(last_json(proc.stdout), base, [PYTHON, PLAIN, "1"])
+    same_as_plain(last_json(proc.stdout), base, [PYTHON, PLAIN, "1"], _no_xdg())
     stats = json.loads(report.read_text())["stats"]
     assert stats["engine"] == "daemon" and stats["offloaded_bytes"] > 0
     assert len(summary_lines(proc.stderr)) == 1

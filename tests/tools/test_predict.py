@@ -132,6 +132,10 @@ def test_a_trace_dropped_without_backward_frees_what_it_kept() -> None:
         for _ in range(3):
             (torch.randn(4, 16) @ w).sigmoid().relu().sum()  # dropped without a backward
     assert linked() == before
+    with _offloaded([w], min_bytes=0, keeping=lambda: True):  # kept by the plan
+        for _ in range(3):
+            (torch.randn(4, 16) @ w).sigmoid().relu().sum()
+    assert linked() == before
 
 
 SMALL = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 256, "vocab_size": 512}

@@ -205,10 +205,10 @@ class Saved:
         ours: Any
         theirs: Any
         if PassPack is None:
-            ours, theirs = unseen(pack), unseen(unpack)
+            ours, theirs = unseen(pack), unseen(unpack, modes_aside=True)
         else:  # the same, with what they pass on passed in C (Note [hooks made once a forward])
             ours = PassPack(slab_group, unseen(pack), outer_pack, plain, parameter)
-            theirs = PassUnpack(WeightRef, unseen(self._unpack), outer_unpack)
+            theirs = PassUnpack(WeightRef, unseen(self._unpack, modes_aside=True), outer_unpack)
         setattr(ours, PASSES_TO, outer_pack)  # every other tensor goes where it would have
         return ours, theirs
 

@@ -45,6 +45,7 @@ from offloadd.relay.placeholder import RelayError
 from offloadd.relay.release import release, unfreeze
 from offloadd.relay.slabs import Slabs
 from offloadd.relay.store import HostStore, Transfer, WeightStore
+from offloadd.runtime.compiled import aside_modes
 from offloadd.trace import span
 
 __all__ = ["Relay"]
@@ -187,7 +188,8 @@ class Relay:
             return None
         g, e = found
         if g.index not in self._installed:
-            self.install(g, self.fetch(g))
+            with aside_modes():  # called inside the op's modes (Note [below dispatch modes])
+                self.install(g, self.fetch(g))
             self._on_demand[g.index] = task
             if task != -1 and task not in self._ends:
                 self._ends.add(task)

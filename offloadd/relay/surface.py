@@ -180,15 +180,19 @@ def _hook(model: nn.Module, state: RelayState) -> None:
     r = state.relay
     h = state.handles
     warn = functools.partial(_compiled_whole, weakref.ref(model))  # a cycle through the hook
-    h.append(model.register_forward_pre_hook(unseen(r.on_model_forward, warn)))
-    h.append(model.register_forward_hook(unseen(r.after_model_forward), always_call=True))
+    h.append(model.register_forward_pre_hook(unseen(r.on_model_forward, warn, modes_aside=True)))
+    h.append(
+        model.register_forward_hook(
+            unseen(r.after_model_forward, modes_aside=True), always_call=True
+        )
+    )
     for g in r.groups:
         pre, post = (
             functools.partial(r.on_group_forward, g),
             functools.partial(r.after_group_forward, g),
         )
-        h.append(g.module.register_forward_pre_hook(unseen(pre)))
-        h.append(g.module.register_forward_hook(unseen(post), always_call=True))
+        h.append(g.module.register_forward_pre_hook(unseen(pre, modes_aside=True)))
+        h.append(g.module.register_forward_hook(unseen(post, modes_aside=True), always_call=True))
     hook_model_ops(model, state)
     # pickle and deepcopy look these up on the instance: say why, before they meet a hook
     model.__dict__["__reduce_ex__"] = _not_copied

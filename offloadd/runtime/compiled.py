@@ -21,6 +21,7 @@ A pack hook that still sees a fake, functional or meta tensor (tracing by some o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -29,6 +30,7 @@ import types
 import warnings
 import weakref
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
 import torch
@@ -37,6 +39,7 @@ from torch import nn
 from offloadd.runtime.dedup import outermost_self
 
 __all__ = [
+    "aside_modes",
     "check_children",
     "check_wrapper",
     "is_traced",
@@ -57,13 +60,16 @@ except AttributeError:  # a build without dynamo: nothing can trace the hooks
     _set_eval_frame = None
 
 
-def unseen(fn: _F, compiled: Callable[[], None] | None = None) -> _F:
+def unseen(fn: _F, compiled: Callable[[], None] | None = None, *, modes_aside: bool = False) -> _F:
     """``fn``, run with dynamo's frame callback off (see [invisible to dynamo]); ``compiled()``
     first when the callback was on (a hook of a module compiled whole, reached at a graph
-    break)."""
+    break). ``modes_aside``: and with the torch dispatch modes on the stack set aside while it
+    runs (see [below dispatch modes])."""
     set_eval_frame = _set_eval_frame
     if set_eval_frame is None:
-        return fn
+        if not modes_aside:
+            return fn
+        set_eval_frame = _no_frame_callback
 
     @functools.wraps(fn)
     def call(*args: Any) -> Any:
@@ -71,12 +77,41 @@ def unseen(fn: _F, compiled: Callable[[], None] | None = None) -> _F:
         try:
             if compiled is not None and prior is not None:
                 compiled()
+            if modes_aside and _dispatch_modes():
+                with aside_modes():
+                    return fn(*args)
             return fn(*args)
         finally:
             set_eval_frame(prior)
 
     call._torchdynamo_disable = True  # type: ignore[attr-defined]
     return call  # type: ignore[return-value]
+
+
+def _no_frame_callback(callback: Any) -> None:
+    return None
+
+
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+
+
+# Note [below dispatch modes]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A module hook runs inside whatever dispatch modes the user's code entered around the module:
+# a selective checkpoint's (which records every op of its region in forward and, from torch
+# 2.13, replays that list op for op in the recompute, raising at an op it did not record), a
+# FLOP counter, a debug mode. Relay's hooks do tensor work of their own there: a slab's views
+# made the first time it holds a layout, a handle on a slab, a read. That work is not the
+# model's and differs between a forward and its recompute (a slab that holds the layout
+# already makes no views), so relay runs it with the modes set aside.
+def aside_modes() -> AbstractContextManager[Any]:
+    """The torch dispatch modes on the stack set aside while inside (see [below dispatch
+    modes]); a no-op context where there are none."""
+    if not _dispatch_modes():
+        return contextlib.nullcontext()
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
 
 
 def _skip_the_wrappers_frames() -> None:

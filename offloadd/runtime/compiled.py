@@ -78,7 +78,7 @@ def unseen(fn: _F, compiled: Callable[[], None] | None = None, *, modes_aside: b
             if compiled is not None and prior is not None:
                 compiled()
             if modes_aside and _dispatch_modes():
-                with aside_modes():
+                with _modes_set_aside():
                     return fn(*args)
             return fn(*args)
         finally:
@@ -107,8 +107,10 @@ _dispatch_modes = torch._C._len_torch_dispatch_stack
 def aside_modes() -> AbstractContextManager[Any]:
     """The torch dispatch modes on the stack set aside while inside (see [below dispatch
     modes]); a no-op context where there are none."""
-    if not _dispatch_modes():
-        return contextlib.nullcontext()
+    return _modes_set_aside() if _dispatch_modes() else contextlib.nullcontext()
+
+
+def _modes_set_aside() -> AbstractContextManager[Any]:
     from torch.utils._python_dispatch import _disable_current_modes
 
     return _disable_current_modes()

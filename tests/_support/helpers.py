@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import shutil
 import subprocess
@@ -118,6 +119,14 @@ def train_and_compare(
         off.close()
     assert_bitwise_equal(reference, got)
     return st
+
+
+def linked_tensors() -> int:
+    """Plain tensors alive with a grad_fn, after a collection: a graph's outputs, never a
+    parameter, a slab's handle or a relayed weight's placeholder (a subclass, which raises on
+    ``grad_fn``). What a dropped graph leaves when a hook kept an op's output with its graph."""
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if type(o) is torch.Tensor and o.grad_fn is not None)
 
 
 def assert_bitwise_equal(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> None:

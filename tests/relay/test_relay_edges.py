@@ -4,7 +4,6 @@ still bounded by its window."""
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -12,11 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-)
+from torch.utils.checkpoint import checkpoint
 
 import offloadd
 from offloadd.config import Config
@@ -24,6 +19,7 @@ from offloadd.relay import RelayError, surface
 from offloadd.relay.slabs import Slabs
 from offloadd.relay.state import state_of
 from offloadd.relay.store import HostStore, Record, Transfer
+from offloadd.tools.models.sac import sac_context
 from tests.relay.cases import (
     Layered,
     MakeRelayConfig,
@@ -208,13 +204,6 @@ def test_checkpointed_layers_keep_the_window(
     offloadd.unrelay(model)
 
 
-def _save_matmuls(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
-    aten = torch.ops.aten
-    if op in (aten.mm.default, aten.addmm.default):
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
 def test_selective_checkpointing_never_meets_relays_own_ops(
     make_relay_config: MakeRelayConfig, disk_dir: Path
 ) -> None:
@@ -229,8 +218,7 @@ def test_selective_checkpointing_never_meets_relays_own_ops(
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             x = self.inp(x)
             for layer in self.layers:
-                ctx = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
-                x = x + checkpoint(layer, x, use_reentrant=False, context_fn=ctx)
+                x = x + checkpoint(layer, x, use_reentrant=False, context_fn=sac_context)
             return self.head(x)
 
     x = torch.randn(4, 16)

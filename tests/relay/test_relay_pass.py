@@ -3,7 +3,6 @@ what it passes, what it hands to relay's Python hooks, and relay trained with it
 
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ import offloadd
 from offloadd import Offloader
 from offloadd.relay import backward
 from offloadd.relay.state import state_of
+from tests._support.helpers import linked_tensors
 from tests.relay.cases import Layered, MakeRelayConfig, freeze_layers, same, square_loss, step
 
 if backward.PassPack is None:  # pragma: no cover - CI builds it
@@ -118,13 +118,6 @@ def test_relay_trains_alike_with_either_pair(
     offloadd.unrelay(model)
 
 
-def _linked_tensors() -> int:
-    """Tensors alive with a grad_fn: a graph's outputs, never a slab's handle nor a weight (a
-    relayed weight's placeholder, a subclass, raises on ``grad_fn``)."""
-    gc.collect()
-    return sum(1 for o in gc.get_objects() if type(o) is torch.Tensor and o.grad_fn is not None)
-
-
 class _SavesOutputs(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -154,12 +147,12 @@ def test_graphs_dropped_without_backward_free_what_relay_passed_on(
     model = offloadd.relay(freeze_layers(_SavesOutputs()), config=make_relay_config(disk_dir))
     x = torch.randn(4, 128, requires_grad=True)
     model(x).sum().backward()  # warm: slabs, views, the pair made
-    before = _linked_tensors()
+    before = linked_tensors()
     for _ in range(4):
         model(x)  # dropped without a backward
     y = model(x).sum()
     y.backward(retain_graph=True)
     del y  # the retained graph dropped
-    assert _linked_tensors() == before  # 6 more a forward when kept with their grad_fn
+    assert linked_tensors() == before  # 6 more a forward when kept with their grad_fn
     assert not any(state_of(model).relay.saved._pending.values())  # every ref forgotten
     offloadd.unrelay(model)

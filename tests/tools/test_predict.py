@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import gc
 import json
 import os
 import subprocess
@@ -31,6 +30,7 @@ from offloadd.tools.predict.report import MOST, Row, largest_batch, recommend
 from offloadd.tools.predict.trace import TraceSpec, _offloaded, trace
 from offloadd.tools.wall.predicted import behind_a_slow_disk
 from tests._support.cgroup import memory_cgroup, slow_writes
+from tests._support.helpers import linked_tensors
 
 ENGINE_PARAMS = ("default",)
 
@@ -123,19 +123,15 @@ def test_a_trace_dropped_without_backward_frees_what_it_kept() -> None:
     own graph, a cycle no collection frees once the graph is dropped unused."""
     w = torch.nn.Parameter(torch.randn(16, 16))
 
-    def linked() -> int:
-        gc.collect()
-        return sum(1 for o in gc.get_objects() if type(o) is torch.Tensor and o.grad_fn is not None)
-
-    before = linked()
+    before = linked_tensors()
     with _offloaded([w], min_bytes=1 << 20):  # every tensor below min_bytes: kept
         for _ in range(3):
             (torch.randn(4, 16) @ w).sigmoid().relu().sum()  # dropped without a backward
-    assert linked() == before
+    assert linked_tensors() == before
     with _offloaded([w], min_bytes=0, keeping=lambda: True):  # kept by the plan
         for _ in range(3):
             (torch.randn(4, 16) @ w).sigmoid().relu().sum()
-    assert linked() == before
+    assert linked_tensors() == before
 
 
 SMALL = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 256, "vocab_size": 512}

@@ -288,13 +288,16 @@ def _offloaded(
         # sparse or empty one; kept detached where it has a grad_fn, as offloadd keeps it (an
         # op's output saved by that op would hold its own graph, never freed if the graph is
         # dropped without a backward: Note [passed on detached] in relay/backward.py)
-        if t.layout is not torch.strided or not t.nbytes or t.nbytes < min_bytes:
-            return t if t.is_leaf else t.detach()
-        if keeping is not None and keeping():
+        if (
+            t.layout is not torch.strided
+            or not t.nbytes
+            or t.nbytes < min_bytes
+            or (keeping is not None and keeping())
+            or t.untyped_storage()._cdata in kept
+            or is_parameter(t)
+        ):
             return t if t.is_leaf else t.detach()
         st = t.untyped_storage()
-        if st._cdata in kept or is_parameter(t):
-            return t if t.is_leaf else t.detach()
         ref, key = known.get(st._cdata, (None, -1))
         if ref is None or ref() is not st:
             key = next(_numbers)

@@ -198,7 +198,9 @@ def test_gradients_bit_identical_under_each_allocator(allocator: str, disk_dir: 
         tier="ssd", ssd_dirs=[str(disk_dir)], min_bytes=64 << 10, host_allocator=allocator
     )
     try:
-        got = train(wide_mlp, wide_input, off, steps=4)
+        # settle_first: step 1 reads from disk whatever the timing (its writes may otherwise
+        # all still be in staging when backward comes, and be forwarded)
+        got = train(wide_mlp, wide_input, off, steps=4, settle_first=True)
         off.synchronize()
         st = off.stats()
         read_buffers = off.runtime.reader.pool.created

@@ -114,6 +114,7 @@ class AutoPlanner:
         self._step_t0 = 0.0  # when this forward began
         self.clock = time.perf_counter  # of step times, for races (tests give it a fake)
         self._checkpointed_warned = False
+        self._replan = False  # a recomputation differed: plan every shape again
 
     # -- attaching ---------------------------------------------------------------------------
 
@@ -168,12 +169,19 @@ class AutoPlanner:
         return (
             plan is not None
             and plan.decisions[k] == RECOMPUTE
+            and k not in self.shapes.never
             and not self._prefix
             and torch.is_grad_enabled()
             and self._scope_open()
             and not _in_backward()
             and saves_reach_offloadd()  # not inside the model's own checkpoint: [innermost hooks]
         )
+
+    def never_recompute(self, k: int) -> None:
+        """Block ``k`` gave other outputs when recomputed (Note [recomputed state]): no plan
+        recomputes it from now on."""
+        self.shapes.never.add(k)
+        self._replan = True
 
     def _scope_open(self) -> bool:
         return self.view.in_scope()
@@ -185,7 +193,11 @@ class AutoPlanner:
         if self.shapes.race is not None and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # a raced step's time is the device's: from a quiet start
         self._step_t0 = self.clock()
-        if self.plan is not None:
+        if self._replan:
+            self._replan = False
+            for sig in list(self.shapes.plans):
+                self._adopt(sig, self.shapes.plan_for(sig))
+        elif self.plan is not None:
             self._check(self.plan)
         race = self.shapes.race  # None if the check planned again
         if race is not None:

@@ -47,6 +47,7 @@ class ShapePlans:
         self.measure: str | None = None  # the probe measuring peaks (None: offloadd's accounting)
         self.held: Callable[[], int] = lambda: 0  # what the model holds elsewhere (relay)
         self.refused: set[Sig] = set()  # shapes whose first profile no plan fitted
+        self.never: set[int] = set()  # blocks never to recompute (Note [recomputed state])
 
     # Note [refused once]
     # ~~~~~~~~~~~~~~~~~~~
@@ -87,14 +88,17 @@ class ShapePlans:
             self.race = None  # a replan: the race's plans are stale; it races again below
             self.verdicts.pop(sig, None)
         verdict = self.verdicts.get(sig)
-        costs = priced(costs, verdict)
+        costs = [
+            dataclasses.replace(b, recomputable=False) if k in self.never else b
+            for k, b in enumerate(priced(costs, verdict))
+        ]
         try:
             plan = solve(costs, base, nbytes, kept_base=kept, offload=self.offload)
         except InfeasibleBudget as e:
             if sig not in self.planned:  # the first plan for this shape: say so at once
-                if isinstance(budget, float):  # in keep's terms too
-                    raise InfeasibleBudget(nbytes, e.smallest, self.keep_footprint(sig)) from None
-                raise
+                keep = self.keep_footprint(sig) if isinstance(budget, float) else None
+                never = [b.name for b in costs[:-1] if not b.recomputable]  # not the head
+                raise InfeasibleBudget(nbytes, e.smallest, keep, never) from None
             # Planning again after a step held more than predicted: never stop a training run.
             log.warning("offloadd: %s; using the leanest plan", e)
             plan = solve(costs, base, e.smallest, kept_base=kept, offload=self.offload)

@@ -30,6 +30,7 @@ the profile step only.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -42,7 +43,9 @@ from offloadd.auto.grad_hooks import GradHooks
 from offloadd.auto.probe import MemoryProbe
 from offloadd.auto.solver import BlockCost
 
-__all__ = ["HEAD", "HIDDEN", "StepProfile", "input_bytes", "offload_cost"]
+__all__ = ["HEAD", "HIDDEN", "StepProfile", "input_bytes", "module_state", "offload_cost"]
+
+log = logging.getLogger("offloadd")
 
 HEAD = "(after the blocks)"
 """The name of the last unit: what runs after the blocks (the head, the loss), up to the end of
@@ -73,14 +76,50 @@ def input_bytes(args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> 
     return total
 
 
+_MODULE_KEYS = frozenset(vars(torch.nn.Module()))
+_PLAIN = (int, float, complex, str, bytes, type(None))
+
+
+def module_state(module: torch.nn.Module) -> dict[str, Any]:
+    """What a forward could change besides buffers, per attribute of ``module``'s modules (by
+    dotted name): the plain ones that are numbers or strings by value (a call counter, a
+    schedule), the tensors that are neither parameters nor buffers by identity and version
+    (Note [recomputed state] in recompute.py)."""
+    out: dict[str, Any] = {}
+    for prefix, m in module.named_modules():
+        for key, v in vars(m).items():
+            if key in _MODULE_KEYS or key.startswith("_offloadd"):
+                continue
+            if isinstance(v, torch.Tensor):
+                out[f"{prefix}.{key}".lstrip(".")] = (id(v), 0 if v.is_inference() else v._version)
+            elif isinstance(v, _PLAIN):
+                out[f"{prefix}.{key}".lstrip(".")] = v
+    return out
+
+
+def _changed(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """The attributes whose :func:`module_state` differs between ``before`` and ``after``."""
+    gone = object()
+    return sorted(
+        a
+        for a in before.keys() | after.keys()
+        if not _equal(before.get(a, gone), after.get(a, gone))
+    )
+
+
+def _equal(a: Any, b: Any) -> bool:
+    return a is b or bool(a == b)
+
+
 def _versions(
     args: tuple[Any, ...], kwargs: dict[str, Any] | None, module: torch.nn.Module
 ) -> tuple[Any, ...]:
-    """The version counters of the tensor arguments and of the module's buffers."""
+    """The version counters of the tensor arguments and of the module's buffers, and its
+    :func:`module_state`."""
     inputs = tuple(
         a._version for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)
     )
-    return inputs, tuple(b._version for b in module.buffers())
+    return inputs, tuple(b._version for b in module.buffers()), module_state(module)
 
 
 def first_grad_tensor(value: Any) -> torch.Tensor | None:
@@ -180,8 +219,18 @@ class StepProfile:
 
     def block_ends(self, k: int, output: Any, last: bool, module: torch.nn.Module) -> None:
         seen = self._versions.pop(k, None)
-        if seen is not None and seen[2] != _versions(seen[0], seen[1], module):
-            self.mutates[k] = True
+        if seen is not None:
+            after = _versions(seen[0], seen[1], module)
+            if seen[2] != after:
+                self.mutates[k] = True
+            changed = _changed(seen[2][2], after[2])
+            if changed:
+                log.info(
+                    "offloadd: budget: block %s changes %s in its forward: it is never "
+                    "recomputed (Note [recomputed state] in offloadd/auto/recompute.py)",
+                    self.names[k],
+                    ", ".join(changed),
+                )
         wait = self.wait()
         start = self._open.pop(k, None)
         if start is None:

@@ -13,23 +13,45 @@ dropped for the recomputation, as transformers' own checkpointing does (it is up
 so the recomputation would append to it again), but only when the forward began with an empty
 cache: a cache holding a prefix (past tokens, prefix tuning) changes what the block computes,
 and such forwards are not recomputed.
+
+Note: [recomputed state] A recomputation is exact only if the block's forward computes the same
+from the same inputs, parameters, buffers and RNG. ``torch.utils.checkpoint`` restores torch's
+RNG; three more layers cover the rest, since the planner, not the user, chose to recompute:
+- Python's ``random`` and NumPy's global generator are restored for the recomputation too, and
+  set back to where they were after it (a block that draws from them recomputes exactly, and
+  the script's own draws are not moved).
+- The profile step records, per block, its modules' plain attributes (numbers, strings: a call
+  counter, a schedule) and the version of their tensors that are not parameters or buffers; a
+  block whose forward changed one is never recomputed (profile.py, ``module_state``).
+- What is left (a global, a closure, a kernel that is not deterministic) is caught, not
+  prevented: the forward's outputs are fingerprinted (their bits summed, as integers, which is
+  exact for NaN and -0) and the recomputation's outputs must give the same. If they do not,
+  backward raises :class:`RecomputeMismatch` naming the block rather than computing gradients
+  from other activations, and the planner never recomputes that block again. So the
+  recomputation runs to its end (``early_stop=False``: it recomputes what follows the block's
+  last saved tensor, usually an add). Under ``torch.compile`` none of this runs: a compiled
+  recomputation replays the graph's tensor ops, not the Python around them.
 """
 
 from __future__ import annotations
 
 import logging
+import random
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from offloadd.runtime.compiled import unseen
 from offloadd.runtime.hook_stack import saves_reach_offloadd
 
 __all__ = [
+    "RecomputeMismatch",
     "cache_holds_prefix",
     "checkpointed",
     "install",
@@ -84,8 +106,91 @@ def warn_checkpointed(model: nn.Module | None) -> None:
     )
 
 
+class RecomputeMismatch(RuntimeError):
+    """A recomputed block gave other outputs than its forward did (Note [recomputed state])."""
+
+
+def _host_rngs() -> tuple[Any, Any]:
+    """The states of Python's ``random`` and, where NumPy is loaded, its global generator."""
+    np = sys.modules.get("numpy")
+    return random.getstate(), (np.random.get_state() if np is not None else None)
+
+
+def _set_host_rngs(states: tuple[Any, Any]) -> None:
+    random.setstate(states[0])
+    np = sys.modules.get("numpy")
+    if np is not None and states[1] is not None:
+        np.random.set_state(states[1])
+
+
+_AS_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def fingerprint(value: Any) -> list[torch.Tensor]:
+    """Per tensor in ``value`` (a tensor, or a structure of them): the sum of its elements' bits
+    read as integers, so equal bits give equal sums, NaN and -0 included."""
+    out = []
+    with torch.no_grad():
+        for t in tree_leaves(value):
+            if not isinstance(t, torch.Tensor) or t.layout is not torch.strided:
+                continue
+            if t.is_complex():
+                t = torch.view_as_real(t)
+            if t.dtype is not torch.bool:
+                t = t.view(_AS_INT[t.element_size()])
+            out.append(t.sum())
+    return out
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def run_checked(
+    forward: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    name: str,
+    on_mismatch: Callable[[], None],
+) -> Any:
+    """:func:`run_checkpointed`, its recomputation checked (Note [recomputed state]): Python's
+    and NumPy's RNG restored for it, its outputs compared with the forward's; on a difference
+    ``on_mismatch()`` is called and :class:`RecomputeMismatch` raised, naming block ``name``."""
+    rngs = _host_rngs()
+    seen: list[list[torch.Tensor]] = []
+
+    def checked(*a: Any, **kw: Any) -> Any:
+        if not seen:  # the forward
+            out = forward(*a, **kw)
+            seen.append(fingerprint(out))
+            return out
+        now = _host_rngs()  # the recomputation, in backward
+        _set_host_rngs(rngs)
+        try:
+            out = forward(*a, **kw)
+        finally:
+            _set_host_rngs(now)
+        if not _same(seen[0], fingerprint(out)):
+            on_mismatch()
+            raise RecomputeMismatch(
+                f"offloadd: budget: block {name} gave other outputs when recomputed in backward "
+                "than in forward, so its gradients would not be exact; backward stops here. Its "
+                "forward depends on more than its inputs, parameters, buffers and RNG (a global, "
+                "a closure, a kernel that is not deterministic: torch.use_deterministic_"
+                "algorithms). offloadd will not recompute it again in this process; to keep a "
+                "new run from recomputing it, make what it reads an input or a buffer"
+            )
+        return out
+
+    return run_checkpointed(checked, args, kwargs, early_stop=False)
+
+
 def run_checkpointed(
-    forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    forward: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    early_stop: bool = True,
 ) -> Any:
     """``forward(*args, **kwargs)`` under non-reentrant checkpointing, RNG state preserved."""
     args = tuple(None if _is_cache(v) else v for v in args)
@@ -99,7 +204,12 @@ def run_checkpointed(
         return forward(*flat[:n], **dict(zip(keys, flat[n:], strict=True)))
 
     return checkpoint(
-        positional, *args, *kwargs.values(), use_reentrant=False, preserve_rng_state=True
+        positional,
+        *args,
+        *kwargs.values(),
+        use_reentrant=False,
+        preserve_rng_state=True,
+        early_stop=early_stop,
     )
 
 
@@ -122,6 +232,19 @@ def _recompute_now(module: nn.Module) -> bool:
     return planner is not None and ref is not None and bool(planner.recompute_now(ref[1]))
 
 
+def _run_checked(module: nn.Module, forward: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    planner_ref, k = module.__dict__[_ATTR]
+    planner = planner_ref()
+    name = planner.names[k] if planner is not None else type(module).__name__
+
+    def mismatch() -> None:
+        p = planner_ref()
+        if p is not None:
+            p.never_recompute(k)
+
+    return run_checked(forward, args, kwargs, name, mismatch)
+
+
 def _subclass(cls: type) -> type:
     sub = _SUBCLASSES.get(cls)
     if sub is None:
@@ -129,7 +252,10 @@ def _subclass(cls: type) -> type:
 
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             if _recompute_now(self):
-                return run_checkpointed(lambda *a, **kw: base_forward(self, *a, **kw), args, kwargs)
+                run = lambda *a, **kw: base_forward(self, *a, **kw)  # noqa: E731
+                if torch.compiler.is_compiling():  # see [recomputed state]
+                    return run_checkpointed(run, args, kwargs)
+                return _run_checked(self, run, args, kwargs)
             return base_forward(self, *args, **kwargs)
 
         sub = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__})

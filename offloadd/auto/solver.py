@@ -156,13 +156,21 @@ class Plan:
 class InfeasibleBudget(ValueError):
     """The budget is below what the leanest plan needs."""
 
-    def __init__(self, budget: int, smallest: int, keep: int | None = None) -> None:
+    def __init__(
+        self, budget: int, smallest: int, keep: int | None = None, never: list[str] | None = None
+    ) -> None:
         self.budget, self.smallest, self.keep = budget, smallest, keep
         of = (lambda n: f", {n / keep:.2f}x keep's peak") if keep else (lambda n: "")
+        why = (
+            f"; never recomputed (their forward changes their inputs, buffers or attributes, or a "
+            f"recomputation differed: Note [recomputed state]): {', '.join(never)}"
+            if never
+            else ""
+        )
         super().__init__(
             f"budget: {budget} bytes ({budget / 2**20:.1f} MiB{of(budget)}) is below the smallest "
             f"feasible budget for this model and step, {smallest} bytes "
-            f"({smallest / 2**20:.1f} MiB{of(smallest)})"
+            f"({smallest / 2**20:.1f} MiB{of(smallest)}){why}"
         )
 
 

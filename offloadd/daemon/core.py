@@ -58,6 +58,8 @@ from offloadd.wire.trust import open_socket_dir, own_uid, peer_credentials
 
 __all__ = ["Server", "make_engine", "serve", "socket_modes"]
 
+_KINDS = {stat.S_IFREG: "regular file", stat.S_IFDIR: "directory", stat.S_IFLNK: "symbolic link"}
+
 log = logging.getLogger("offloadd.daemon")
 
 
@@ -130,10 +132,16 @@ class Server:
             )
         where = f"/proc/self/fd/{fd}/{name}"  # see [socket modes]: through the checked directory
         try:
-            os.stat(name, dir_fd=fd, follow_symlinks=False)
+            there = os.stat(name, dir_fd=fd, follow_symlinks=False)
         except FileNotFoundError:
             pass
         else:
+            if not stat.S_ISSOCK(there.st_mode):  # never remove what is not a socket
+                raise ValueError(
+                    f"socket: {path!r} exists and is not a socket (a "
+                    f"{_KINDS.get(stat.S_IFMT(there.st_mode), 'file')}); name a path that does "
+                    "not exist, or the socket of a daemon that was stopped"
+                )
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 probe.connect(where)

@@ -288,3 +288,34 @@ def test_a_relative_socket_path_is_checked_in_the_current_directory(tmp_path: Pa
                 connect_control("d.sock", timeout=0.2)
     finally:
         os.chdir(old)
+
+
+@pytest.mark.parametrize("kind", ["regular file", "directory", "symbolic link"])
+def test_the_daemon_never_removes_what_is_not_a_socket(tmp_path: Path, kind: str) -> None:
+    """``--socket`` naming a user's file (a typo): refused, the file left as it was. The daemon
+    removes only a socket nobody listens on (one left by a daemon that was killed)."""
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    there = run / "notes"
+    if kind == "regular file":
+        there.write_text("precious")
+    elif kind == "directory":
+        there.mkdir()
+    else:
+        there.symlink_to(tmp_path / "elsewhere")
+    data = tmp_path / "data"
+    data.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OFFLOADD")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "offloadd", "serve", "--dir", str(data), "--socket", str(there)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert f"{str(there)!r} exists and is not a socket (a {kind})" in proc.stderr, proc.stderr
+    if kind == "regular file":
+        assert there.read_text() == "precious"
+    else:
+        assert there.is_symlink() if kind == "symbolic link" else there.is_dir()

@@ -51,7 +51,7 @@ from offloadd.memsave import memsave
 from offloadd.offloader import Offloader
 from offloadd.relay import relay
 from offloadd.relay.state import is_relayed
-from offloadd.relay.surface import RelayStats, keep_final_stats
+from offloadd.relay.surface import RelayStats, forward_begun, keep_final_stats
 
 __all__ = ["AutoOffload", "EnvSettings", "activate", "current"]
 
@@ -107,6 +107,7 @@ class AutoOffload:
                 dirs = self.ssd_dirs or self._rank_dirs(self.settings.config)
                 self.ssd_dirs = dirs
                 relay(module, config=replace(self.settings.config, tier="ssd", ssd_dirs=dirs))
+                forward_begun(module)  # this call's module hooks were gathered without relay's
                 self._relay_final.append(keep_final_stats(module, self._relay_done))
         off.__enter__()
         # The model of this scope: its parameters and buffers are never moved, and a budget

@@ -29,6 +29,7 @@ class RelayState:
     sd_cache: dict[int, torch.Tensor] = field(default_factory=dict)  # one state_dict() call's
     converting: bool = False
     compile_warned: bool = False  # see [relay under torch.compile] in surface.py
+    model_pre: Any = None  # relay's forward pre-hook on the model (see ``forward_begun``)
     finalizer: Any = None
 
 

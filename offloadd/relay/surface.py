@@ -40,6 +40,7 @@ from offloadd.runtime.stages import HELD_ELSEWHERE
 
 __all__ = [
     "RelayStats",
+    "forward_begun",
     "is_relayed",
     "keep_final_stats",
     "relay",
@@ -147,6 +148,9 @@ def _relay(
     state = RelayState(r, win, cfg, kept)
     _hook(model, state)
     model.__dict__[ATTR] = state
+    if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+        # torch.compile(model)'s wrapper: its hooks run outside the compiled frame, never warn
+        _compiled_whole(weakref.ref(model))
     HELD_ELSEWHERE.declare(model, r.held_for_budget)
     # a model dropped without unrelay: its store's engine stops, its files (no names) close
     state.finalizer = weakref.finalize(model, _close, store, r.slabs)
@@ -180,7 +184,8 @@ def _hook(model: nn.Module, state: RelayState) -> None:
     r = state.relay
     h = state.handles
     warn = functools.partial(_compiled_whole, weakref.ref(model))  # a cycle through the hook
-    h.append(model.register_forward_pre_hook(unseen(r.on_model_forward, warn, modes_aside=True)))
+    state.model_pre = unseen(r.on_model_forward, warn, modes_aside=True)
+    h.append(model.register_forward_pre_hook(state.model_pre))
     h.append(
         model.register_forward_hook(
             unseen(r.after_model_forward, modes_aside=True), always_call=True
@@ -199,6 +204,14 @@ def _hook(model: nn.Module, state: RelayState) -> None:
     model.__dict__["__deepcopy__"] = _not_copied
 
 
+def forward_begun(model: nn.Module) -> None:
+    """Run relay's model pre-hook for a call of ``model`` already under way: one relayed by a
+    global forward pre-hook of that very call (``OFFLOADD_RELAY=frozen``), for which torch had
+    gathered the model's own pre-hooks before relay registered its one. Its forward hook is
+    gathered after the forward, and runs."""
+    state_of(model).model_pre(model, ())
+
+
 def _compiled_whole(model_ref: weakref.ref[nn.Module]) -> None:
     """Note [relay under torch.compile]: relay's hooks run eagerly, so a model compiled whole
     breaks its graph at each relayed layer. Inductor then compiles the layers apart, as
@@ -215,7 +228,7 @@ def _compiled_whole(model_ref: weakref.ref[nn.Module]) -> None:
         "kernels are those of the model compiled per layer and the losses differ in their last "
         "bits from the unrelayed model compiled whole; compile per layer "
         "(`layer.compile()` for each layer) for the same bits with and without relay",
-        type(model).__name__,
+        type(getattr(model, "_orig_mod", model)).__name__,
     )
 
 

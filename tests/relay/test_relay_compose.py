@@ -112,6 +112,20 @@ def test_compiled(
     offloadd.unrelay(model._orig_mod)  # type: ignore[arg-type]
 
 
+def test_relaying_the_compiled_wrapper_warns_at_once(
+    make_relay_config: MakeRelayConfig, disk_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``relay(torch.compile(model))``, as ``OFFLOADD_RELAY=frozen`` does for a script that
+    compiles its model whole: the wrapper's hooks run outside the compiled frame, where the
+    warning above never came; it comes at relay, naming the model's class."""
+    compiled = torch.compile(freeze_layers(Layered()))
+    with caplog.at_level(logging.WARNING, logger="offloadd"):
+        offloadd.relay(compiled, config=make_relay_config(disk_dir))
+    said = [r.getMessage() for r in caplog.records if "compiled whole" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("offloadd relay: Layered is compiled whole")
+    offloadd.unrelay(compiled)
+
+
 def test_layers_compiled_on_their_own(
     make_relay_config: MakeRelayConfig, disk_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -201,15 +215,21 @@ def test_relay_key() -> None:
         Config.from_env({"OFFLOADD_RELAY_WINDOW": "0"})
 
 
-def test_env_var_relay_is_identical(disk_dir: Path, tmp_path: Path) -> None:
-    client = str(CLIENTS / "relay_train.py")
-    base = last_json(run([PYTHON, client, "3"], clean_env()).stdout)
+@pytest.mark.parametrize("model", ["stack", "nested"])
+def test_env_var_relay_is_identical(model: str, disk_dir: Path, tmp_path: Path) -> None:
+    """``nested``: relayed from within the model's own first call, whose module hooks torch had
+    gathered before relay's were registered (its first forward raised a RelayError)."""
+    cmd = [PYTHON, str(CLIENTS / "relay_train.py"), "3", model]
+    base = last_json(run(cmd, clean_env()).stdout)
     assert base["frozen_weight"] == "Parameter"
     env = offload_env(disk_dir, tmp_path / "report.json", OFFLOADD_RELAY="frozen")
-    proc = run([PYTHON, client, "3"], env)
+    proc = run(cmd, env)
     got = last_json(proc.stdout)
     assert (got["losses"], got["weights"]) == (base["losses"], base["weights"])
     assert got["frozen_weight"] == "RelayedWeight"
+    if model == "nested":
+        assert "; relayed 1.5 MiB of frozen weights in" in proc.stderr, proc.stderr
+        return
     # the exit summary and the report say what relay moved: 6 layers of 2 x 256 x 512 fp32
     frozen = 6 * (2 * 256 * 512 + 512 + 256) * 4
     assert "; relayed 6.0 MiB of frozen weights in 6 groups, peak held" in proc.stderr

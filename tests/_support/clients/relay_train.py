@@ -3,7 +3,9 @@
 Prints one JSON line: the losses, a SHA-256 of the final state_dict, and the class of one frozen
 weight after training (``OFFLOADD_RELAY=frozen`` makes it offloadd's placeholder). Under
 torchrun it trains DistributedDataParallel on gloo, each rank on its own data, and each rank
-writes that JSON to CLIENT_OUT/rank-<N>.json instead (ranks share stdout).
+writes that JSON to CLIENT_OUT/rank-<N>.json instead (ranks share stdout). With ``nested`` as
+its second argument the model is an ``nn.Sequential`` whose frozen trunk nests ``Sequential``s
+(the model's own call is the one ``OFFLOADD_RELAY=frozen`` relays it in).
 """
 
 import hashlib
@@ -40,8 +42,15 @@ def main() -> None:
         rank = dist.get_rank()
         torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = Stack(6, 256)
-    model.layers.requires_grad_(False)
+    if sys.argv[2:] == ["nested"]:
+        trunk = nn.Sequential(*(nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(6)))
+        model = nn.Sequential(nn.Linear(256, 256), trunk, nn.Linear(256, 10))
+        model[1].requires_grad_(False)
+        first = model[1][0][0]
+    else:
+        model = Stack(6, 256)
+        model.layers.requires_grad_(False)
+        first = model.layers[0][0]
     net = DistributedDataParallel(model) if ranked else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # frozen ones included: they have no grad
     gen = torch.Generator().manual_seed(1 + rank)
@@ -58,7 +67,7 @@ def main() -> None:
     for k, t in model.state_dict().items():
         digest.update(k.encode())
         digest.update(t.contiguous().numpy().tobytes())
-    kind = type(model.layers[0][0].weight).__name__
+    kind = type(first.weight).__name__
     result = {"losses": losses, "weights": digest.hexdigest(), "frozen_weight": kind}
     if not ranked:
         print(json.dumps(result))

@@ -14,6 +14,8 @@ Note [relay surface]
   usual, then each group in turn: read, convert, laid out again, written; one group in memory at
   a time, none if the conversion changes nothing. On a module inside the model it raises (it
   would convert part of a group).
+- The values ``state_dict()`` handed out follow the weights, and writes into them reach the
+  model, as in PyTorch: Note [handed-out values] in handed.py.
 - Each of these starts from the state between steps (Note [between steps] in relayer.py): no
   group swapped in but what ``resident()`` or a load pinned.
 - :func:`resident`: every group swapped in and pinned for the block; what changed is written
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from offloadd.relay import handed
 from offloadd.relay.groups import Entry, Group, lay_out
 from offloadd.relay.placeholder import RelayedWeight, RelayError
 from offloadd.relay.relayer import Relay
@@ -53,7 +56,7 @@ def hook_model_ops(model: nn.Module, state: RelayState) -> None:
         )
         for e in g.entries:
             owners.setdefault(e.module, []).append((g, e))
-    h.append(model.register_state_dict_pre_hook(functools.partial(_clear_cache, state)))
+    h.append(model.register_state_dict_pre_hook(functools.partial(_state_pre, state)))
     for m, entries in owners.items():
         m.__dict__["_save_to_state_dict"] = functools.partial(_save, weakref.ref(m), entries)
         h.append(m.register_state_dict_post_hook(functools.partial(_state_post, state, entries)))
@@ -75,6 +78,11 @@ def unpatch(state: RelayState) -> None:
 
 
 def _clear_cache(state: RelayState, *args: Any) -> None:
+    state.sd_cache.clear()
+
+
+def _state_pre(state: RelayState, *args: Any) -> None:
+    handed.write_through(state, write_group)
     state.sd_cache.clear()
 
 
@@ -109,17 +117,19 @@ def _state_post(
             continue
         if g.index in r._installed:  # swapped in: the weight as it is (a new .data included)
             sd[key] = e.param.detach().clone(memory_format=torch.preserve_format)
-            continue
-        slab = cache.get(g.index)
-        if slab is None:
-            cache.clear()  # groups come in order: one held at a time
-            slab = cache[g.index] = r.fetch(g)
-        sd[key] = g.view(slab, e).clone(memory_format=torch.preserve_format)
+        else:
+            slab = cache.get(g.index)
+            if slab is None:
+                cache.clear()  # groups come in order: one held at a time
+                slab = cache[g.index] = r.fetch(g)
+            sd[key] = g.view(slab, e).clone(memory_format=torch.preserve_format)
+        handed.note(state, g, e, sd[key])
 
 
 def _load_pre(state: RelayState, g: Group, module: nn.Module, *args: Any) -> None:
     r = state.relay
     r.settle()  # Note [between steps]: a group left in by a backward that raised goes out
+    handed.write_through(state, write_group, [g])
     if g.index not in r._installed and not g.released:
         r.install(g, r.fetch(g))
         r.pinned.add(g.index)
@@ -131,6 +141,7 @@ def _load_post(state: RelayState, g: Group, module: nn.Module, incompatible: Any
         state.loading.discard(g.index)
         state.relay.pinned.discard(g.index)
         rewrite(state.relay, g)
+        handed.refresh(state, g)
 
 
 def rewrite(r: Relay, g: Group) -> None:
@@ -193,6 +204,7 @@ def _apply(state_ref: Any, module_ref: Any, fn: Any, *args: Any, **kw: Any) -> A
         return original(fn, *args, **kw)
     r = state.relay
     r.settle()
+    handed.write_through(state, write_group)
     if module is not r.model():
         raise RelayError(
             "offloadd relay: convert the relayed model as a whole (model.to(...)), "
@@ -213,6 +225,7 @@ def _apply(state_ref: Any, module_ref: Any, fn: Any, *args: Any, **kw: Any) -> A
     with torch.no_grad():
         for g in r.groups:
             _convert_group(r, g, fn)
+    handed.forget(state)
     return out
 
 
@@ -241,8 +254,10 @@ def _convert_group(r: Relay, g: Group, fn: Any) -> None:
 def resident(model: nn.Module) -> Iterator[nn.Module]:
     """Every relayed weight of ``model`` swapped in for the block (all of them held); weights
     changed inside are written to the store again on exit."""
-    r = state_of(model).relay
+    state = state_of(model)
+    r = state.relay
     r.settle()
+    handed.write_through(state, write_group)
     mine = [g for g in r.groups if g.index not in r._installed and not g.released]
     for g in mine:
         r.install(g, r.fetch(g), guard=False)  # compared with the store on exit instead
@@ -261,6 +276,7 @@ def resident(model: nn.Module) -> Iterator[nn.Module]:
                     release(r, g, f"{trained[0]!r} was made to require grad")
                     continue
                 rewrite(r, g)
+                handed.refresh(state, g)
             except RelayError as e:
                 r.uninstall(g)  # swapped out whatever failed (rewrite's own errors did)
                 errors.append(e)

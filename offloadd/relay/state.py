@@ -30,6 +30,7 @@ class RelayState:
     converting: bool = False
     compile_warned: bool = False  # see [relay under torch.compile] in surface.py
     model_pre: Any = None  # relay's forward pre-hook on the model (see ``forward_begun``)
+    handed: dict[int, list[Any]] = field(default_factory=dict)  # see [handed-out values]
     finalizer: Any = None
 
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from offloadd.config import Config
+from offloadd.relay import handed
 from offloadd.relay.checkpoint import Checkpoint
 from offloadd.relay.groups import Group, find_groups
 from offloadd.relay.loading import (
@@ -184,7 +185,7 @@ def _hook(model: nn.Module, state: RelayState) -> None:
     r = state.relay
     h = state.handles
     warn = functools.partial(_compiled_whole, weakref.ref(model))  # a cycle through the hook
-    state.model_pre = unseen(r.on_model_forward, warn, modes_aside=True)
+    state.model_pre = unseen(functools.partial(_on_model_forward, state), warn, modes_aside=True)
     h.append(model.register_forward_pre_hook(state.model_pre))
     h.append(
         model.register_forward_hook(
@@ -202,6 +203,12 @@ def _hook(model: nn.Module, state: RelayState) -> None:
     # pickle and deepcopy look these up on the instance: say why, before they meet a hook
     model.__dict__["__reduce_ex__"] = _not_copied
     model.__dict__["__deepcopy__"] = _not_copied
+
+
+def _on_model_forward(state: RelayState, module: nn.Module, args: Any) -> None:
+    if state.handed and not state.relay.depth:
+        handed.write_through(state, write_group)  # Note [handed-out values]
+    state.relay.on_model_forward(module, args)
 
 
 def forward_begun(model: nn.Module) -> None:
@@ -244,6 +251,8 @@ def unrelay(model: nn.Module) -> nn.Module:
     state = state_of(model)
     r = state.relay
     r.settle()  # Note [between steps]: a group a backward that raised left in, out first
+    handed.write_through(state, write_group)
+    state.handed.clear()  # the weights are the model's own again: the values copies
     for g in r.groups:
         if not g.released:
             take_back(r, g)

@@ -1,0 +1,142 @@
+"""The values ``state_dict()`` hands out for relayed weights, kept in step with the store.
+
+Note [handed-out values]
+~~~~~~~~~~~~~~~~~~~~~~~~
+In PyTorch a ``state_dict()`` value shares its parameter's storage: a write into it changes the
+model (``sd[k].copy_(new)``, ``v.mul_(decay)``: EMA updates, weight surgery), and a load into
+the model shows in it. A relayed weight's value is a copy of the store's bytes (one tensor per
+weight, see [relay surface] in model_ops.py), so relay keeps the two in step instead:
+
+- each value handed out is noted with its version counter: a detached alias of it (which
+  shares the counter and the storage) and a weak reference to it. Once the value is freed (a
+  ``torch.save(model.state_dict())``, a loop over a state dict made for it), the alias goes
+  too, unless the value was written into: its write then still reaches the model, as it would
+  have in PyTorch, at the next check;
+- before anything reads or changes the relayed weights (the model's forward, ``state_dict()``,
+  a load, :func:`~offloadd.relay.model_ops.resident`, ``unrelay()``, ``.to()``), a value whose
+  version moved was written into: its group is written again with it (:func:`write_through`),
+  and its generation bumped, so a reference saved for backward before raises as after a load;
+- a load or a ``resident()`` block that changed a group copies the new weights into the values
+  handed out for it (:func:`refresh`);
+- a conversion (``.to(dtype)``) gives the weights new tensors, as PyTorch does, and the values
+  handed out before are no longer the model's (:func:`forget`).
+
+A write into a value is seen by its version counter, so a write that bypasses it (through
+``.data``, or by a system call into its memory) is not; PyTorch's own state dicts see those.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from offloadd.relay.groups import Entry, Group
+from offloadd.relay.state import RelayState
+
+__all__ = ["forget", "note", "refresh", "write_through"]
+
+
+class _Handed:
+    """One value handed out: a detached alias of it (its storage and version counter), and
+    whether the value itself is gone (its weak reference's callback)."""
+
+    __slots__ = ("__weakref__", "alias", "entry", "ref", "version")
+
+    def __init__(self, e: Entry, value: torch.Tensor) -> None:
+        self.entry = e
+        self.alias: torch.Tensor | None = value.detach()  # shares the version counter
+        self.version = value._version
+        me = weakref.ref(self)
+        self.ref = weakref.ref(value, lambda _: _dropped(me))
+
+    def written(self) -> torch.Tensor | None:
+        """The alias, if the value was written into since noted (noted again as it is now)."""
+        alias = self.alias
+        if alias is None or alias._version == self.version:
+            return None
+        self.version = alias._version
+        return alias
+
+
+def _dropped(me: weakref.ref[_Handed]) -> None:
+    """The value was freed: unless it was written into, its alias goes now (its memory with it);
+    a written one waits for the next :func:`write_through`. Runs wherever the value died (any
+    thread, inside a collection): it only drops a reference."""
+    h = me()
+    if h is not None and h.alias is not None and h.alias._version == h.version:
+        h.alias = None
+
+
+def note(state: RelayState, g: Group, e: Entry, value: torch.Tensor) -> None:
+    """``value`` was handed out by ``state_dict()`` for weight ``e`` of group ``g``."""
+    state.handed.setdefault(g.index, []).append(_Handed(e, value))
+
+
+def _changed(state: RelayState, index: int) -> list[tuple[Entry, torch.Tensor]]:
+    """The values of group ``index`` written into since noted; the freed ones forgotten."""
+    live, changed = [], []
+    for h in state.handed.get(index, ()):
+        alias = h.written()
+        if alias is not None:
+            changed.append((h.entry, alias))
+        if h.ref() is not None:
+            live.append(h)
+    if live:
+        state.handed[index] = live
+    else:
+        state.handed.pop(index, None)
+    return changed
+
+
+Write = Callable[[Any, Group, list[torch.Tensor]], None]
+"""``model_ops.write_group``: a group's new record from its weights."""
+
+
+def write_through(state: RelayState, write: Write, groups: list[Group] | None = None) -> None:
+    """Write the values handed out and written into since into their groups (all, or
+    ``groups``) with ``write``: see [handed-out values]."""
+    if not state.handed:
+        return
+    r = state.relay
+    for g in r.groups if groups is None else groups:
+        if g.index not in state.handed:
+            continue
+        changed = _changed(state, g.index)
+        if not changed or g.released:
+            continue
+        with torch.no_grad():
+            if g.index in r._installed:  # pinned by a load or resident(): it writes on exit
+                for e, t in changed:
+                    e.param.detach().copy_(t)
+                continue
+            new = dict((id(e), t) for e, t in changed)
+            slab = r.fetch(g)
+            old = g.record
+            write(r, g, [new.get(id(e), g.view(slab, e)) for e in g.entries])
+            del slab
+        r.store.free(old)  # type: ignore[arg-type]
+        g.generation += 1
+
+
+def refresh(state: RelayState, g: Group) -> None:
+    """Group ``g`` was written again (a load, a ``resident()`` block): the values handed out for
+    it take its new weights."""
+    live = [h for h in state.handed.get(g.index, ()) if h.ref() is not None]
+    if not live:
+        state.handed.pop(g.index, None)
+        return
+    slab = state.relay.fetch(g)
+    with torch.no_grad():
+        for h in live:
+            if h.alias is not None:
+                h.alias.copy_(g.view(slab, h.entry))
+                h.version = h.alias._version
+    state.handed[g.index] = live
+
+
+def forget(state: RelayState) -> None:
+    """The weights were converted: the values handed out before are no longer theirs."""
+    state.handed.clear()

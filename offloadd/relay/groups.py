@@ -174,11 +174,13 @@ def find_groups(
     ``meta``: weights on the meta device count too (a model loaded from a checkpoint)."""
     roots = _layer_roots(model)
     owner_group, shared = _owners(model, roots)
-    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    # a module reached twice (a layer used twice: ModuleList([a, b, a])) is one module, named
+    # by its first place, its weights relayed once: a group called twice in one forward
+    names = dict(reversed([(id(m), n) for n, m in model.named_modules(remove_duplicate=False)]))
     # who uses each storage: the groups of frozen weights, or None for anything else
     users: dict[int, set[object]] = {}
     frozen: list[tuple[nn.Module, str, nn.Parameter, nn.Module | None]] = []
-    for _, m in model.named_modules(remove_duplicate=False):
+    for _, m in model.named_modules():
         for attr, p in m._parameters.items():
             if p is None or isinstance(p, RelayedWeight) or (p.is_meta and not meta):
                 continue

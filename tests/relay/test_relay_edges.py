@@ -579,3 +579,33 @@ def test_hook_pair_follows_the_hooks_below(
     model.zero_grad(set_to_none=True)
     assert same(want, step(model, x, square_loss))
     offloadd.unrelay(model)
+
+
+@pytest.mark.parametrize("window", [1, 2])
+def test_a_layer_listed_twice_is_one_group(
+    make_relay_config: MakeRelayConfig, window: int, disk_dir: Path
+) -> None:
+    """ALBERT-style sharing, ``ModuleList([a, b, c, a, b, c])``: each shared layer is one group,
+    named by its first place, relayed once and called twice a step (the second entry of a
+    module reached twice once made relay raise that its weight 'was replaced')."""
+
+    def shared() -> nn.Module:
+        torch.manual_seed(0)
+        m = Layered(layers=3)
+        m.layers = nn.ModuleList([*m.layers, *m.layers])
+        return freeze_layers(m)
+
+    model = offloadd.relay(shared(), window=window, config=make_relay_config(disk_dir))
+    stats = offloadd.relay_stats(model)
+    assert stats.groups == 3 and not stats.kept
+    names = [g.name for g in state_of(model).relay.groups]
+    assert names == ["layers.0", "layers.1", "layers.2"]
+    plain = shared()
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(3, 16, generator=g)
+        assert same(step(plain, x, square_loss), step(model, x, square_loss))
+    offloadd.unrelay(model)
+    assert all(
+        torch.equal(a, b) for a, b in zip(plain.parameters(), model.parameters(), strict=True)
+    )

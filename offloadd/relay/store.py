@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -134,6 +135,7 @@ class WeightStore:
         self.wait_s = 0.0  # the relayer's waits for reads
         self.swaps = 0  # groups the relayer brought in for use (RelayStats.swaps)
         self._gave_up = False  # see [a write across a daemon's loss]
+        self._pid = os.getpid()  # see ``_same_process``
 
     @staticmethod
     def _warn(key: str, message: str) -> None:
@@ -147,6 +149,14 @@ class WeightStore:
     def backend(self) -> Backend:
         if self._backend is None:
             raise RelayError("offloadd relay: the weight store is closed (offloadd.unrelay ran)")
+        if os.getpid() != self._pid:
+            raise RelayError(
+                "offloadd relay: a relayed model was used in a forked child (a multiprocessing "
+                "'fork' worker, a DataLoader worker): its weight store's I/O threads and files "
+                "are the parent's, whose writes may reuse the places its records name. Use the "
+                "model in the parent, start workers with the 'spawn' method, or call "
+                "offloadd.unrelay(model) before forking"
+            )
         return self._backend
 
     def _chunks(self, record: Record) -> list[tuple[int, int, int]]:
@@ -300,7 +310,7 @@ class WeightStore:
 
     def free(self, record: Record) -> None:
         backend = self._backend
-        if backend is None:
+        if backend is None or os.getpid() != self._pid:  # a forked child's: the parent's places
             return
         with self._lock:
             for file, offset in record.places:
@@ -310,13 +320,13 @@ class WeightStore:
 
     def begin_step(self) -> None:
         if self._backend is not None:
-            self._backend.begin_step()
+            self.backend.begin_step()  # raises in a forked child
 
     def close(self) -> None:
         """Finish what is in flight, then give the files back (idempotent)."""
         backend, self._backend = self._backend, None
-        if backend is not None:
-            backend.close()
+        if backend is not None and os.getpid() == self._pid:  # not a forked child's (its I/O
+            backend.close()  # threads are the parent's: closing would wait for them)
             backend.release()
 
 

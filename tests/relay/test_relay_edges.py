@@ -4,6 +4,9 @@ still bounded by its window."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -609,3 +612,54 @@ def test_a_layer_listed_twice_is_one_group(
     assert all(
         torch.equal(a, b) for a, b in zip(plain.parameters(), model.parameters(), strict=True)
     )
+
+
+_FORKED = """
+import multiprocessing as mp, sys
+import torch
+import offloadd
+from offloadd.config import Config
+from tests.relay.cases import Layered, freeze_layers
+torch.set_num_threads(1)
+model = offloadd.relay(freeze_layers(Layered()), config=Config().replace(
+    tier="ssd", ssd_dirs=(sys.argv[1],)))
+x = torch.randn(2, 16)
+with torch.no_grad():
+    want = model(x)
+
+def child(q):
+    try:
+        with torch.no_grad():
+            model(x)
+        q.put("no error")
+    except offloadd.RelayError as e:
+        q.put(str(e))
+
+ctx = mp.get_context("fork")
+q = ctx.Queue()
+p = ctx.Process(target=child, args=(q,))
+p.start()
+said = q.get(timeout=60)
+p.join(60)
+with torch.no_grad():
+    assert torch.equal(model(x), want)  # the parent's model as it was
+print(p.exitcode, said)
+"""
+
+
+def test_a_forked_child_is_refused_not_hung(disk_dir: Path) -> None:
+    """A relayed model called in a child forked from its process: its store's I/O threads are
+    the parent's, so its reads used to wait forever; now the child gets a RelayError saying so,
+    and the parent's model works on."""
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", _FORKED, str(disk_dir)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    code, said = done.stdout.strip().split(" ", 1)
+    assert code == "0" and "used in a forked child" in said and "'spawn'" in said, said

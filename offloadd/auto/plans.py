@@ -82,8 +82,11 @@ class ShapePlans:
         shape starts its race where offloading every block fits and is another plan."""
         costs, base, kept = self.costs[sig]
         budget = self.budget
-        nbytes = int(budget * self.keep_footprint(sig)) if isinstance(budget, float) else budget
-        nbytes = max(0, nbytes - self.held())  # relayed weights count in the budget
+        # Relayed weights count in the budget, and in keep's peak that a fraction is of.
+        held = self.held()
+        keep = self.keep_footprint(sig) + held
+        total = int(budget * keep) if isinstance(budget, float) else budget
+        nbytes = max(0, total - held)
         if self.race is not None and self.race.signature == sig:
             self.race = None  # a replan: the race's plans are stale; it races again below
             self.verdicts.pop(sig, None)
@@ -96,9 +99,14 @@ class ShapePlans:
             plan = solve(costs, base, nbytes, kept_base=kept, offload=self.offload)
         except InfeasibleBudget as e:
             if sig not in self.planned:  # the first plan for this shape: say so at once
-                keep = self.keep_footprint(sig) if isinstance(budget, float) else None
                 never = [b.name for b in costs[:-1] if not b.recomputable]  # not the head
-                raise InfeasibleBudget(nbytes, e.smallest, keep, never) from None
+                raise InfeasibleBudget(
+                    total,
+                    e.smallest + held,
+                    keep if isinstance(budget, float) else None,
+                    never,
+                    held,
+                ) from None
             # Planning again after a step held more than predicted: never stop a training run.
             log.warning("offloadd: %s; using the leanest plan", e)
             plan = solve(costs, base, e.smallest, kept_base=kept, offload=self.offload)

@@ -157,7 +157,12 @@ class InfeasibleBudget(ValueError):
     """The budget is below what the leanest plan needs."""
 
     def __init__(
-        self, budget: int, smallest: int, keep: int | None = None, never: list[str] | None = None
+        self,
+        budget: int,
+        smallest: int,
+        keep: int | None = None,
+        never: list[str] | None = None,
+        relayed: int = 0,
     ) -> None:
         self.budget, self.smallest, self.keep = budget, smallest, keep
         of = (lambda n: f", {n / keep:.2f}x keep's peak") if keep else (lambda n: "")
@@ -167,6 +172,11 @@ class InfeasibleBudget(ValueError):
             if never
             else ""
         )
+        if relayed:
+            why += (
+                f"; both count the {relayed} bytes ({relayed / 2**20:.1f} MiB) relay holds for "
+                "frozen weights (its slabs' peak)"
+            )
         super().__init__(
             f"budget: {budget} bytes ({budget / 2**20:.1f} MiB{of(budget)}) is below the smallest "
             f"feasible budget for this model and step, {smallest} bytes "

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import offloadd
+from offloadd.auto import InfeasibleBudget
 from offloadd.config import Config
 from offloadd.runtime.compiled import unseen
 from tests._support.envrun import (
@@ -199,6 +200,32 @@ def test_budget_counts_relayed_weights(
     assert plan is not None
     held = offloadd.relay_stats(model).peak_resident_bytes
     assert held > 0 and plan.budget <= budget - held
+    off.close()
+    offloadd.unrelay(model)
+
+
+def test_a_fraction_of_keeps_peak_counts_relayed_weights(
+    make_offloader: MakeOffloader, make_relay_config: MakeRelayConfig, disk_dir: Path
+) -> None:
+    """A fraction budget is of keep's peak with relay's slabs in it: ``1.0x`` keeps every block
+    (it was refused as a budget of 0 bytes, the slabs taken from the activations' keep peak),
+    and a refused fraction names what relay holds, in the user's terms. (A batch of 512: the
+    host cache, which measures the peaks, counts allocations of 128 KiB and more.)"""
+    torch.manual_seed(0)
+    model = offloadd.relay(freeze_layers(Layered(layers=6)), config=make_relay_config(disk_dir))
+    off = make_offloader(disk_dir, budget="1.0x", min_bytes=1024)
+    for _ in range(4):
+        step(model, torch.randn(512, 16), square_loss, off)
+    plan = off.plan()
+    assert plan is not None and set(plan.decisions) == {"keep"}
+    off.close()
+    off = make_offloader(disk_dir, budget="0.2x", min_bytes=1024)
+    held = offloadd.relay_stats(model).peak_resident_bytes
+    with pytest.raises(InfeasibleBudget) as refused:
+        for _ in range(6):
+            step(model, torch.randn(512, 16), square_loss, off)
+    assert f"both count the {held} bytes" in str(refused.value), refused.value
+    assert refused.value.smallest > held and refused.value.budget < refused.value.smallest
     off.close()
     offloadd.unrelay(model)
 

@@ -48,18 +48,25 @@ def _of_parameter(t: torch.Tensor, tp: type, base: torch.Tensor | None) -> bool:
     return isinstance(t, _Parameter) or isinstance(base, _Parameter)
 
 
-_INPLACE_HINT = (
+_HINT_ANOMALY = (
     "Hint: the backtrace further above shows the operation that failed to compute its gradient. "
     "The variable in question was changed in there or anywhere later. Good luck!"
+)
+_HINT = (
+    "Hint: enable anomaly detection to find the operation that failed to compute its gradient, "
+    "with torch.autograd.set_detect_anomaly(True, check_nan=False)."
 )
 
 
 def inplace_error(t_desc: str, saved: int, now: int) -> RuntimeError:
-    """PyTorch's own error for a saved tensor changed in place, word for word."""
+    """PyTorch's own error for a saved tensor changed in place, with the hint it gives with and
+    without anomaly detection. PyTorch also names the node the tensor is an output of (``,
+    which is output 0 of Exp,``): that would cost reading ``grad_fn`` at every pack (see [no
+    cycle through the graph]), and is left out."""
+    hint = _HINT_ANOMALY if torch.is_anomaly_enabled() else _HINT
     return RuntimeError(
         "one of the variables needed for gradient computation has been modified by an inplace "
-        f"operation: [{t_desc}] is at version {now}; expected version {saved} instead. "
-        + _INPLACE_HINT
+        f"operation: [{t_desc}] is at version {now}; expected version {saved} instead. {hint}"
     )
 
 

@@ -12,7 +12,10 @@ whether any of its parameters is frozen (or it has none: a lone ReLU on an input
 grad), and the ReLU, LeakyReLU, Dropout and MaxPool replacements run plain PyTorch's forward
 while it is off. A fully
 trainable model then runs exactly as without memsave (same saved tensors, same speed); freezing a
-parameter switches the masks on at the next forward.
+parameter switches the masks on at the next forward. The gate is set at ``memsave()`` too, so the
+forward under way then (``OFFLOADD_MEMSAVE=1`` memsaves from inside the model's first call) and
+submodules called directly (``model.backbone(x)``, which never runs the model's hook) see the
+model as it was then.
 """
 
 from __future__ import annotations

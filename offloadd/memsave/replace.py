@@ -70,6 +70,9 @@ def memsave(model: nn.Module) -> nn.Module:
     if gate is None:
         gate = Gate()
         model.register_forward_pre_hook(gate)
+    # as of now, not only from the model's next forward: a call already under way (memsave from
+    # OFFLOADD_MEMSAVE's global pre-hook) or its submodules called directly never run the hook
+    gate(model, ())
     for module in model.modules():
         cls = REPLACEMENTS.get(type(module))
         if cls is not None:

@@ -377,3 +377,18 @@ def test_equivalence_models_memsaved_under_every_tier(
     finally:
         off.close()
     assert_bitwise_equal(reference, got)
+
+
+def test_the_gate_is_set_at_memsave_for_submodules_called_directly() -> None:
+    """A fully trainable model memsaved, then run through its submodules (``model.backbone(x)``,
+    which never runs the model's own hook): plain PyTorch's forward, so a gradient penalty's
+    double backward works. The masks were on until the model's own forward first ran, and it
+    raised "trying to differentiate twice" (as under ``OFFLOADD_MEMSAVE=1``, which memsaves from
+    inside the model's first call)."""
+    torch.manual_seed(0)
+    model = memsave(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)))
+    x = torch.randn(32, 64, requires_grad=True)
+    y = model[2](model[1](model[0](x)))
+    (gx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    gx.square().sum().backward()
+    assert model[0].weight.grad is not None

@@ -6,7 +6,9 @@ Note [relay surface]
 - ``state_dict()``: a post-hook on each module that owns relayed weights puts their values in,
   one copy per weight (so that savers refusing shared storage work), each group read once a
   call (the model's pre- and post-hooks clear the cache).
-- ``load_state_dict()``: a pre-hook on each group swaps its weights in and pins them, the load
+- ``load_state_dict()``: a pre-hook on each group (on its module and on every module inside it,
+  so a load into one projection of a layer works too; the outermost load under way writes the
+  group again, once) swaps its weights in and pins them, the load
   copies into them (or, with ``assign=True``, replaces them), and a post-hook writes the group
   again and bumps its generation (refs saved before raise, see Note [relay schedule]). A write
   that fails swaps the group out with its old record and raises: the store never holds half.
@@ -50,10 +52,9 @@ def hook_model_ops(model: nn.Module, state: RelayState) -> None:
     h = state.handles
     owners: dict[nn.Module, list[tuple[Group, Entry]]] = {}
     for g in r.groups:
-        h.append(g.module.register_load_state_dict_pre_hook(functools.partial(_load_pre, state, g)))
-        h.append(
-            g.module.register_load_state_dict_post_hook(functools.partial(_load_post, state, g))
-        )
+        for m in g.module.modules():  # a load into the layer, or into a module inside it
+            h.append(m.register_load_state_dict_pre_hook(functools.partial(_load_pre, state, g)))
+            h.append(m.register_load_state_dict_post_hook(functools.partial(_load_post, state, g)))
         for e in g.entries:
             owners.setdefault(e.module, []).append((g, e))
     h.append(model.register_state_dict_pre_hook(functools.partial(_state_pre, state)))
@@ -133,12 +134,12 @@ def _load_pre(state: RelayState, g: Group, module: nn.Module, *args: Any) -> Non
     if g.index not in r._installed and not g.released:
         r.install(g, r.fetch(g))
         r.pinned.add(g.index)
-        state.loading.add(g.index)
+        state.loading[g.index] = module  # the load that swapped it in writes it again
 
 
 def _load_post(state: RelayState, g: Group, module: nn.Module, incompatible: Any) -> None:
-    if g.index in state.loading:
-        state.loading.discard(g.index)
+    if state.loading.get(g.index) is module:  # its modules' loads done (theirs run first)
+        del state.loading[g.index]
         state.relay.pinned.discard(g.index)
         rewrite(state.relay, g)
         handed.refresh(state, g)

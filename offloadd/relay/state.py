@@ -25,7 +25,7 @@ class RelayState:
     kept: list[str]
     handles: list[Any] = field(default_factory=list)
     patched: list[Any] = field(default_factory=list)  # weak references to patched modules
-    loading: set[int] = field(default_factory=set)
+    loading: dict[int, Any] = field(default_factory=dict)  # group -> the module loading it
     sd_cache: dict[int, torch.Tensor] = field(default_factory=dict)  # one state_dict() call's
     converting: bool = False
     compile_warned: bool = False  # see [relay under torch.compile] in surface.py

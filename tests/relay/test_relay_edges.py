@@ -96,7 +96,9 @@ def test_weights_reached_other_ways(make_relay_config: MakeRelayConfig, disk_dir
     torch.manual_seed(0)
     model = offloadd.relay(Shapes(), config=make_relay_config(disk_dir))
     st = offloadd.relay_stats(model)
-    assert {"pair.1.0.weight", "pair.1.0.bias"} <= set(st.kept)  # one module, two layers: kept
+    # one module in two layers: kept, named by its first place only
+    assert {"pair.0.0.weight", "pair.0.0.bias"} <= set(st.kept)
+    assert not {"pair.1.0.weight", "pair.1.0.bias"} & set(st.kept)
     assert type(model.attn.out_proj.weight).__name__ == "RelayedWeight"
     assert type(model.layers[1][1][1].weight).__name__ == "RelayedWeight"
     for _ in range(2):
@@ -663,3 +665,28 @@ def test_a_forked_child_is_refused_not_hung(disk_dir: Path) -> None:
     assert done.returncode == 0, done.stderr[-4000:]
     code, said = done.stdout.strip().split(" ", 1)
     assert code == "0" and "used in a forked child" in said and "'spawn'" in said, said
+
+
+def test_a_load_into_a_module_inside_a_layer(
+    make_relay_config: MakeRelayConfig, disk_dir: Path
+) -> None:
+    """``model.layers[1][1].load_state_dict(...)``: one projection of a layer loaded (PEFT's
+    merging, swapping one head). It raised from inside torch's copy (the group's hooks were on
+    the layer only); now it loads as into the layer, and a load into the layer writes its group
+    once, not once a module."""
+    torch.manual_seed(0)
+    plain = freeze_layers(Layered())
+    torch.manual_seed(0)
+    model = offloadd.relay(freeze_layers(Layered()), config=make_relay_config(disk_dir))
+    new = {k: torch.full_like(v, 0.02) for k, v in plain.layers[1][1].state_dict().items()}
+    for m in (plain, model):
+        m.layers[1][1].load_state_dict(new)  # type: ignore[index]
+    before = offloadd.relay_stats(model).written_bytes
+    whole = {k: v * 0.5 for k, v in plain.layers[2].state_dict().items()}
+    for m in (plain, model):
+        m.layers[2].load_state_dict(whole)  # type: ignore[index]
+    group = offloadd.relay_stats(model).relayed_bytes // 4
+    assert offloadd.relay_stats(model).written_bytes - before <= group + 4096  # once
+    x = torch.randn(3, 16)
+    assert same(step(plain, x, square_loss), step(model, x, square_loss))
+    offloadd.unrelay(model)

@@ -3,6 +3,7 @@
 from offloadd.auto.discover import find_blocks
 from offloadd.auto.plan_report import plan_dict, plan_table
 from offloadd.auto.planner import AutoPlanner
+from offloadd.auto.recompute import RecomputeMismatch
 from offloadd.auto.solver import BlockCost, InfeasibleBudget, Plan, smallest_budget, solve
 
 __all__ = [
@@ -10,6 +11,7 @@ __all__ = [
     "BlockCost",
     "InfeasibleBudget",
     "Plan",
+    "RecomputeMismatch",
     "find_blocks",
     "plan_dict",
     "plan_table",

@@ -83,15 +83,16 @@ _PLAIN = (int, float, complex, str, bytes, type(None))
 def module_state(module: torch.nn.Module) -> dict[str, Any]:
     """What a forward could change besides buffers, per attribute of ``module``'s modules (by
     dotted name): the plain ones that are numbers or strings by value (a call counter, a
-    schedule), the tensors that are neither parameters nor buffers by identity and version
-    (Note [recomputed state] in recompute.py)."""
+    schedule), the tensors that are neither parameters nor buffers by their version (Note
+    [recomputed state] in recompute.py)."""
     out: dict[str, Any] = {}
     for prefix, m in module.named_modules():
         for key, v in vars(m).items():
             if key in _MODULE_KEYS or key.startswith("_offloadd"):
                 continue
-            if isinstance(v, torch.Tensor):
-                out[f"{prefix}.{key}".lstrip(".")] = (id(v), 0 if v.is_inference() else v._version)
+            if isinstance(v, torch.Tensor):  # changed in place (a new one assigned each call,
+                # as weight_norm's or a kept attention map, is made from inputs: recomputes)
+                out[f"{prefix}.{key}".lstrip(".")] = (v, 0 if v.is_inference() else v._version)
             elif isinstance(v, _PLAIN):
                 out[f"{prefix}.{key}".lstrip(".")] = v
     return out
@@ -108,6 +109,10 @@ def _changed(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
 
 
 def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, tuple) and a and isinstance(a[0], torch.Tensor):  # a tensor's entry
+        if not isinstance(b, tuple) or b[0] is not a[0]:
+            return True  # another tensor assigned: made by the forward from what it was given
+        return bool(a[1] == b[1])
     return a is b or bool(a == b)
 
 
@@ -221,9 +226,9 @@ class StepProfile:
         seen = self._versions.pop(k, None)
         if seen is not None:
             after = _versions(seen[0], seen[1], module)
-            if seen[2] != after:
-                self.mutates[k] = True
             changed = _changed(seen[2][2], after[2])
+            if seen[2][:2] != after[:2] or changed:
+                self.mutates[k] = True
             if changed:
                 log.info(
                     "offloadd: budget: block %s changes %s in its forward: it is never "

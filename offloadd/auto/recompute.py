@@ -27,10 +27,14 @@ RNG; three more layers cover the rest, since the planner, not the user, chose to
   prevented: the forward's outputs are fingerprinted (their bits summed, as integers, which is
   exact for NaN and -0) and the recomputation's outputs must give the same. If they do not,
   backward raises :class:`RecomputeMismatch` naming the block rather than computing gradients
-  from other activations, and the planner never recomputes that block again. So the
-  recomputation runs to its end (``early_stop=False``: it recomputes what follows the block's
-  last saved tensor, usually an add). Under ``torch.compile`` none of this runs: a compiled
-  recomputation replays the graph's tensor ops, not the Python around them.
+  from other activations, and the planner never recomputes that block again (so too where
+  torch's own check raises ``CheckpointError`` first: the recomputation saved more tensors).
+  So the recomputation runs to its end (``early_stop=False``: it recomputes what follows the
+  block's last saved tensor, usually an add, a transient the plan's recompute peak already
+  holds: the block's whole forward). On an accelerator the check runs only under
+  ``torch.use_deterministic_algorithms(True)`` (``_checked_here``), with one sync a recomputed
+  block. Under ``torch.compile`` none of this runs: a compiled recomputation replays the
+  graph's tensor ops, not the Python around them.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointError, checkpoint
 
 from offloadd.runtime.compiled import unseen
 from offloadd.runtime.hook_stack import saves_reach_offloadd
@@ -143,7 +147,30 @@ def fingerprint(value: Any) -> list[torch.Tensor]:
 
 
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    """Equal fingerprints: one comparison per device (on CUDA, one sync)."""
+    if len(a) != len(b):
+        return False
+    devices: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for x, y in zip(a, b, strict=True):
+        if x.device != y.device:
+            return False
+        devices.setdefault(x.device, []).append((x, y))
+    return all(
+        torch.equal(torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs]))
+        for pairs in devices.values()
+    )
+
+
+def _checked_here(value: Any) -> bool:
+    """Whether a block's outputs are fingerprinted: on the CPU always, on an accelerator only
+    where the user asked for deterministic kernels (``torch.use_deterministic_algorithms``).
+    Without it the same forward may differ in its last bits from run to run (atomics), and
+    training without offloadd is not reproducible either; a check there would stop training
+    for what plain checkpointing accepts, and cost a sync."""
+    for t in tree_leaves(value):
+        if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+            return torch.are_deterministic_algorithms_enabled()
+    return True
 
 
 def run_checked(
@@ -162,15 +189,18 @@ def run_checked(
     def checked(*a: Any, **kw: Any) -> Any:
         if not seen:  # the forward
             out = forward(*a, **kw)
-            seen.append(fingerprint(out))
+            seen.append(fingerprint(out) if _checked_here(out) else [])
             return out
         now = _host_rngs()  # the recomputation, in backward
         _set_host_rngs(rngs)
         try:
             out = forward(*a, **kw)
+        except CheckpointError:  # it saved more tensors than the forward: it differs too
+            on_mismatch()
+            raise
         finally:
             _set_host_rngs(now)
-        if not _same(seen[0], fingerprint(out)):
+        if seen[0] and not _same(seen[0], fingerprint(out)):
             on_mismatch()
             raise RecomputeMismatch(
                 f"offloadd: budget: block {name} gave other outputs when recomputed in backward "

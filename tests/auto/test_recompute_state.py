@@ -44,7 +44,12 @@ class _Block(nn.Module):
         elif self.kind == "global":
             _TICKS[0] += 1
             scale = 1.0 / _TICKS[0]
-        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)) * scale)
+        h = torch.nn.functional.gelu(self.fc1(x))
+        if self.kind == "kept":
+            self.last = h.detach()  # a new tensor each call (a map kept to look at): recomputes
+        elif self.kind == "branch" and torch._C._current_graph_task_id() != -1:
+            h = h.sin()  # in backward, that is recomputing: one more tensor saved
+        return x + self.fc2(h * scale)
 
 
 class _Model(nn.Module):
@@ -154,6 +159,36 @@ def test_fingerprints_see_every_bit() -> None:
     nested = {"x": a, "y": (torch.ones(2, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.bool))}
     assert len(fingerprint(nested)) == 3
     assert len(fingerprint(torch.zeros(2, dtype=torch.complex64))) == 1
+
+
+def test_a_tensor_assigned_anew_each_call_still_recomputes() -> None:
+    """``self.last = h.detach()`` (or weight_norm's ``weight``): made by the forward from what it
+    was given, so recomputing does not change it; only a tensor changed in place counts."""
+    kinds = ["plain", "kept", "plain"]
+    ref = _train(kinds, None, 8)
+    off = Offloader(tier="keep", min_bytes=1024, budget="0.8x")
+    try:
+        got = _train(kinds, off, 8)
+        plan = off.plan()
+    finally:
+        off.close()
+    assert plan is not None and [b.recomputable for b in plan.blocks] == [True] * 3 + [False]
+    assert _same(ref, got)
+
+
+def test_a_recomputation_saving_more_is_not_planned_again(disk_dir: Path) -> None:
+    """torch's own check raises first (``CheckpointError``: more tensors saved than in forward):
+    that block is not recomputed again either."""
+    from torch.utils.checkpoint import CheckpointError
+
+    force = (KEEP, RECOMPUTE, KEEP, KEEP)
+    off = Offloader(tier="ssd", ssd_dirs=[str(disk_dir)], min_bytes=1024, budget="100x")
+    try:
+        with pytest.raises(CheckpointError, match="more tensors during recomputation"):
+            _train(["plain", "branch", "plain"], off, 8, force=force)
+        assert off.planner is not None and off.planner.shapes.never == {1}
+    finally:
+        off.close()
 
 
 def test_a_budget_refused_names_the_blocks_never_recomputed() -> None:

@@ -12,14 +12,21 @@ weight, see [relay surface] in model_ops.py), so relay keeps the two in step ins
   ``torch.save(model.state_dict())``, a loop over a state dict made for it), the alias goes
   too, unless the value was written into: its write then still reaches the model, as it would
   have in PyTorch, at the next check;
-- before anything reads or changes the relayed weights (the model's forward, ``state_dict()``,
-  a load, :func:`~offloadd.relay.model_ops.resident`, ``unrelay()``, ``.to()``), a value whose
-  version moved was written into: its group is written again with it (:func:`write_through`),
-  and its generation bumped, so a reference saved for backward before raises as after a load;
+- before anything reads or changes the relayed weights (the model's forward, a
+  ``state_dict()`` of the model or of a part of it, a load, ``resident()``, ``unrelay()``,
+  ``.to()``), a value whose version moved was written into: its group is written again with it
+  (:func:`write_through`), and its generation bumped, so a reference saved for backward before
+  raises as after a load. A write the store refuses raises ``RelayError`` naming the weights, the
+  model keeps its old ones, and it is tried again at the next check;
+- within one ``state_dict()`` a weight has one value, as in PyTorch: a layer listed twice
+  (``ModuleList([a, b, a])``) gives both names the same tensor;
 - a load or a ``resident()`` block that changed a group copies the new weights into the values
-  handed out for it (:func:`refresh`);
-- a conversion (``.to(dtype)``) gives the weights new tensors, as PyTorch does, and the values
-  handed out before are no longer the model's (:func:`forget`).
+  handed out for it (:func:`refresh`); a load with ``assign=True`` puts new tensors in, and the
+  values held before are parted from the model, as PyTorch's would be;
+- a conversion that changes something (``.to(dtype)``) gives the weights new tensors, as
+  PyTorch does, and the values handed out before are no longer the model's (:func:`forget`); a
+  conversion that changes nothing (``.to("cpu")`` on the CPU) keeps them;
+- a value made under ``inference_mode`` has no version counter, and is not watched.
 
 A write into a value is seen by its version counter, so a write that bypasses it (through
 ``.data``, or by a system call into its memory) is not; PyTorch's own state dicts see those.
@@ -34,6 +41,7 @@ from typing import Any
 import torch
 
 from offloadd.relay.groups import Entry, Group
+from offloadd.relay.placeholder import RelayError
 from offloadd.relay.state import RelayState
 
 __all__ = ["forget", "note", "refresh", "write_through"]
@@ -52,13 +60,13 @@ class _Handed:
         me = weakref.ref(self)
         self.ref = weakref.ref(value, lambda _: _dropped(me))
 
-    def written(self) -> torch.Tensor | None:
-        """The alias, if the value was written into since noted (noted again as it is now)."""
+    def pending(self) -> tuple[torch.Tensor, int] | None:
+        """The alias and the version the value was written into at, if it was since it was last
+        written through (the alias kept until then, its value freed or not)."""
         alias = self.alias
         if alias is None or alias._version == self.version:
             return None
-        self.version = alias._version
-        return alias
+        return alias, alias._version
 
 
 def _dropped(me: weakref.ref[_Handed]) -> None:
@@ -71,24 +79,19 @@ def _dropped(me: weakref.ref[_Handed]) -> None:
 
 
 def note(state: RelayState, g: Group, e: Entry, value: torch.Tensor) -> None:
-    """``value`` was handed out by ``state_dict()`` for weight ``e`` of group ``g``."""
-    state.handed.setdefault(g.index, []).append(_Handed(e, value))
+    """``value`` was handed out by ``state_dict()`` for weight ``e`` of group ``g`` (not one
+    made under ``inference_mode``: an inference tensor has no version counter to watch)."""
+    if not value.is_inference():
+        state.handed.setdefault(g.index, []).append(_Handed(e, value))
 
 
-def _changed(state: RelayState, index: int) -> list[tuple[Entry, torch.Tensor]]:
-    """The values of group ``index`` written into since noted; the freed ones forgotten."""
-    live, changed = [], []
-    for h in state.handed.get(index, ()):
-        alias = h.written()
-        if alias is not None:
-            changed.append((h.entry, alias))
-        if h.ref() is not None:
-            live.append(h)
+def _prune(state: RelayState, index: int) -> None:
+    """Forget the values of group ``index`` that are freed and have nothing left to write."""
+    live = [h for h in state.handed.get(index, ()) if h.ref() is not None or h.pending()]
     if live:
         state.handed[index] = live
     else:
         state.handed.pop(index, None)
-    return changed
 
 
 Write = Callable[[Any, Group, list[torch.Tensor]], None]
@@ -97,28 +100,50 @@ Write = Callable[[Any, Group, list[torch.Tensor]], None]
 
 def write_through(state: RelayState, write: Write, groups: list[Group] | None = None) -> None:
     """Write the values handed out and written into since into their groups (all, or
-    ``groups``) with ``write``: see [handed-out values]."""
+    ``groups``) with ``write``: see [handed-out values]. A write that fails raises, naming the
+    weights, and is tried again at the next check (the values stay noted as unwritten)."""
     if not state.handed:
         return
     r = state.relay
+    r.settle()  # Note [between steps]: what a backward that raised left in goes out first
     for g in r.groups if groups is None else groups:
-        if g.index not in state.handed:
+        records = state.handed.get(g.index)
+        if not records:
             continue
-        changed = _changed(state, g.index)
-        if not changed or g.released:
-            continue
-        with torch.no_grad():
-            if g.index in r._installed:  # pinned by a load or resident(): it writes on exit
-                for e, t in changed:
-                    e.param.detach().copy_(t)
-                continue
-            new = dict((id(e), t) for e, t in changed)
-            slab = r.fetch(g)
-            old = g.record
+        changed = [(h, *p) for h in records if (p := h.pending()) is not None]
+        if changed and not g.released:
+            _write_group(r, g, changed, write)
+        for h, _, v in changed:
+            h.version = v
+            if h.ref() is None:
+                h.alias = None
+        _prune(state, g.index)
+
+
+def _write_group(
+    r: Any, g: Group, changed: list[tuple[_Handed, torch.Tensor, int]], write: Write
+) -> None:
+    with torch.no_grad():
+        if g.index in r._installed:  # pinned by a load or resident(): it writes on exit
+            for h, alias, _ in changed:
+                h.entry.param.detach().copy_(alias)
+            return
+        new = {id(h.entry): alias for h, alias, _ in changed}  # the latest noted wins
+        slab = r.fetch(g)
+        old = g.record
+        try:
             write(r, g, [new.get(id(e), g.view(slab, e)) for e in g.entries])
-            del slab
-        r.store.free(old)  # type: ignore[arg-type]
-        g.generation += 1
+        except Exception as err:
+            g.record = old
+            names = ", ".join(sorted({h.entry.name for h, _, _ in changed}))
+            raise RelayError(
+                f"offloadd relay: writing what was written into the state_dict() values of "
+                f"{names} failed ({err}); the model keeps the old weights, and the write is "
+                "tried again before the model next reads them"
+            ) from err
+        del slab
+    r.store.free(old)
+    g.generation += 1
 
 
 def refresh(state: RelayState, g: Group) -> None:

@@ -55,6 +55,7 @@ def hook_model_ops(model: nn.Module, state: RelayState) -> None:
         for m in g.module.modules():  # a load into the layer, or into a module inside it
             h.append(m.register_load_state_dict_pre_hook(functools.partial(_load_pre, state, g)))
             h.append(m.register_load_state_dict_post_hook(functools.partial(_load_post, state, g)))
+            h.append(m.register_state_dict_pre_hook(functools.partial(_state_pre_group, state, g)))
         for e in g.entries:
             owners.setdefault(e.module, []).append((g, e))
     h.append(model.register_state_dict_pre_hook(functools.partial(_state_pre, state)))
@@ -80,11 +81,20 @@ def unpatch(state: RelayState) -> None:
 
 def _clear_cache(state: RelayState, *args: Any) -> None:
     state.sd_cache.clear()
+    state.sd_values.clear()
+    state.sd_open = False
 
 
 def _state_pre(state: RelayState, *args: Any) -> None:
     handed.write_through(state, write_group)
-    state.sd_cache.clear()
+    _clear_cache(state)
+    state.sd_open = True
+
+
+def _state_pre_group(state: RelayState, g: Group, *args: Any) -> None:
+    """A state_dict() of a module of group ``g`` (the model's own, or one of a part of it)."""
+    if state.handed:
+        handed.write_through(state, write_group, [g])
 
 
 def _save(module_ref: Any, entries: list[tuple[Group, Entry]], *args: Any, **kw: Any) -> None:
@@ -111,19 +121,25 @@ def _state_post(
     meta: Any,
 ) -> None:
     r = state.relay
-    cache = state.sd_cache
+    cache = state.sd_cache if state.sd_open else {}  # a part's state_dict(): nothing kept
     for g, e in entries:
         key = prefix + e.attr
         if key not in sd or g.released:  # a released group's weights are saved as they are
             continue
+        seen = state.sd_values.get(id(e)) if state.sd_open else None
+        if seen is not None and seen[0] == g.generation:  # a module reached twice: one value
+            sd[key] = seen[1]
+            continue
         if g.index in r._installed:  # swapped in: the weight as it is (a new .data included)
             sd[key] = e.param.detach().clone(memory_format=torch.preserve_format)
         else:
-            slab = cache.get(g.index)
-            if slab is None:
+            held = cache.get(g.index)
+            if held is None or held[0] != g.generation:
                 cache.clear()  # groups come in order: one held at a time
-                slab = cache[g.index] = r.fetch(g)
-            sd[key] = g.view(slab, e).clone(memory_format=torch.preserve_format)
+                held = cache[g.index] = (g.generation, r.fetch(g))
+            sd[key] = g.view(held[1], e).clone(memory_format=torch.preserve_format)
+        if state.sd_open:
+            state.sd_values[id(e)] = (g.generation, sd[key])
         handed.note(state, g, e, sd[key])
 
 
@@ -141,12 +157,15 @@ def _load_post(state: RelayState, g: Group, module: nn.Module, incompatible: Any
     if state.loading.get(g.index) is module:  # its modules' loads done (theirs run first)
         del state.loading[g.index]
         state.relay.pinned.discard(g.index)
-        rewrite(state.relay, g)
-        handed.refresh(state, g)
+        if rewrite(state.relay, g):  # assign=True: new tensors, the values held are parted
+            state.handed.pop(g.index, None)
+        else:
+            handed.refresh(state, g)
 
 
-def rewrite(r: Relay, g: Group) -> None:
-    """Write ``g`` again from its weights as they are now (swapped in), then swap it out."""
+def rewrite(r: Relay, g: Group) -> bool:
+    """Write ``g`` again from its weights as they are now (swapped in), then swap it out;
+    whether a load with ``assign=True`` put new parameters in."""
     replaced = False
     for e in g.entries:
         now = e.module._parameters[e.attr]
@@ -164,7 +183,7 @@ def rewrite(r: Relay, g: Group) -> None:
     seen = r.slabs.guarded(slab)  # else a write may have bypassed the guard: compare
     if not replaced and not r.changes(g, r.slabs.written(slab)) and (seen or _as_stored(r, g)):
         r.uninstall(g)  # unchanged: nothing to write (Note [write guard])
-        return
+        return False
     old = g.record
     try:
         write_group(r, g, [e.param.detach() for e in g.entries])
@@ -180,6 +199,7 @@ def rewrite(r: Relay, g: Group) -> None:
     g.generation += 1
     r.store.free(old)  # type: ignore[arg-type]
     r.uninstall(g)
+    return replaced
 
 
 def _as_stored(r: Relay, g: Group) -> bool:
@@ -224,16 +244,17 @@ def _apply(state_ref: Any, module_ref: Any, fn: Any, *args: Any, **kw: Any) -> A
             e.module._parameters[e.attr] = e.placeholder
         state.converting = False
     with torch.no_grad():
-        for g in r.groups:
-            _convert_group(r, g, fn)
-    handed.forget(state)
+        converted = [_convert_group(r, g, fn) for g in r.groups]
+    if any(converted):  # new tensors, as PyTorch's conversion makes: the values held are parted
+        handed.forget(state)
     return out
 
 
-def _convert_group(r: Relay, g: Group, fn: Any) -> None:
+def _convert_group(r: Relay, g: Group, fn: Any) -> bool:
+    """Convert ``g``'s weights with ``fn``; whether anything changed."""
     probes = [torch.zeros(1, dtype=e.dtype, device=e.param.device) for e in g.entries]
     if all(fn(p) is p for p in probes):
-        return  # nothing changes: nothing to read
+        return False  # nothing changes: nothing to read
     slab = r.fetch(g)
     new = [fn(g.view(slab, e)) for e in g.entries]
     del slab
@@ -249,6 +270,7 @@ def _convert_group(r: Relay, g: Group, fn: Any) -> None:
         r.note_placeholder(g, e)
         e.module._parameters[e.attr] = e.placeholder
     r.device = new[0].device if new else r.device
+    return True
 
 
 @contextlib.contextmanager

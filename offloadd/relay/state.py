@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
 from offloadd.config import Config
@@ -26,7 +25,9 @@ class RelayState:
     handles: list[Any] = field(default_factory=list)
     patched: list[Any] = field(default_factory=list)  # weak references to patched modules
     loading: dict[int, Any] = field(default_factory=dict)  # group -> the module loading it
-    sd_cache: dict[int, torch.Tensor] = field(default_factory=dict)  # one state_dict() call's
+    sd_cache: dict[int, Any] = field(default_factory=dict)  # one state_dict() call's slabs
+    sd_values: dict[int, Any] = field(default_factory=dict)  # and values, a weight's once
+    sd_open: bool = False  # a state_dict() of the model is under way
     converting: bool = False
     compile_warned: bool = False  # see [relay under torch.compile] in surface.py
     model_pre: Any = None  # relay's forward pre-hook on the model (see ``forward_begun``)

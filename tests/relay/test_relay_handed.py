@@ -76,7 +76,43 @@ def _relayed(m: nn.Module) -> bool:
     return is_relayed(m)
 
 
+def _noop_to(m: nn.Module) -> None:
+    """A conversion that changes nothing keeps the values the model's, as in PyTorch."""
+    sd = m.state_dict()
+    m.to("cpu").float()
+    with torch.no_grad():
+        sd[KEY].mul_(3.0)
+
+
+def _assigned(m: nn.Module) -> None:
+    """``load_state_dict(assign=True)`` puts new tensors in: the values held before stay as
+    they were (PyTorch's alias the old parameters)."""
+    sd = m.state_dict()
+    kept = sd[KEY].clone()
+    m.load_state_dict({k: v * 0.5 for k, v in sd.items()}, assign=True)
+    assert torch.equal(sd[KEY], kept)
+
+
+def _part_sees(m: nn.Module) -> None:
+    """A state_dict() of a part of the model sees a write into a value of the model's."""
+    sd = m.state_dict()
+    with torch.no_grad():
+        sd[KEY].fill_(0.125)
+    assert torch.equal(m.layers[1].state_dict()["1.weight"], sd[KEY])  # type: ignore[index]
+
+
+def _inference(m: nn.Module) -> None:
+    """Under inference_mode (a validation loop's checkpoint) state_dict() works."""
+    with torch.inference_mode():
+        sd = m.state_dict()
+    assert set(sd) == set(m.state_dict())
+
+
 CASES: dict[str, Callable[[nn.Module], None]] = {
+    "a no-op conversion keeps them": _noop_to,
+    "assign=True parts them": _assigned,
+    "a part's state_dict sees a write": _part_sees,
+    "state_dict under inference_mode": _inference,
     "ema through a dropped state dict": _ema,
     "a state dict held and written": _held,
     "a load shows in a held value": _load_shows,
@@ -125,4 +161,54 @@ def test_values_dropped_unwritten_cost_nothing(
     step(m, torch.randn(3, 16), square_loss)
     assert not state.handed  # forgotten at the check
     assert offloadd.relay_stats(m).written_bytes == written  # nothing written back
+    offloadd.unrelay(m)
+
+
+def test_a_layer_listed_twice_gives_one_value(
+    make_relay_config: MakeRelayConfig, disk_dir: Path
+) -> None:
+    """``ModuleList([a, b, a])``: its state dict holds one tensor for both names, as PyTorch's,
+    so an EMA loop over it scales the shared weight once per name."""
+
+    def run(relayed: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        m = Layered(layers=2)
+        m.layers = nn.ModuleList([*m.layers, m.layers[0]])
+        freeze_layers(m)
+        if relayed:
+            offloadd.relay(m, config=make_relay_config(disk_dir))
+        sd = m.state_dict()
+        assert sd["layers.0.1.weight"] is sd["layers.2.1.weight"] or not relayed
+        _ema(m)
+        w = m.state_dict()["layers.0.1.weight"].clone()
+        if relayed:
+            offloadd.unrelay(m)
+        return w
+
+    assert torch.equal(run(False), run(True))
+
+
+def test_a_write_through_that_fails_is_tried_again(
+    make_relay_config: MakeRelayConfig, disk_dir: Path
+) -> None:
+    """The store refuses the write (a full disk): RelayError naming the weight, the model keeps
+    its old weights, and the next check writes it; the value freed meanwhile or not."""
+    from offloadd.relay import RelayError, handed
+    from offloadd.relay.model_ops import write_group
+
+    m = offloadd.relay(freeze_layers(Layered()), config=make_relay_config(disk_dir))
+    state = state_of(m)
+    sd = m.state_dict()
+    with torch.no_grad():
+        sd[KEY].fill_(0.25)
+    want = sd[KEY].clone()
+    del sd
+
+    def full(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(RelayError, match=r"values of layers\.1\.1\.weight failed .*tried again"):
+        handed.write_through(state, full)
+    handed.write_through(state, write_group)
+    assert torch.equal(m.state_dict()[KEY], want)
     offloadd.unrelay(m)

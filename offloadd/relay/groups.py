@@ -20,7 +20,7 @@ part of the model sees:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -28,7 +28,7 @@ from torch import nn
 from offloadd.io.buffers import round_up
 from offloadd.relay.placeholder import RelayedWeight
 
-__all__ = ["Entry", "Group", "find_groups", "lay_out", "view_of"]
+__all__ = ["Entry", "Group", "find_groups", "lay_out", "view_of", "write_group"]
 
 ALIGN = 64
 
@@ -221,3 +221,18 @@ def find_groups(
         group.index = len(groups)
         groups.append(group)
     return groups, kept
+
+
+class _Writes(Protocol):
+    """What :func:`write_group` needs of a relay (:class:`~offloadd.relay.relayer.Relay`)."""
+
+    slabs: Any
+    store: Any
+
+
+def write_group(r: _Writes, g: Group, tensors: list[torch.Tensor]) -> None:
+    """Write ``tensors`` (``g``'s weights, laid out as its entries say) as ``g``'s new record."""
+    slab = r.slabs.take(g.nbytes, writable=True)
+    for e, t in zip(g.entries, tensors, strict=True):
+        g.view(slab, e).copy_(t.detach().cpu())
+    g.record = r.store.write(g.name, slab)

@@ -35,12 +35,11 @@ A write into a value is seen by its version counter, so a write that bypasses it
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from offloadd.relay.groups import Entry, Group
+from offloadd.relay.groups import Entry, Group, write_group
 from offloadd.relay.placeholder import RelayError
 from offloadd.relay.state import RelayState
 
@@ -94,13 +93,9 @@ def _prune(state: RelayState, index: int) -> None:
         state.handed.pop(index, None)
 
 
-Write = Callable[[Any, Group, list[torch.Tensor]], None]
-"""``model_ops.write_group``: a group's new record from its weights."""
-
-
-def write_through(state: RelayState, write: Write, groups: list[Group] | None = None) -> None:
+def write_through(state: RelayState, groups: list[Group] | None = None) -> None:
     """Write the values handed out and written into since into their groups (all, or
-    ``groups``) with ``write``: see [handed-out values]. A write that fails raises, naming the
+    ``groups``): see [handed-out values]. A write that fails raises, naming the
     weights, and is tried again at the next check (the values stay noted as unwritten)."""
     if not state.handed:
         return
@@ -112,7 +107,7 @@ def write_through(state: RelayState, write: Write, groups: list[Group] | None = 
             continue
         changed = [(h, *p) for h in records if (p := h.pending()) is not None]
         if changed and not g.released:
-            _write_group(r, g, changed, write)
+            _write_values(r, g, changed)
         for h, _, v in changed:
             h.version = v
             if h.ref() is None:
@@ -120,9 +115,7 @@ def write_through(state: RelayState, write: Write, groups: list[Group] | None = 
         _prune(state, g.index)
 
 
-def _write_group(
-    r: Any, g: Group, changed: list[tuple[_Handed, torch.Tensor, int]], write: Write
-) -> None:
+def _write_values(r: Any, g: Group, changed: list[tuple[_Handed, torch.Tensor, int]]) -> None:
     with torch.no_grad():
         if g.index in r._installed:  # pinned by a load or resident(): it writes on exit
             for h, alias, _ in changed:
@@ -132,7 +125,7 @@ def _write_group(
         slab = r.fetch(g)
         old = g.record
         try:
-            write(r, g, [new.get(id(e), g.view(slab, e)) for e in g.entries])
+            write_group(r, g, [new.get(id(e), g.view(slab, e)) for e in g.entries])
         except Exception as err:
             g.record = old
             names = ", ".join(sorted({h.entry.name for h, _, _ in changed}))

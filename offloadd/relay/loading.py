@@ -230,7 +230,7 @@ def make_relayed_real(s: Slots, groups: list[Group]) -> None:
 
 def stream_group(r: Any, g: Group, keys: list[str], ckpt: Checkpoint) -> None:
     """Read ``g``'s weights from ``ckpt`` into one slab of relay ``r``'s and write it as ``g``'s
-    record (:func:`~offloadd.relay.model_ops.write_group`, reading instead of copying)."""
+    record (:func:`~offloadd.relay.groups.write_group`, reading instead of copying)."""
     slab = r.slabs.take(g.nbytes, writable=True)
     with torch.no_grad():
         for e, key in zip(g.entries, keys, strict=True):

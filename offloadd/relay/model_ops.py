@@ -38,13 +38,13 @@ import torch
 from torch import nn
 
 from offloadd.relay import handed
-from offloadd.relay.groups import Entry, Group, lay_out
+from offloadd.relay.groups import Entry, Group, lay_out, write_group
 from offloadd.relay.placeholder import RelayedWeight, RelayError
 from offloadd.relay.relayer import Relay
 from offloadd.relay.release import current, release
 from offloadd.relay.state import RelayState, state_of
 
-__all__ = ["hook_model_ops", "resident", "unpatch", "write_group"]
+__all__ = ["hook_model_ops", "resident", "unpatch"]
 
 
 def hook_model_ops(model: nn.Module, state: RelayState) -> None:
@@ -86,7 +86,7 @@ def _clear_cache(state: RelayState, *args: Any) -> None:
 
 
 def _state_pre(state: RelayState, *args: Any) -> None:
-    handed.write_through(state, write_group)
+    handed.write_through(state)
     _clear_cache(state)
     state.sd_open = True
 
@@ -94,7 +94,7 @@ def _state_pre(state: RelayState, *args: Any) -> None:
 def _state_pre_group(state: RelayState, g: Group, *args: Any) -> None:
     """A state_dict() of a module of group ``g`` (the model's own, or one of a part of it)."""
     if state.handed:
-        handed.write_through(state, write_group, [g])
+        handed.write_through(state, [g])
 
 
 def _save(module_ref: Any, entries: list[tuple[Group, Entry]], *args: Any, **kw: Any) -> None:
@@ -146,7 +146,7 @@ def _state_post(
 def _load_pre(state: RelayState, g: Group, module: nn.Module, *args: Any) -> None:
     r = state.relay
     r.settle()  # Note [between steps]: a group left in by a backward that raised goes out
-    handed.write_through(state, write_group, [g])
+    handed.write_through(state, [g])
     if g.index not in r._installed and not g.released:
         r.install(g, r.fetch(g))
         r.pinned.add(g.index)
@@ -209,14 +209,6 @@ def _as_stored(r: Relay, g: Group) -> bool:
     return torch.equal(r._installed[g.index][: g.nbytes], stored[: g.nbytes])
 
 
-def write_group(r: Relay, g: Group, tensors: list[torch.Tensor]) -> None:
-    """Write ``tensors`` (``g``'s weights, laid out as its entries say) as ``g``'s new record."""
-    slab = r.slabs.take(g.nbytes, writable=True)
-    for e, t in zip(g.entries, tensors, strict=True):
-        g.view(slab, e).copy_(t.detach().cpu())
-    g.record = r.store.write(g.name, slab)
-
-
 def _apply(state_ref: Any, module_ref: Any, fn: Any, *args: Any, **kw: Any) -> Any:
     state: RelayState = state_ref()
     module: nn.Module = module_ref()
@@ -225,7 +217,7 @@ def _apply(state_ref: Any, module_ref: Any, fn: Any, *args: Any, **kw: Any) -> A
         return original(fn, *args, **kw)
     r = state.relay
     r.settle()
-    handed.write_through(state, write_group)
+    handed.write_through(state)
     if module is not r.model():
         raise RelayError(
             "offloadd relay: convert the relayed model as a whole (model.to(...)), "
@@ -280,7 +272,7 @@ def resident(model: nn.Module) -> Iterator[nn.Module]:
     state = state_of(model)
     r = state.relay
     r.settle()
-    handed.write_through(state, write_group)
+    handed.write_through(state)
     mine = [g for g in r.groups if g.index not in r._installed and not g.released]
     for g in mine:
         r.install(g, r.fetch(g), guard=False)  # compared with the store on exit instead

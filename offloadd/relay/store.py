@@ -135,11 +135,16 @@ class WeightStore:
         self.wait_s = 0.0  # the relayer's waits for reads
         self.swaps = 0  # groups the relayer brought in for use (RelayStats.swaps)
         self._gave_up = False  # see [a write across a daemon's loss]
-        self._pid = os.getpid()  # see ``_same_process``
+        self._pid = os.getpid()  # see ``_forked``
 
     @staticmethod
     def _warn(key: str, message: str) -> None:
         log.warning("offloadd relay: %s", message)
+
+    def _forked(self) -> bool:
+        """Whether this is a child forked from the process that opened the store: its I/O
+        threads are not here, and the places its records name are the parent's to reuse."""
+        return os.getpid() != self._pid
 
     def _hint(self) -> str:
         backend = self._backend
@@ -149,7 +154,7 @@ class WeightStore:
     def backend(self) -> Backend:
         if self._backend is None:
             raise RelayError("offloadd relay: the weight store is closed (offloadd.unrelay ran)")
-        if os.getpid() != self._pid:
+        if self._forked():
             raise RelayError(
                 "offloadd relay: a relayed model was used in a forked child (a multiprocessing "
                 "'fork' worker, a DataLoader worker): its weight store's I/O threads and files "
@@ -310,7 +315,7 @@ class WeightStore:
 
     def free(self, record: Record) -> None:
         backend = self._backend
-        if backend is None or os.getpid() != self._pid:  # a forked child's: the parent's places
+        if backend is None or self._forked():  # a forked child's: the parent's places
             return
         with self._lock:
             for file, offset in record.places:
@@ -325,7 +330,7 @@ class WeightStore:
     def close(self) -> None:
         """Finish what is in flight, then give the files back (idempotent)."""
         backend, self._backend = self._backend, None
-        if backend is not None and os.getpid() == self._pid:  # not a forked child's (its I/O
+        if backend is not None and not self._forked():  # not a forked child's (its I/O
             backend.close()  # threads are the parent's: closing would wait for them)
             backend.release()
 

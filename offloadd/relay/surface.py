@@ -17,7 +17,7 @@ from torch import nn
 from offloadd.config import Config
 from offloadd.relay import handed
 from offloadd.relay.checkpoint import Checkpoint
-from offloadd.relay.groups import Group, find_groups
+from offloadd.relay.groups import Group, find_groups, write_group
 from offloadd.relay.loading import (
     Slots,
     as_dtype,
@@ -27,7 +27,7 @@ from offloadd.relay.loading import (
     relayed_keys,
     stream_group,
 )
-from offloadd.relay.model_ops import hook_model_ops, resident, unpatch, write_group
+from offloadd.relay.model_ops import hook_model_ops, resident, unpatch
 from offloadd.relay.placeholder import RelayError
 from offloadd.relay.relayer import Relay
 from offloadd.relay.release import take_back
@@ -207,7 +207,7 @@ def _hook(model: nn.Module, state: RelayState) -> None:
 
 def _on_model_forward(state: RelayState, module: nn.Module, args: Any) -> None:
     if state.handed and not state.relay.depth:
-        handed.write_through(state, write_group)  # Note [handed-out values]
+        handed.write_through(state)  # Note [handed-out values]
     state.relay.on_model_forward(module, args)
 
 
@@ -251,7 +251,7 @@ def unrelay(model: nn.Module) -> nn.Module:
     state = state_of(model)
     r = state.relay
     r.settle()  # Note [between steps]: a group a backward that raised left in, out first
-    handed.write_through(state, write_group)
+    handed.write_through(state)
     state.handed.clear()  # the weights are the model's own again: the values copies
     for g in r.groups:
         if not g.released:
